@@ -1,0 +1,357 @@
+"""Continuous-batching scheduler with chunked prefill, priority lanes, aging and preemption.
+
+Pure Python, no JAX. Each schedule() call decides one model step: which sequences run and how many
+of their tokens. A sequence's uncomputed tokens are all_token_ids[num_computed_tokens:]; a decode
+has one (the last sampled token), a prefill has the rest of its prompt, or after a preemption its
+prompt and outputs. The runner samples a token for a sequence only when the step reaches its end.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import dataclasses
+
+from dsjax.engine.sequence import Lane, Sequence, SequenceStatus, finish_reason_of
+from dsjax.kv.block_manager import BlockManager
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_scheduled_tokens: int
+    num_computed_tokens: int  # at schedule time: the position of the first scheduled token
+    is_decode: bool
+    do_sample: bool  # the chunk ends at the sequence's last token: sample the next one
+
+    @property
+    def token_ids(self) -> list[int]:
+        start = self.num_computed_tokens
+        return self.seq.token_ids_slice(start, start + self.num_scheduled_tokens)
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledSequence]  # decodes first, then prefill chunks; the runner relies on it
+    num_decodes: int
+    num_batched_tokens: int  # sum of num_scheduled_tokens
+    preempted: list[Sequence]  # preempted during this step; their blocks are already freed
+
+    @property
+    def decodes(self) -> list[ScheduledSequence]:
+        return self.scheduled[: self.num_decodes]
+
+    @property
+    def prefills(self) -> list[ScheduledSequence]:
+        return self.scheduled[self.num_decodes :]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _priority_key(seq: Sequence) -> tuple[int, int]:
+    # Ascending: the first is served first, the last is the next preemption victim.
+    return (seq.lane, seq.admission_index)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+        enable_chunked_prefill: bool = True,
+        realtime_max_prompt_tokens: int = 512,
+        bulk_min_prompt_tokens: int = 2048,
+        aging_steps: int = 64,
+    ):
+        for name, value in [
+            ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len), ("aging_steps", aging_steps),
+        ]:
+            if value < 1:
+                raise ValueError(f"{name}={value}: accepted an int >= 1")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens}: accepted >= "
+                f"max_num_seqs={max_num_seqs}, so every running sequence can decode in one step"
+            )
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens}: without chunked prefill, accepted >= "
+                f"max_model_len={max_model_len}, or a long prompt could never be scheduled"
+            )
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.realtime_max_prompt_tokens = realtime_max_prompt_tokens
+        self.bulk_min_prompt_tokens = bulk_min_prompt_tokens
+        self.aging_steps = aging_steps
+
+        self.waiting: dict[Lane, collections.deque[Sequence]] = {lane: collections.deque() for lane in Lane}
+        self.running: list[Sequence] = []  # sorted by _priority_key
+        self._requests: dict[str, Sequence] = {}  # unfinished, by request_id
+        self.step = 0  # number of schedule() calls so far
+        self._num_admissions = 0
+        self.num_preemptions = 0
+        self.num_finished = 0  # including aborted
+        self.num_aborted = 0
+
+    # ---- queue state ----------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(queue) for queue in self.waiting.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def waiting_seqs(self) -> list[Sequence]:
+        """Waiting sequences in the order they would be admitted."""
+        return [seq for lane in Lane for seq in self.waiting[lane]]
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._requests.get(request_id)
+
+    # ---- requests in --------------------------------------------------------------------------
+
+    def lane_for(self, seq: Sequence) -> Lane:
+        priority, num_prompt = seq.sampling_params.priority, seq.num_prompt_tokens
+        if priority == "realtime" and num_prompt <= self.realtime_max_prompt_tokens:
+            return Lane.REALTIME
+        if priority == "bulk" or num_prompt > self.bulk_min_prompt_tokens:
+            return Lane.BULK
+        return Lane.DEFAULT
+
+    def add(self, seq: Sequence) -> None:
+        rid = seq.request_id
+        if rid in self._requests:
+            raise ValueError(f"request_id={rid!r}: already scheduled; accepted a new id")
+        if seq.status is not SequenceStatus.WAITING or seq.output_token_ids or seq.block_table:
+            raise ValueError(f"request {rid!r}: accepted a fresh WAITING sequence, got status={seq.status}")
+        num_prompt, max_tokens = seq.num_prompt_tokens, seq.sampling_params.max_tokens
+        if num_prompt == 0:
+            raise ValueError(f"request {rid!r}: prompt is empty; accepted at least 1 token")
+        if num_prompt + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt tokens {num_prompt} + max_tokens {max_tokens} = "
+                f"{num_prompt + max_tokens} exceeds max_model_len={self.max_model_len}"
+            )
+        # The last sampled token is never computed, so this is the most KV the request ever holds.
+        num_blocks = self.block_manager.num_blocks_for(num_prompt + max_tokens - 1)
+        if num_blocks > self.block_manager.num_blocks_total:
+            raise ValueError(
+                f"request {rid!r}: prompt tokens {num_prompt} + max_tokens {max_tokens} need {num_blocks} "
+                f"KV blocks, more than the whole pool of {self.block_manager.num_blocks_total}"
+            )
+        seq.lane = self.lane_for(seq)
+        seq.arrival_step = seq.waiting_since_step = self.step
+        self.waiting[seq.lane].append(seq)
+        self._requests[rid] = seq
+
+    # ---- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.step += 1
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Sequence, int] = {}  # insertion order is running order, then admissions
+        preempted: list[Sequence] = []
+
+        # Decodes get the budget before prefill chunks: a long prompt must not stall generation.
+        decodes = [seq for seq in self.running if seq.is_decoding]
+        prefilling = [seq for seq in self.running if not seq.is_decoding]
+        for seq in decodes + prefilling:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted to make room for one ahead of it
+                continue
+            num_remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(num_remaining, budget)
+            if num_new < num_remaining and not self.enable_chunked_prefill:
+                continue
+            # Allocation evicts cached blocks first; only when those run out do we preempt. The
+            # victim is the last in priority order: BULK before DEFAULT before REALTIME, most
+            # recently admitted first; it may be seq itself.
+            while not self.block_manager.can_append(seq, num_new):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.append(seq, num_new)
+                scheduled[seq] = num_new
+                budget -= num_new
+
+        # Admitting while others are being preempted would only thrash; but never return an empty step.
+        if not preempted or not scheduled:
+            budget = self._admit(scheduled, budget)
+
+        self._age_waiting()
+        items = [
+            ScheduledSequence(
+                seq=seq, num_scheduled_tokens=n, num_computed_tokens=seq.num_computed_tokens,
+                is_decode=seq.is_decoding, do_sample=seq.num_computed_tokens + n == seq.num_tokens,
+            )
+            for seq, n in scheduled.items()
+        ]
+        items.sort(key=lambda item: not item.is_decode)  # stable: keeps priority order in each group
+        return SchedulerOutput(
+            step=self.step,
+            scheduled=items,
+            num_decodes=sum(item.is_decode for item in items),
+            num_batched_tokens=self.max_num_batched_tokens - budget,
+            preempted=preempted,
+        )
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute, not swap: outputs are kept and re-prefilled with the prompt on re-admission.
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        seq.waiting_since_step = self.step
+        self.waiting[seq.lane].appendleft(seq)  # first back in: it already waited its turn
+        self.num_preemptions += 1
+
+    def _admit(self, scheduled: dict[Sequence, int], budget: int) -> int:
+        """Admit waiting sequences in lane order, FCFS within a lane; returns the budget left.
+
+        Stops at the first that does not fit, so a later or lower-lane request never overtakes it.
+        """
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            lane = next((lane for lane in Lane if self.waiting[lane]), None)
+            if lane is None:
+                break
+            seq = self.waiting[lane][0]
+            num_new = seq.num_tokens - self.block_manager.get_num_cached_tokens(seq)
+            if num_new > budget:
+                if not self.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if not self.block_manager.can_allocate(seq, num_new):
+                break
+            self.waiting[lane].popleft()
+            self.block_manager.allocate(seq, num_new)
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            seq.admission_index = self._num_admissions
+            self._num_admissions += 1
+            bisect.insort(self.running, seq, key=_priority_key)
+            scheduled[seq] = num_new
+            budget -= num_new
+        return budget
+
+    def _age_waiting(self) -> None:
+        """Promote one lane every sequence passed over for aging_steps steps, so none starves."""
+        for lane in (Lane.DEFAULT, Lane.BULK):
+            queue, kept = self.waiting[lane], collections.deque()
+            for seq in queue:
+                if self.step - seq.waiting_since_step >= self.aging_steps:
+                    seq.lane = Lane(lane - 1)
+                    seq.waiting_since_step = self.step
+                    self.waiting[seq.lane].append(seq)
+                else:
+                    kept.append(seq)
+            self.waiting[lane] = kept
+
+    # ---- results in -----------------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Advance the step's sequences, append sampled tokens; returns those finished now."""
+        finished = []
+        for item in output.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:  # aborted between schedule() and now
+                continue
+            seq.num_computed_tokens += item.num_scheduled_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not item.do_sample:
+                continue
+            if seq.request_id not in sampled:
+                raise KeyError(f"request {seq.request_id!r}: step {output.step} owes it a sampled token")
+            token_id = sampled[seq.request_id]
+            seq.output_token_ids.append(token_id)
+            status, stop_reason = self._check_stop(seq, token_id)
+            if status is not None:
+                self.finish(seq, status, stop_reason)
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, int | None]:
+        params = seq.sampling_params
+        # Stop strings are the detokenizer's job: the engine calls finish() for them.
+        if seq.num_output_tokens >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                return SequenceStatus.FINISHED_STOPPED, None
+            if token_id in params.stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED, token_id
+        if seq.num_output_tokens >= params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH, None
+        return None, None
+
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        """End seq (running or waiting) with a finished status and free its blocks."""
+        if not status.is_finished:
+            raise ValueError(f"status={status}: accepted a FINISHED_* status")
+        if self._requests.get(seq.request_id) is not seq:
+            raise ValueError(f"request {seq.request_id!r}: not an unfinished request of this scheduler")
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting[seq.lane].remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        seq.finish_reason = finish_reason_of(status)
+        seq.stop_reason = stop_reason
+        del self._requests[seq.request_id]
+        self.num_finished += 1
+        self.num_aborted += status is SequenceStatus.FINISHED_ABORTED
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Abort an unfinished request; returns it, or None if unknown or already finished."""
+        seq = self._requests.get(request_id)
+        if seq is not None:
+            self.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        return seq
+
+    def check_invariants(self) -> None:
+        """Block manager invariants plus queue bookkeeping; AssertionError on the first break."""
+        self.block_manager.check_invariants(live_seqs=self.running)
+        if len(self.running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self.running)} running > max_num_seqs={self.max_num_seqs}")
+        if self.running != sorted(self.running, key=_priority_key):
+            raise AssertionError("running is not sorted by (lane, admission_index)")
+        for seq in self.running:
+            if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens >= seq.num_tokens:
+                raise AssertionError(
+                    f"running request {seq.request_id!r}: status={seq.status}, num_computed_tokens="
+                    f"{seq.num_computed_tokens}, num_tokens={seq.num_tokens}"
+                )
+        for lane, queue in self.waiting.items():
+            for seq in queue:
+                if seq.status is not SequenceStatus.WAITING or seq.lane is not lane or seq.block_table:
+                    raise AssertionError(
+                        f"waiting request {seq.request_id!r} in lane {lane.name}: status={seq.status}, "
+                        f"lane={seq.lane.name}, {len(seq.block_table)} blocks"
+                    )
+        if len(self._requests) != self.num_running + self.num_waiting:
+            raise AssertionError(f"{len(self._requests)} unfinished != {self.num_running} running "
+                                 f"+ {self.num_waiting} waiting")

@@ -1,0 +1,293 @@
+"""Paged KV block manager with prefix caching. Pure Python: no JAX, testable in microseconds.
+
+Every block is in exactly one of three places:
+  free list   ref_count 0, no hash; handed out FIFO (block 0 first on a fresh manager)
+  evictable   ref_count 0, hashed; still findable by hash, evicted least recently used first
+  used        ref_count > 0, held by that many block tables
+
+A full block is identified by a chained hash, blake2b(parent_hash, its token ids), so a hit on block i
+implies hits on blocks 0..i-1 and two requests sharing a system prompt share its blocks.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import hashlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # type hints only: kv must not import the engine at runtime
+    from dsjax.engine.sequence import Sequence
+
+_ROOT_HASH = b""  # parent of a sequence's first block
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
+    # A cryptographic hash, not Python's hash(): a collision would hand one request another's KV.
+    digest = hashlib.blake2b(parent_hash, digest_size=16)
+    digest.update(array.array("q", token_ids).tobytes())
+    return digest.digest()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks={num_blocks}: accepted an int >= 1")
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: accepted an int >= 1")
+        self.num_blocks_total = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: collections.deque[int] = collections.deque(range(num_blocks))
+        self._ref_counts = [0] * num_blocks
+        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
+        # request_id -> (number of leading blocks already hashed, hash of the last of them).
+        self._hash_progress: dict[str, tuple[int, bytes]] = {}
+        self.num_evictions = 0
+        self.num_prefix_query_tokens = 0  # tokens to prefill, summed over admissions
+        self.num_prefix_hit_tokens = 0  # of those, tokens served from the prefix cache
+
+    # ---- counters -------------------------------------------------------------------------------
+
+    @property
+    def num_blocks_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_blocks_cached(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_blocks_used(self) -> int:
+        return self.num_blocks_total - len(self._free) - len(self._evictable)
+
+    def get_num_free_blocks(self) -> int:
+        """Blocks an allocation can take: the free list plus evictable cached blocks."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        if self.num_prefix_query_tokens == 0:
+            return 0.0
+        return self.num_prefix_hit_tokens / self.num_prefix_query_tokens
+
+    def ref_count(self, block: int) -> int:
+        return self._ref_counts[block]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of seq's tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        token_ids = seq.all_token_ids
+        # Leave the last token out: the step that ends the prefill must compute it to have logits.
+        num_full_blocks = (len(token_ids) - 1) // self.block_size
+        parent, hits = _ROOT_HASH, []
+        for i in range(num_full_blocks):
+            parent = hash_block(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Tokens allocate(seq, ...) would serve from the prefix cache now; changes nothing."""
+        return len(self._lookup(seq)) * self.block_size
+
+    def _plan_allocation(self, seq: Sequence, num_new_tokens: int) -> tuple[list[int], int, bool]:
+        """(prefix hit block ids, number of fresh blocks, whether the pool can supply both)."""
+        if seq.block_table or seq.num_computed_tokens != 0:
+            raise ValueError(
+                f"request {seq.request_id!r}: allocate is for admission, accepted a sequence with no "
+                f"blocks and num_computed_tokens=0, got {len(seq.block_table)} blocks and "
+                f"num_computed_tokens={seq.num_computed_tokens}"
+            )
+        hits = self._lookup(seq)
+        num_cached_tokens = len(hits) * self.block_size
+        if not 1 <= num_new_tokens <= seq.num_tokens - num_cached_tokens:
+            raise ValueError(
+                f"num_new_tokens={num_new_tokens} for request {seq.request_id!r}: accepted 1 to "
+                f"{seq.num_tokens - num_cached_tokens} (num_tokens={seq.num_tokens} minus "
+                f"num_cached_tokens={num_cached_tokens})"
+            )
+        num_fresh = self.num_blocks_for(num_cached_tokens + num_new_tokens) - len(hits)
+        # A hit on an evictable block takes it out of the pool, just as a fresh block would.
+        num_revived = sum(1 for block in hits if self._ref_counts[block] == 0)
+        return hits, num_fresh, num_fresh + num_revived <= self.get_num_free_blocks()
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether seq can be admitted to compute num_new_tokens past its cached prefix."""
+        return self._plan_allocation(seq, num_new_tokens)[2]
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Admit seq: share its cached prefix, add fresh blocks for num_new_tokens more.
+
+        Sets seq.block_table and seq.num_cached_tokens; returns num_cached_tokens.
+        """
+        hits, num_fresh, fits = self._plan_allocation(seq, num_new_tokens)
+        if not fits:
+            raise RuntimeError(
+                f"request {seq.request_id!r}: not enough free blocks for {num_new_tokens} new tokens "
+                f"({self.get_num_free_blocks()} free); call can_allocate first"
+            )
+        for block in hits:  # before fresh blocks, so eviction cannot take a block we are about to share
+            if self._ref_counts[block] == 0:
+                del self._evictable[block]
+            self._ref_counts[block] += 1
+        seq.block_table = hits + [self._allocate_fresh_block() for _ in range(num_fresh)]
+        seq.num_cached_tokens = len(hits) * self.block_size
+        last_hash = self._block_hashes[hits[-1]] if hits else _ROOT_HASH
+        self._hash_progress[seq.request_id] = (len(hits), last_hash)
+        self.num_prefix_query_tokens += seq.num_tokens
+        self.num_prefix_hit_tokens += seq.num_cached_tokens
+        return seq.num_cached_tokens
+
+    # ---- growth ---------------------------------------------------------------------------------
+
+    def _num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
+        needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens)
+        return max(0, needed - len(seq.block_table))
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self._num_missing_blocks(seq, num_new_tokens) <= self.get_num_free_blocks()
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grow seq.block_table to hold num_computed_tokens + num_new_tokens tokens."""
+        num_missing = self._num_missing_blocks(seq, num_new_tokens)
+        if num_missing > self.get_num_free_blocks():
+            raise RuntimeError(
+                f"request {seq.request_id!r}: needs {num_missing} blocks, {self.get_num_free_blocks()} "
+                "free; call can_append first"
+            )
+        seq.block_table.extend(self._allocate_fresh_block() for _ in range(num_missing))
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's blocks that became full of computed tokens; call after every step."""
+        if not self.enable_prefix_caching:
+            return
+        num_hashed, parent = self._hash_progress[seq.request_id]
+        num_full_blocks = seq.num_computed_tokens // self.block_size
+        if num_full_blocks <= num_hashed:
+            return
+        bs = self.block_size
+        token_ids = seq.token_ids_slice(num_hashed * bs, num_full_blocks * bs)
+        for i in range(num_hashed, num_full_blocks):
+            offset = (i - num_hashed) * bs
+            parent = hash_block(parent, token_ids[offset : offset + bs])
+            block = seq.block_table[i]
+            # Skip a block that already carries this hash (a prefix hit) or whose content another
+            # sequence computed concurrently: the first copy stays cached, this one frees normally.
+            if self._block_hashes[block] is None and parent not in self._cached:
+                self._block_hashes[block] = parent
+                self._cached[parent] = block
+        self._hash_progress[seq.request_id] = (num_full_blocks, parent)
+
+    # ---- release --------------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks (finished, aborted or preempted). Safe on a sequence with none."""
+        # Tail first: it reaches the LRU end of the evictable pool first and is evicted before
+        # the head blocks, which are the ones other requests are likely to share.
+        for block in reversed(seq.block_table):
+            if self._ref_counts[block] <= 0:
+                raise AssertionError(
+                    f"request {seq.request_id!r} frees block {block} with "
+                    f"ref_count={self._ref_counts[block]}"
+                )
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                if self._block_hashes[block] is not None:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
+        seq.block_table = []
+        self._hash_progress.pop(seq.request_id, None)
+
+    def _allocate_fresh_block(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._block_hashes[block]]
+            self._block_hashes[block] = None
+            self.num_evictions += 1
+        self._ref_counts[block] = 1
+        return block
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every hash; evictable blocks return to the free list. Returns how many did."""
+        num_released = len(self._evictable)
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._block_hashes = [None] * self.num_blocks_total
+        return num_released
+
+    # ---- checks ---------------------------------------------------------------------------------
+
+    def check_invariants(self, live_seqs: list[Sequence] | None = None) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError(f"free list holds duplicates: {list(self._free)}")
+        for block in free:
+            if self._ref_counts[block] != 0 or self._block_hashes[block] is not None:
+                raise AssertionError(
+                    f"free block {block}: ref_count={self._ref_counts[block]}, "
+                    f"hashed={self._block_hashes[block] is not None}; expected 0 and unhashed"
+                )
+        for block in self._evictable:
+            if block in free:
+                raise AssertionError(f"block {block} is both free and evictable")
+            if self._ref_counts[block] != 0 or self._block_hashes[block] is None:
+                raise AssertionError(
+                    f"evictable block {block}: ref_count={self._ref_counts[block]}, "
+                    f"hashed={self._block_hashes[block] is not None}; expected 0 and hashed"
+                )
+        num_used = sum(1 for count in self._ref_counts if count > 0)
+        if any(count < 0 for count in self._ref_counts):
+            raise AssertionError(f"negative ref_counts: {self._ref_counts}")
+        if len(free) + len(self._evictable) + num_used != self.num_blocks_total:
+            raise AssertionError(
+                f"free={len(free)} + evictable={len(self._evictable)} + used={num_used} "
+                f"!= num_blocks_total={self.num_blocks_total}"
+            )
+        for block_hash, block in self._cached.items():
+            if self._block_hashes[block] != block_hash:
+                raise AssertionError(f"hash map points to block {block}, which carries a different hash")
+        num_hashed = sum(1 for h in self._block_hashes if h is not None)
+        if num_hashed != len(self._cached):
+            raise AssertionError(f"{num_hashed} hashed blocks but {len(self._cached)} hash map entries")
+        if live_seqs is not None:
+            self._check_tables(live_seqs)
+
+    def _check_tables(self, live_seqs: list[Sequence]) -> None:
+        holders = [0] * self.num_blocks_total
+        for seq in live_seqs:
+            if len(set(seq.block_table)) != len(seq.block_table):
+                raise AssertionError(f"request {seq.request_id!r} holds a block twice: {seq.block_table}")
+            if len(seq.block_table) < self.num_blocks_for(seq.num_computed_tokens):
+                raise AssertionError(
+                    f"request {seq.request_id!r}: {len(seq.block_table)} blocks cannot hold "
+                    f"num_computed_tokens={seq.num_computed_tokens}"
+                )
+            for block in seq.block_table:
+                holders[block] += 1
+        for block, (count, held) in enumerate(zip(self._ref_counts, holders)):
+            if count != held:
+                raise AssertionError(
+                    f"block {block}: ref_count={count} but held by {held} live block tables"
+                )
+        tracked = set(self._hash_progress)
+        holding = {seq.request_id for seq in live_seqs if seq.block_table}
+        if tracked != holding:
+            raise AssertionError(
+                f"hash progress kept for {sorted(tracked)}, blocks held by {sorted(holding)}"
+            )

@@ -1,0 +1,53 @@
+"""``load_model`` and ``load_tokenizer``: a Hugging Face directory, a dsjax orbax directory or a preset name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dsjax.checkpoint.hf import load_hf_checkpoint
+from dsjax.checkpoint.orbax_io import is_orbax_dir, load_orbax
+from dsjax.config import ConfigError, ModelConfig, list_presets
+from dsjax.model.transformer import random_model
+from dsjax.tokenizer import ByteTokenizer, HFTokenizer
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _resolve(path_or_preset: str | Path) -> tuple[str, Path | str]:
+    path = Path(path_or_preset).expanduser()
+    if path.is_dir():
+        if is_orbax_dir(path):
+            return "orbax", path
+        if (path / "config.json").is_file():
+            return "hf", path
+        raise ConfigError(f"model directory {path} holds neither config.json nor a dsjax orbax checkpoint")
+    if str(path_or_preset) in list_presets():
+        return "preset", str(path_or_preset)
+    raise ConfigError(f"model {str(path_or_preset)!r} is neither a directory nor a preset; "
+                      f"presets: {', '.join(list_presets())}")
+
+
+def load_model(path_or_preset: str | Path, dtype: str = "float32", kernel_backend: str = "auto", *,
+               seed: int = 0, progress: bool = True):
+    """A DeepSeek-V2/V3 model: weights from a checkpoint, or deterministic random ones for a preset."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
+    kind, where = _resolve(path_or_preset)
+    if kind == "orbax":
+        return load_orbax(where, dtype=dtype, kernel_backend=kernel_backend)
+    if kind == "hf":
+        return load_hf_checkpoint(where, dtype=dtype, kernel_backend=kernel_backend, progress=progress)
+    return random_model(ModelConfig.preset(where), dtype=dtype, kernel_backend=kernel_backend, seed=seed)
+
+
+def load_config(path_or_preset: str | Path) -> ModelConfig:
+    kind, where = _resolve(path_or_preset)
+    return ModelConfig.preset(where) if kind == "preset" else ModelConfig.from_json(Path(where) / "config.json")
+
+
+def load_tokenizer(path_or_preset: str | Path):
+    config = load_config(path_or_preset)
+    kind, where = _resolve(path_or_preset)
+    if kind != "preset" and (Path(where) / "tokenizer.json").is_file():
+        return HFTokenizer(where, config.bos_token_id, config.eos_token_ids)
+    return ByteTokenizer(config.vocab_size, config.bos_token_id, config.eos_token_ids)

@@ -1,0 +1,55 @@
+"""One dispatch point per hot op: the pure-jnp reference, or its Pallas kernel.
+
+``kernel_backend``:
+  reference  the jnp references (any platform)
+  pallas     the Pallas GPU kernels (ops without a kernel yet use their reference)
+  interpret  the Pallas kernels in interpret mode: slow, for CPU tests of the kernel code
+  auto       pallas on GPU, reference elsewhere
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.mla_decode import mla_paged_reference
+from pallas_kernels.mla_prefill import mla_prefill_reference
+from pallas_kernels.moe_experts import moe_experts_reference
+from pallas_kernels.moe_routing import RoutingSpec, route_reference
+from pallas_kernels.swiglu import swiglu_reference
+
+KERNEL_BACKENDS = ("reference", "pallas", "interpret", "auto")
+
+
+def resolve_backend(kernel_backend: str) -> str:
+    """'auto' -> 'pallas' on GPU, else 'reference'; anything unknown is refused."""
+    if kernel_backend not in KERNEL_BACKENDS:
+        raise ValueError(f"kernel_backend={kernel_backend!r} is not supported; accepted: "
+                         + ", ".join(KERNEL_BACKENDS))
+    if kernel_backend == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return kernel_backend
+
+
+def swiglu(x, w_gate, w_up, backend: str):
+    """x [T, D], w_gate/w_up [D, I] -> silu(x w_gate) * (x w_up) [T, I]."""
+    return swiglu_reference(x, w_gate, w_up)
+
+
+def moe_route(logits, bias, spec: RoutingSpec, backend: str):
+    """logits f32[T, E], bias f32[E] | None -> (weights f32[T, k], ids i32[T, k])."""
+    return route_reference(logits, bias, spec)
+
+
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str):
+    """x [T, D] through experts ids i32[T, k] weighted by f32[T, k] -> [T, D]."""
+    return moe_experts_reference(x, weights, ids, w_gate, w_up, w_down)
+
+
+def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str):
+    """Absorbed MLA over the paged latent cache; see ``mla_paged_reference`` for shapes."""
+    return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale)
+
+
+def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, scale, backend: str):
+    """Expanded causal MLA attention; see ``mla_prefill_reference`` for shapes."""
+    return mla_prefill_reference(q_nope, q_pe, k_nope, k_pe, v, scale)

@@ -1,0 +1,108 @@
+"""Multi-head latent attention (DeepSeek-V2/V3).
+
+Keys and values are compressed into one latent per token, c_kv [kv_lora_rank], plus a rope key
+k_pe [qk_rope_head_dim] shared by all heads. Two equal paths:
+  expanded  decompress per-head k_nope = c_kv W_UK and v = c_kv W_UV, then ordinary attention (prefill);
+  absorbed  fold W_UK into the query and W_UV into the output and attend over the latent itself (decode),
+            so the cache holds only c_kv and k_pe.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.model import dispatch
+from dsjax.model.norms import RMSNorm
+from dsjax.model.paged import PagedBatch, PagedKVCache
+from dsjax.model.params import param
+from dsjax.model.rope import apply_rope, rope_frequencies
+
+
+class MLAttention(nnx.Module):
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, h = config.hidden_size, config.num_attention_heads
+        c, r = config.kv_lora_rank, config.qk_rope_head_dim
+        self.num_heads, self.nope_dim, self.rope_dim, self.latent_dim = h, config.qk_nope_head_dim, r, c
+        if config.q_lora_rank is None:
+            self.q_proj = param(rngs, (d, h, config.qk_head_dim), ("embed", "heads", "qk_head"), dtype)
+            self.q_a = self.q_a_norm = self.q_b = None
+        else:
+            q = config.q_lora_rank
+            self.q_proj = None
+            self.q_a = param(rngs, (d, q), ("embed", "q_lora"), dtype)
+            self.q_a_norm = RMSNorm(q, config.rms_norm_eps, "q_lora", dtype)
+            self.q_b = param(rngs, (q, h, config.qk_head_dim), ("q_lora", "heads", "qk_head"), dtype)
+        self.kv_a = param(rngs, (d, c + r), ("embed", "kv_lora"), dtype)
+        self.kv_a_norm = RMSNorm(c, config.rms_norm_eps, "kv_lora", dtype)
+        self.w_uk = param(rngs, (c, h, config.qk_nope_head_dim), ("kv_lora", "heads", "qk_head"), dtype)
+        self.w_uv = param(rngs, (c, h, config.v_head_dim), ("kv_lora", "heads", "v_head"), dtype)
+        self.o_proj = param(rngs, (h, config.v_head_dim, d), ("heads", "v_head", "embed"), dtype)
+        inv_freq, self.cos_sin_scale = rope_frequencies(config)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static: a constant of the graph
+        self.interleave = config.rope_interleave
+        self.scale = config.softmax_scale
+
+    def _rope(self, x, positions):
+        return apply_rope(x, positions, jnp.asarray(self.inv_freq, jnp.float32), self.cos_sin_scale,
+                          self.interleave)
+
+    def queries(self, x, positions):
+        """x [..., D] -> q_nope [..., H, Dn], q_pe [..., H, R] (rotated)."""
+        if self.q_proj is not None:
+            q = jnp.einsum("...d,dhk->...hk", x, self.q_proj[...])
+        else:
+            q = self.q_a_norm(jnp.einsum("...d,dq->...q", x, self.q_a[...]))
+            q = jnp.einsum("...q,qhk->...hk", q, self.q_b[...])
+        return q[..., :self.nope_dim], self._rope(q[..., self.nope_dim:], positions)
+
+    def latents(self, x, positions):
+        """x [..., D] -> c_kv [..., C] (normed latent), k_pe [..., R] (rotated): what the cache stores."""
+        kv = jnp.einsum("...d,dc->...c", x, self.kv_a[...])
+        return self.kv_a_norm(kv[..., :self.latent_dim]), self._rope(kv[..., self.latent_dim:], positions)
+
+    def absorb_query(self, q_nope):
+        return jnp.einsum("...hn,chn->...hc", q_nope, self.w_uk[...])  # [..., H, C]
+
+    def output(self, latent_ctx):
+        v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
+        return jnp.einsum("...hv,hvd->...d", v_ctx, self.o_proj[...])
+
+    def __call__(self, x, positions, *, mode: str, backend: str):
+        """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D]."""
+        q_nope, q_pe = self.queries(x, positions)
+        c_kv, k_pe = self.latents(x, positions)
+        if mode == "expanded":
+            k_nope = jnp.einsum("btc,chn->bthn", c_kv, self.w_uk[...])
+            v = jnp.einsum("btc,chv->bthv", c_kv, self.w_uv[...])
+            ctx = dispatch.mla_prefill(q_nope, q_pe, k_nope, k_pe, v, self.scale, backend)
+            return jnp.einsum("bthv,hvd->btd", ctx, self.o_proj[...])
+        if mode != "absorbed":
+            raise ValueError(f"attention mode={mode!r} is not supported; accepted: expanded, absorbed")
+        # Absorbed over the fresh latents: each sequence is one cache block of size T.
+        batch, seq_len = x.shape[:2]
+        seq_ids = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
+        tables = jnp.arange(batch, dtype=jnp.int32)[:, None]
+        ctx = dispatch.mla_paged_attention(
+            self.absorb_query(q_nope).reshape(batch * seq_len, self.num_heads, -1),
+            q_pe.reshape(batch * seq_len, self.num_heads, -1), c_kv, k_pe, tables, seq_ids,
+            positions.reshape(-1), self.scale, backend)
+        return self.output(ctx.reshape(batch, seq_len, self.num_heads, -1))
+
+    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str):
+        """Packed tokens x [T, D] of one engine step: write their latents into ``cache`` at layer
+        ``layer``, then attend (absorbed) over each token's sequence. -> ([T, D], updated cache)."""
+        q_nope, q_pe = self.queries(x, batch.positions)
+        c_kv, k_pe = self.latents(x, batch.positions)
+        num_layers, num_blocks, block_size = cache.c_kv.shape[:3]
+        blocks, offsets = batch.slot_mapping // block_size, batch.slot_mapping % block_size
+        cache = PagedKVCache(
+            cache.c_kv.at[layer, blocks, offsets].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
+            cache.k_pe.at[layer, blocks, offsets].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
+        # Flattening [L, N] is free; shifting the block ids selects this layer without a copy.
+        flat = lambda a: a.reshape(num_layers * num_blocks, block_size, a.shape[-1])
+        ctx = dispatch.mla_paged_attention(
+            self.absorb_query(q_nope), q_pe, flat(cache.c_kv), flat(cache.k_pe),
+            batch.block_tables + layer * num_blocks, batch.seq_ids, batch.positions, self.scale, backend)
+        return self.output(ctx), cache

@@ -1,0 +1,63 @@
+"""Feed-forward blocks: the dense SwiGLU MLP and DeepSeekMoE (shared experts + routed experts)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.model import dispatch
+from dsjax.model.params import param
+from pallas_kernels.moe_routing import RoutingSpec
+
+
+class MLP(nnx.Module):
+    """down(silu(x W_gate) * (x W_up)); dense layers and shared experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype, rngs: nnx.Rngs, axis: str = "mlp"):
+        self.w_gate = param(rngs, (hidden_size, intermediate_size), ("embed", axis), dtype)
+        self.w_up = param(rngs, (hidden_size, intermediate_size), ("embed", axis), dtype)
+        self.w_down = param(rngs, (intermediate_size, hidden_size), (axis, "embed"), dtype)
+
+    def __call__(self, x, *, backend: str):
+        """x [T, D] -> [T, D]."""
+        h = dispatch.swiglu(x, self.w_gate[...], self.w_up[...], backend)
+        return jnp.dot(h, self.w_down[...])
+
+
+def routing_spec(config: ModelConfig) -> RoutingSpec:
+    return RoutingSpec(
+        top_k=config.num_experts_per_tok, scoring_func=config.scoring_func, topk_method=config.topk_method,
+        n_group=config.n_group, topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
+        routed_scaling_factor=config.routed_scaling_factor)
+
+
+class MoE(nnx.Module):
+    """Shared experts see every token; each token also goes to its top-k routed experts."""
+
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, e, i = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+        self.spec = routing_spec(config)
+        # The router stays in f32, as DeepSeek and transformers keep it: top-k choices are sensitive.
+        self.router = param(rngs, (d, e), ("embed", None), jnp.float32)
+        self.score_bias = (param(None, (e,), (None,), jnp.float32, init="zeros")
+                           if config.topk_method == "noaux_tc" else None)
+        self.w_gate = param(rngs, (e, d, i), ("expert", "embed", "moe_mlp"), dtype)
+        self.w_up = param(rngs, (e, d, i), ("expert", "embed", "moe_mlp"), dtype)
+        self.w_down = param(rngs, (e, i, d), ("expert", "moe_mlp", "embed"), dtype)
+        self.shared = (MLP(d, i * config.n_shared_experts, dtype, rngs)
+                       if config.n_shared_experts else None)
+
+    def route(self, x, *, backend: str):
+        """x [T, D] -> (weights f32[T, k], expert ids i32[T, k])."""
+        logits = jnp.dot(x.astype(jnp.float32), self.router[...])
+        bias = None if self.score_bias is None else self.score_bias[...]
+        return dispatch.moe_route(logits, bias, self.spec, backend)
+
+    def __call__(self, x, *, backend: str):
+        """x [T, D] -> [T, D]."""
+        weights, ids = self.route(x, backend=backend)
+        out = dispatch.moe_experts(x, weights, ids, self.w_gate[...], self.w_up[...], self.w_down[...], backend)
+        if self.shared is not None:
+            out = out + self.shared(x, backend=backend)
+        return out
