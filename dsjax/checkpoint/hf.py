@@ -2,9 +2,10 @@
 
 Reads ``config.json`` and ``model.safetensors`` (or the shards of ``model.safetensors.index.json``).
 Every tensor name and shape is checked against the config before anything is read; each tensor is
-then read once from its memory map, converted (transposed into our layouts, per-expert tensors
-stacked into [E, ...], layers into [L, ...], FP8 block-scaled weights dequantized) and copied into
-the one host buffer of its parameter, which goes to the device and is dropped.
+then read once from its memory map (FP8 block-scaled weights dequantized) and copied into the one host
+buffer of its parameter, stacking per-expert tensors into [E, ...] and layers into [L, ...]. The buffer
+keeps Hugging Face's [out, in] layout, so host copies stay contiguous; it goes to the device, where one
+jitted relayout (transposes, head splits) produces our layout, and is dropped.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import dataclasses
 import json
 import logging
 import re
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
@@ -34,11 +37,31 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """One slice of a parameter: ``leaf[index] = transform(*tensors named in names)``."""
+    """One slice of a parameter's host buffer: ``host[index] = select(*tensors named in names)``, then
+    the whole buffer becomes the parameter as ``relayout(buffer, *layout)`` on the device."""
 
     index: tuple[int, ...]
     names: tuple[str, ...]
-    transform: Callable[..., np.ndarray]
+    select: Callable[..., np.ndarray]
+    layout: tuple = ("same",)
+
+
+@partial(jax.jit, static_argnums=(1, 2))
+def relayout(x, kind: str, heads: int = 0):
+    """Hugging Face [..., out, in] buffers -> our layouts (leading stack axes untouched)."""
+    if kind == "same":
+        return x
+    if kind == "t":  # [..., out, in] -> [..., in, out]
+        return jnp.swapaxes(x, -1, -2)
+    if kind == "t_split_out":  # [..., H*k, in] -> [..., in, H, k]
+        x = jnp.swapaxes(x, -1, -2)
+        return x.reshape(*x.shape[:-1], heads, x.shape[-1] // heads)
+    if kind == "t_split_in":  # [..., out, H*k] -> [..., H, k, out]
+        x = jnp.swapaxes(x, -1, -2)
+        return x.reshape(*x.shape[:-2], heads, x.shape[-2] // heads, x.shape[-1])
+    if kind == "latent_first":  # [..., H, k, C] -> [..., C, H, k]
+        return jnp.moveaxis(x, -1, -3)
+    raise ValueError(kind)
 
 
 class TensorIndex:
@@ -104,8 +127,7 @@ def _listing(names, limit: int = 12) -> str:
 
 # ----- the name and layout mapping -------------------------------------------------------------------
 
-def _t(w):  # Linear [out, in] -> our [in, out]
-    return np.asarray(w).T
+_T = ("t",)
 
 
 def _layer_plan(config: ModelConfig, layer: int, moe: bool, fused_experts: bool, pos: int):
@@ -118,54 +140,52 @@ def _layer_plan(config: ModelConfig, layer: int, moe: bool, fused_experts: bool,
     plan: list[tuple[tuple[str, ...], Piece]] = []
     shapes: dict[str, tuple[int, ...]] = {}
 
-    def add(path, name, shape, transform, index=(pos,)):
-        plan.append((path, Piece(index, (name,), transform)))
+    def add(path, name, shape, layout=("same",), select=np.asarray, index=(pos,)):
+        plan.append((path, Piece(index, (name,), select, layout)))
         shapes[name] = shape
 
-    add(("attn_norm", "weight"), p + "input_layernorm.weight", (d,), np.asarray)
-    add(("mlp_norm", "weight"), p + "post_attention_layernorm.weight", (d,), np.asarray)
+    add(("attn_norm", "weight"), p + "input_layernorm.weight", (d,))
+    add(("mlp_norm", "weight"), p + "post_attention_layernorm.weight", (d,))
     if config.q_lora_rank is None:
-        add(("attn", "q_proj"), a + "q_proj.weight", (h * qk, d), lambda w: _t(w).reshape(d, h, qk))
+        add(("attn", "q_proj"), a + "q_proj.weight", (h * qk, d), ("t_split_out", h))
     else:
         q = config.q_lora_rank
-        add(("attn", "q_a"), a + "q_a_proj.weight", (q, d), _t)
-        add(("attn", "q_a_norm", "weight"), a + "q_a_layernorm.weight", (q,), np.asarray)
-        add(("attn", "q_b"), a + "q_b_proj.weight", (h * qk, q), lambda w: _t(w).reshape(q, h, qk))
-    add(("attn", "kv_a"), a + "kv_a_proj_with_mqa.weight", (c + r, d), _t)
-    add(("attn", "kv_a_norm", "weight"), a + "kv_a_layernorm.weight", (c,), np.asarray)
-    kv_b = lambda w: np.asarray(w).reshape(h, n + v, c)
-    add(("attn", "w_uk"), a + "kv_b_proj.weight", (h * (n + v), c), lambda w: kv_b(w)[:, :n].transpose(2, 0, 1))
-    add(("attn", "w_uv"), a + "kv_b_proj.weight", (h * (n + v), c), lambda w: kv_b(w)[:, n:].transpose(2, 0, 1))
-    add(("attn", "o_proj"), a + "o_proj.weight", (d, h * v), lambda w: _t(w).reshape(h, v, d))
+        add(("attn", "q_a"), a + "q_a_proj.weight", (q, d), _T)
+        add(("attn", "q_a_norm", "weight"), a + "q_a_layernorm.weight", (q,))
+        add(("attn", "q_b"), a + "q_b_proj.weight", (h * qk, q), ("t_split_out", h))
+    add(("attn", "kv_a"), a + "kv_a_proj_with_mqa.weight", (c + r, d), _T)
+    add(("attn", "kv_a_norm", "weight"), a + "kv_a_layernorm.weight", (c,))
+    kv_b = lambda w: np.asarray(w).reshape(h, n + v, c)  # per head: [k_nope rows | v rows] x latent
+    add(("attn", "w_uk"), a + "kv_b_proj.weight", (h * (n + v), c), ("latent_first",), lambda w: kv_b(w)[:, :n])
+    add(("attn", "w_uv"), a + "kv_b_proj.weight", (h * (n + v), c), ("latent_first",), lambda w: kv_b(w)[:, n:])
+    add(("attn", "o_proj"), a + "o_proj.weight", (d, h * v), ("t_split_in", h))
 
     m = p + "mlp."
     if not moe:
         i = config.intermediate_size
-        add(("mlp", "w_gate"), m + "gate_proj.weight", (i, d), _t)
-        add(("mlp", "w_up"), m + "up_proj.weight", (i, d), _t)
-        add(("mlp", "w_down"), m + "down_proj.weight", (d, i), _t)
+        add(("mlp", "w_gate"), m + "gate_proj.weight", (i, d), _T)
+        add(("mlp", "w_up"), m + "up_proj.weight", (i, d), _T)
+        add(("mlp", "w_down"), m + "down_proj.weight", (d, i), _T)
         return plan, shapes
     e, i = config.n_routed_experts, config.moe_intermediate_size
-    add(("mlp", "router"), m + "gate.weight", (e, d), _t)
+    add(("mlp", "router"), m + "gate.weight", (e, d), _T)
     if config.topk_method == "noaux_tc":
-        add(("mlp", "score_bias"), m + "gate.e_score_correction_bias", (e,), np.asarray)
+        add(("mlp", "score_bias"), m + "gate.e_score_correction_bias", (e,))
     if fused_experts:  # transformers v5's in-memory layout: gate_up [E, 2I, D], down [E, D, I]
-        add(("mlp", "w_gate"), m + "experts.gate_up_proj", (e, 2 * i, d),
-            lambda w: np.asarray(w)[:, :i].transpose(0, 2, 1))
-        add(("mlp", "w_up"), m + "experts.gate_up_proj", (e, 2 * i, d),
-            lambda w: np.asarray(w)[:, i:].transpose(0, 2, 1))
-        add(("mlp", "w_down"), m + "experts.down_proj", (e, d, i), lambda w: np.asarray(w).transpose(0, 2, 1))
+        add(("mlp", "w_gate"), m + "experts.gate_up_proj", (e, 2 * i, d), _T, lambda w: np.asarray(w)[:, :i])
+        add(("mlp", "w_up"), m + "experts.gate_up_proj", (e, 2 * i, d), _T, lambda w: np.asarray(w)[:, i:])
+        add(("mlp", "w_down"), m + "experts.down_proj", (e, d, i), _T)
     else:
         for x in range(e):
             ex = f"{m}experts.{x}."
-            add(("mlp", "w_gate"), ex + "gate_proj.weight", (i, d), _t, (pos, x))
-            add(("mlp", "w_up"), ex + "up_proj.weight", (i, d), _t, (pos, x))
-            add(("mlp", "w_down"), ex + "down_proj.weight", (d, i), _t, (pos, x))
+            add(("mlp", "w_gate"), ex + "gate_proj.weight", (i, d), _T, index=(pos, x))
+            add(("mlp", "w_up"), ex + "up_proj.weight", (i, d), _T, index=(pos, x))
+            add(("mlp", "w_down"), ex + "down_proj.weight", (d, i), _T, index=(pos, x))
     if config.n_shared_experts:
         si = i * config.n_shared_experts
-        add(("mlp", "shared", "w_gate"), m + "shared_experts.gate_proj.weight", (si, d), _t)
-        add(("mlp", "shared", "w_up"), m + "shared_experts.up_proj.weight", (si, d), _t)
-        add(("mlp", "shared", "w_down"), m + "shared_experts.down_proj.weight", (d, si), _t)
+        add(("mlp", "shared", "w_gate"), m + "shared_experts.gate_proj.weight", (si, d), _T)
+        add(("mlp", "shared", "w_up"), m + "shared_experts.up_proj.weight", (si, d), _T)
+        add(("mlp", "shared", "w_down"), m + "shared_experts.down_proj.weight", (d, si), _T)
     return plan, shapes
 
 
@@ -183,7 +203,7 @@ def checkpoint_plan(config: ModelConfig, index: TensorIndex):
     put(("norm", "weight"), Piece((), ("model.norm.weight",), np.asarray))
     shapes["model.norm.weight"] = (d,)
     if not config.tie_word_embeddings:
-        put(("lm_head",), Piece((), ("lm_head.weight",), _t))
+        put(("lm_head",), Piece((), ("lm_head.weight",), np.asarray, _T))
         shapes["lm_head.weight"] = (vocab, d)
     for layer in range(config.num_hidden_layers):
         moe = layer >= config.num_dense_layers
@@ -252,11 +272,17 @@ def load_hf_checkpoint(directory: str | Path, *, dtype="float32", kernel_backend
         pieces = plan.get(path)
         if pieces is None:
             raise CheckpointError(f"internal: no checkpoint mapping for parameter {'.'.join(path)}")
-        host = np.empty(variable.shape, np.dtype(variable.dtype))
+        host = None
         for piece in pieces:
-            host[piece.index] = piece.transform(*(index.read(n) for n in piece.names))
+            part = piece.select(*(index.read(n) for n in piece.names))
+            if host is None:
+                host = np.empty(variable.shape[:len(piece.index)] + part.shape, np.dtype(variable.dtype))
+            host[piece.index] = part
             bar.update(1)
-        leaves.append((path, variable.replace(jax.device_put(host))))
+        value = relayout(jax.device_put(host), *pieces[0].layout)
         del host
+        if value.shape != variable.shape:
+            raise CheckpointError(f"internal: {'.'.join(path)} loaded as {value.shape}, model wants {variable.shape}")
+        leaves.append((path, variable.replace(value)))
     bar.close()
     return nnx.merge(graphdef, nnx.from_flat_state(leaves))
