@@ -307,3 +307,69 @@ def _parse_rope(c: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         mscale=params.get("mscale"), mscale_all_dim=params.get("mscale_all_dim"),
         attention_factor=params.get("attention_factor"), truncate=bool(params.get("truncate", True)),
     )
+
+
+BUCKET_MODES = ("pow2", "quantile")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Serving-side settings (vLLM's names where the meaning is the same)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    block_size: int = 64
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # KV pool: bytes (int), a fraction of the free device memory (float in (0, 1]), or None for the
+    # default (0.9 of free memory on an accelerator; room for max_num_seqs full sequences on CPU).
+    kv_cache_memory: int | float | None = None
+    num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
+    # Token-count buckets of the jitted steps: "pow2", "quantile" (re-derived from the first
+    # quantile_warmup_steps observed steps), or an explicit tuple of sizes.
+    buckets: str | tuple[int, ...] = "pow2"
+    num_quantile_buckets: int = 6
+    quantile_warmup_steps: int = 32
+    realtime_max_prompt_tokens: int = 512
+    bulk_min_prompt_tokens: int = 2048
+    aging_steps: int = 64
+    max_logprobs: int = 20
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "aging_steps",
+                     "num_quantile_buckets", "quantile_warmup_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _refuse(name, value, "a positive integer")
+        if self.block_size & (self.block_size - 1) or self.block_size > 512:
+            raise _refuse("block_size", self.block_size, "a power of two up to 512 (the kernels tile by it)")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise _refuse("max_num_batched_tokens", self.max_num_batched_tokens,
+                          f"at least max_num_seqs={self.max_num_seqs} (every running sequence decodes each step)")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise _refuse("max_num_batched_tokens", self.max_num_batched_tokens,
+                          f"at least max_model_len={self.max_model_len} when enable_chunked_prefill is false")
+        memory = self.kv_cache_memory
+        if memory is not None and not (isinstance(memory, int) and memory > 0) and \
+                not (isinstance(memory, float) and 0 < memory <= 1):
+            raise _refuse("kv_cache_memory", memory, "bytes (a positive int), a fraction in (0, 1], or null")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise _refuse("num_kv_blocks", self.num_kv_blocks, "a positive integer or null")
+        if isinstance(self.buckets, str):
+            if self.buckets not in BUCKET_MODES:
+                raise _refuse("buckets", self.buckets, "pow2, quantile, or a list of token counts")
+        elif not self.buckets or any(not isinstance(b, int) or b < 1 for b in self.buckets) \
+                or max(self.buckets) < self.max_num_batched_tokens:
+            raise _refuse("buckets", self.buckets,
+                          f"positive token counts whose largest is >= max_num_batched_tokens={self.max_num_batched_tokens}")
+        if not 0 <= self.max_logprobs <= 1024:
+            raise _refuse("max_logprobs", self.max_logprobs, "an integer in [0, 1024]")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)

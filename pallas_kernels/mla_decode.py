@@ -9,10 +9,269 @@ an f32 online softmax (m, l, acc). With one split the program writes the output 
 second small kernel merges the per-split partials. Each iteration gathers ``block_k`` cache rows
 through the block table, one row per token, so any page size works (4 … 64, or a whole sequence).
 """
+
 from __future__ import annotations
+
+import functools
+import math
 from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NUM_SMS = 132  # H100 / H200 SXM
+# Splits grow (by powers of two) until the grid has this many programs: one wave over the SMs.
+TARGET_PROGRAMS = NUM_SMS
+# Combine kernel: splits x latent columns held per program (f32 elements, ~64 registers a thread).
+_COMBINE_TILE = 8192
+# Running max before any key: finite, so an empty split merges as weight-0 without inf - inf.
+_M_INIT = float(jnp.finfo(jnp.float32).min)
+_LOG2E = math.log2(math.e)
+
+
+class DecodeBlocks(NamedTuple):
+    block_h: int  # heads per program; >= 16 for the tensor-core dot (fewer heads are padded)
+    block_k: int  # cache tokens per inner iteration
+    num_warps: int
+    num_stages: int
+
+
+# Keyed by (cache itemsize, smallest head count it serves); the last entry whose head count <= H wins.
+# At C=512, R=64 for sm_90 (Triton 3.8): 16 heads x 64 keys, 4 warps is 92 KiB of shared memory and
+# ~206 registers; 32 x 64, 8 warps is 112 KiB and ~190: two programs an SM, no spills. 64 heads spill
+# the f32 accumulator [block_h, 512]. Unmeasured on the GPU yet: benchmarks/kernels_attention.py sweeps.
+DECODE_BLOCKS = {
+    (2, 1): DecodeBlocks(block_h=16, block_k=64, num_warps=4, num_stages=2),
+    (2, 64): DecodeBlocks(block_h=32, block_k=64, num_warps=8, num_stages=2),
+    (4, 1): DecodeBlocks(block_h=16, block_k=32, num_warps=4, num_stages=2),
+}
+
+
+def decode_blocks(num_heads: int, itemsize: int) -> DecodeBlocks:
+    fits = [k for k in DECODE_BLOCKS if k[0] == itemsize and k[1] <= num_heads]
+    if not fits:
+        fits = [k for k in DECODE_BLOCKS if k[0] == 2 and k[1] <= num_heads]
+    return DECODE_BLOCKS[max(fits)]
+
+
+def default_num_splits(batch: int, num_heads: int, max_context: int, block_h: int, block_k: int) -> int:
+    """Smallest power of two that fills ``TARGET_PROGRAMS``, but never a split shorter than one
+    ``block_k`` iteration of the longest possible context (more splits would only add empty programs
+    and partials to merge)."""
+    programs = batch * pl.cdiv(num_heads, block_h)
+    max_splits = max(1, pl.cdiv(max_context, block_k))
+    splits = 1
+    while programs * splits < TARGET_PROGRAMS and splits * 2 <= max_splits:
+        splits *= 2
+    return splits
+
+
+def _decode_kernel(
+    tables_ref,  # i32[S * W]: every block table row, flattened
+    seq_ids_ref,  # i32[B]: block-table row of each query
+    lengths_ref,  # i32[B]: keys 0..length-1 are attended
+    q_latent_ref,  # [block_h, C]
+    q_pe_ref,  # [block_h, R]
+    c_kv_ref,  # [N * bs, C]: the whole latent cache, one row per token slot
+    k_pe_ref,  # [N * bs, R]
+    *out_refs,  # one split: o [block_h, C]; else m f32[block_h], l f32[block_h], acc f32[block_h, C]
+    block_size: int,
+    table_width: int,
+    block_k: int,
+    tokens_per_split: int,
+    scale_log2e: float,
+):
+    split, b = pl.program_id(1), pl.program_id(2)
+    seq_id = seq_ids_ref[b]
+    length = lengths_ref[b]
+    start = split * tokens_per_split
+    end = jnp.minimum(start + tokens_per_split, length)
+    num_iters = pl.cdiv(jnp.maximum(end - start, 0), block_k)
+
+    q_latent = q_latent_ref[...]
+    q_pe = q_pe_ref[...]
+    block_h, latent_dim = q_latent.shape
+    rope_dim = q_pe.shape[1]
+    latent_cols = jnp.arange(latent_dim)[None, :]
+    rope_cols = jnp.arange(rope_dim)[None, :]
+
+    def body(i, carry):
+        m, l, acc = carry  # f32[block_h] (log2 units), f32[block_h], f32[block_h, C]
+        token = start + i * block_k + jnp.arange(block_k)  # i32[block_k]
+        valid = token < end
+        # Masked lanes read page 0 / zeros: no out-of-range table column, no stale NaN in the cache.
+        page = plgpu.load(tables_ref.at[seq_id * table_width + token // block_size],
+                          mask=valid, other=0)
+        rows = (page * block_size + token % block_size)[:, None]  # [block_k, 1]
+        keys = plgpu.load(c_kv_ref.at[rows, latent_cols], mask=valid[:, None], other=0)
+        keys_pe = plgpu.load(k_pe_ref.at[rows, rope_cols], mask=valid[:, None], other=0)
+        if keys.dtype != q_latent.dtype:
+            keys, keys_pe = keys.astype(q_latent.dtype), keys_pe.astype(q_latent.dtype)
+        s = (jax.lax.dot_general(q_latent, keys, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+             + jax.lax.dot_general(q_pe, keys_pe, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32))  # [block_h, block_k]
+        s = jnp.where(valid[None, :], s * scale_log2e, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        correction = jnp.exp2(m - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l = l * correction + p.sum(axis=1)
+        acc = acc * correction[:, None] + jnp.dot(p.astype(keys.dtype), keys,
+                                                  preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
+            jnp.zeros((block_h, latent_dim), jnp.float32))
+    m, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
+    if len(out_refs) == 1:
+        (o_ref,) = out_refs
+        # l == 0 only for an empty context (length 0, e.g. a padding token): output zeros.
+        o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+    else:
+        m_ref, l_ref, acc_ref = out_refs
+        m_ref[...] = m
+        l_ref[...] = l
+        acc_ref[...] = acc
+
+
+def _combine_kernel(
+    m_ref,  # f32[num_splits] (log2 units)
+    l_ref,  # f32[num_splits]
+    acc_ref,  # f32[num_splits, block_c]
+    o_ref,  # [block_c]
+):
+    m = m_ref[...]
+    weight = jnp.exp2(m - m.max())  # empty splits: l = 0 and acc = 0, so their weight is moot
+    denom = (weight * l_ref[...]).sum()
+    o = (weight[:, None] * acc_ref[...]).sum(axis=0)
+    o_ref[...] = (o / jnp.where(denom == 0, 1.0, denom)).astype(o_ref.dtype)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
+                   num_splits, block_h, block_k, num_warps, num_stages, interpret):
+    """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]-1 of table row
+    seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype."""
+    batch, num_heads, latent_dim = q_latent.shape
+    rope_dim = q_pe.shape[-1]
+    num_pages, block_size = c_kv.shape[:2]
+    table_width = block_tables.shape[1]
+    blocks = decode_blocks(num_heads, jnp.dtype(c_kv.dtype).itemsize)
+    block_h = block_h or blocks.block_h
+    block_k = block_k or blocks.block_k
+    num_warps = num_warps or blocks.num_warps
+    num_stages = num_stages or blocks.num_stages
+    max_context = table_width * block_size
+    num_splits = num_splits or default_num_splits(batch, num_heads, max_context, block_h, block_k)
+    if not interpret:
+        for name, value in (("kv_lora_rank", latent_dim), ("rope_dim", rope_dim),
+                            ("block_h", block_h), ("block_k", block_k)):
+            if not _is_pow2(value):
+                raise ValueError(f"mla_decode on the Triton lowering needs {name} to be a power of "
+                                 f"two, got {value}")
+    if num_splits > 1 and not _is_pow2(num_splits):
+        raise ValueError(f"num_splits must be a power of two (the combine loads all splits at "
+                         f"once), got {num_splits}")
+    # Each split is a whole number of block_k iterations; trailing splits may be empty.
+    tokens_per_split = pl.cdiv(pl.cdiv(max_context, num_splits), block_k) * block_k
+
+    head_tiles = pl.cdiv(num_heads, block_h)
+    padded_heads = head_tiles * block_h
+    if padded_heads != num_heads:  # zero queries: finite scores, rows dropped below
+        pad = ((0, 0), (0, padded_heads - num_heads), (0, 0))
+        q_latent, q_pe = jnp.pad(q_latent, pad), jnp.pad(q_pe, pad)
+
+    kernel = functools.partial(
+        _decode_kernel, block_size=block_size, table_width=table_width, block_k=block_k,
+        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E)
+    whole = pl.BlockSpec()  # indexed by hand inside the kernel
+    f32 = jnp.float32
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((batch, padded_heads, latent_dim), q_latent.dtype)
+        out_specs = pl.BlockSpec((None, block_h, latent_dim), lambda h, s, b: (b, h, 0))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((batch, padded_heads, num_splits), f32),
+                     jax.ShapeDtypeStruct((batch, padded_heads, num_splits), f32),
+                     jax.ShapeDtypeStruct((batch, padded_heads, num_splits, latent_dim), f32))
+        out_specs = (pl.BlockSpec((None, block_h, None), lambda h, s, b: (b, h, s)),
+                     pl.BlockSpec((None, block_h, None), lambda h, s, b: (b, h, s)),
+                     pl.BlockSpec((None, block_h, None, latent_dim), lambda h, s, b: (b, h, s, 0)))
+    # Head tiles vary fastest in launch order: the tiles of one (split, sequence) run together and
+    # share its cache pages through L2.
+    partials = pl.pallas_call(
+        kernel,
+        grid=(head_tiles, num_splits, batch),
+        in_specs=[whole, whole, whole,
+                  pl.BlockSpec((None, block_h, latent_dim), lambda h, s, b: (b, h, 0)),
+                  pl.BlockSpec((None, block_h, rope_dim), lambda h, s, b: (b, h, 0)),
+                  whole, whole],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"mla_decode_h{block_h}_k{block_k}_s{num_splits}",
+    )(block_tables.reshape(-1), seq_ids, lengths, q_latent, q_pe,
+      c_kv.reshape(num_pages * block_size, latent_dim),
+      k_pe.reshape(num_pages * block_size, rope_dim))  # free reshapes: contiguous rows
+    if num_splits == 1:
+        return partials[:, :num_heads]
+
+    m, l, acc = partials
+    block_c = min(latent_dim, max(1, _COMBINE_TILE // num_splits))
+    return pl.pallas_call(
+        _combine_kernel,
+        grid=(num_heads, pl.cdiv(latent_dim, block_c), batch),
+        in_specs=[pl.BlockSpec((None, None, num_splits), lambda h, c, b: (b, h, 0)),
+                  pl.BlockSpec((None, None, num_splits), lambda h, c, b: (b, h, 0)),
+                  pl.BlockSpec((None, None, num_splits, block_c), lambda h, c, b: (b, h, 0, c))],
+        out_specs=pl.BlockSpec((None, None, block_c), lambda h, c, b: (b, h, c)),
+        out_shape=jax.ShapeDtypeStruct((batch, num_heads, latent_dim), q_latent.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="mla_decode_combine",
+    )(m, l, acc)
+
+
+_STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, num_splits=None,
+               block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
+    """One query token per sequence; the semantics of ``mla_decode_reference``.
+
+    q_latent [B, H, C], q_pe [B, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[B, W],
+    lengths i32[B] (the new token's key included; 0 gives zeros) -> [B, H, C] in q_latent.dtype.
+    ``scale`` is a Python float. Unset tuning arguments come from ``DECODE_BLOCKS`` and
+    ``default_num_splits``; num_splits must be a power of two.
+    """
+    batch = q_latent.shape[0]
+    return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables,
+                          jnp.arange(batch, dtype=jnp.int32), lengths.astype(jnp.int32), scale,
+                          num_splits=num_splits, block_h=block_h, block_k=block_k,
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *,
+              num_splits=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
+              interpret=False):
+    """The engine's entry; the semantics of ``mla_paged_reference``.
+
+    q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
+    seq_ids i32[T], positions i32[T] -> [T, H, C]. Each token is one decode query over keys
+    0..positions[t] of row seq_ids[t]: chunked-prefill tokens re-read their shared context, which
+    is cheap next to the prefill's own FLOPs. A negative position (padding) gives zeros, not NaN.
+    """
+    return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids.astype(jnp.int32),
+                          positions.astype(jnp.int32) + 1, scale,
+                          num_splits=num_splits, block_h=block_h, block_k=block_k,
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale):

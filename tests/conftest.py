@@ -9,7 +9,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu") if not os.environ.get("DSJAX_TEST_
 import jax
 import pytest
 
+from pathlib import Path
+
 jax.config.update("jax_default_matmul_precision", "highest")
+# Engines of the same shape recompile the same step programs across tests and xdist workers: share them.
+jax.config.update("jax_compilation_cache_dir", str(Path(__file__).resolve().parents[1] / ".jax_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels.mla_decode import mla_paged_reference
+from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
+from pallas_kernels.mla_prefill import mla_prefill as mla_prefill_kernel
 from pallas_kernels.mla_prefill import mla_prefill_reference
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.moe_routing import RoutingSpec, route_reference
@@ -47,9 +48,14 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str):
 
 def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str):
     """Absorbed MLA over the paged latent cache; see ``mla_paged_reference`` for shapes."""
-    return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale)
+    if backend == "reference":
+        return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale)
+    return mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                     interpret=backend == "interpret")
 
 
 def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, scale, backend: str):
     """Expanded causal MLA attention; see ``mla_prefill_reference`` for shapes."""
-    return mla_prefill_reference(q_nope, q_pe, k_nope, k_pe, v, scale)
+    if backend == "reference":
+        return mla_prefill_reference(q_nope, q_pe, k_nope, k_pe, v, scale)
+    return mla_prefill_kernel(q_nope, q_pe, k_nope, k_pe, v, scale, interpret=backend == "interpret")

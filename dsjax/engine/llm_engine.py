@@ -1,0 +1,210 @@
+"""LLMEngine: requests in, one scheduler + runner step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+
+import jax
+
+from dsjax.config import ConfigError, EngineConfig
+from dsjax.engine.detokenizer import IncrementalDetokenizer
+from dsjax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from dsjax.engine.runner import ModelRunner, RowSampling
+from dsjax.engine.sampling_params import SamplingParams
+from dsjax.engine.scheduler import Scheduler
+from dsjax.engine.sequence import Sequence, SequenceStatus
+from dsjax.kv.block_manager import BlockManager
+from dsjax.model.paged import PagedKVCache
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEVICE_FRACTION = 0.9
+_ACTIVATION_BYTES_PER_TOKEN = 64 << 10  # headroom per batched token for a step's activations
+
+
+def kv_cache_num_blocks(model_config, config: EngineConfig, dtype) -> int:
+    """Pool size from num_kv_blocks, kv_cache_memory (bytes or a fraction of free memory), or the default."""
+    per_block = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype)
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    memory = config.kv_cache_memory
+    if isinstance(memory, int):
+        return max(1, memory // per_block)
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if stats and "bytes_limit" in stats:
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    elif memory is None:  # CPU default: every running sequence can reach max_model_len
+        return config.max_num_seqs * config.max_blocks_per_seq
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free -= config.max_num_batched_tokens * _ACTIVATION_BYTES_PER_TOKEN
+    return max(1, int(free * (memory or DEFAULT_DEVICE_FRACTION)) // per_block)
+
+
+@dataclasses.dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    seeds: list[int]
+    detokenizers: list[IncrementalDetokenizer]
+    logprobs: list[list[dict[int, float]]]
+    cumulative_logprob: list[float]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, progress: bool = True):
+        config = config or EngineConfig()
+        if config.max_model_len > model.config.max_position_embeddings:
+            raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "
+                              f"max_position_embeddings={model.config.max_position_embeddings}")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.num_blocks = kv_cache_num_blocks(model.config, config, model.dtype)
+        per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype)
+        log.warning("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers)",
+                    self.num_blocks, config.block_size, self.num_blocks * config.block_size,
+                    self.num_blocks * per_block / 2**30, per_block // config.block_size,
+                    model.config.num_hidden_layers)
+        self.eos_token_ids = tuple(sorted(set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))))
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+            eos_token_ids=self.eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
+            realtime_max_prompt_tokens=config.realtime_max_prompt_tokens,
+            bulk_min_prompt_tokens=config.bulk_min_prompt_tokens, aging_steps=config.aging_steps)
+        start = time.perf_counter()
+        self.runner = ModelRunner(model, config, self.num_blocks, self.eos_token_ids, progress=progress)
+        self.warmup_seconds = time.perf_counter() - start
+        self._requests: dict[str, _Request] = {}
+        self._owner: dict[str, tuple[_Request, int]] = {}  # sequence id -> (request, child index)
+        self._seed_rng = random.Random(config.seed)
+        self.num_steps = 0
+
+    # ----- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
+                    prompt_token_ids: list[int] | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"logprobs={params.logprobs} exceeds max_logprobs={self.config.max_logprobs}")
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(31)
+        seqs = [Sequence(request_id if params.n == 1 else f"{request_id}-{i}", ids, params) for i in range(params.n)]
+        for seq in seqs[:1]:
+            self.scheduler.add(seq)  # refuses prompts that can never fit, before any child is queued
+        for seq in seqs[1:]:
+            self.scheduler.add(seq)
+        request = _Request(
+            request_id, prompt, ids, params, seqs, [base_seed + i for i in range(params.n)],
+            [IncrementalDetokenizer(self.tokenizer, ids, params.stop) for _ in seqs],
+            [[] for _ in seqs], [0.0] * params.n, RequestMetrics(arrival_time=time.time()))
+        self._requests[request_id] = request
+        for i, seq in enumerate(seqs):
+            self._owner[seq.request_id] = (request, i)
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq.request_id)
+            self._owner.pop(seq.request_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- one step -------------------------------------------------------------------------------
+    def _row(self, seq: Sequence) -> RowSampling:
+        request, index = self._owner[seq.request_id]
+        p = request.params
+        return RowSampling(
+            temperature=float(p.temperature), top_k=p.top_k, top_p=float(p.top_p), seed=request.seeds[index],
+            counter=seq.num_output_tokens,
+            mask_eos=seq.num_output_tokens < p.min_tokens and not p.ignore_eos,
+            num_logprobs=p.logprobs or 0)
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one model step; returns the outputs of the requests that advanced."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out, [self._row(item.seq) for item in out.scheduled])
+        self.num_steps += 1
+        sampled = {item.seq.request_id: int(result.token_ids[i])
+                   for i, item in enumerate(out.scheduled) if item.do_sample}
+        self.scheduler.update_from_output(out, sampled)
+        now = time.time()
+        touched: dict[str, _Request] = {}
+        for i, item in enumerate(out.scheduled):
+            if not item.do_sample or item.seq.request_id not in self._owner:
+                continue
+            request, index = self._owner[item.seq.request_id]
+            token = sampled[item.seq.request_id]
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            request.cumulative_logprob[index] += float(result.logprobs[i])
+            if request.params.logprobs is not None:
+                k = request.params.logprobs
+                entry = {int(t): float(lp) for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k])}
+                entry[token] = float(result.logprobs[i])
+                request.logprobs[index].append(entry)
+            detok = request.detokenizers[index]
+            detok.append(token)
+            seq = item.seq
+            if detok.stop_reason is not None and not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, detok.stop_reason)
+            if seq.is_finished:
+                detok.flush()
+            touched[request.request_id] = request
+        outputs = []
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self._requests.pop(request.request_id, None)
+                for seq in request.seqs:
+                    self._owner.pop(seq.request_id, None)
+            outputs.append(self._output(request))
+        return outputs
+
+    def _output(self, request: _Request) -> RequestOutput:
+        request.metrics.num_preemptions = sum(seq.num_preemptions for seq in request.seqs)
+        completions = [
+            CompletionOutput(
+                index=i, text=request.detokenizers[i].text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=request.cumulative_logprob[i],
+                logprobs=request.logprobs[i] if request.params.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+            for i, seq in enumerate(request.seqs)]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, request.metrics, request.seqs[0].num_cached_tokens)
+
+    # ----- introspection ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
+            "num_blocks_total": bm.num_blocks_total, "num_blocks_free": bm.num_blocks_free,
+            "num_blocks_cached": bm.num_blocks_cached, "num_blocks_used": bm.num_blocks_used,
+            "padding_ratio": self.runner.padding_ratio, "num_compiled_shapes": self.runner.num_compiled_shapes,
+            "buckets": list(self.runner.buckets.sizes), "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps, "warmup_seconds": self.warmup_seconds,
+            "compile_seconds": self.runner.compile_seconds,
+            "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
+            "prefix_cache_queries": bm.num_prefix_query_tokens, "prefix_cache_hits": bm.num_prefix_hit_tokens,
+        }

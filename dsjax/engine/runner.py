@@ -1,0 +1,170 @@
+"""The model runner: the only place that jits. Turns a scheduler decision into fixed-shape arrays and
+runs one compiled, cache-donating step (forward over the packed tokens + sampling).
+
+Shapes come from token-count buckets: a step of n tokens runs at T = buckets.pick(n) with
+S = min(T, max_num_seqs) sequence rows and max_blocks_per_seq block-table columns, so the compiled
+set is one program per bucket, all compiled at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from dsjax.config import EngineConfig
+from dsjax.engine.buckets import Buckets
+from dsjax.engine.sampler import SampleResult, SamplingArrays, sample
+from dsjax.engine.scheduler import SchedulerOutput
+from dsjax.model.paged import PagedBatch, PagedKVCache
+
+log = logging.getLogger(__name__)
+
+
+class StepInputs(NamedTuple):
+    tokens: jax.Array  # i32[T]
+    batch: PagedBatch
+    logits_indices: jax.Array  # i32[S] last scheduled token of each sequence
+    sampling: SamplingArrays
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSampling:
+    """Sampling settings of one scheduled sequence, in scheduler order."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    counter: int = 0  # tokens generated so far by this sequence
+    mask_eos: bool = False
+    num_logprobs: int = 0
+
+
+@dataclasses.dataclass
+class StepResult:
+    token_ids: np.ndarray  # i32[num_seqs]
+    logprobs: np.ndarray  # f32[num_seqs]
+    top_ids: np.ndarray  # i32[num_seqs, K]
+    top_logprobs: np.ndarray  # f32[num_seqs, K]
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...] = (),
+                 *, progress: bool = True):
+        self.config = config
+        self.model_config = model.config
+        self.graphdef, self.state = nnx.split(model)
+        self.cache = PagedKVCache.zeros(model.config, num_blocks, config.block_size, model.dtype)
+        self.num_blocks = num_blocks
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.progress = progress
+        self._jitted = jax.jit(self._step, donate_argnums=(1,))
+        self._compiled: dict[int, jax.stages.Compiled] = {}
+        self.num_compiled_shapes = 0
+        self.compile_seconds = 0.0
+        self.step_sizes: list[tuple[int, int]] = []  # (useful tokens, padded tokens) per step
+        if isinstance(config.buckets, tuple):
+            self.buckets = Buckets(config.buckets)
+        else:
+            self.buckets = Buckets.pow2(1, config.max_num_batched_tokens)
+        self._quantile_pending = config.buckets == "quantile"
+        self.compile_all()
+
+    # ----- compiled steps ------------------------------------------------------------------------
+    def _step(self, state, cache, inputs: StepInputs):
+        model = nnx.merge(self.graphdef, state)
+        hidden, cache = model.forward_paged(inputs.tokens, cache, inputs.batch)
+        logits = model.compute_logits(hidden[inputs.logits_indices])
+        return cache, sample(logits, inputs.sampling, self.eos_token_ids, self.config.max_logprobs)
+
+    def num_rows(self, num_tokens_bucket: int) -> int:
+        return min(num_tokens_bucket, self.config.max_num_seqs)
+
+    def _abstract_inputs(self, t: int) -> StepInputs:
+        s, w = self.num_rows(t), self.config.max_blocks_per_seq
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+        return StepInputs(
+            i32(t), PagedBatch(i32(t), i32(t), i32(t), i32(s, w)), i32(s),
+            SamplingArrays(f32(s), i32(s), f32(s), jax.ShapeDtypeStruct((s,), jnp.uint32), i32(s),
+                           jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s)))
+
+    def compile_all(self):
+        """Compiles every bucket ahead of time, so no request ever waits on the compiler."""
+        todo = [t for t in self.buckets.sizes if t not in self._compiled]
+        start = time.perf_counter()
+        for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
+            self._compiled[t] = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t)).compile()
+            self.num_compiled_shapes += 1
+        self.compile_seconds += time.perf_counter() - start
+
+    def _maybe_requantize(self):
+        """buckets="quantile": after the warm-up steps, re-derive the buckets from the observed sizes."""
+        if not self._quantile_pending or len(self.step_sizes) < self.config.quantile_warmup_steps:
+            return
+        self._quantile_pending = False
+        observed = [useful for useful, _ in self.step_sizes]
+        self.buckets = Buckets.quantile(observed, self.config.num_quantile_buckets,
+                                        self.config.max_num_batched_tokens)
+        log.info("quantile buckets from %d steps: %s", len(observed), self.buckets.sizes)
+        self.compile_all()
+
+    # ----- one step ------------------------------------------------------------------------------
+    def prepare(self, out: SchedulerOutput, rows: list[RowSampling]) -> tuple[int, StepInputs]:
+        """Host-side packing of a step into the arrays of its bucket (numpy, no device work)."""
+        bs, w = self.config.block_size, self.config.max_blocks_per_seq
+        t = self.buckets.pick(out.num_batched_tokens)
+        s = self.num_rows(t)
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, self.num_blocks * bs, np.int32)  # past the pool: the write is dropped
+        seq_ids = np.zeros(t, np.int32)
+        tables = np.zeros((s, w), np.int32)
+        logits_indices = np.zeros(s, np.int32)
+        offset = 0
+        for i, item in enumerate(out.scheduled):
+            n = item.num_scheduled_tokens
+            table = np.asarray(item.seq.block_table, np.int32)
+            pos = np.arange(item.num_computed_tokens, item.num_computed_tokens + n, dtype=np.int32)
+            tokens[offset:offset + n] = item.token_ids
+            positions[offset:offset + n] = pos
+            slots[offset:offset + n] = table[pos // bs] * bs + pos % bs
+            seq_ids[offset:offset + n] = i
+            tables[i, :len(table)] = table
+            logits_indices[i] = offset + n - 1
+            offset += n
+        padded = rows + [RowSampling()] * (s - len(rows))
+        column = lambda name, dtype: np.asarray([getattr(r, name) for r in padded], dtype)
+        sampling = SamplingArrays(
+            column("temperature", np.float32), column("top_k", np.int32), column("top_p", np.float32),
+            np.asarray([r.seed & 0xFFFFFFFF for r in padded], np.uint32), column("counter", np.int32),
+            column("mask_eos", np.bool_), column("num_logprobs", np.int32))
+        return t, StepInputs(tokens, PagedBatch(positions, slots, seq_ids, tables), logits_indices, sampling)
+
+    def execute(self, out: SchedulerOutput, rows: list[RowSampling]) -> StepResult:
+        if len(rows) != out.num_seqs:
+            raise ValueError(f"{len(rows)} sampling rows for {out.num_seqs} scheduled sequences")
+        t, inputs = self.prepare(out, rows)
+        compiled = self._compiled.get(t)
+        if compiled is None:  # only after buckets change; compile_all normally covers every size
+            self.compile_all()
+            compiled = self._compiled[t]
+        self.cache, result = compiled(self.state, self.cache, inputs)
+        result: SampleResult = jax.device_get(result)  # the one host sync of a step
+        self.step_sizes.append((out.num_batched_tokens, t))
+        self._maybe_requantize()
+        n = out.num_seqs
+        return StepResult(result.token_ids[:n], result.logprobs[:n], result.top_ids[:n], result.top_logprobs[:n])
+
+    @property
+    def padding_ratio(self) -> float:
+        padded = sum(t for _, t in self.step_sizes)
+        return (padded - sum(u for u, _ in self.step_sizes)) / padded if padded else 0.0

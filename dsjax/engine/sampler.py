@@ -1,0 +1,69 @@
+"""Token sampling on device: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Runs inside the runner's jitted step on the [S, vocab] logits of the sequences that sample. Every
+row has its own PRNG stream, key = fold_in(key(seed), number of tokens the request has generated),
+so a seeded request draws the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingArrays(NamedTuple):
+    temperature: jax.Array  # f32[S]; 0 = greedy
+    top_k: jax.Array  # i32[S]; 0 = off
+    top_p: jax.Array  # f32[S]; 1 = off
+    seeds: jax.Array  # u32[S]
+    counters: jax.Array  # i32[S] tokens generated so far by the request
+    mask_eos: jax.Array  # bool[S] min_tokens not reached: EOS may not be drawn
+    num_logprobs: jax.Array  # i32[S] top log-probabilities the request wants (0: none)
+
+
+class SampleResult(NamedTuple):
+    token_ids: jax.Array  # i32[S]
+    logprobs: jax.Array  # f32[S] log-probability of the drawn token under the model's distribution
+    top_ids: jax.Array  # i32[S, K]
+    top_logprobs: jax.Array  # f32[S, K]
+
+
+def _filtered_sample(logits, arrays: SamplingArrays, keys):
+    """Temperature, then top-k and top-p over the sorted distribution, then a categorical draw."""
+    scaled = logits / jnp.maximum(arrays.temperature, 1e-6)[:, None]
+    sorted_logits, sorted_ids = jax.lax.top_k(scaled, scaled.shape[-1])  # descending
+    rank = jnp.arange(scaled.shape[-1])[None, :]
+    k = jnp.where(arrays.top_k > 0, arrays.top_k, scaled.shape[-1])[:, None]
+    sorted_logits = jnp.where(rank < k, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    sorted_logits = jnp.where(mass_before < arrays.top_p[:, None], sorted_logits, -jnp.inf)  # keeps rank 0
+    choice = jax.vmap(jax.random.categorical)(keys, sorted_logits)
+    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
+
+
+def _plain_sample(logits, arrays: SamplingArrays, keys):
+    scaled = logits / jnp.maximum(arrays.temperature, 1e-6)[:, None]
+    return jax.vmap(jax.random.categorical)(keys, scaled)
+
+
+def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_top_logprobs: int) -> SampleResult:
+    """logits f32[S, V] -> SampleResult."""
+    if eos_token_ids:
+        eos = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(eos_token_ids)].set(True)
+        logits = jnp.where(arrays.mask_eos[:, None] & eos[None, :], -jnp.inf, logits)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(arrays.seeds, arrays.counters)
+    greedy = jnp.argmax(logits, axis=-1)
+    needs_filter = jnp.any((arrays.temperature > 0) & ((arrays.top_k > 0) | (arrays.top_p < 1)))
+    drawn = jax.lax.cond(needs_filter, _filtered_sample, _plain_sample, logits, arrays, keys)
+    token_ids = jnp.where(arrays.temperature > 0, drawn, greedy).astype(jnp.int32)
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
+    rows = logits.shape[0]
+    none = lambda lp: (jnp.zeros((rows, num_top_logprobs), jnp.float32), jnp.zeros((rows, num_top_logprobs), jnp.int32))
+    top = lambda lp: tuple(jax.lax.top_k(lp, num_top_logprobs))
+    # Most steps want no logprobs: skip the top-k over the vocabulary then.
+    top_logprobs, top_ids = jax.lax.cond(jnp.any(arrays.num_logprobs > 0), top, none, logprobs)
+    return SampleResult(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)

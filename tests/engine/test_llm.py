@@ -1,0 +1,162 @@
+"""The engine end to end on the tiny preset: greedy outputs equal the no-cache forward through
+chunked prefill, small blocks and preemption; prefix caching; seeds; stops; logprobs; n."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import dsjax
+from dsjax import LLM, SamplingParams
+
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=384, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("tiny", dtype="float32", progress=False, **ENGINE)
+
+
+def reference_greedy(model, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """Greedy continuation from full causal forwards without a cache (one [B, L] buffer per step)."""
+    length = max(map(len, prompts)) + num_tokens
+    buffer = np.zeros((len(prompts), length), np.int32)
+    for i, p in enumerate(prompts):
+        buffer[i, :len(p)] = p
+    out = [[] for _ in prompts]
+    for step in range(num_tokens):
+        logits = np.asarray(model.logits(buffer))
+        for i, p in enumerate(prompts):
+            pos = len(p) + step
+            out[i].append(int(np.argmax(logits[i, pos - 1])))
+            buffer[i, pos] = out[i][-1]
+    return out
+
+
+def _prompts(num, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 259, size=n).tolist() for n in lengths[:num]]
+
+
+def test_greedy_matches_uncached_forward_with_chunking_and_preemption():
+    lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 200, 233, 260, 300, 317]
+    prompts = _prompts(16, lengths)
+    num_new = 8
+    # 120 blocks of 4 tokens: room for one 325-token sequence but far from all 16 at once -> preemption.
+    llm = LLM("tiny", dtype="float32", progress=False, num_kv_blocks=120, **ENGINE)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), None, params, prompt_token_ids=p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        engine.scheduler.check_invariants()
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_blocks_used"] == 0  # nothing leaked
+    expected = reference_greedy(llm.model, prompts, num_new)
+    for i in range(len(prompts)):
+        assert done[str(i)] == expected[i], f"prompt {i} (length {lengths[i]})"
+
+
+def test_prefix_cache_second_pass(llm):
+    rng = np.random.default_rng(3)
+    system = rng.integers(3, 259, size=120).tolist()
+    prompts = [system + rng.integers(3, 259, size=6).tolist() for _ in range(6)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    before = llm.stats()
+    second = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    after = llm.stats()
+    hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
+    assert hits / queries > 0.8
+    assert second == first
+
+
+def test_seed_reproduces_samples_regardless_of_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate(["the quick brown fox"], params)[0].outputs[0].token_ids
+    crowd = llm.generate(["other prompt", "the quick brown fox", "x" * 40],
+                         [SamplingParams(max_tokens=5, temperature=1.0), params,
+                          SamplingParams(max_tokens=9, temperature=0.7)])
+    assert crowd[1].outputs[0].token_ids == alone
+    other_seed = llm.generate(["the quick brown fox"], SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate("abc", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    top1 = llm.generate("abc", SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=5, ignore_eos=True))[0]
+    assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    free = llm.generate("stop here", SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 10
+    stop_id = free.token_ids[3]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate("stop here", SamplingParams(max_tokens=10, temperature=0.0, stop_token_ids=[stop_id]))[0]
+    assert out.outputs[0].token_ids == free.token_ids[:first + 1]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+
+
+def test_stop_string_truncates_text(llm):
+    params = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+    free = llm.generate("abcdef", SamplingParams(**params))[0].outputs[0]
+    # The random model emits arbitrary bytes; any whole character (not U+FFFD) can serve as the stop.
+    candidates = [ch for ch in free.text if ch != "\ufffd"]
+    assert candidates, f"no whole character in {free.text!r}"
+    stop = candidates[len(candidates) // 2]
+    out = llm.generate("abcdef", SamplingParams(stop=[stop], **params))[0].outputs[0]
+    assert out.text == free.text[:free.text.index(stop)]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < len(free.token_ids)
+
+
+def test_detokenizer_stop_across_tokens():
+    from dsjax.engine.detokenizer import IncrementalDetokenizer
+
+    tok = dsjax.load_tokenizer("tiny")
+    ids = tok.encode("hello STOP world", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [0], stop=("STOP",))
+    for i in ids:
+        detok.append(i)
+        if detok.stop_reason:
+            break
+    assert detok.text == "hello " and detok.stop_reason == "STOP"
+    utf8 = IncrementalDetokenizer(tok, [0])
+    pieces = [utf8.append(i) for i in tok.encode("é✓", add_special_tokens=False)]
+    assert "".join(pieces) == "é✓" and pieces[0] == ""  # waits for the whole character
+
+
+def test_logprobs_and_n(llm):
+    out = llm.generate("hi", SamplingParams(max_tokens=4, temperature=0.8, n=3, logprobs=2, seed=7, ignore_eos=True))[0]
+    assert len(out.outputs) == 3
+    for completion in out.outputs:
+        assert len(completion.token_ids) == 4 and len(completion.logprobs) == 4
+        for token, entry in zip(completion.token_ids, completion.logprobs):
+            assert token in entry and all(lp <= 0 for lp in entry.values())
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(e[t] for t, e in zip(completion.token_ids, completion.logprobs)), rel=1e-5)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_prompt_too_long_is_refused(llm):
+    with pytest.raises(ValueError, match=r"prompt 0: 400 prompt tokens \+ max_tokens=16 exceed max_model_len=384"):
+        llm.generate([[5] * 400])
+
+
+def test_empty_prompt_is_refused(llm):
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        llm.engine.add_request("empty", None, SamplingParams(), prompt_token_ids=[])
+
+
+def test_stats_report_buckets(llm):
+    stats = llm.stats()
+    assert stats["buckets"] == [1, 2, 4, 8, 16, 32] and stats["num_compiled_shapes"] == 6
+    assert 0 <= stats["padding_ratio"] < 1 and stats["warmup_seconds"] > 0

@@ -1,0 +1,121 @@
+"""mla_decode / mla_paged (Pallas, interpret mode on CPU) against their jnp references."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_decode import (default_num_splits, mla_decode, mla_decode_reference, mla_paged,
+                                       mla_paged_reference)
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+def make_cache(rng, num_pages, block_size, latent_dim, rope_dim, dtype):
+    c_kv = jnp.asarray(rng.standard_normal((num_pages, block_size, latent_dim)), dtype)
+    k_pe = jnp.asarray(rng.standard_normal((num_pages, block_size, rope_dim)), dtype)
+    return c_kv, k_pe
+
+
+def shuffled_tables(rng, num_rows, width, num_pages):
+    """Each row owns distinct pages in random order, so a wrong page lookup changes the result."""
+    return jnp.asarray(rng.permutation(num_pages)[:num_rows * width].reshape(num_rows, width), jnp.int32)
+
+
+def assert_close(out, ref, dtype):
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert np.isfinite(out32).all()
+    tol = TOLERANCE[dtype]
+    np.testing.assert_allclose(out32, ref32, rtol=tol, atol=tol)
+
+
+# Lengths: 1 (one key), multiples and non-multiples of block_size, and the table's full context.
+DECODE_CASES = [
+    # dtype, H, C, R, block_size, width, lengths, tuning kwargs
+    pytest.param(jnp.float32, 4, 64, 16, 4, 8, [1, 13, 32], {}, id="f32-pad-heads-default-splits"),
+    pytest.param(jnp.float32, 16, 128, 32, 16, 8, [1, 20, 3, 128], dict(num_splits=8, block_k=16),
+                 id="f32-empty-splits"),
+    pytest.param(jnp.float32, 16, 64, 16, 4, 10, [40, 7, 1], dict(num_splits=1, block_k=16),
+                 id="f32-one-split-4-pages-per-step"),
+    pytest.param(jnp.bfloat16, 16, 64, 16, 8, 6, [48, 9, 1, 17, 33], dict(num_splits=2, block_h=8, block_k=8),
+                 id="bf16-head-tiles"),
+    # The model's cache-free absorbed path pages each whole sequence: any block_size must work.
+    pytest.param(jnp.float32, 16, 64, 16, 15, 1, [15, 9], {}, id="f32-block-size-15"),
+]
+
+
+@pytest.mark.parametrize("dtype, num_heads, latent_dim, rope_dim, block_size, width, lengths, kwargs",
+                         DECODE_CASES)
+def test_mla_decode_matches_reference(dtype, num_heads, latent_dim, rope_dim, block_size, width, lengths,
+                                      kwargs):
+    rng = np.random.default_rng(len(lengths) * 1000 + latent_dim)
+    batch = len(lengths)
+    num_pages = batch * width + 3
+    c_kv, k_pe = make_cache(rng, num_pages, block_size, latent_dim, rope_dim, dtype)
+    tables = shuffled_tables(rng, batch, width, num_pages)
+    q_latent = jnp.asarray(rng.standard_normal((batch, num_heads, latent_dim)), dtype)
+    q_pe = jnp.asarray(rng.standard_normal((batch, num_heads, rope_dim)), dtype)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    scale = (latent_dim + rope_dim) ** -0.5
+
+    out = mla_decode(q_latent, q_pe, c_kv, k_pe, tables, lengths, scale, interpret=True, **kwargs)
+    ref = mla_decode_reference(q_latent, q_pe, c_kv, k_pe, tables, lengths, scale)
+    assert_close(out, ref, dtype)
+
+
+def test_mla_paged_mixed_batch():
+    """Decode tokens of two sequences, a prefill chunk of a third (positions 5..10 over a cached
+    prefix) and a padding token, against the reference; a negative position gives zeros."""
+    rng = np.random.default_rng(7)
+    num_heads, latent_dim, rope_dim, block_size, width = 4, 64, 16, 4, 6
+    num_pages = 3 * width + 2
+    c_kv, k_pe = make_cache(rng, num_pages, block_size, latent_dim, rope_dim, jnp.float32)
+    tables = shuffled_tables(rng, 3, width, num_pages)
+    seq_ids = jnp.asarray([1, 0, 2, 2, 2, 2, 2, 2, 0], jnp.int32)
+    positions = jnp.asarray([22, 3, 5, 6, 7, 8, 9, 10, 0], jnp.int32)  # last: padding at position 0
+    num_tokens = len(seq_ids)
+    q_latent = jnp.asarray(rng.standard_normal((num_tokens, num_heads, latent_dim)), jnp.float32)
+    q_pe = jnp.asarray(rng.standard_normal((num_tokens, num_heads, rope_dim)), jnp.float32)
+    scale = 0.1
+
+    out = mla_paged(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions, scale, block_k=8,
+                    interpret=True)
+    ref = mla_paged_reference(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions, scale)
+    assert_close(out, ref, jnp.float32)
+
+    empty = mla_paged(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions.at[-1].set(-1), scale,
+                      block_k=8, interpret=True)
+    np.testing.assert_array_equal(np.asarray(empty[-1]), 0.0)
+    np.testing.assert_allclose(np.asarray(empty[:-1]), np.asarray(ref[:-1]), rtol=1e-5, atol=1e-5)
+
+
+def test_default_num_splits_fills_the_gpu():
+    # V2-Lite batch 64: 4 splits -> 256 programs; V3 batch 128 already has 1024 head-tile programs.
+    assert default_num_splits(64, 16, 4096, block_h=16, block_k=64) == 4
+    assert default_num_splits(128, 128, 2048, block_h=32, block_k=64) == 1
+    # Batch 1: as many splits as one block_k iteration each allows.
+    assert default_num_splits(1, 16, 4096, block_h=16, block_k=64) == 64
+    assert default_num_splits(1, 128, 4096, block_h=32, block_k=64) == 64
+    assert default_num_splits(1, 16, 64, block_h=16, block_k=64) == 1
+
+
+def test_mla_decode_lowers_to_triton_for_h200():
+    """Triton lowering (no GPU needed): catches non-power-of-two shapes and unsupported ops in CI."""
+    batch, num_heads, latent_dim, rope_dim, block_size, width = 8, 128, 512, 64, 64, 16
+    shape = jax.ShapeDtypeStruct
+    args = (shape((batch, num_heads, latent_dim), jnp.bfloat16), shape((batch, num_heads, rope_dim), jnp.bfloat16),
+            shape((100, block_size, latent_dim), jnp.bfloat16), shape((100, block_size, rope_dim), jnp.bfloat16),
+            shape((batch, width), jnp.int32), shape((batch,), jnp.int32))
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
+        for num_splits in (1, 4):
+            hlo = jax.jit(lambda *a: mla_decode(*a, 0.07, num_splits=num_splits)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert hlo.count("__gpu$xla.gpu.triton") == (1 if num_splits == 1 else 2)

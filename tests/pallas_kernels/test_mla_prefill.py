@@ -1,0 +1,54 @@
+"""mla_prefill (Pallas, interpret mode on CPU) against mla_prefill_reference."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla_prefill import mla_prefill, mla_prefill_reference
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype, batch, seq_len, num_heads, block_q, block_k", [
+    pytest.param(jnp.float32, 2, 40, 3, 16, 8, id="f32-tail-block"),
+    pytest.param(jnp.float32, 1, 37, 2, 8, 16, id="f32-block_k-over-block_q"),
+    pytest.param(jnp.float32, 2, 1, 2, None, None, id="f32-one-token"),
+    pytest.param(jnp.bfloat16, 2, 50, 2, 32, 16, id="bf16"),
+])
+def test_mla_prefill_matches_reference(dtype, batch, seq_len, num_heads, block_q, block_k):
+    nope_dim, rope_dim, value_dim = 32, 16, 32
+    rng = np.random.default_rng(seq_len)
+    rand = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    q_nope, q_pe = rand(batch, seq_len, num_heads, nope_dim), rand(batch, seq_len, num_heads, rope_dim)
+    k_nope, k_pe = rand(batch, seq_len, num_heads, nope_dim), rand(batch, seq_len, rope_dim)
+    v = rand(batch, seq_len, num_heads, value_dim)
+    scale = (nope_dim + rope_dim) ** -0.5
+
+    out = mla_prefill(q_nope, q_pe, k_nope, k_pe, v, scale, block_q=block_q, block_k=block_k,
+                      interpret=True)
+    ref = mla_prefill_reference(q_nope, q_pe, k_nope, k_pe, v, scale)
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out32).all()
+    np.testing.assert_allclose(out32, ref32, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+def test_mla_prefill_lowers_to_triton_for_h200():
+    """Triton lowering at DeepSeek head dims (no GPU needed), T off the block grid."""
+    batch, seq_len, num_heads = 2, 300, 16
+    shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    args = (shape(batch, seq_len, num_heads, 128), shape(batch, seq_len, num_heads, 64),
+            shape(batch, seq_len, num_heads, 128), shape(batch, seq_len, 64),
+            shape(batch, seq_len, num_heads, 128))
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
+        hlo = jax.jit(lambda *a: mla_prefill(*a, 0.07)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
