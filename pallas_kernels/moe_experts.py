@@ -1,7 +1,91 @@
-"""Routed experts of a DeepSeekMoE layer: each token through its top-k experts' SwiGLU MLPs, weighted and summed."""
+"""Routed experts of a DeepSeekMoE layer: each token through its top-k experts' SwiGLU MLPs,
+weighted and summed.
+
+Three implementations with one meaning:
+- ``moe_experts``: the GPU path. Counting sort by expert -> grouped SwiGLU kernel gathering token rows
+  itself -> grouped down-projection kernel scaling each row by its routing weight -> one gather-sum
+  that un-permutes and adds the k expert outputs of each token.
+- ``moe_experts_xla``: the plain-XLA sort-based path (the benchmark anchor).
+- ``moe_experts_reference``: dense one-hot, exact but O(T * E).
+"""
+
 from __future__ import annotations
+
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.grouped_swiglu import TileConfig, grouped_matmul, grouped_swiglu
+from pallas_kernels.moe_routing import (expert_positions, order_from_positions,
+                                        sort_by_expert_reference)
+
+
+def _config_kwargs(config: TileConfig | None) -> dict:
+    return {} if config is None else config._asdict()
+
+
+@functools.partial(jax.jit, static_argnames=("swiglu_config", "down_config", "interpret"))
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, swiglu_config: TileConfig | None = None,
+                down_config: TileConfig | None = None, interpret: bool = False):
+    """x [T, D], weights f32[T, k], ids i32[T, k], w_gate/w_up [E, D, I], w_down [E, I, D] -> [T, D].
+
+    Same semantics as ``moe_experts_reference``. The [T*k, D] expert outputs are kept in x.dtype
+    (f32 accumulation inside each GEMM and across the k experts). ``*_config`` override the kernels'
+    tile tables (benchmarks).
+    """
+    num_tokens, top_k = ids.shape
+    num_experts = w_gate.shape[0]
+    # position[a]: sorted row of assignment a (token a // k); order is its inverse.
+    position, group_sizes = expert_positions(ids, num_experts)
+    order = order_from_positions(position)
+    h = grouped_swiglu(x, group_sizes, w_gate, w_up, row_ids=order // top_k, interpret=interpret,
+                       **_config_kwargs(swiglu_config))  # [T*k, I], sorted
+    row_scale = weights.reshape(-1).astype(jnp.float32)[order]
+    y = grouped_matmul(h, group_sizes, w_down, row_scale=row_scale, interpret=interpret,
+                       **_config_kwargs(down_config))  # [T*k, D], sorted and weighted
+    # Combine: gather each token's k rows back and add them (one fused gather-reduce pass).
+    out = jnp.sum(y[position].reshape(num_tokens, top_k, -1).astype(jnp.float32), axis=1)
+    return out.astype(x.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",))
+def moe_experts_xla(x, weights, ids, w_gate, w_up, w_down, *, capacity: int | None = None):
+    """Plain-XLA sort-based routed experts; same semantics as ``moe_experts_reference``.
+
+    Rows are sorted by expert (argsort), then processed in rounds: round r takes rows
+    [r*C, (r+1)*C) of every expert into an [E, C, D] block and runs batched einsums against the
+    weights in place (no weight gather), scatter-adding weighted outputs into the tokens. Rounds run
+    until the largest group is done, so nothing is dropped; C (``capacity``, default the mean group
+    size rounded up to a power of two) trades padding compute against weight re-reads per round.
+    """
+    num_tokens, top_k = ids.shape
+    num_experts, _, _ = w_gate.shape
+    num_rows = num_tokens * top_k
+    capacity = capacity or max(8, pl.next_power_of_2(pl.cdiv(num_rows, num_experts)))
+    order, group_sizes = sort_by_expert_reference(ids, num_experts)
+    group_starts = jnp.cumsum(group_sizes) - group_sizes
+    flat_weights = weights.reshape(-1).astype(jnp.float32)
+    num_rounds = pl.cdiv(jnp.max(group_sizes), capacity)
+
+    def one_round(r, out):  # out f32[T, D]
+        local = r * capacity + jnp.arange(capacity)  # [C]
+        valid = local[None, :] < group_sizes[:, None]  # [E, C]
+        assignment = order[jnp.minimum(group_starts[:, None] + local[None, :], num_rows - 1)]
+        token = assignment // top_k  # [E, C]
+        x_round = jnp.where(valid[..., None], x[token], 0)  # [E, C, D]
+        scale = jnp.where(valid, flat_weights[assignment], 0.0)
+        gate = jnp.einsum("ecd,edi->eci", x_round, w_gate, preferred_element_type=jnp.float32)
+        up = jnp.einsum("ecd,edi->eci", x_round, w_up, preferred_element_type=jnp.float32)
+        h = (jax.nn.silu(gate) * up * scale[..., None]).astype(x.dtype)
+        y = jnp.einsum("eci,eid->ecd", h, w_down, preferred_element_type=jnp.float32)
+        dest = jnp.where(valid, token, num_tokens)  # padding rows fall off the end
+        return out.at[dest.reshape(-1)].add(y.reshape(-1, y.shape[-1]), mode="drop")
+
+    out = jax.lax.fori_loop(0, num_rounds, one_round,
+                            jnp.zeros((num_tokens, x.shape[1]), jnp.float32))
+    return out.astype(x.dtype)
 
 
 def moe_experts_reference(x, weights, ids, w_gate, w_up, w_down):

@@ -5,10 +5,16 @@ Covers DeepSeek-V2 (softmax, greedy or group-limited greedy) and DeepSeek-V3 (si
 e_score_correction_bias for the choice only, group-limited top-k by the sum of each group's top two,
 weights from the unbiased scores, optional renormalization, routed_scaling_factor).
 """
+
 from __future__ import annotations
+
+import functools
 from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 class RoutingSpec(NamedTuple):
@@ -73,3 +79,239 @@ def sort_by_expert_reference(ids, num_experts: int):
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
     return order, group_sizes
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pallas routing kernel
+# ----------------------------------------------------------------------------------------------------
+
+# Tokens per program and warps, keyed by the padded expert count: a program keeps a few
+# [block_tokens, E] tiles live in registers, so wider routers take fewer tokens.
+_ROUTE_BLOCKS = {64: (64, 4), 128: (32, 4), 256: (32, 8), 512: (16, 8)}
+_NEG_INF = float("-inf")
+_TAKEN = jnp.iinfo(jnp.int32).min  # below every ordered key, -inf's included
+
+
+def _ordered_key(values):
+    """f32 -> i32 with the same order (-inf above _TAKEN); +-0 made equal first, as the compare is."""
+    bits = jax.lax.bitcast_convert_type(values + 0.0, jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _key_value(keys):
+    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ 0x7FFFFFFF, keys), jnp.float32)
+
+
+def _first_index(hit, index, sentinel):
+    """Lowest index where hit is set (lax.top_k's tie order); sentinel where nothing is."""
+    return jnp.min(jnp.where(hit, index, sentinel), axis=-1)
+
+
+def _top_groups(group_scores, topk_group):
+    """group_scores f32[bt, G] (finite) -> bool[bt, G], the topk_group best groups, ties to lower ids."""
+    group = jax.lax.broadcasted_iota(jnp.int32, group_scores.shape, 1)
+    chosen = jnp.zeros(group_scores.shape, jnp.bool_)
+    for _ in range(topk_group):
+        best = jnp.max(group_scores, axis=-1, keepdims=True)
+        hit = group == _first_index(group_scores == best, group, group_scores.shape[1])[:, None]
+        chosen = chosen | hit
+        group_scores = jnp.where(hit, _NEG_INF, group_scores)
+    return chosen
+
+
+def _allowed_experts(choice, col, spec: RoutingSpec, num_experts: int):
+    """bool[bt, Ep]: experts inside each token's topk_group best groups."""
+    block_tokens, padded_experts = choice.shape
+    group_size = num_experts // spec.n_group
+    two_best = spec.topk_method == "noaux_tc" and group_size > 1  # V3 ranks groups by top-2 sum
+    if padded_experts == num_experts and group_size == pl.next_power_of_2(group_size):
+        # Power-of-two groups (V3: 8 x 32): view the row as [G, group] and reduce all groups at once.
+        grouped = choice.reshape(block_tokens, spec.n_group, group_size)
+        best = jnp.max(grouped, axis=-1)  # [bt, G]
+        if two_best:
+            member = jax.lax.broadcasted_iota(jnp.int32, grouped.shape, 2)
+            first = _first_index(grouped == best[..., None], member, group_size)
+            best = best + jnp.max(jnp.where(member == first[..., None], _NEG_INF, grouped), axis=-1)
+        chosen = _top_groups(best, spec.topk_group)
+        return jnp.broadcast_to(chosen[..., None], grouped.shape).reshape(choice.shape)
+    # Other group sizes (V2: 8 x 20): one masked reduction per group; [bt, G] assembled by column.
+    expert_group = col // group_size  # padding columns land past the last group
+    padded_groups = pl.next_power_of_2(spec.n_group)
+    group = jax.lax.broadcasted_iota(jnp.int32, (block_tokens, padded_groups), 1)
+    group_scores = jnp.full((block_tokens, padded_groups), _NEG_INF, jnp.float32)
+    for g in range(spec.n_group):
+        member = expert_group == g
+        best = jnp.max(jnp.where(member, choice, _NEG_INF), axis=-1)
+        if two_best:
+            first = _first_index(member & (choice == best[:, None]), col, padded_experts)
+            best = best + jnp.max(jnp.where(member & (col != first[:, None]), choice, _NEG_INF),
+                                  axis=-1)
+        group_scores = jnp.where(group == g, best[:, None], group_scores)
+    chosen = _top_groups(group_scores, spec.topk_group)
+    chosen = chosen.astype(jnp.int32)  # Triton reduces no bools
+    allowed = jnp.zeros(choice.shape, jnp.bool_)
+    for g in range(spec.n_group):
+        chosen_g = jnp.max(jnp.where(group == g, chosen, 0), axis=-1) > 0  # column g, [bt]
+        allowed = allowed | ((expert_group == g) & chosen_g[:, None])
+    return allowed
+
+
+def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, block_tokens: int,
+                  has_bias: bool):
+    if has_bias:
+        logits_ref, bias_ref, weights_ref, ids_ref = refs
+    else:
+        (logits_ref, weights_ref, ids_ref), bias_ref = refs, None
+    # logits_ref [T, E] (whole array), bias_ref f32[E], weights_ref f32[T, k_pad], ids_ref i32[T, k_pad]
+    padded_experts = pl.next_power_of_2(num_experts)
+    padded_k = weights_ref.shape[1]
+    token0 = pl.program_id(0) * block_tokens
+    rows = token0 + jnp.arange(block_tokens)[:, None]  # [bt, 1]
+    token_ok = rows < num_tokens
+    col = jnp.arange(padded_experts)[None, :]  # [1, Ep]
+    col_ok = col < num_experts
+
+    # Padding experts read -inf, which softmax and sigmoid both send to a score of 0.
+    logits = plgpu.load(logits_ref.at[pl.ds(token0, block_tokens), pl.ds(0, padded_experts)],
+                        mask=token_ok & col_ok, other=jnp.where(col_ok, 0.0, _NEG_INF))
+    logits = logits.astype(jnp.float32)  # [bt, Ep]
+    if spec.scoring_func == "softmax":
+        row_max = jnp.max(logits, axis=-1, keepdims=True)
+        row_sum = jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True)
+        score_of = lambda l: jnp.exp(l - row_max) / row_sum  # as jax.nn.softmax computes it
+    else:
+        score_of = lambda l: 1.0 / (1.0 + jnp.exp(-l))  # as lax.logistic lowers
+    scores = score_of(logits)
+    choice = scores
+    if has_bias:
+        bias = plgpu.load(bias_ref.at[pl.ds(0, padded_experts)], mask=col_ok[0], other=0.0)
+        choice = scores + bias.astype(jnp.float32)[None, :]
+    if spec.topk_method != "greedy":
+        masked_value = _NEG_INF if spec.topk_method == "noaux_tc" else 0.0
+        choice = jnp.where(_allowed_experts(choice, col, spec, num_experts), choice, masked_value)
+
+    # k rounds of argmax on order-preserving int keys: a picked expert drops to _TAKEN, below even
+    # -inf, so masked (-inf) experts stay pickable in the reference's order.
+    keys = jnp.where(col_ok, _ordered_key(choice), _TAKEN)
+    slot = jnp.arange(padded_k)[None, :]  # [1, k_pad]
+    ids = jnp.zeros((block_tokens, padded_k), jnp.int32)
+    weights = jnp.zeros((block_tokens, padded_k), jnp.float32)
+    for j in range(spec.top_k):
+        best = jnp.max(keys, axis=-1, keepdims=True)
+        expert = _first_index(keys == best, col, padded_experts)[:, None]  # [bt, 1]
+        keys = jnp.where(col == expert, _TAKEN, keys)
+        ids = jnp.where(slot == j, expert, ids)
+        weights = jnp.where(slot == j, _key_value(best), weights)
+    if spec.topk_method == "noaux_tc":
+        # Weights come from the unbiased scores: recompute them from the k picked logits (an L2 hit).
+        picked = plgpu.load(logits_ref.at[jnp.minimum(rows, num_tokens - 1), ids])
+        weights = jnp.where(slot < spec.top_k, score_of(picked.astype(jnp.float32)), 0.0)
+    if spec.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * spec.routed_scaling_factor
+    out_tile = (pl.ds(token0, block_tokens), pl.ds(0, padded_k))
+    plgpu.store(weights_ref.at[out_tile], weights, mask=token_ok)
+    plgpu.store(ids_ref.at[out_tile], ids, mask=token_ok)
+
+
+def _check_spec(spec: RoutingSpec, num_experts: int):
+    if spec.scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func={spec.scoring_func!r}; expected 'softmax' or 'sigmoid'")
+    if spec.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"topk_method={spec.topk_method!r}; expected greedy, group_limited_greedy "
+                         "or noaux_tc")
+    if not 1 <= spec.top_k <= num_experts:
+        raise ValueError(f"top_k={spec.top_k} must be in [1, num_experts={num_experts}]")
+    if spec.topk_method != "greedy":
+        if num_experts % spec.n_group:
+            raise ValueError(f"n_group={spec.n_group} must divide num_experts={num_experts}")
+        if not 1 <= spec.topk_group <= spec.n_group:
+            raise ValueError(f"topk_group={spec.topk_group} must be in [1, n_group={spec.n_group}]")
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "block_tokens", "num_warps", "interpret"))
+def route(logits, bias, spec: RoutingSpec, *, block_tokens: int | None = None,
+          num_warps: int | None = None, interpret: bool = False):
+    """Fused router: logits [T, E], bias f32[E] or None -> (weights f32[T, k], ids i32[T, k]).
+
+    Same results as ``route_reference`` (ids exactly, ties to the lower expert or group id), in one
+    pass over the logits: each program holds block_tokens full rows of scores in registers.
+    """
+    num_tokens, num_experts = logits.shape
+    _check_spec(spec, num_experts)
+    padded_experts = pl.next_power_of_2(num_experts)
+    if padded_experts > 512:
+        raise ValueError(f"num_experts={num_experts}: the routing kernel holds whole rows, up to 512")
+    default_tokens, default_warps = _ROUTE_BLOCKS.get(max(64, padded_experts), (16, 8))
+    block_tokens = block_tokens or min(default_tokens, pl.next_power_of_2(num_tokens))
+    padded_k = pl.next_power_of_2(spec.top_k)
+    has_bias = spec.topk_method == "noaux_tc" and bias is not None
+    kernel = functools.partial(_route_kernel, spec=spec, num_tokens=num_tokens,
+                               num_experts=num_experts, block_tokens=block_tokens, has_bias=has_bias)
+    out_shape = (jax.ShapeDtypeStruct((num_tokens, padded_k), jnp.float32),
+                 jax.ShapeDtypeStruct((num_tokens, padded_k), jnp.int32))
+    weights, ids = pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_tokens, block_tokens),),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_warps, num_stages=1),
+        interpret=interpret,
+        name="moe_route",
+    )(logits, *([bias] if has_bias else []))
+    return weights[:, :spec.top_k], ids[:, :spec.top_k]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Expert sort without a sort
+# ----------------------------------------------------------------------------------------------------
+
+_SORT_BLOCK = 128  # assignments ranked against each other by a [block, block] comparison
+
+
+def expert_positions(ids, num_experts: int):
+    """ids i32[T, k] -> (position i32[T*k], group_sizes i32[E]).
+
+    position[a] is where assignment a lands in the stable expert-sorted order, so
+    ``order[position] = arange(T*k)``; the MoE combine gathers with it directly.
+
+    Counting instead of argsort: the rank of an assignment is (rows of lower experts) + (rows of
+    the same expert in earlier blocks) + (same-expert rows earlier in its own block). Each term is
+    a fused compare-and-reduce over [blocks, block, E] or [blocks, block, block], O(T·k·(E+block))
+    work in a few XLA fusions, against the multi-pass radix sort behind a GPU argsort; exact, since
+    ties keep token order as the stable argsort does. benchmarks/kernels_moe.py times both.
+    """
+    flat = ids.reshape(-1).astype(jnp.int32)
+    num_rows = flat.shape[0]
+    block = min(_SORT_BLOCK, pl.next_power_of_2(num_rows))
+    num_blocks = pl.cdiv(num_rows, block)
+    blocks = jnp.pad(flat, (0, num_blocks * block - num_rows), constant_values=num_experts)
+    blocks = blocks.reshape(num_blocks, block)  # [nb, B]; padding uses expert id E (never counted)
+    block_counts = jnp.sum(blocks[:, :, None] == jnp.arange(num_experts)[None, None, :], axis=1,
+                           dtype=jnp.int32)  # [nb, E]
+    group_sizes = jnp.sum(block_counts, axis=0, dtype=jnp.int32)  # [E]
+    group_starts = jnp.cumsum(group_sizes) - group_sizes  # [E]
+    block_starts = jnp.cumsum(block_counts, axis=0) - block_counts + group_starts[None, :]  # [nb, E]
+    earlier = jnp.arange(block)[None, :] < jnp.arange(block)[:, None]  # [B(i), B(j)]: j < i
+    rank_in_block = jnp.sum((blocks[:, :, None] == blocks[:, None, :]) & earlier[None], axis=2,
+                            dtype=jnp.int32)  # [nb, B]
+    start = jnp.take_along_axis(block_starts, jnp.minimum(blocks, num_experts - 1), axis=1)
+    position = (start + rank_in_block).reshape(-1)[:num_rows]
+    return position, group_sizes
+
+
+def order_from_positions(position):
+    """The inverse permutation: order[position[a]] = a (a scatter of T*k ints)."""
+    num_rows = position.shape[0]
+    return jnp.zeros((num_rows,), jnp.int32).at[position].set(
+        jnp.arange(num_rows, dtype=jnp.int32), unique_indices=True)
+
+
+@functools.partial(jax.jit, static_argnames=("num_experts", "interpret"))
+def sort_by_expert(ids, num_experts: int, *, interpret: bool = False):
+    """Same (order i32[T*k], group_sizes i32[E]) as ``sort_by_expert_reference``, without a sort.
+
+    Plain XLA (see ``expert_positions``); ``interpret`` is accepted for a uniform kernel API.
+    """
+    del interpret
+    position, group_sizes = expert_positions(ids, num_experts)
+    return order_from_positions(position), group_sizes

@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu") if not os.environ.get("DSJAX_TEST_GPU") else None
-
 import jax
 import pytest
 

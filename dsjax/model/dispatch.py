@@ -2,7 +2,7 @@
 
 ``kernel_backend``:
   reference  the jnp references (any platform)
-  pallas     the Pallas GPU kernels (ops without a kernel yet use their reference)
+  pallas     the Pallas GPU kernels
   interpret  the Pallas kernels in interpret mode: slow, for CPU tests of the kernel code
   auto       pallas on GPU, reference elsewhere
 """
@@ -14,8 +14,10 @@ import jax
 from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
 from pallas_kernels.mla_prefill import mla_prefill as mla_prefill_kernel
 from pallas_kernels.mla_prefill import mla_prefill_reference
+from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
-from pallas_kernels.moe_routing import RoutingSpec, route_reference
+from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
+from pallas_kernels.swiglu import swiglu as swiglu_kernel
 from pallas_kernels.swiglu import swiglu_reference
 
 KERNEL_BACKENDS = ("reference", "pallas", "interpret", "auto")
@@ -33,17 +35,23 @@ def resolve_backend(kernel_backend: str) -> str:
 
 def swiglu(x, w_gate, w_up, backend: str):
     """x [T, D], w_gate/w_up [D, I] -> silu(x w_gate) * (x w_up) [T, I]."""
-    return swiglu_reference(x, w_gate, w_up)
+    if backend == "reference":
+        return swiglu_reference(x, w_gate, w_up)
+    return swiglu_kernel(x, w_gate, w_up, interpret=backend == "interpret")
 
 
 def moe_route(logits, bias, spec: RoutingSpec, backend: str):
     """logits f32[T, E], bias f32[E] | None -> (weights f32[T, k], ids i32[T, k])."""
-    return route_reference(logits, bias, spec)
+    if backend == "reference":
+        return route_reference(logits, bias, spec)
+    return route(logits, bias, spec, interpret=backend == "interpret")
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str):
     """x [T, D] through experts ids i32[T, k] weighted by f32[T, k] -> [T, D]."""
-    return moe_experts_reference(x, weights, ids, w_gate, w_up, w_down)
+    if backend == "reference":
+        return moe_experts_reference(x, weights, ids, w_gate, w_up, w_down)
+    return moe_experts_kernel(x, weights, ids, w_gate, w_up, w_down, interpret=backend == "interpret")
 
 
 def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str):

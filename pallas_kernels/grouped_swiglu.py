@@ -1,0 +1,296 @@
+"""Grouped expert GEMMs over expert-sorted rows: the fused gate/up SwiGLU and the down projection.
+
+Rows arrive sorted by expert (``group_sizes[e]`` consecutive rows per expert, see
+``moe_routing.sort_by_expert``). A jnp-built tile schedule cuts each expert's rows into M tiles of
+block_m rows that never straddle experts: a tile starts at its expert's first row plus a multiple of
+block_m and masks rows past its expert's end, so no padded copy of the activations is needed. The
+schedule has a static worst-case length; tiles past the real count do nothing. Empty experts get no
+tiles and read no weights.
+
+Program order puts the N tiles of one M tile next to each other and the M tiles of one expert next to
+each other: an expert held in one M tile (decode, with the table's block_m) reads each weight tile from
+HBM exactly once; one spread over several M tiles runs them together, so the repeats hit L2. An
+activation tile is reused from L2 across its N tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+class TileConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# Picked by the average rows per expert (M / E), first row whose bound is not exceeded. Decode is
+# weight-bandwidth bound: block_m sized so most experts fit one M tile (their weights stream from
+# HBM once per N tile), narrow N tiles so enough programs keep every SM streaming. Prefill is MMA
+# bound: 128-row tiles (SwiGLU: two 128x128 f32 accumulators, 8 warps).
+SWIGLU_TILES = (
+    (8, TileConfig(16, 64, 128, 4, 4)),
+    (16, TileConfig(32, 64, 128, 4, 4)),
+    (64, TileConfig(64, 64, 128, 4, 4)),
+    (None, TileConfig(128, 128, 64, 8, 3)),
+)
+DOWN_TILES = (
+    (8, TileConfig(16, 64, 128, 4, 4)),
+    (16, TileConfig(32, 64, 128, 4, 4)),
+    (64, TileConfig(64, 64, 128, 4, 4)),
+    (None, TileConfig(128, 128, 64, 8, 3)),
+)
+
+
+def pick_config(table, num_rows: int, num_experts: int, width: int, depth: int,
+                **overrides) -> TileConfig:
+    """Table entry for M rows over E experts of [depth, width] weights, explicit overrides applied,
+    blocks clamped to the problem (at least 16, Triton's smallest dot)."""
+    rows_per_expert = num_rows / max(num_experts, 1)
+    config = next(c for bound, c in table if bound is None or rows_per_expert <= bound)
+    config = config._replace(**{k: v for k, v in overrides.items() if v is not None})
+    fit = lambda block, dim: max(16, min(block, pl.next_power_of_2(dim)))
+    return config._replace(block_m=fit(config.block_m, num_rows),
+                           block_n=fit(config.block_n, width), block_k=fit(config.block_k, depth))
+
+
+def tile_schedule(group_sizes, num_rows: int, block_m: int):
+    """group_sizes i32[E] -> i32[3, num_tiles]: (expert, first row, end row) of every M tile.
+
+    num_tiles is the static worst case: sum_e cdiv(size_e, block_m) <= (M + n(block_m-1)) / block_m
+    with n = min(E, M) non-empty experts. Unused tiles are (0, 0, 0): empty row range.
+    """
+    num_experts = group_sizes.shape[0]
+    num_tiles = max(1, (num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m)
+    sizes = group_sizes.astype(jnp.int32)
+    group_starts = jnp.cumsum(sizes) - sizes
+    group_ends = jnp.minimum(group_starts + sizes, num_rows)
+    tiles = (sizes + block_m - 1) // block_m
+    tile_ends = jnp.cumsum(tiles)
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    expert = jnp.sum(tile_ends[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)  # E past the end
+    used = expert < num_experts
+    expert = jnp.minimum(expert, num_experts - 1)
+    first = group_starts[expert] + (tile - (tile_ends - tiles)[expert]) * block_m
+    end = group_ends[expert]
+    return jnp.stack([jnp.where(used, expert, 0), jnp.where(used, first, 0), jnp.where(used, end, 0)])
+
+
+def _load_weight_tile(w_ref, expert, k0, n0, *, block_k, block_n, depth, width):
+    """w_ref [E, K, N] -> [block_k, block_n] at (expert, k0, n0), zero past K and N."""
+    window = w_ref.at[expert, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+    mask = None
+    if depth % block_k:
+        mask = (k0 + jnp.arange(block_k) < depth)[:, None]
+    if width % block_n:
+        col_ok = (n0 + jnp.arange(block_n) < width)[None, :]
+        mask = col_ok if mask is None else mask & col_ok
+    if mask is None:
+        return plgpu.load(window)
+    return plgpu.load(window, mask=mask, other=0)
+
+
+def _program_tile(schedule_ref, *, num_n_tiles, block_m, depth, block_k):
+    """This program's expert, first row, rows [bm] and row mask, N tile, and K-loop trip count.
+
+    Unused tiles get a zero trip count and an all-false row mask: they load no weights and store
+    nothing. (A zero-trip loop rather than pl.when keeps the K loop at the top level for Triton's
+    software pipeliner.)
+    """
+    pid = pl.program_id(0)
+    tile, n_tile = pid // num_n_tiles, pid % num_n_tiles
+    expert, first, end = schedule_ref[0, tile], schedule_ref[1, tile], schedule_ref[2, tile]
+    rows = first + jnp.arange(block_m)
+    num_k = jnp.where(first < end, pl.cdiv(depth, block_k), 0)
+    return expert, first, rows, rows < end, n_tile, num_k
+
+
+def _grouped_swiglu_kernel(schedule_ref, x_ref, *refs, block_m, block_n, block_k, num_n_tiles,
+                           gather):
+    # schedule_ref i32[3, num_tiles]; x_ref [M, D] sorted rows, or [T, D] when gather;
+    # (row_ids_ref i32[M] when gather); w_gate_ref/w_up_ref [E, D, I]; out_ref [M, I]
+    if gather:
+        row_ids_ref, w_gate_ref, w_up_ref, out_ref = refs
+    else:
+        (w_gate_ref, w_up_ref, out_ref), row_ids_ref = refs, None
+    depth, width = w_gate_ref.shape[1:]
+    expert, first, rows, row_ok, n_tile, num_k = _program_tile(
+        schedule_ref, num_n_tiles=num_n_tiles, block_m=block_m, depth=depth, block_k=block_k)
+    # Rows past the expert's end read a valid row (token 0, or the tile's first) and are never
+    # stored, so the K loop needs no row mask.
+    if gather:
+        x_rows = plgpu.load(row_ids_ref.at[pl.ds(first, block_m)], mask=row_ok, other=0)
+    else:
+        x_rows = jnp.where(row_ok, rows, first)
+    n0 = n_tile * block_n
+    weight_tile = functools.partial(_load_weight_tile, expert=expert, n0=n0, block_k=block_k,
+                                    block_n=block_n, depth=depth, width=width)
+
+    def body(kk, carry):
+        acc_gate, acc_up = carry  # f32[bm, bn] x 2
+        k0 = pl.multiple_of(kk * block_k, block_k)
+        k_idx = k0 + jnp.arange(block_k)
+        x_tile = x_ref.at[x_rows[:, None], k_idx[None, :]]
+        if depth % block_k:
+            x = plgpu.load(x_tile, mask=(k_idx < depth)[None, :], other=0)
+        else:
+            x = plgpu.load(x_tile)  # [bm, bk], shared by both GEMMs
+        acc_gate += jnp.dot(x, weight_tile(w_gate_ref, k0=k0), preferred_element_type=jnp.float32)
+        acc_up += jnp.dot(x, weight_tile(w_up_ref, k0=k0), preferred_element_type=jnp.float32)
+        return acc_gate, acc_up
+
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    acc_gate, acc_up = jax.lax.fori_loop(0, num_k, body, (zeros, zeros))
+    h = jax.nn.silu(acc_gate) * acc_up
+    col_ok = n0 + jnp.arange(block_n) < width
+    plgpu.store(out_ref.at[pl.ds(first, block_m), pl.ds(n0, block_n)], h.astype(out_ref.dtype),
+                mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _grouped_matmul_kernel(schedule_ref, h_ref, w_ref, *refs, block_m, block_n, block_k,
+                           num_n_tiles, scaled):
+    # schedule_ref i32[3, num_tiles]; h_ref [M, I] sorted rows; w_ref [E, I, D];
+    # (row_scale_ref f32[M] when scaled); out_ref [M, D]
+    if scaled:
+        row_scale_ref, out_ref = refs
+    else:
+        (out_ref,), row_scale_ref = refs, None
+    depth, width = w_ref.shape[1:]
+    expert, first, rows, row_ok, n_tile, num_k = _program_tile(
+        schedule_ref, num_n_tiles=num_n_tiles, block_m=block_m, depth=depth, block_k=block_k)
+    h_rows = jnp.where(row_ok, rows, first)
+    n0 = n_tile * block_n
+
+    def body(kk, acc):  # acc f32[bm, bn]
+        k0 = pl.multiple_of(kk * block_k, block_k)
+        k_idx = k0 + jnp.arange(block_k)
+        h_tile = h_ref.at[h_rows[:, None], k_idx[None, :]]
+        if depth % block_k:
+            h = plgpu.load(h_tile, mask=(k_idx < depth)[None, :], other=0)
+        else:
+            h = plgpu.load(h_tile)
+        w = _load_weight_tile(w_ref, expert, k0, n0, block_k=block_k, block_n=block_n,
+                              depth=depth, width=width)
+        return acc + jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+    if scaled:
+        scale = plgpu.load(row_scale_ref.at[pl.ds(first, block_m)], mask=row_ok, other=0.0)
+        acc = acc * scale.astype(jnp.float32)[:, None]
+    col_ok = n0 + jnp.arange(block_n) < width
+    plgpu.store(out_ref.at[pl.ds(first, block_m), pl.ds(n0, block_n)], acc.astype(out_ref.dtype),
+                mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _check_groups(name, rows_arg, group_sizes, weights):
+    if group_sizes.shape != (weights.shape[0],):
+        raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}; expected "
+                         f"({weights.shape[0]},), one count per expert of the weights")
+    if rows_arg.shape[-1] != weights.shape[1]:
+        raise ValueError(f"{name}: activations have {rows_arg.shape[-1]} features but the weights "
+                         f"[E, K, N] have K={weights.shape[1]}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, *, row_ids=None, block_m=None,
+                   block_n=None, block_k=None, num_warps=None, num_stages=None,
+                   interpret=False):
+    """silu(x @ w_gate[e]) * (x @ w_up[e]) for each expert's rows, both GEMMs in one kernel.
+
+    x_sorted [M, D] (rows sorted by expert), group_sizes i32[E] (sum <= M), w_gate/w_up [E, D, I]
+    -> [M, I] in x.dtype. With ``row_ids`` i32[M], x_sorted is instead the unsorted [T, D] and sorted
+    row r is x_sorted[row_ids[r]], gathered inside the kernel (saves writing the sorted copy).
+    Rows past sum(group_sizes) are left unspecified.
+    """
+    _check_groups("grouped_swiglu", x_sorted, group_sizes, w_gate)
+    num_experts, depth, width = w_gate.shape
+    num_rows = x_sorted.shape[0] if row_ids is None else row_ids.shape[0]
+    config = pick_config(SWIGLU_TILES, num_rows, num_experts, width, depth,
+                         block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                         num_stages=num_stages)
+    schedule = tile_schedule(group_sizes, num_rows, config.block_m)
+    num_n_tiles = pl.cdiv(width, config.block_n)
+    gather = row_ids is not None
+    kernel = functools.partial(_grouped_swiglu_kernel, block_m=config.block_m,
+                               block_n=config.block_n, block_k=config.block_k,
+                               num_n_tiles=num_n_tiles, gather=gather)
+    return pl.pallas_call(
+        kernel,
+        grid=(schedule.shape[1] * num_n_tiles,),
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), x_sorted.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="grouped_swiglu",
+    )(schedule, x_sorted, *([row_ids.astype(jnp.int32)] if gather else []), w_gate, w_up)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k",
+                                             "num_warps", "num_stages", "interpret"))
+def grouped_matmul(h_sorted, group_sizes, w, *, row_scale=None, out_dtype=None, block_m=None,
+                   block_n=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
+    """(h @ w[e]) * row_scale for each expert's rows: the MoE down projection.
+
+    h_sorted [M, I] (rows sorted by expert), group_sizes i32[E], w [E, I, D], row_scale f32[M] or
+    None (the routing weight of each row, applied to the f32 accumulator) -> [M, D] in out_dtype
+    (default h.dtype). Rows past sum(group_sizes) are left unspecified.
+    """
+    _check_groups("grouped_matmul", h_sorted, group_sizes, w)
+    num_experts, depth, width = w.shape
+    num_rows = h_sorted.shape[0]
+    config = pick_config(DOWN_TILES, num_rows, num_experts, width, depth,
+                         block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                         num_stages=num_stages)
+    schedule = tile_schedule(group_sizes, num_rows, config.block_m)
+    num_n_tiles = pl.cdiv(width, config.block_n)
+    scaled = row_scale is not None
+    kernel = functools.partial(_grouped_matmul_kernel, block_m=config.block_m,
+                               block_n=config.block_n, block_k=config.block_k,
+                               num_n_tiles=num_n_tiles, scaled=scaled)
+    return pl.pallas_call(
+        kernel,
+        grid=(schedule.shape[1] * num_n_tiles,),
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), out_dtype or h_sorted.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                             num_stages=config.num_stages),
+        interpret=interpret,
+        name="grouped_matmul",
+    )(schedule, h_sorted, w, *([row_scale.astype(jnp.float32)] if scaled else []))
+
+
+def _row_experts(group_sizes, num_rows):
+    """i32[M]: expert of each sorted row; E for rows past sum(group_sizes)."""
+    ends = jnp.cumsum(group_sizes)
+    return jnp.sum(ends[None, :] <= jnp.arange(num_rows)[:, None], axis=1)
+
+
+def grouped_swiglu_reference(x_sorted, group_sizes, w_gate, w_up):
+    """Per-expert loop in plain jnp (every expert over all rows, then masked); zeros past the groups."""
+    row_experts = _row_experts(group_sizes, x_sorted.shape[0])
+    out = jnp.zeros((x_sorted.shape[0], w_gate.shape[2]), jnp.float32)
+    for e in range(w_gate.shape[0]):
+        gate = jnp.dot(x_sorted, w_gate[e], preferred_element_type=jnp.float32)
+        up = jnp.dot(x_sorted, w_up[e], preferred_element_type=jnp.float32)
+        out = jnp.where((row_experts == e)[:, None], jax.nn.silu(gate) * up, out)
+    return out.astype(x_sorted.dtype)
+
+
+def grouped_matmul_reference(h_sorted, group_sizes, w, row_scale=None, out_dtype=None):
+    """Per-expert loop in plain jnp; zeros past the groups."""
+    row_experts = _row_experts(group_sizes, h_sorted.shape[0])
+    out = jnp.zeros((h_sorted.shape[0], w.shape[2]), jnp.float32)
+    for e in range(w.shape[0]):
+        y = jnp.dot(h_sorted, w[e], preferred_element_type=jnp.float32)
+        out = jnp.where((row_experts == e)[:, None], y, out)
+    if row_scale is not None:
+        out = out * row_scale.astype(jnp.float32)[:, None]
+    return out.astype(out_dtype or h_sorted.dtype)

@@ -1,0 +1,110 @@
+"""Routing kernel (interpret mode) and the counting expert sort against their references."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe_routing import (RoutingSpec, route, route_reference, sort_by_expert,
+                                        sort_by_expert_reference)
+
+
+def _run(fn, *args):
+    """jit at XLA -O0: interpret-mode kernels become large CPU programs that compile ~3x faster so."""
+    return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
+
+
+def _lower_for_h200(fn, *args):
+    """StableHLO of fn lowered for an abstract H200 (no GPU needed): runs the Pallas Triton lowering,
+    which rejects non-power-of-two blocks and unsupported ops."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _tied_logits(rng, num_tokens, num_experts):
+    """Logits on a coarse grid (about 7 values) so scores, group scores and picks tie exactly."""
+    return jnp.asarray(np.round(rng.standard_normal((num_tokens, num_experts)) * 1.5) / 2, jnp.float32)
+
+
+# Every topk_method x scoring_func, with groups of power-of-two size (the kernel's reshape path) and
+# of other sizes (its masked path).
+SPECS = [  # (num_experts, spec, with_bias)
+    (16, RoutingSpec(top_k=4), False),  # V2-Lite: softmax greedy
+    (16, RoutingSpec(3, "sigmoid", norm_topk_prob=True, routed_scaling_factor=2.0), False),
+    (24, RoutingSpec(3, "softmax", "group_limited_greedy", n_group=4, topk_group=2), False),  # V2
+    (32, RoutingSpec(4, "sigmoid", "group_limited_greedy", 4, 2, True, 1.5), False),
+    (32, RoutingSpec(4, "sigmoid", "noaux_tc", n_group=4, topk_group=2, norm_topk_prob=True,
+                     routed_scaling_factor=2.5), True),  # V3, scaled down
+    (20, RoutingSpec(3, "softmax", "noaux_tc", 4, 3, False, 1.0), False),  # noaux without bias
+    # More picks than allowed experts: the last two are -inf masked ones, lowest ids first.
+    (16, RoutingSpec(6, "sigmoid", "noaux_tc", 4, 1, True, 1.0), True),
+]
+
+
+@pytest.mark.parametrize("num_experts,spec,with_bias", SPECS,
+                         ids=lambda v: v.topk_method + "-" + v.scoring_func
+                         if isinstance(v, RoutingSpec) else None)
+def test_route_matches_reference_with_ties(num_experts, spec, with_bias):
+    rng = np.random.default_rng(num_experts + spec.top_k)
+    logits = _tied_logits(rng, 45, num_experts)  # 45 tokens: a partial last tile
+    bias = jnp.asarray(np.round(rng.standard_normal(num_experts) * 2) / 8, jnp.float32) if with_bias else None
+    (weights, ids), (ref_weights, ref_ids) = _run(
+        lambda l, b: (route(l, b, spec, block_tokens=16, interpret=True), route_reference(l, b, spec)),
+        logits, bias)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_route_continuous_logits_bf16_and_default_blocks():
+    spec = RoutingSpec(6, "sigmoid", "noaux_tc", 8, 4, True, 2.5)
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((33, 64)), jnp.bfloat16)
+    bias = jnp.asarray(rng.standard_normal(64) * 0.1, jnp.float32)
+    (weights, ids), (ref_weights, ref_ids) = _run(
+        lambda l, b: (route(l, b, spec, interpret=True), route_reference(l, b, spec)), logits, bias)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(weights, ref_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_route_rejects_bad_spec():
+    with pytest.raises(ValueError, match="n_group=3 must divide num_experts=16"):
+        route(jnp.zeros((4, 16)), None, RoutingSpec(2, "sigmoid", "noaux_tc", 3, 1), interpret=True)
+    with pytest.raises(ValueError, match="top_k=20"):
+        route(jnp.zeros((4, 16)), None, RoutingSpec(20), interpret=True)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 1, 4), (300, 6, 64)])
+def test_sort_by_expert_exact(num_tokens, top_k, num_experts):
+    rng = np.random.default_rng(num_tokens)
+    ids = jnp.asarray(np.argsort(rng.uniform(size=(num_tokens, num_experts)), axis=1)[:, :top_k],
+                      jnp.int32)  # k distinct experts per token
+    (order, group_sizes), (ref_order, ref_sizes) = _run(
+        lambda i: (sort_by_expert(i, num_experts), sort_by_expert_reference(i, num_experts)), ids)
+    np.testing.assert_array_equal(order, ref_order)
+    np.testing.assert_array_equal(group_sizes, ref_sizes)
+
+
+def test_sort_by_expert_one_hot_expert_and_empty_experts():
+    ids = jnp.asarray(np.stack([np.full(200, 3), np.arange(200) % 2], axis=1), jnp.int32)  # 4 blocks
+    (order, group_sizes), (ref_order, ref_sizes) = _run(
+        lambda i: (sort_by_expert(i, 8), sort_by_expert_reference(i, 8)), ids)
+    np.testing.assert_array_equal(order, ref_order)
+    np.testing.assert_array_equal(group_sizes, [100, 100, 0, 200, 0, 0, 0, 0])
+    np.testing.assert_array_equal(group_sizes, ref_sizes)
+
+
+@pytest.mark.parametrize("num_experts,spec", [
+    (64, RoutingSpec(6)),  # V2-Lite
+    (160, RoutingSpec(6, "softmax", "group_limited_greedy", 8, 3)),  # V2: 8 groups of 20
+    (256, RoutingSpec(8, "sigmoid", "noaux_tc", 8, 4, True, 2.5)),  # V3
+], ids=["v2_lite", "v2", "v3"])
+def test_route_lowers_to_triton_for_h200(num_experts, spec):
+    args = (jax.ShapeDtypeStruct((8192, num_experts), jnp.float32),
+            jax.ShapeDtypeStruct((num_experts,), jnp.float32))
+    hlo = _lower_for_h200(lambda logits, bias: route(logits, bias, spec), *args)
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
