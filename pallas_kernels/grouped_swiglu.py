@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import dot_precision
+
 
 class TileConfig(NamedTuple):
     block_m: int
@@ -99,18 +101,17 @@ def _load_weight_tile(w_ref, expert, k0, n0, *, block_k, block_n, depth, width):
 
 
 def _program_tile(schedule_ref, *, num_n_tiles, block_m, depth, block_k):
-    """This program's expert, first row, rows [bm] and row mask, N tile, and K-loop trip count.
+    """This program's expert, first row, rows [bm] and row mask, N tile, and whether the tile has rows.
 
-    Unused tiles get a zero trip count and an all-false row mask: they load no weights and store
-    nothing. (A zero-trip loop rather than pl.when keeps the K loop at the top level for Triton's
-    software pipeliner.)
+    Unused tiles (the schedule is sized for the worst case) skip all work under ``pl.when``: they
+    load no weights and store nothing. (A data-dependent trip count would express the same, but the
+    GPU's Triton rejects the mixed-type scf.for bounds Pallas emits for it.)
     """
     pid = pl.program_id(0)
     tile, n_tile = pid // num_n_tiles, pid % num_n_tiles
     expert, first, end = schedule_ref[0, tile], schedule_ref[1, tile], schedule_ref[2, tile]
     rows = first + jnp.arange(block_m)
-    num_k = jnp.where(first < end, pl.cdiv(depth, block_k), 0)
-    return expert, first, rows, rows < end, n_tile, num_k
+    return expert, first, rows, rows < end, n_tile, first < end
 
 
 def _grouped_swiglu_kernel(schedule_ref, x_ref, *refs, block_m, block_n, block_k, num_n_tiles,
@@ -122,7 +123,7 @@ def _grouped_swiglu_kernel(schedule_ref, x_ref, *refs, block_m, block_n, block_k
     else:
         (w_gate_ref, w_up_ref, out_ref), row_ids_ref = refs, None
     depth, width = w_gate_ref.shape[1:]
-    expert, first, rows, row_ok, n_tile, num_k = _program_tile(
+    expert, first, rows, row_ok, n_tile, active = _program_tile(
         schedule_ref, num_n_tiles=num_n_tiles, block_m=block_m, depth=depth, block_k=block_k)
     # Rows past the expert's end read a valid row (token 0, or the tile's first) and are never
     # stored, so the K loop needs no row mask.
@@ -143,16 +144,20 @@ def _grouped_swiglu_kernel(schedule_ref, x_ref, *refs, block_m, block_n, block_k
             x = plgpu.load(x_tile, mask=(k_idx < depth)[None, :], other=0)
         else:
             x = plgpu.load(x_tile)  # [bm, bk], shared by both GEMMs
-        acc_gate += jnp.dot(x, weight_tile(w_gate_ref, k0=k0), preferred_element_type=jnp.float32)
-        acc_up += jnp.dot(x, weight_tile(w_up_ref, k0=k0), preferred_element_type=jnp.float32)
+        acc_gate += jnp.dot(x, weight_tile(w_gate_ref, k0=k0), preferred_element_type=jnp.float32,
+                            precision=dot_precision(x.dtype))
+        acc_up += jnp.dot(x, weight_tile(w_up_ref, k0=k0), preferred_element_type=jnp.float32,
+                          precision=dot_precision(x.dtype))
         return acc_gate, acc_up
 
-    zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    acc_gate, acc_up = jax.lax.fori_loop(0, num_k, body, (zeros, zeros))
-    h = jax.nn.silu(acc_gate) * acc_up
-    col_ok = n0 + jnp.arange(block_n) < width
-    plgpu.store(out_ref.at[pl.ds(first, block_m), pl.ds(n0, block_n)], h.astype(out_ref.dtype),
-                mask=row_ok[:, None] & col_ok[None, :])
+    @pl.when(active)
+    def _():
+        zeros = jnp.zeros((block_m, block_n), jnp.float32)
+        acc_gate, acc_up = jax.lax.fori_loop(0, pl.cdiv(depth, block_k), body, (zeros, zeros))
+        h = jax.nn.silu(acc_gate) * acc_up
+        col_ok = n0 + jnp.arange(block_n) < width
+        plgpu.store(out_ref.at[pl.ds(first, block_m), pl.ds(n0, block_n)], h.astype(out_ref.dtype),
+                    mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _grouped_matmul_kernel(schedule_ref, h_ref, w_ref, *refs, block_m, block_n, block_k,
@@ -164,7 +169,7 @@ def _grouped_matmul_kernel(schedule_ref, h_ref, w_ref, *refs, block_m, block_n, 
     else:
         (out_ref,), row_scale_ref = refs, None
     depth, width = w_ref.shape[1:]
-    expert, first, rows, row_ok, n_tile, num_k = _program_tile(
+    expert, first, rows, row_ok, n_tile, active = _program_tile(
         schedule_ref, num_n_tiles=num_n_tiles, block_m=block_m, depth=depth, block_k=block_k)
     h_rows = jnp.where(row_ok, rows, first)
     n0 = n_tile * block_n
@@ -179,15 +184,17 @@ def _grouped_matmul_kernel(schedule_ref, h_ref, w_ref, *refs, block_m, block_n, 
             h = plgpu.load(h_tile)
         w = _load_weight_tile(w_ref, expert, k0, n0, block_k=block_k, block_n=block_n,
                               depth=depth, width=width)
-        return acc + jnp.dot(h, w, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(h, w, preferred_element_type=jnp.float32, precision=dot_precision(h.dtype))
 
-    acc = jax.lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-    if scaled:
-        scale = plgpu.load(row_scale_ref.at[pl.ds(first, block_m)], mask=row_ok, other=0.0)
-        acc = acc * scale.astype(jnp.float32)[:, None]
-    col_ok = n0 + jnp.arange(block_n) < width
-    plgpu.store(out_ref.at[pl.ds(first, block_m), pl.ds(n0, block_n)], acc.astype(out_ref.dtype),
-                mask=row_ok[:, None] & col_ok[None, :])
+    @pl.when(active)
+    def _():
+        acc = jax.lax.fori_loop(0, pl.cdiv(depth, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
+        if scaled:
+            scale = plgpu.load(row_scale_ref.at[pl.ds(first, block_m)], mask=row_ok, other=0.0)
+            acc = acc * scale.astype(jnp.float32)[:, None]
+        col_ok = n0 + jnp.arange(block_n) < width
+        plgpu.store(out_ref.at[pl.ds(first, block_m), pl.ds(n0, block_n)], acc.astype(out_ref.dtype),
+                    mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _check_groups(name, rows_arg, group_sizes, weights):

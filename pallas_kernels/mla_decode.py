@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import dot_precision
+
 NUM_SMS = 132  # H100 / H200 SXM
 # Splits grow (by powers of two) until the grid has this many programs: one wave over the SMs.
 TARGET_PROGRAMS = NUM_SMS
@@ -109,17 +111,18 @@ def _decode_kernel(
         keys_pe = plgpu.load(k_pe_ref.at[rows, rope_cols], mask=valid[:, None], other=0)
         if keys.dtype != q_latent.dtype:
             keys, keys_pe = keys.astype(q_latent.dtype), keys_pe.astype(q_latent.dtype)
+        precision = dot_precision(keys.dtype)
         s = (jax.lax.dot_general(q_latent, keys, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+                                 preferred_element_type=jnp.float32, precision=precision)
              + jax.lax.dot_general(q_pe, keys_pe, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32))  # [block_h, block_k]
+                                   preferred_element_type=jnp.float32, precision=precision))  # [block_h, block_k]
         s = jnp.where(valid[None, :], s * scale_log2e, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         correction = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l = l * correction + p.sum(axis=1)
         acc = acc * correction[:, None] + jnp.dot(p.astype(keys.dtype), keys,
-                                                  preferred_element_type=jnp.float32)
+                                                  preferred_element_type=jnp.float32, precision=precision)
         return m_new, l, acc
 
     init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),

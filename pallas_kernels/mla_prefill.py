@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import dot_precision
+
 _LOG2E = math.log2(math.e)
 
 
@@ -72,10 +74,11 @@ def _prefill_kernel(
             v = plgpu.load(v_ref.at[k_rows, :], mask=col_ok, other=0)
         else:  # plgpu.load, not ref[...]: interpret mode pads a block longer than T
             k_nope, k_pe, v = (plgpu.load(r.at[k_rows, :]) for r in (k_nope_ref, k_pe_ref, v_ref))
+        precision = dot_precision(k_nope.dtype)
         s = (jax.lax.dot_general(q_nope, k_nope, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+                                 preferred_element_type=jnp.float32, precision=precision)
              + jax.lax.dot_general(q_pe, k_pe, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)) * scale_log2e
+                                   preferred_element_type=jnp.float32, precision=precision)) * scale_log2e
         if diagonal:
             # Every row has seen key 0 before or within its first diagonal block, so m is finite.
             s = jnp.where(col[None, :] <= row[:, None], s, -jnp.inf)
@@ -84,7 +87,7 @@ def _prefill_kernel(
         p = jnp.exp2(s - m_new[:, None])
         l = l * correction + p.sum(axis=1)
         acc = acc * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
-                                                  preferred_element_type=jnp.float32)
+                                                  preferred_element_type=jnp.float32, precision=precision)
         return m_new, l, acc
 
     value_dim = o_ref.shape[-1]

@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import dot_precision
+
 
 class SwigluConfig(NamedTuple):
     block_m: int
@@ -71,8 +73,10 @@ def _swiglu_kernel(x_ref, w_gate_ref, w_up_ref, out_ref, *, block_m, block_n, bl
             x = plgpu.load(x_tile, mask=(k_idx < depth)[None, :], other=0)
         else:
             x = plgpu.load(x_tile)  # [bm, bk], shared by both GEMMs
-        acc_gate += jnp.dot(x, load_w(w_gate_ref, k0), preferred_element_type=jnp.float32)
-        acc_up += jnp.dot(x, load_w(w_up_ref, k0), preferred_element_type=jnp.float32)
+        acc_gate += jnp.dot(x, load_w(w_gate_ref, k0), preferred_element_type=jnp.float32,
+                            precision=dot_precision(x.dtype))
+        acc_up += jnp.dot(x, load_w(w_up_ref, k0), preferred_element_type=jnp.float32,
+                          precision=dot_precision(x.dtype))
         return acc_gate, acc_up
 
     zeros = jnp.zeros((block_m, block_n), jnp.float32)

@@ -55,7 +55,8 @@ def test_mla_prefill_gpu():
 def test_engine_pallas_matches_reference_f32():
     from dsjax import LLM, SamplingParams
 
-    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, block_size=16, progress=False)
+    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, block_size=16, num_kv_blocks=256,
+                  progress=False)
     prompts = [[5, 6, 7], list(range(10, 80)), [9], list(range(100, 140))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = {}
@@ -73,3 +74,42 @@ def test_model_bf16_logits_pallas_vs_reference():
     for mode in ("expanded", "absorbed"):
         got = np.asarray(dsjax.load_model("tiny", dtype="bfloat16", kernel_backend="pallas").logits(tokens, mode=mode))
         assert _rel(got, ref) < 3e-2, mode
+
+
+def test_moe_kernels_gpu_v2_lite_shapes():
+    from pallas_kernels.moe_experts import moe_experts, moe_experts_xla
+    from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
+    from pallas_kernels.swiglu import swiglu, swiglu_reference
+
+    rng = np.random.default_rng(0)
+    t, d, e, i, k = 300, 2048, 64, 1408, 6
+    x = jnp.asarray(rng.standard_normal((t, d)) * 0.5, jnp.bfloat16)
+    logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
+    spec = RoutingSpec(top_k=k, scoring_func="softmax", topk_method="greedy")
+    weights, ids = route(logits, None, spec)
+    ref_w, ref_ids = route_reference(logits, None, spec)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(ref_w), rtol=1e-5)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.02, jnp.bfloat16)
+    wg, wu, wd = w(e, d, i), w(e, d, i), w(e, i, d)
+    got = moe_experts(x, weights, ids, wg, wu, wd)
+    want = moe_experts_xla(x.astype(jnp.float32), weights, ids, wg.astype(jnp.float32), wu.astype(jnp.float32),
+                           wd.astype(jnp.float32))
+    assert _rel(got, want) < 2e-2
+    wg2, wu2 = w(d, 10944), w(d, 10944)
+    assert _rel(swiglu(x, wg2, wu2), swiglu_reference(x.astype(jnp.float32), wg2.astype(jnp.float32),
+                                                      wu2.astype(jnp.float32))) < 2e-2
+
+
+def test_v3_routing_gpu():
+    from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
+
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((1000, 256)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(256) * 0.1, jnp.float32)
+    spec = RoutingSpec(top_k=8, scoring_func="sigmoid", topk_method="noaux_tc", n_group=8, topk_group=4,
+                       norm_topk_prob=True, routed_scaling_factor=2.5)
+    weights, ids = route(logits, bias, spec)
+    ref_w, ref_ids = route_reference(logits, bias, spec)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(ref_w), rtol=1e-5)
