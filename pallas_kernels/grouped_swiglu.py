@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_precision
+from pallas_kernels.common import dot_precision, shrink_for_itemsize
 
 
 class TileConfig(NamedTuple):
@@ -41,23 +41,26 @@ class TileConfig(NamedTuple):
 SWIGLU_TILES = (
     (8, TileConfig(16, 64, 128, 4, 4)),
     (16, TileConfig(32, 64, 128, 4, 4)),
-    (64, TileConfig(64, 64, 128, 4, 4)),
-    (None, TileConfig(128, 128, 64, 8, 3)),
+    (64, TileConfig(32, 128, 64, 4, 4)),  # H200 sweep, V2-Lite T=256: 3.76 TB/s of weights
+    (None, TileConfig(128, 128, 64, 8, 4)),  # H200 sweep, V2-Lite T=8192: 481 TFLOP/s
 )
 DOWN_TILES = (
     (8, TileConfig(16, 64, 128, 4, 4)),
     (16, TileConfig(32, 64, 128, 4, 4)),
-    (64, TileConfig(64, 64, 128, 4, 4)),
-    (None, TileConfig(128, 128, 64, 8, 3)),
+    (64, TileConfig(64, 128, 64, 4, 4)),  # H200 sweep, V2-Lite T=256: 3.43 TB/s
+    (None, TileConfig(128, 256, 64, 8, 3)),  # H200 sweep, V2-Lite T=8192: 476 TFLOP/s
 )
+# (benchmarks/results/moe_h200.json holds the whole sweep.)
 
 
-def pick_config(table, num_rows: int, num_experts: int, width: int, depth: int,
+def pick_config(table, num_rows: int, num_experts: int, width: int, depth: int, itemsize: int = 2,
                 **overrides) -> TileConfig:
     """Table entry for M rows over E experts of [depth, width] weights, explicit overrides applied,
     blocks clamped to the problem (at least 16, Triton's smallest dot)."""
     rows_per_expert = num_rows / max(num_experts, 1)
     config = next(c for bound, c in table if bound is None or rows_per_expert <= bound)
+    block_k, num_stages = shrink_for_itemsize(config.block_k, config.num_stages, itemsize)
+    config = config._replace(block_k=block_k, num_stages=num_stages)
     config = config._replace(**{k: v for k, v in overrides.items() if v is not None})
     fit = lambda block, dim: max(16, min(block, pl.next_power_of_2(dim)))
     return config._replace(block_m=fit(config.block_m, num_rows),
@@ -221,7 +224,7 @@ def grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, *, row_ids=None, block_m
     _check_groups("grouped_swiglu", x_sorted, group_sizes, w_gate)
     num_experts, depth, width = w_gate.shape
     num_rows = x_sorted.shape[0] if row_ids is None else row_ids.shape[0]
-    config = pick_config(SWIGLU_TILES, num_rows, num_experts, width, depth,
+    config = pick_config(SWIGLU_TILES, num_rows, num_experts, width, depth, w_gate.dtype.itemsize,
                          block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                          num_stages=num_stages)
     schedule = tile_schedule(group_sizes, num_rows, config.block_m)
@@ -254,7 +257,7 @@ def grouped_matmul(h_sorted, group_sizes, w, *, row_scale=None, out_dtype=None, 
     _check_groups("grouped_matmul", h_sorted, group_sizes, w)
     num_experts, depth, width = w.shape
     num_rows = h_sorted.shape[0]
-    config = pick_config(DOWN_TILES, num_rows, num_experts, width, depth,
+    config = pick_config(DOWN_TILES, num_rows, num_experts, width, depth, w.dtype.itemsize,
                          block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                          num_stages=num_stages)
     schedule = tile_schedule(group_sizes, num_rows, config.block_m)

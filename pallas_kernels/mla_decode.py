@@ -43,10 +43,11 @@ class DecodeBlocks(NamedTuple):
 # Keyed by (cache itemsize, smallest head count it serves); the last entry whose head count <= H wins.
 # At C=512, R=64 for sm_90 (Triton 3.8): 16 heads x 64 keys, 4 warps is 92 KiB of shared memory and
 # ~206 registers; 32 x 64, 8 warps is 112 KiB and ~190: two programs an SM, no spills. 64 heads spill
-# the f32 accumulator [block_h, 512]. Unmeasured on the GPU yet: benchmarks/kernels_attention.py sweeps.
+# the f32 accumulator [block_h, 512]. The bf16 rows are the H200 sweep's best (2026-11-30,
+# benchmarks/results/attention_h200_decode.json): 3.09 TB/s at V2-Lite B64 ctx4096, 0.65 at V3 B128.
 DECODE_BLOCKS = {
-    (2, 1): DecodeBlocks(block_h=16, block_k=64, num_warps=4, num_stages=2),
-    (2, 64): DecodeBlocks(block_h=32, block_k=64, num_warps=8, num_stages=2),
+    (2, 1): DecodeBlocks(block_h=16, block_k=64, num_warps=4, num_stages=3),
+    (2, 64): DecodeBlocks(block_h=32, block_k=32, num_warps=4, num_stages=3),
     (4, 1): DecodeBlocks(block_h=16, block_k=32, num_warps=4, num_stages=2),
 }
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_precision
+from pallas_kernels.common import dot_precision, shrink_for_itemsize
 
 
 class SwigluConfig(NamedTuple):
@@ -97,6 +97,8 @@ def swiglu(x, w_gate, w_up, *, block_m=None, block_n=None, block_k=None, num_war
     num_rows, depth = x.shape
     width = w_gate.shape[1]
     config = next(c for bound, c in _CONFIGS if bound is None or num_rows <= bound)
+    k, stages = shrink_for_itemsize(config.block_k, config.num_stages, jnp.dtype(w_gate.dtype).itemsize)
+    config = config._replace(block_k=k, num_stages=stages)
     overrides = dict(block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                      num_stages=num_stages, group_m=group_m)
     config = config._replace(**{k: v for k, v in overrides.items() if v is not None})
