@@ -45,6 +45,7 @@ def main(argv=None):
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV pool size (default: 0.9 of free)")
     parser.add_argument("--kernel-backend", default="auto")
     parser.add_argument("--out", default="decode_probe")
     args = parser.parse_args(argv)
@@ -55,7 +56,8 @@ def main(argv=None):
     start = time.perf_counter()
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=top,
               max_num_batched_tokens=budget, max_model_len=max_len, block_size=64,
-              buckets=buckets, enable_prefix_caching=False)
+              buckets=buckets, enable_prefix_caching=False,
+              kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30))
     setup = time.perf_counter() - start
     rows = [measure(llm, b, args.prompt, args.steps) for b in args.batches]
     table = markdown_table(rows, ["batch", "prompt", "step_ms", "tok_per_s", "steps_timed"])

@@ -200,10 +200,19 @@ def _grouped_matmul_kernel(schedule_ref, h_ref, w_ref, *refs, block_m, block_n, 
                     mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _check_groups(name, rows_arg, group_sizes, weights):
-    if group_sizes.shape != (weights.shape[0],):
+def _offset(schedule, expert_offset):
+    """Shifts the expert row of a tile schedule (unused tiles too: they read no weights)."""
+    return schedule if expert_offset is None else schedule.at[0].add(jnp.asarray(expert_offset, jnp.int32))
+
+
+def _check_groups(name, rows_arg, group_sizes, weights, expert_offset):
+    num_groups = group_sizes.shape[0] if group_sizes.ndim == 1 else -1
+    if expert_offset is None and group_sizes.shape != (weights.shape[0],):
         raise ValueError(f"{name}: group_sizes has shape {group_sizes.shape}; expected "
                          f"({weights.shape[0]},), one count per expert of the weights")
+    if expert_offset is not None and (num_groups < 1 or weights.shape[0] % num_groups):
+        raise ValueError(f"{name}: with expert_offset the weights hold several layers' experts, a "
+                         f"multiple of len(group_sizes)={num_groups}; got {weights.shape[0]}")
     if rows_arg.shape[-1] != weights.shape[1]:
         raise ValueError(f"{name}: activations have {rows_arg.shape[-1]} features but the weights "
                          f"[E, K, N] have K={weights.shape[1]}")
@@ -211,7 +220,7 @@ def _check_groups(name, rows_arg, group_sizes, weights):
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, *, row_ids=None, block_m=None,
+def grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, *, row_ids=None, expert_offset=None, block_m=None,
                    block_n=None, block_k=None, num_warps=None, num_stages=None,
                    interpret=False):
     """silu(x @ w_gate[e]) * (x @ w_up[e]) for each expert's rows, both GEMMs in one kernel.
@@ -219,15 +228,19 @@ def grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, *, row_ids=None, block_m
     x_sorted [M, D] (rows sorted by expert), group_sizes i32[E] (sum <= M), w_gate/w_up [E, D, I]
     -> [M, I] in x.dtype. With ``row_ids`` i32[M], x_sorted is instead the unsorted [T, D] and sorted
     row r is x_sorted[row_ids[r]], gathered inside the kernel (saves writing the sorted copy).
-    Rows past sum(group_sizes) are left unspecified.
+    Rows past sum(group_sizes) are left unspecified. ``expert_offset`` (i32 scalar, may be traced):
+    group e uses weights[e + expert_offset], so w_* can hold every layer's experts flattened
+    [L*E, D, I] and a layer loop passes offset layer*E: a kernel operand cut out of a stacked array
+    would be copied each layer, this way nothing is.
     """
-    _check_groups("grouped_swiglu", x_sorted, group_sizes, w_gate)
-    num_experts, depth, width = w_gate.shape
+    _check_groups("grouped_swiglu", x_sorted, group_sizes, w_gate, expert_offset)
+    num_experts = group_sizes.shape[0]
+    depth, width = w_gate.shape[1:]
     num_rows = x_sorted.shape[0] if row_ids is None else row_ids.shape[0]
     config = pick_config(SWIGLU_TILES, num_rows, num_experts, width, depth, w_gate.dtype.itemsize,
                          block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                          num_stages=num_stages)
-    schedule = tile_schedule(group_sizes, num_rows, config.block_m)
+    schedule = _offset(tile_schedule(group_sizes, num_rows, config.block_m), expert_offset)
     num_n_tiles = pl.cdiv(width, config.block_n)
     gather = row_ids is not None
     kernel = functools.partial(_grouped_swiglu_kernel, block_m=config.block_m,
@@ -246,21 +259,23 @@ def grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, *, row_ids=None, block_m
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k",
                                              "num_warps", "num_stages", "interpret"))
-def grouped_matmul(h_sorted, group_sizes, w, *, row_scale=None, out_dtype=None, block_m=None,
-                   block_n=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
+def grouped_matmul(h_sorted, group_sizes, w, *, row_scale=None, out_dtype=None, expert_offset=None,
+                   block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
     """(h @ w[e]) * row_scale for each expert's rows: the MoE down projection.
 
     h_sorted [M, I] (rows sorted by expert), group_sizes i32[E], w [E, I, D], row_scale f32[M] or
     None (the routing weight of each row, applied to the f32 accumulator) -> [M, D] in out_dtype
-    (default h.dtype). Rows past sum(group_sizes) are left unspecified.
+    (default h.dtype). Rows past sum(group_sizes) are left unspecified. ``expert_offset``: as in
+    ``grouped_swiglu``.
     """
-    _check_groups("grouped_matmul", h_sorted, group_sizes, w)
-    num_experts, depth, width = w.shape
+    _check_groups("grouped_matmul", h_sorted, group_sizes, w, expert_offset)
+    num_experts = group_sizes.shape[0]
+    depth, width = w.shape[1:]
     num_rows = h_sorted.shape[0]
     config = pick_config(DOWN_TILES, num_rows, num_experts, width, depth, w.dtype.itemsize,
                          block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                          num_stages=num_stages)
-    schedule = tile_schedule(group_sizes, num_rows, config.block_m)
+    schedule = _offset(tile_schedule(group_sizes, num_rows, config.block_m), expert_offset)
     num_n_tiles = pl.cdiv(width, config.block_n)
     scaled = row_scale is not None
     kernel = functools.partial(_grouped_matmul_kernel, block_m=config.block_m,

@@ -27,23 +27,31 @@ def _config_kwargs(config: TileConfig | None) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("swiglu_config", "down_config", "interpret"))
-def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, swiglu_config: TileConfig | None = None,
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, layer=None, swiglu_config: TileConfig | None = None,
                 down_config: TileConfig | None = None, interpret: bool = False):
     """x [T, D], weights f32[T, k], ids i32[T, k], w_gate/w_up [E, D, I], w_down [E, I, D] -> [T, D].
 
-    Same semantics as ``moe_experts_reference``. The [T*k, D] expert outputs are kept in x.dtype
-    (f32 accumulation inside each GEMM and across the k experts). ``*_config`` override the kernels'
-    tile tables (benchmarks).
+    Same semantics as ``moe_experts_reference``. With ``layer`` (i32 scalar, may be traced) the
+    weights are every layer's, stacked [L, E, ...], and layer ``layer``'s experts are used in place
+    (a layer loop would otherwise copy its slice of the stack for the kernels each layer). The
+    [T*k, D] expert outputs are kept in x.dtype (f32 accumulation inside each GEMM and across the k
+    experts). ``*_config`` override the kernels' tile tables (benchmarks).
     """
     num_tokens, top_k = ids.shape
-    num_experts = w_gate.shape[0]
+    offset = None
+    if layer is not None:
+        num_layers, num_experts = w_gate.shape[:2]
+        w_gate, w_up, w_down = (w.reshape(num_layers * num_experts, *w.shape[2:]) for w in (w_gate, w_up, w_down))
+        offset = layer * num_experts
+    else:
+        num_experts = w_gate.shape[0]
     # position[a]: sorted row of assignment a (token a // k); order is its inverse.
     position, group_sizes = expert_positions(ids, num_experts)
     order = order_from_positions(position)
-    h = grouped_swiglu(x, group_sizes, w_gate, w_up, row_ids=order // top_k, interpret=interpret,
-                       **_config_kwargs(swiglu_config))  # [T*k, I], sorted
+    h = grouped_swiglu(x, group_sizes, w_gate, w_up, row_ids=order // top_k, expert_offset=offset,
+                       interpret=interpret, **_config_kwargs(swiglu_config))  # [T*k, I], sorted
     row_scale = weights.reshape(-1).astype(jnp.float32)[order]
-    y = grouped_matmul(h, group_sizes, w_down, row_scale=row_scale, interpret=interpret,
+    y = grouped_matmul(h, group_sizes, w_down, row_scale=row_scale, expert_offset=offset, interpret=interpret,
                        **_config_kwargs(down_config))  # [T*k, D], sorted and weighted
     # Combine: gather each token's k rows back and add them (one fused gather-reduce pass).
     out = jnp.sum(y[position].reshape(num_tokens, top_k, -1).astype(jnp.float32), axis=1)

@@ -54,10 +54,15 @@ class MoE(nnx.Module):
         bias = None if self.score_bias is None else self.score_bias[...]
         return dispatch.moe_route(logits, bias, self.spec, backend)
 
-    def __call__(self, x, *, backend: str):
-        """x [T, D] -> [T, D]."""
+    def __call__(self, x, *, backend: str, stacked_experts=None):
+        """x [T, D] -> [T, D]. ``stacked_experts`` = (w_gate, w_up, w_down of every MoE layer
+        [L, E, ...], this layer's index): the kernels then read the stack in place."""
         weights, ids = self.route(x, backend=backend)
-        out = dispatch.moe_experts(x, weights, ids, self.w_gate[...], self.w_up[...], self.w_down[...], backend)
+        if stacked_experts is None:
+            experts, layer = (self.w_gate[...], self.w_up[...], self.w_down[...]), None
+        else:
+            *experts, layer = stacked_experts
+        out = dispatch.moe_experts(x, weights, ids, *experts, backend, layer=layer)
         if self.shared is not None:
             out = out + self.shared(x, backend=backend)
         return out

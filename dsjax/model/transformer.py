@@ -29,17 +29,22 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(d, eps, "embed", dtype)
         self.mlp = MoE(config, dtype, rngs) if moe else MLP(d, config.intermediate_size, dtype, rngs)
 
-    def __call__(self, x, positions, *, mode: str, backend: str):
+    def _mlp(self, x, backend, stacked_experts):
+        if isinstance(self.mlp, MoE):
+            return self.mlp(x, backend=backend, stacked_experts=stacked_experts)
+        return self.mlp(x, backend=backend)
+
+    def __call__(self, x, positions, *, mode: str, backend: str, stacked_experts=None):
         """x [B, T, D] -> [B, T, D]."""
         h = x + self.attn(self.attn_norm(x), positions, mode=mode, backend=backend)
         flat = h.reshape(-1, h.shape[-1])
-        return h + self.mlp(self.mlp_norm(flat), backend=backend).reshape(h.shape)
+        return h + self._mlp(self.mlp_norm(flat), backend, stacked_experts).reshape(h.shape)
 
-    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str):
+    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked_experts=None):
         """x [T, D] -> ([T, D], cache)."""
         attn_out, cache = self.attn.paged(self.attn_norm(x), cache, layer, batch, backend=backend)
         h = x + attn_out
-        return h + self.mlp(self.mlp_norm(h), backend=backend), cache
+        return h + self._mlp(self.mlp_norm(h), backend, stacked_experts), cache
 
 
 def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs: nnx.Rngs):
@@ -55,7 +60,8 @@ def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs
 
 
 def _scan_layers(stack, carry, first_layer: int, step):
-    """carry = step(layer_module, carry, global_layer_index) for each layer of ``stack`` in order."""
+    """carry = step(layer_module, carry, global_layer_index, index_in_stack) for each layer of
+    ``stack`` in order."""
     if stack is None:
         return carry
     graphdef, state = nnx.split(stack)
@@ -63,7 +69,7 @@ def _scan_layers(stack, carry, first_layer: int, step):
 
     def body(carry, xs):
         layer_state, index = xs
-        return step(nnx.merge(graphdef, layer_state), carry, first_layer + index), None
+        return step(nnx.merge(graphdef, layer_state), carry, first_layer + index, index), None
 
     carry, _ = jax.lax.scan(body, carry, (state, jnp.arange(num_layers, dtype=jnp.int32)))
     return carry
@@ -89,19 +95,29 @@ class DeepseekForCausalLM(nnx.Module):
         backend = self.kernel_backend
         x = jnp.take(self.embed[...], tokens, axis=0)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        step = lambda layer, x, _: layer(x, positions, mode=mode, backend=backend)
+        step = lambda layer, x, _, index: layer(x, positions, mode=mode, backend=backend,
+                                                stacked_experts=self._stacked_experts(index))
         x = _scan_layers(self.dense_layers, x, 0, step)
         x = _scan_layers(self.moe_layers, x, self.config.num_dense_layers, step)
         return self.compute_logits(self.norm(x))
+
+    def _stacked_experts(self, index):
+        """Every MoE layer's expert weights plus this layer's index, for kernels that read the
+        stack in place (a slice taken inside the layer scan would be copied for them)."""
+        if self.moe_layers is None or self.kernel_backend == "reference":
+            return None
+        mlp = self.moe_layers.mlp
+        return mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index
 
     def forward_paged(self, tokens, cache: PagedKVCache, batch: PagedBatch):
         """One engine step over packed tokens i32[T]: writes their latents into the paged cache and
         returns (final-normed hidden states [T, D], updated cache)."""
         backend = self.kernel_backend
 
-        def step(layer, carry, index):
+        def step(layer, carry, index, index_in_stack):
             x, cache = carry
-            return layer.paged(x, cache, index, batch, backend=backend)
+            return layer.paged(x, cache, index, batch, backend=backend,
+                               stacked_experts=self._stacked_experts(index_in_stack))
 
         x = jnp.take(self.embed[...], tokens, axis=0)
         carry = _scan_layers(self.dense_layers, (x, cache), 0, step)

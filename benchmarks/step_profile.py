@@ -1,0 +1,94 @@
+"""Where does one engine decode step go? Times the compiled step alone (device) against the whole
+LLMEngine.step() (host included), and records a jax.profiler trace of a few decode steps.
+
+    python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --trace-dir /tmp/trace
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import time
+from collections import defaultdict
+
+import jax
+import numpy as np
+
+from dsjax import LLM, SamplingParams
+
+
+def top_ops(trace_file: str, limit: int = 25) -> list[tuple[str, float, int]]:
+    """(name, total µs, count) of the device ops in a perfetto trace, largest first."""
+    with gzip.open(trace_file) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events)
+    totals, counts = defaultdict(float), defaultdict(int)
+    pid_names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if "gpu" not in pid_names.get(e.get("pid"), "").lower() and "/device" not in pid_names.get(e.get("pid"), ""):
+            continue
+        totals[e["name"]] += e["dur"]
+        counts[e["name"]] += 1
+    return sorted(((n, totals[n], counts[n]) for n in totals), key=lambda x: -x[1])[:limit]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="deepseek-v2-lite")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--kernel-backend", default="auto")
+    parser.add_argument("--trace-dir", default="/tmp/dsjax_trace")
+    parser.add_argument("--num-kv-blocks", type=int, default=4096)
+    args = parser.parse_args(argv)
+    b = args.batch
+    llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
+              max_num_batched_tokens=max(b, 16), max_model_len=256, block_size=64, buckets=(b, max(b, 16)) if b < 16 else (b,),
+              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False, progress=False)
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i in range(b):
+        engine.add_request(str(i), None, params, prompt_token_ids=[5 + i, 6, 7, 8])
+    for _ in range(6):
+        engine.step()
+    host = []
+    for _ in range(10):
+        start = time.perf_counter()
+        engine.step()
+        host.append(time.perf_counter() - start)
+    out = engine.scheduler.schedule()  # a decode step, run by hand below (then discarded)
+    rows = [engine._row(item.seq) for item in out.scheduled]
+    start = time.perf_counter()
+    t, inputs = runner.prepare(out, rows)
+    prepare_s = time.perf_counter() - start
+    inputs = jax.device_put(inputs)
+    compiled = runner._compiled[t]
+    cache = runner.cache
+    for _ in range(3):
+        cache, res = compiled(runner.state, cache, inputs)
+    jax.block_until_ready(res)
+    start = time.perf_counter()
+    n = 20
+    for _ in range(n):
+        cache, res = compiled(runner.state, cache, inputs)
+    jax.block_until_ready((cache, res))
+    device_s = (time.perf_counter() - start) / n
+    with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
+        for _ in range(3):
+            cache, res = compiled(runner.state, cache, inputs)
+        jax.block_until_ready((cache, res))
+    runner.cache = cache
+    print(f"batch {b}: engine.step {np.median(host) * 1e3:.2f} ms, compiled step alone {device_s * 1e3:.2f} ms, "
+          f"prepare {prepare_s * 1e3:.3f} ms")
+    files = glob.glob(f"{args.trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+    if files:
+        print(f"top device ops over 3 steps ({files[0]}):")
+        for name, us, count in top_ops(files[0]):
+            print(f"  {us / 3:10.1f} us/step  x{count / 3:5.0f}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
