@@ -21,6 +21,7 @@ class ByteTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.chat_template = None
+        self.bos_token = self.eos_token = None  # no strings for the specials: ids only
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [b + self.OFFSET for b in text.encode("utf-8")]
@@ -46,6 +47,9 @@ class HFTokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos = cfg.get("add_bos_token", bos_token_id is not None)
+        # Special-token strings, for chat templates ({{ bos_token }}).
+        self.bos_token = self._tok.id_to_token(bos_token_id) if bos_token_id is not None else None
+        self.eos_token = self._tok.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids

@@ -45,6 +45,14 @@ def kv_cache_num_blocks(model_config, config: EngineConfig, dtype) -> int:
     return max(1, int(free * (memory or DEFAULT_DEVICE_FRACTION)) // per_block)
 
 
+class StepFailedError(RuntimeError):
+    """One engine step raised; the requests it held (``request_ids``) were aborted, others go on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); aborted {len(request_ids)} request(s)")
+        self.request_ids = request_ids
+
+
 @dataclasses.dataclass
 class _Request:
     request_id: str
@@ -69,28 +77,35 @@ class LLMEngine:
         if config.max_model_len > model.config.max_position_embeddings:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "
                               f"max_position_embeddings={model.config.max_position_embeddings}")
-        self.config = config
-        self.tokenizer = tokenizer
-        self.num_blocks = kv_cache_num_blocks(model.config, config, model.dtype)
+        num_blocks = kv_cache_num_blocks(model.config, config, model.dtype)
         per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype)
         log.warning("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers)",
-                    self.num_blocks, config.block_size, self.num_blocks * config.block_size,
-                    self.num_blocks * per_block / 2**30, per_block // config.block_size,
+                    num_blocks, config.block_size, num_blocks * config.block_size,
+                    num_blocks * per_block / 2**30, per_block // config.block_size,
                     model.config.num_hidden_layers)
-        self.eos_token_ids = tuple(sorted(set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))))
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
-            eos_token_ids=self.eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
-            realtime_max_prompt_tokens=config.realtime_max_prompt_tokens,
-            bulk_min_prompt_tokens=config.bulk_min_prompt_tokens, aging_steps=config.aging_steps)
+        eos = tuple(sorted(set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))))
+        self._setup_host(config, tokenizer, num_blocks, eos)
         start = time.perf_counter()
         self.runner = ModelRunner(model, config, self.num_blocks, self.eos_token_ids, progress=progress)
         self.warmup_seconds = time.perf_counter() - start
+
+    def _setup_host(self, config: EngineConfig, tokenizer, num_blocks: int, eos_token_ids: tuple[int, ...]):
+        """Everything but the runner: block manager, scheduler, request bookkeeping."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.num_blocks = num_blocks
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
+            eos_token_ids=eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
+            realtime_max_prompt_tokens=config.realtime_max_prompt_tokens,
+            bulk_min_prompt_tokens=config.bulk_min_prompt_tokens, aging_steps=config.aging_steps)
         self._requests: dict[str, _Request] = {}
         self._owner: dict[str, tuple[_Request, int]] = {}  # sequence id -> (request, child index)
         self._seed_rng = random.Random(config.seed)
         self.num_steps = 0
+        self.warmup_seconds = 0.0
 
     # ----- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
@@ -145,7 +160,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        result = self.runner.execute(out, [self._row(item.seq) for item in out.scheduled])
+        try:
+            result = self.runner.execute(out, [self._row(item.seq) for item in out.scheduled])
+        except Exception as e:
+            raise StepFailedError(self._fail_step(out), e) from e
         self.num_steps += 1
         sampled = {item.seq.request_id: int(result.token_ids[i])
                    for i, item in enumerate(out.scheduled) if item.do_sample}
@@ -182,13 +200,26 @@ class LLMEngine:
             outputs.append(self._output(request))
         return outputs
 
+    def _fail_step(self, out) -> list[str]:
+        """Aborts the requests of a failed step (all running ones if the cache was lost with it)."""
+        seqs = [item.seq for item in out.scheduled]
+        if self.runner.cache_was_reset:  # every sequence's KV is gone, cached prefixes too
+            self.runner.cache_was_reset = False
+            seqs += list(self.scheduler.running)
+        failed = list(dict.fromkeys(self._owner[s.request_id][0].request_id for s in seqs
+                                    if s.request_id in self._owner))
+        for request_id in failed:
+            self.abort_request(request_id)
+        self.block_manager.reset_prefix_cache()
+        return failed
+
     def _output(self, request: _Request) -> RequestOutput:
         request.metrics.num_preemptions = sum(seq.num_preemptions for seq in request.seqs)
         completions = [
             CompletionOutput(
                 index=i, text=request.detokenizers[i].text, token_ids=list(seq.output_token_ids),
                 cumulative_logprob=request.cumulative_logprob[i],
-                logprobs=request.logprobs[i] if request.params.logprobs is not None else None,
+                logprobs=list(request.logprobs[i]) if request.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
             for i, seq in enumerate(request.seqs)]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,

@@ -64,13 +64,16 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.cache = PagedKVCache.zeros(model.config, num_blocks, config.block_size, model.dtype)
         self.num_blocks = num_blocks
+        self.cache_dtype = model.dtype
         self.eos_token_ids = tuple(eos_token_ids)
         self.progress = progress
         self._jitted = jax.jit(self._step, donate_argnums=(1,))
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
-        self.step_sizes: list[tuple[int, int]] = []  # (useful tokens, padded tokens) per step
+        self.num_useful_tokens = 0  # scheduled tokens, summed over steps
+        self.num_padded_tokens = 0  # tokens computed (bucket sizes), summed over steps
+        self.step_sizes: list[int] = []  # useful tokens per step, kept only until quantile buckets are set
         if isinstance(config.buckets, tuple):
             self.buckets = Buckets(config.buckets)
         else:
@@ -111,10 +114,10 @@ class ModelRunner:
         if not self._quantile_pending or len(self.step_sizes) < self.config.quantile_warmup_steps:
             return
         self._quantile_pending = False
-        observed = [useful for useful, _ in self.step_sizes]
-        self.buckets = Buckets.quantile(observed, self.config.num_quantile_buckets,
+        self.buckets = Buckets.quantile(self.step_sizes, self.config.num_quantile_buckets,
                                         self.config.max_num_batched_tokens)
-        log.info("quantile buckets from %d steps: %s", len(observed), self.buckets.sizes)
+        log.info("quantile buckets from %d steps: %s", len(self.step_sizes), self.buckets.sizes)
+        self.step_sizes = []
         self.compile_all()
 
     # ----- one step ------------------------------------------------------------------------------
@@ -157,14 +160,31 @@ class ModelRunner:
         if compiled is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
             compiled = self._compiled[t]
-        self.cache, result = compiled(self.state, self.cache, inputs)
-        result: SampleResult = jax.device_get(result)  # the one host sync of a step
-        self.step_sizes.append((out.num_batched_tokens, t))
-        self._maybe_requantize()
+        try:
+            self.cache, result = compiled(self.state, self.cache, inputs)
+            result: SampleResult = jax.device_get(result)  # the one host sync of a step
+        except Exception:
+            self._recover_cache()
+            raise
+        self.num_useful_tokens += out.num_batched_tokens
+        self.num_padded_tokens += t
+        if self._quantile_pending:
+            self.step_sizes.append(out.num_batched_tokens)
+            self._maybe_requantize()
         n = out.num_seqs
         return StepResult(result.token_ids[:n], result.logprobs[:n], result.top_ids[:n], result.top_logprobs[:n])
 
+    def _recover_cache(self):
+        """A call that failed after donation leaves the cache deleted: start from a zeroed one, so
+        later steps can run. Sets ``cache_was_reset``: every cached token is gone."""
+        if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
+            self.cache = PagedKVCache.zeros(self.model_config, self.num_blocks, self.config.block_size,
+                                            self.cache_dtype)
+            self.cache_was_reset = True
+
+    cache_was_reset = False
+
     @property
     def padding_ratio(self) -> float:
-        padded = sum(t for _, t in self.step_sizes)
-        return (padded - sum(u for u, _ in self.step_sizes)) / padded if padded else 0.0
+        padded = self.num_padded_tokens
+        return (padded - self.num_useful_tokens) / padded if padded else 0.0

@@ -160,3 +160,27 @@ def test_stats_report_buckets(llm):
     stats = llm.stats()
     assert stats["buckets"] == [1, 2, 4, 8, 16, 32] and stats["num_compiled_shapes"] == 6
     assert 0 <= stats["padding_ratio"] < 1 and stats["warmup_seconds"] > 0
+
+
+def test_failed_step_aborts_only_its_requests(llm, monkeypatch):
+    from dsjax.engine.llm_engine import StepFailedError
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("ok", None, params, prompt_token_ids=[5, 6, 7])
+    engine.step()  # "ok" is running before the bad request arrives
+    engine.add_request("bad", None, params, prompt_token_ids=[8, 9])
+    real = engine.runner.execute
+
+    def fail_once(out, rows):
+        monkeypatch.setattr(engine.runner, "execute", real)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", fail_once)
+    with pytest.raises(StepFailedError) as err:
+        engine.step()
+    assert sorted(err.value.request_ids) == ["bad", "ok"]  # both were in the failed step
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_blocks_used == 0
+    engine.scheduler.check_invariants()
+    out = llm.generate([[5, 6, 7]], params)[0]  # and the engine keeps serving
+    assert len(out.outputs[0].token_ids) == 6
