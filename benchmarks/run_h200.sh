@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
+# run them as separate calls: `bash benchmarks/run_h200.sh tests|attention|moe|decode`).
+# Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-benchmarks/results}
+part=${1:-tests}
+case $part in
+  tests)      # kernels on the GPU vs references, engine with kernels vs the reference path
+    timeout 300 python -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+  attention)  # MLA decode sweep, then prefill sweep (results/attention_h200_decode.json, attention_h200.json)
+    timeout 280 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20
+    timeout 280 python benchmarks/kernels_attention.py --only prefill --out "$OUT/attention_h200_prefill.json" | tail -12 ;;
+  moe)        # routing, grouped SwiGLU, down projection, whole layer, dense SwiGLU (results/moe_h200.json)
+    timeout 560 python benchmarks/kernels_moe.py --out "$OUT/moe_h200" | tail -40 ;;
+  decode)     # engine decode throughput and a device-op profile on the V2-Lite preset
+    timeout 200 python -m benchmarks.decode_probe --preset deepseek-v2-lite --batches 1 32 64 --prompt 128 \
+      --steps 24 --out decode_probe_v2lite | grep -E "^\||setup"
+    cp benchmarks/results/decode_probe_v2lite.json "$OUT/" 2>/dev/null
+    for b in 1 64; do
+      timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
+        --trace-dir /tmp/trace_b$b | grep -vi warn | head -28 | tee "$OUT/profile_b$b.txt"
+    done ;;
+  *) echo "usage: $0 tests|attention|moe|decode" >&2; exit 2 ;;
+esac
