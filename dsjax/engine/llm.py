@@ -46,7 +46,7 @@ class LLM:
         order = []
         for prompt, ids, params in encoded:
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prompt, params, prompt_token_ids=ids)
+            self.engine.add_request(request_id, prompt, params, prompt_token_ids=ids, final_only=True)
             order.append(request_id)
         done: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="generating", unit="req",

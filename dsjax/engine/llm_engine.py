@@ -65,6 +65,7 @@ class _Request:
     logprobs: list[list[dict[int, float]]]
     cumulative_logprob: list[float]
     metrics: RequestMetrics
+    final_only: bool = False
 
     @property
     def finished(self) -> bool:
@@ -109,7 +110,9 @@ class LLMEngine:
 
     # ----- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams | None = None,
-                    prompt_token_ids: list[int] | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, *, final_only: bool = False) -> None:
+        """Queues a request. ``final_only``: step() reports it only once finished (offline use; saves
+        building the growing output every step)."""
         params = params or SamplingParams()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -127,7 +130,7 @@ class LLMEngine:
         request = _Request(
             request_id, prompt, ids, params, seqs, [base_seed + i for i in range(params.n)],
             [IncrementalDetokenizer(self.tokenizer, ids, params.stop) for _ in seqs],
-            [[] for _ in seqs], [0.0] * params.n, RequestMetrics(arrival_time=time.time()))
+            [[] for _ in seqs], [0.0] * params.n, RequestMetrics(arrival_time=time.time()), final_only)
         self._requests[request_id] = request
         for i, seq in enumerate(seqs):
             self._owner[seq.request_id] = (request, i)
@@ -192,12 +195,14 @@ class LLMEngine:
             touched[request.request_id] = request
         outputs = []
         for request in touched.values():
-            if request.finished:
+            finished = request.finished
+            if finished:
                 request.metrics.finished_time = now
                 self._requests.pop(request.request_id, None)
                 for seq in request.seqs:
                     self._owner.pop(seq.request_id, None)
-            outputs.append(self._output(request))
+            if finished or not request.final_only:
+                outputs.append(self._output(request))
         return outputs
 
     def _fail_step(self, out) -> list[str]:
