@@ -1,7 +1,5 @@
 """Grouped expert GEMMs (interpret mode) against their per-expert references."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,23 +7,9 @@ import pytest
 
 from pallas_kernels.grouped_swiglu import (grouped_matmul, grouped_matmul_reference, grouped_swiglu,
                                            grouped_swiglu_reference, tile_schedule)
+from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 BLOCKS = dict(block_m=16, block_n=32, block_k=32)  # small tiles: several per expert and per dim
-
-
-def _run(fn, *args):
-    """jit at XLA -O0: interpret-mode kernels become large CPU programs that compile ~3x faster so."""
-    return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
-
-
-def _lower_for_h200(fn, *args):
-    """StableHLO of fn lowered for an abstract H200 (no GPU needed): runs the Pallas Triton lowering,
-    which rejects non-power-of-two blocks and unsupported ops."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _normal(rng, *shape, dtype=jnp.float32, fan_in=1):
@@ -56,7 +40,7 @@ def test_grouped_swiglu_f32(groups):
     depth, width = 64, 48  # width 48: a partial N tile
     x = _normal(rng, sum(groups), depth)
     w_gate, w_up = (_normal(rng, len(groups), depth, width, fan_in=depth) for _ in range(2))
-    out, ref = _run(lambda *a: (grouped_swiglu(*a, **BLOCKS, interpret=True),
+    out, ref = run_fast(lambda *a: (grouped_swiglu(*a, **BLOCKS, interpret=True),
                                 grouped_swiglu_reference(*a)),
                     x, jnp.array(groups, jnp.int32), w_gate, w_up)
     _close(out, ref, 1e-5)
@@ -70,7 +54,7 @@ def test_grouped_swiglu_bf16_gathered_rows_and_partial_k():
     row_ids = jnp.asarray(rng.integers(0, num_tokens, num_rows), jnp.int32)
     w_gate, w_up = (_normal(rng, len(groups), depth, width, dtype=jnp.bfloat16, fan_in=depth)
                     for _ in range(2))
-    out, ref = _run(lambda x, r, g, wg, wu: (
+    out, ref = run_fast(lambda x, r, g, wg, wu: (
         grouped_swiglu(x, g, wg, wu, row_ids=r, **BLOCKS, interpret=True),
         grouped_swiglu_reference(x[r], g, wg, wu)),
         x, row_ids, jnp.array(groups, jnp.int32), w_gate, w_up)
@@ -85,7 +69,7 @@ def test_grouped_matmul_with_row_scale(dtype, tol):
     h = _normal(rng, sum(groups), depth, dtype=dtype)
     w = _normal(rng, len(groups), depth, width, dtype=dtype, fan_in=depth)
     row_scale = jnp.asarray(rng.uniform(size=sum(groups)), jnp.float32)
-    out, ref = _run(lambda *a: (grouped_matmul(*a[:3], row_scale=a[3], **BLOCKS, interpret=True),
+    out, ref = run_fast(lambda *a: (grouped_matmul(*a[:3], row_scale=a[3], **BLOCKS, interpret=True),
                                 grouped_matmul_reference(*a)),
                     h, jnp.array(groups, jnp.int32), w, row_scale)
     _close(out, ref, tol)
@@ -96,7 +80,7 @@ def test_grouped_matmul_default_tiles_no_scale():
     groups = [3, 0, 0, 1, 12, 0, 0, 0]  # decode-like: a few rows per expert
     h = _normal(rng, sum(groups), 32)
     w = _normal(rng, len(groups), 32, 64, fan_in=32)
-    out, ref = _run(lambda *a: (grouped_matmul(*a, interpret=True), grouped_matmul_reference(*a)),
+    out, ref = run_fast(lambda *a: (grouped_matmul(*a, interpret=True), grouped_matmul_reference(*a)),
                     h, jnp.array(groups, jnp.int32), w)
     _close(out, ref, 1e-5)
 
@@ -122,5 +106,5 @@ def test_grouped_kernels_lower_to_triton_for_h200(num_rows):
                 grouped_swiglu(x, groups, w_gate, w_up, block_n=256),
                 grouped_matmul(h, groups, w_down, row_scale=scale))
 
-    hlo = _lower_for_h200(both, x, groups, w_in, w_in, w_out, h, scale)
+    hlo = lower_for_h200(both, x, groups, w_in, w_in, w_out, h, scale)
     assert hlo.count("__gpu$xla.gpu.triton") == 3

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +10,7 @@ import pytest
 
 from pallas_kernels.mla_decode import (default_num_splits, mla_decode, mla_decode_reference, mla_paged,
                                        mla_paged_reference)
+from tests.pallas_kernels.kernel_utils import lower_for_h200
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -111,11 +111,6 @@ def test_mla_decode_lowers_to_triton_for_h200():
     args = (shape((batch, num_heads, latent_dim), jnp.bfloat16), shape((batch, num_heads, rope_dim), jnp.bfloat16),
             shape((100, block_size, latent_dim), jnp.bfloat16), shape((100, block_size, rope_dim), jnp.bfloat16),
             shape((batch, width), jnp.int32), shape((batch,), jnp.int32))
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
-        for num_splits in (1, 4):
-            hlo = jax.jit(lambda *a: mla_decode(*a, 0.07, num_splits=num_splits)).trace(*args).lower(
-                lowering_platforms=("cuda",)).as_text()
-            assert hlo.count("__gpu$xla.gpu.triton") == (1 if num_splits == 1 else 2)
+    for num_splits in (1, 4):
+        hlo = lower_for_h200(lambda *a: mla_decode(*a, 0.07, num_splits=num_splits), *args)
+        assert hlo.count("__gpu$xla.gpu.triton") == (1 if num_splits == 1 else 2)

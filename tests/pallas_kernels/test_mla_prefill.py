@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_prefill import mla_prefill, mla_prefill_reference
+from tests.pallas_kernels.kernel_utils import lower_for_h200
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -45,10 +45,5 @@ def test_mla_prefill_lowers_to_triton_for_h200():
     args = (shape(batch, seq_len, num_heads, 128), shape(batch, seq_len, num_heads, 64),
             shape(batch, seq_len, num_heads, 128), shape(batch, seq_len, 64),
             shape(batch, seq_len, num_heads, 128))
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
-        hlo = jax.jit(lambda *a: mla_prefill(*a, 0.07)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
+    hlo = lower_for_h200(lambda *a: mla_prefill(*a, 0.07), *args)
     assert hlo.count("__gpu$xla.gpu.triton") == 1

@@ -1,7 +1,5 @@
 """Routed-expert paths (Pallas in interpret mode, plain-XLA sort-based) against the dense reference."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,23 +7,9 @@ import pytest
 
 from pallas_kernels.grouped_swiglu import TileConfig
 from pallas_kernels.moe_experts import moe_experts, moe_experts_reference, moe_experts_xla
+from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 SMALL_TILES = TileConfig(16, 32, 32, 4, 2)
-
-
-def _run(fn, *args):
-    """jit at XLA -O0: interpret-mode kernels become large CPU programs that compile ~3x faster so."""
-    return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
-
-
-def _lower_for_h200(fn, *args):
-    """StableHLO of fn lowered for an abstract H200 (no GPU needed): runs the Pallas Triton lowering,
-    which rejects non-power-of-two blocks and unsupported ops."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _layer(seed, num_tokens, num_experts, top_k, hidden, inter, dtype, skew=0.0):
@@ -48,7 +32,7 @@ def _layer(seed, num_tokens, num_experts, top_k, hidden, inter, dtype, skew=0.0)
 @pytest.mark.parametrize("skew", [0.0, 2.0], ids=["balanced", "skewed"])
 def test_moe_experts_f32(skew):
     args = _layer(0, 21, 8, 3, 32, 48, jnp.float32, skew)
-    out, ref = _run(lambda *a: (moe_experts(*a, swiglu_config=SMALL_TILES, down_config=SMALL_TILES,
+    out, ref = run_fast(lambda *a: (moe_experts(*a, swiglu_config=SMALL_TILES, down_config=SMALL_TILES,
                                             interpret=True), moe_experts_reference(*a)), *args)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -57,14 +41,14 @@ def test_moe_experts_f32(skew):
                          ids=["decode_tiles", "prefill_tiles"])  # 3 and 80 rows per expert
 def test_moe_experts_bf16_default_tiles(num_tokens, num_experts, top_k):
     args = _layer(1, num_tokens, num_experts, top_k, 32, 32, jnp.bfloat16)
-    out, ref = _run(lambda *a: (moe_experts(*a, interpret=True), moe_experts_reference(*a)), *args)
+    out, ref = run_fast(lambda *a: (moe_experts(*a, interpret=True), moe_experts_reference(*a)), *args)
     np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("capacity", [None, 2], ids=["default", "many_rounds"])
 def test_moe_experts_xla(capacity):
     args = _layer(2, 19, 8, 3, 16, 24, jnp.float32, skew=1.0)
-    out, ref = _run(lambda *a: (moe_experts_xla(*a, capacity=capacity), moe_experts_reference(*a)),
+    out, ref = run_fast(lambda *a: (moe_experts_xla(*a, capacity=capacity), moe_experts_reference(*a)),
                     *args)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -77,5 +61,5 @@ def test_moe_experts_lowers_to_triton_for_h200():
             shape((num_experts, hidden, inter), jnp.bfloat16),
             shape((num_experts, hidden, inter), jnp.bfloat16),
             shape((num_experts, inter, hidden), jnp.bfloat16))
-    hlo = _lower_for_h200(moe_experts, *args)
+    hlo = lower_for_h200(moe_experts, *args)
     assert hlo.count("__gpu$xla.gpu.triton") == 2  # grouped SwiGLU and grouped down projection

@@ -1,7 +1,5 @@
 """Routing kernel (interpret mode) and the counting expert sort against their references."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,21 +7,7 @@ import pytest
 
 from pallas_kernels.moe_routing import (RoutingSpec, route, route_reference, sort_by_expert,
                                         sort_by_expert_reference)
-
-
-def _run(fn, *args):
-    """jit at XLA -O0: interpret-mode kernels become large CPU programs that compile ~3x faster so."""
-    return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
-
-
-def _lower_for_h200(fn, *args):
-    """StableHLO of fn lowered for an abstract H200 (no GPU needed): runs the Pallas Triton lowering,
-    which rejects non-power-of-two blocks and unsupported ops."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 
 def _tied_logits(rng, num_tokens, num_experts):
@@ -53,7 +37,7 @@ def test_route_matches_reference_with_ties(num_experts, spec, with_bias):
     rng = np.random.default_rng(num_experts + spec.top_k)
     logits = _tied_logits(rng, 45, num_experts)  # 45 tokens: a partial last tile
     bias = jnp.asarray(np.round(rng.standard_normal(num_experts) * 2) / 8, jnp.float32) if with_bias else None
-    (weights, ids), (ref_weights, ref_ids) = _run(
+    (weights, ids), (ref_weights, ref_ids) = run_fast(
         lambda l, b: (route(l, b, spec, block_tokens=16, interpret=True), route_reference(l, b, spec)),
         logits, bias)
     np.testing.assert_array_equal(ids, ref_ids)
@@ -65,7 +49,7 @@ def test_route_continuous_logits_bf16_and_default_blocks():
     rng = np.random.default_rng(1)
     logits = jnp.asarray(rng.standard_normal((33, 64)), jnp.bfloat16)
     bias = jnp.asarray(rng.standard_normal(64) * 0.1, jnp.float32)
-    (weights, ids), (ref_weights, ref_ids) = _run(
+    (weights, ids), (ref_weights, ref_ids) = run_fast(
         lambda l, b: (route(l, b, spec, interpret=True), route_reference(l, b, spec)), logits, bias)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_allclose(weights, ref_weights, rtol=1e-6, atol=1e-7)
@@ -83,7 +67,7 @@ def test_sort_by_expert_exact(num_tokens, top_k, num_experts):
     rng = np.random.default_rng(num_tokens)
     ids = jnp.asarray(np.argsort(rng.uniform(size=(num_tokens, num_experts)), axis=1)[:, :top_k],
                       jnp.int32)  # k distinct experts per token
-    (order, group_sizes), (ref_order, ref_sizes) = _run(
+    (order, group_sizes), (ref_order, ref_sizes) = run_fast(
         lambda i: (sort_by_expert(i, num_experts), sort_by_expert_reference(i, num_experts)), ids)
     np.testing.assert_array_equal(order, ref_order)
     np.testing.assert_array_equal(group_sizes, ref_sizes)
@@ -91,7 +75,7 @@ def test_sort_by_expert_exact(num_tokens, top_k, num_experts):
 
 def test_sort_by_expert_one_hot_expert_and_empty_experts():
     ids = jnp.asarray(np.stack([np.full(200, 3), np.arange(200) % 2], axis=1), jnp.int32)  # 4 blocks
-    (order, group_sizes), (ref_order, ref_sizes) = _run(
+    (order, group_sizes), (ref_order, ref_sizes) = run_fast(
         lambda i: (sort_by_expert(i, 8), sort_by_expert_reference(i, 8)), ids)
     np.testing.assert_array_equal(order, ref_order)
     np.testing.assert_array_equal(group_sizes, [100, 100, 0, 200, 0, 0, 0, 0])
@@ -106,5 +90,5 @@ def test_sort_by_expert_one_hot_expert_and_empty_experts():
 def test_route_lowers_to_triton_for_h200(num_experts, spec):
     args = (jax.ShapeDtypeStruct((8192, num_experts), jnp.float32),
             jax.ShapeDtypeStruct((num_experts,), jnp.float32))
-    hlo = _lower_for_h200(lambda logits, bias: route(logits, bias, spec), *args)
+    hlo = lower_for_h200(lambda logits, bias: route(logits, bias, spec), *args)
     assert hlo.count("__gpu$xla.gpu.triton") == 1

@@ -1,28 +1,12 @@
 """Dense fused SwiGLU kernel (interpret mode) against its reference."""
 
-import warnings
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_kernels.swiglu import swiglu, swiglu_reference
-
-
-def _run(fn, *args):
-    """jit at XLA -O0: interpret-mode kernels become large CPU programs that compile ~3x faster so."""
-    return jax.jit(fn).lower(*args).compile({"xla_backend_optimization_level": 0})(*args)
-
-
-def _lower_for_h200(fn, *args):
-    """StableHLO of fn lowered for an abstract H200 (no GPU needed): runs the Pallas Triton lowering,
-    which rejects non-power-of-two blocks and unsupported ops."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 
 def _inputs(seed, num_tokens, hidden, inter, dtype):
@@ -39,7 +23,7 @@ def _inputs(seed, num_tokens, hidden, inter, dtype):
     ((33, 64, 64), jnp.bfloat16, 2e-2),
 ])
 def test_swiglu_matches_reference(shape, dtype, tol):
-    out, ref = _run(lambda *a: (swiglu(*a, block_m=16, block_n=32, block_k=32, group_m=2,
+    out, ref = run_fast(lambda *a: (swiglu(*a, block_m=16, block_n=32, block_k=32, group_m=2,
                                        interpret=True), swiglu_reference(*a)),
                     *_inputs(0, *shape, dtype))
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
@@ -48,7 +32,7 @@ def test_swiglu_matches_reference(shape, dtype, tol):
 
 def test_swiglu_default_tiles_and_shape_check():
     x, w_gate, w_up = _inputs(1, 8, 32, 32, jnp.float32)
-    out, ref = _run(lambda *a: (swiglu(*a, interpret=True), swiglu_reference(*a)), x, w_gate, w_up)
+    out, ref = run_fast(lambda *a: (swiglu(*a, interpret=True), swiglu_reference(*a)), x, w_gate, w_up)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="expected x \\[T, D\\] and both weights \\[D, I\\]"):
         swiglu(x, w_gate, w_up[:16], interpret=True)
@@ -58,6 +42,6 @@ def test_swiglu_default_tiles_and_shape_check():
 def test_swiglu_lowers_to_triton_for_h200(num_tokens):
     hidden, inter = 2048, 10944  # V2-Lite dense MLP; 10944 = 85.5 tiles of 128
     shape = jax.ShapeDtypeStruct
-    hlo = _lower_for_h200(swiglu, shape((num_tokens, hidden), jnp.bfloat16),
+    hlo = lower_for_h200(swiglu, shape((num_tokens, hidden), jnp.bfloat16),
                           shape((hidden, inter), jnp.bfloat16), shape((hidden, inter), jnp.bfloat16))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
