@@ -1,0 +1,26 @@
+"""The numbered notebooks run top to bottom on CPU (nbclient, kernel "python3", cwd notebooks/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+MINE = ("01_model_tour.ipynb", "02_kernels.ipynb", "04_train_tiny.ipynb")
+
+
+@pytest.mark.parametrize("name", MINE)
+def test_notebook_runs(name):
+    book = nbformat.read(NOTEBOOKS / name, as_version=4)
+    client = nbclient.NotebookClient(book, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client.execute()  # raises CellExecutionError, with the failing cell and traceback, on any error
+    errors = [o for cell in book.cells if cell.cell_type == "code" for o in cell.get("outputs", [])
+              if o.get("output_type") == "error"]
+    assert not errors
