@@ -62,9 +62,9 @@ def main(argv=None):
     out = engine.scheduler.schedule()  # a decode step, run by hand below (then discarded)
     rows = [engine._row(item.seq) for item in out.scheduled]
     start = time.perf_counter()
-    t, inputs = runner.prepare(out, rows)
+    t, inputs, _ = runner.prepare(out, rows)
     prepare_s = time.perf_counter() - start
-    inputs = jax.device_put(inputs)
+    inputs = jax.device_put(runner.place_inputs(inputs))
     compiled = runner._compiled[t]
     cache = runner.cache
     for _ in range(3):

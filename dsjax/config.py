@@ -322,10 +322,10 @@ class EngineConfig:
     block_size: int = 64
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # KV pool: bytes (int), a fraction of the free device memory (float in (0, 1]), or None for the
-    # default (0.9 of free memory on an accelerator; room for max_num_seqs full sequences on CPU).
+    # KV pool: bytes per device (int), a fraction of the free device memory (float in (0, 1]), or None
+    # for the default (0.9 of free memory on an accelerator; room for max_num_seqs full sequences on CPU).
     kv_cache_memory: int | float | None = None
-    num_kv_blocks: int | None = None  # exact pool size; overrides kv_cache_memory
+    num_kv_blocks: int | None = None  # exact pool size (all data-parallel ranks); overrides kv_cache_memory
     # Token-count buckets of the jitted steps: "pow2", "quantile" (re-derived from the first
     # quantile_warmup_steps observed steps), or an explicit tuple of sizes.
     buckets: str | tuple[int, ...] = "pow2"
@@ -372,4 +372,101 @@ class EngineConfig:
         return -(-self.max_model_len // self.block_size)
 
     def replace(self, **changes: Any) -> "EngineConfig":
+        return dataclasses.replace(self, **changes)
+
+
+PARALLEL_PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "parallel"
+EXPERT_ALL_TO_ALL = ("auto", "padded", "ragged")
+# YAML spellings: the design notes' *_degree keys, or our *_size names.
+_PARALLEL_ALIASES = {
+    "tensor_parallel_degree": "tensor_parallel_size", "expert_parallel_degree": "expert_parallel_size",
+    "data_parallel_degree": "data_parallel_size",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """How one engine spreads over devices: a mesh ('data', 'expert', 'tensor') of
+    data_parallel_size x expert_parallel_size x tensor_parallel_size devices (docs/parallelism.md).
+
+    Sequences (and their KV blocks) are split over data x expert; routed experts over expert; attention
+    heads, MLP columns and the vocabulary over tensor. Multi-host: every process starts with the same
+    coordinator_address and num_processes and its own process_id (jax.distributed).
+    """
+
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # Rows each rank may send to each other rank per MoE layer, as a multiple of the mean
+    # (T*k/expert_parallel_size); None: the worst case, so no token is ever dropped.
+    expert_capacity_factor: float | None = None
+    expert_all_to_all: str = "auto"  # auto: ragged_all_to_all on GPU, padded all_to_all elsewhere
+    coordinator_address: str | None = None  # "host:port" of process 0; None: a single process
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size", "num_processes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise _refuse(name, value, "a positive integer")
+        factor = self.expert_capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0):
+            raise _refuse("expert_capacity_factor", factor, "a positive number, or null for drop-free capacity")
+        if self.expert_all_to_all not in EXPERT_ALL_TO_ALL:
+            raise _refuse("expert_all_to_all", self.expert_all_to_all, ", ".join(EXPERT_ALL_TO_ALL))
+        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+            raise _refuse("process_id", self.process_id, f"an integer in [0, num_processes={self.num_processes})")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise _refuse("coordinator_address", self.coordinator_address,
+                          f"'host:port' of process 0 when num_processes={self.num_processes}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.tensor_parallel_size * self.expert_parallel_size * self.data_parallel_size
+
+    @property
+    def num_batch_shards(self) -> int:
+        """Data-parallel attention ranks: each holds its own sequences and their KV blocks."""
+        return self.data_parallel_size * self.expert_parallel_size
+
+    @classmethod
+    def from_dict(cls, settings: dict[str, Any], where: str = "parallel config") -> "ParallelConfig":
+        """Our field names or the design notes' (``parallel_config: {tensor_parallel_degree: 2, ...}``)."""
+        if set(settings) == {"parallel_config"}:
+            settings = settings["parallel_config"]
+        if not isinstance(settings, dict):
+            raise ConfigError(f"{where}: accepted a mapping of settings, got {type(settings).__name__}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        out: dict[str, Any] = {}
+        for key, value in settings.items():
+            name = _PARALLEL_ALIASES.get(str(key).replace("-", "_"), str(key).replace("-", "_"))
+            if name == "pipeline_parallel_degree":
+                if value != 1:
+                    raise _refuse(f"{where}: {key}", value, "1 (pipeline parallelism is not implemented)")
+                continue
+            if name == "expert_parallel":  # the design notes' switch: only 'disabled' says anything alone
+                if value not in ("disabled", False):
+                    raise _refuse(f"{where}: {key}", value, "disabled (set expert_parallel_degree instead)")
+                name, value = "expert_parallel_size", 1
+            if name not in fields:
+                raise ConfigError(f"{where}: unknown key {key!r}; accepted: {', '.join(sorted(fields))}, "
+                                  f"{', '.join(_PARALLEL_ALIASES)}, pipeline_parallel_degree (1), expert_parallel")
+            if name in out:
+                raise ConfigError(f"{where}: {name} is given twice (as {key!r} and another spelling)")
+            out[name] = value
+        return cls(**out)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "ParallelConfig":
+        path = Path(path)
+        if not path.is_file():
+            named = PARALLEL_PRESETS_DIR / f"{path}.yaml"
+            if not named.is_file():
+                presets = ", ".join(sorted(p.stem for p in PARALLEL_PRESETS_DIR.glob("*.yaml")))
+                raise ConfigError(f"parallel config {str(path)!r}: no such file or preset; presets: {presets}")
+            path = named
+        return cls.from_dict(yaml.safe_load(path.read_text()) or {}, where=str(path))
+
+    def replace(self, **changes: Any) -> "ParallelConfig":
         return dataclasses.replace(self, **changes)

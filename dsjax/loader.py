@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jax.sharding import Mesh
+
 from dsjax.checkpoint.hf import load_hf_checkpoint
 from dsjax.checkpoint.orbax_io import is_orbax_dir, load_orbax
-from dsjax.config import ConfigError, ModelConfig, list_presets
+from dsjax.config import ConfigError, ModelConfig, ParallelConfig, list_presets
 from dsjax.model.transformer import random_model
+from dsjax.parallel.expert import expert_dispatch
+from dsjax.parallel.mesh import check_mesh, initialize_distributed, make_mesh, parallel_config_of
 from dsjax.tokenizer import ByteTokenizer, HFTokenizer
 
 DTYPES = ("float32", "bfloat16")
@@ -28,16 +32,28 @@ def _resolve(path_or_preset: str | Path) -> tuple[str, Path | str]:
 
 
 def load_model(path_or_preset: str | Path, dtype: str = "float32", kernel_backend: str = "auto", *,
-               seed: int = 0, progress: bool = True):
-    """A DeepSeek-V2/V3 model: weights from a checkpoint, or deterministic random ones for a preset."""
+               seed: int = 0, progress: bool = True, parallel: ParallelConfig | None = None,
+               mesh: Mesh | None = None):
+    """A DeepSeek-V2/V3 model: weights from a checkpoint, or deterministic random ones for a preset.
+
+    ``parallel`` (or a ready ``mesh`` with axes data, expert, tensor) spreads it over devices: every
+    weight is placed straight into its shards (docs/parallelism.md).
+    """
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
     kind, where = _resolve(path_or_preset)
+    parallel = parallel or ParallelConfig()
+    initialize_distributed(parallel)
+    if mesh is None:
+        mesh = make_mesh(parallel)
+    else:
+        parallel = parallel_config_of(check_mesh(mesh), parallel)
+    placement = dict(mesh=mesh, expert_dispatch=expert_dispatch(parallel))
     if kind == "orbax":
-        return load_orbax(where, dtype=dtype, kernel_backend=kernel_backend)
+        return load_orbax(where, dtype=dtype, kernel_backend=kernel_backend, **placement)
     if kind == "hf":
-        return load_hf_checkpoint(where, dtype=dtype, kernel_backend=kernel_backend, progress=progress)
-    return random_model(ModelConfig.preset(where), dtype=dtype, kernel_backend=kernel_backend, seed=seed)
+        return load_hf_checkpoint(where, dtype=dtype, kernel_backend=kernel_backend, progress=progress, **placement)
+    return random_model(ModelConfig.preset(where), dtype=dtype, kernel_backend=kernel_backend, seed=seed, **placement)
 
 
 def load_config(path_or_preset: str | Path) -> ModelConfig:

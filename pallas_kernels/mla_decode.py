@@ -311,9 +311,9 @@ def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, posit
         acc = acc * correction[..., None] + jnp.einsum("thk,tkc->thc", p, keys)
         return m_new, l, acc
 
-    init = (jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32),
-            jnp.zeros((num_tokens, num_heads), jnp.float32),
-            jnp.zeros((num_tokens, num_heads, latent_dim), jnp.float32))
+    # *_like: the carries take the query's varying mesh axes when this runs inside a shard_map.
+    init = (jnp.full_like(q_latent32[..., 0], -jnp.inf), jnp.zeros_like(q_latent32[..., 0]),
+            jnp.zeros_like(q_latent32))
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     return (acc / l[..., None]).astype(q_latent.dtype)
 

@@ -31,8 +31,9 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, layer=None, swiglu_con
                 down_config: TileConfig | None = None, interpret: bool = False):
     """x [T, D], weights f32[T, k], ids i32[T, k], w_gate/w_up [E, D, I], w_down [E, I, D] -> [T, D].
 
-    Same semantics as ``moe_experts_reference``. With ``layer`` (i32 scalar, may be traced) the
-    weights are every layer's, stacked [L, E, ...], and layer ``layer``'s experts are used in place
+    Same semantics as ``moe_experts_reference``; an id equal to E (the number of experts) marks an
+    empty slot that contributes nothing (expert parallelism's padding rows). With ``layer`` (i32
+    scalar, may be traced) the weights are every layer's, stacked [L, E, ...], and layer ``layer``'s experts are used in place
     (a layer loop would otherwise copy its slice of the stack for the kernels each layer). The
     [T*k, D] expert outputs are kept in x.dtype (f32 accumulation inside each GEMM and across the k
     experts). ``*_config`` override the kernels' tile tables (benchmarks).
@@ -45,16 +46,20 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, layer=None, swiglu_con
         offset = layer * num_experts
     else:
         num_experts = w_gate.shape[0]
-    # position[a]: sorted row of assignment a (token a // k); order is its inverse.
-    position, group_sizes = expert_positions(ids, num_experts)
+    # position[a]: sorted row of assignment a (token a // k); order is its inverse. Empty slots
+    # (id E) sort last, past sum(group_sizes): the kernels never reach them.
+    position, group_sizes = expert_positions(ids, num_experts + 1)
+    group_sizes = group_sizes[:num_experts]
     order = order_from_positions(position)
     h = grouped_swiglu(x, group_sizes, w_gate, w_up, row_ids=order // top_k, expert_offset=offset,
                        interpret=interpret, **_config_kwargs(swiglu_config))  # [T*k, I], sorted
     row_scale = weights.reshape(-1).astype(jnp.float32)[order]
     y = grouped_matmul(h, group_sizes, w_down, row_scale=row_scale, expert_offset=offset, interpret=interpret,
                        **_config_kwargs(down_config))  # [T*k, D], sorted and weighted
-    # Combine: gather each token's k rows back and add them (one fused gather-reduce pass).
-    out = jnp.sum(y[position].reshape(num_tokens, top_k, -1).astype(jnp.float32), axis=1)
+    # Combine: gather each token's k rows back and add them (one fused gather-reduce pass); rows of
+    # empty slots were never written.
+    rows = jnp.where((ids.reshape(-1) < num_experts)[:, None], y[position].astype(jnp.float32), 0.0)
+    out = jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1)
     return out.astype(x.dtype)
 
 
@@ -100,12 +105,13 @@ def moe_experts_reference(x, weights, ids, w_gate, w_up, w_down):
     """x [T, D], weights f32[T, k], ids i32[T, k], w_gate/w_up [E, D, I], w_down [E, I, D] -> [T, D].
 
     Exact but dense: every token goes through every expert and unselected experts get weight 0.
-    Fine on CPU and for small shapes; the GPU path is the grouped kernel.
+    Fine on CPU and for small shapes; the GPU path is the grouped kernel. Ids equal to E are empty
+    slots (dropped from the combine).
     """
     num_tokens = x.shape[0]
     num_experts = w_gate.shape[0]
     combine = jnp.zeros((num_tokens, num_experts), jnp.float32).at[
-        jnp.arange(num_tokens)[:, None], ids].add(weights.astype(jnp.float32))  # [T, E]
+        jnp.arange(num_tokens)[:, None], ids].add(weights.astype(jnp.float32), mode="drop")  # [T, E]
     gate = jnp.einsum("td,edi->tei", x, w_gate, preferred_element_type=jnp.float32)
     up = jnp.einsum("td,edi->tei", x, w_up, preferred_element_type=jnp.float32)
     h = (jax.nn.silu(gate) * up * combine[..., None]).astype(x.dtype)  # [T, E, I]

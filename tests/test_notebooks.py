@@ -12,10 +12,14 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-MINE = ("01_model_tour.ipynb", "02_kernels.ipynb", "04_train_tiny.ipynb")
+NOTEBOOK_NAMES = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 
-@pytest.mark.parametrize("name", MINE)
+def test_every_numbered_notebook_is_collected():
+    assert NOTEBOOK_NAMES == ["01_model_tour.ipynb", "02_kernels.ipynb", "03_sharding.ipynb", "04_train_tiny.ipynb"]
+
+
+@pytest.mark.parametrize("name", NOTEBOOK_NAMES)
 def test_notebook_runs(name):
     book = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(book, timeout=300, kernel_name="python3",

@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import re
-from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -24,9 +23,15 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from dsjax.checkpoint.safetensors_io import CheckpointError, SafetensorsFile
 from dsjax.config import ConfigError, ModelConfig
-from dsjax.model.transformer import abstract_model
+from dsjax.model.params import logical_axes
+from dsjax.model.transformer import abstract_model, state_shardings
+from dsjax.parallel.expert import ExpertDispatch
+from dsjax.parallel.sharding import logical_to_spec
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,7 @@ class Piece:
     layout: tuple = ("same",)
 
 
-@partial(jax.jit, static_argnums=(1, 2))
-def relayout(x, kind: str, heads: int = 0):
+def _relayout(x, kind: str, heads: int = 0):
     """Hugging Face [..., out, in] buffers -> our layouts (leading stack axes untouched)."""
     if kind == "same":
         return x
@@ -62,6 +66,38 @@ def relayout(x, kind: str, heads: int = 0):
     if kind == "latent_first":  # [..., H, k, C] -> [..., C, H, k]
         return jnp.moveaxis(x, -1, -3)
     raise ValueError(kind)
+
+
+relayout = jax.jit(_relayout, static_argnums=(1, 2))
+
+
+def source_spec(target: P, ndim: int, kind: str) -> P:
+    """The PartitionSpec of a Hugging Face buffer that ``relayout(buffer, kind)`` turns into a weight
+    of ``ndim`` dims sharded as ``target``, so the relayout moves no data between devices. The head
+    axis H of a fused H*k dimension keeps its split (heads are the major part of H*k)."""
+    s = tuple(target) + (None,) * (ndim - len(target))
+    if kind == "same":
+        return P(*s)
+    if kind == "t":  # [..., in, out] <- [..., out, in]
+        return P(*s[:-2], s[-1], s[-2])
+    if kind == "t_split_out":  # [..., in, H, k] <- [..., H*k, in]
+        return P(*s[:-3], s[-2], s[-3])
+    if kind == "t_split_in":  # [..., H, k, out] <- [..., out, H*k]
+        return P(*s[:-3], s[-1], s[-3])
+    if kind == "latent_first":  # [..., C, H, k] <- [..., H, k, C]
+        return P(*s[:-3], s[-2], s[-1], s[-3])
+    raise ValueError(kind)
+
+
+def _place(host: np.ndarray, variable, layout: tuple, mesh: Mesh | None):
+    """Host buffer -> the device weight: with a mesh each device receives only its shard (the
+    buffer is put with the sharding that the relayout maps onto the weight's own)."""
+    if mesh is None:
+        return relayout(jax.device_put(host), *layout)
+    target = logical_to_spec(logical_axes(variable))
+    buffer = jax.device_put(host, NamedSharding(mesh, source_spec(target, len(variable.shape), layout[0])))
+    move = jax.jit(_relayout, static_argnums=(1, 2), out_shardings=NamedSharding(mesh, target))
+    return move(buffer, *layout)
 
 
 class TensorIndex:
@@ -248,7 +284,8 @@ def validate(config: ModelConfig, index: TensorIndex, directory: Path):
 
 
 def load_hf_checkpoint(directory: str | Path, *, dtype="float32", kernel_backend: str = "auto",
-                       progress: bool = True):
+                       progress: bool = True, mesh: Mesh | None = None,
+                       expert_dispatch: ExpertDispatch = ExpertDispatch()):
     directory = Path(directory)
     config_path = directory / "config.json"
     if not config_path.is_file():
@@ -262,8 +299,10 @@ def load_hf_checkpoint(directory: str | Path, *, dtype="float32", kernel_backend
     index = TensorIndex(directory)
     plan = validate(config, index, directory)
 
-    model = abstract_model(config, dtype=dtype, kernel_backend=kernel_backend)
+    model = abstract_model(config, dtype=dtype, kernel_backend=kernel_backend, mesh=mesh,
+                           expert_dispatch=expert_dispatch)
     graphdef, state = nnx.split(model)
+    state_shardings(state, mesh)  # refuses a mesh that cannot split some weight evenly, before reading
     flat = nnx.to_flat_state(state)
     total = sum(len(pieces) for pieces in plan.values())
     bar = tqdm(total=total, desc=f"loading {directory.name}", unit="tensor", disable=not progress)
@@ -279,7 +318,7 @@ def load_hf_checkpoint(directory: str | Path, *, dtype="float32", kernel_backend
                 host = np.empty(variable.shape[:len(piece.index)] + part.shape, np.dtype(variable.dtype))
             host[piece.index] = part
             bar.update(1)
-        value = relayout(jax.device_put(host), *pieces[0].layout)
+        value = _place(host, variable, pieces[0].layout, mesh)
         del host
         if value.shape != variable.shape:
             raise CheckpointError(f"internal: {'.'.join(path)} loaded as {value.shape}, model wants {variable.shape}")

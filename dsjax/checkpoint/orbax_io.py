@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
 from dsjax.checkpoint.safetensors_io import CheckpointError
 from dsjax.config import ModelConfig
-from dsjax.model.transformer import abstract_model
+from dsjax.model.transformer import abstract_model, state_shardings
+from dsjax.parallel.expert import ExpertDispatch
 
 STATE_DIR = "dsjax_state"
 META_FILE = "dsjax.json"
@@ -32,14 +35,22 @@ def save_orbax(model, directory: str | Path) -> Path:
     return directory
 
 
-def load_orbax(directory: str | Path, *, dtype: str | None = None, kernel_backend: str = "auto"):
+def load_orbax(directory: str | Path, *, dtype: str | None = None, kernel_backend: str = "auto",
+               mesh: Mesh | None = None, expert_dispatch: ExpertDispatch = ExpertDispatch()):
     directory = Path(directory).resolve()
     if not is_orbax_dir(directory):
         raise CheckpointError(f"{directory}: not a dsjax orbax checkpoint (needs {STATE_DIR}/ and {META_FILE})")
     config = ModelConfig.from_json(directory / "config.json")
     dtype = dtype or json.loads((directory / META_FILE).read_text())["dtype"]
-    # Orbax casts on restore when the target dtype differs from the saved one.
-    graphdef, abstract = nnx.split(abstract_model(config, dtype=dtype, kernel_backend=kernel_backend))
+    # Orbax casts on restore when the target dtype differs from the saved one, and reads each device's
+    # shard straight into it when the target carries shardings.
+    graphdef, abstract = nnx.split(abstract_model(config, dtype=dtype, kernel_backend=kernel_backend, mesh=mesh,
+                                                  expert_dispatch=expert_dispatch))
+    shardings = state_shardings(abstract, mesh)
+    if shardings is not None:
+        abstract = jax.tree.map(
+            lambda sharding, v: v.replace(jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)),
+            shardings, abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
     with ocp.StandardCheckpointer() as checkpointer:
         state = checkpointer.restore(directory / STATE_DIR, abstract)
     return nnx.merge(graphdef, state)

@@ -3,25 +3,40 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import jax
 from tqdm.auto import tqdm
 
-from dsjax.config import EngineConfig
+from dsjax.config import EngineConfig, ParallelConfig
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.engine.outputs import RequestOutput
 from dsjax.engine.sampling_params import SamplingParams
 from dsjax.loader import load_model, load_tokenizer
+from dsjax.parallel.mesh import initialize_distributed
 
 
 class LLM:
-    """``LLM(model="tiny").generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))``."""
+    """``LLM(model="tiny").generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))``.
+
+    Several devices: ``tensor_parallel_size=``, ``expert_parallel_size=``, ``data_parallel_size=``
+    (vLLM's names), or ``parallel=`` a ParallelConfig or a YAML file (configs/parallel/); sizes given
+    here override the file's. Multi-host: every process constructs the same LLM with a ParallelConfig
+    naming the coordinator and its process_id, then makes the same calls.
+    """
 
     def __init__(self, model: str = "tiny", dtype: str = "auto", *, kernel_backend: str = "auto",
-                 tokenizer: str | None = None, seed: int = 0, progress: bool = True, **engine_args):
+                 tokenizer: str | None = None, seed: int = 0, progress: bool = True,
+                 tensor_parallel_size: int | None = None, expert_parallel_size: int | None = None,
+                 data_parallel_size: int | None = None, parallel: ParallelConfig | str | Path | None = None,
+                 **engine_args):
+        parallel = parallel_config(parallel, tensor_parallel_size=tensor_parallel_size,
+                                   expert_parallel_size=expert_parallel_size, data_parallel_size=data_parallel_size)
+        initialize_distributed(parallel)  # before anything touches a device
         if dtype == "auto":
             dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
-        self.model = load_model(model, dtype=dtype, kernel_backend=kernel_backend, progress=progress)
+        self.model = load_model(model, dtype=dtype, kernel_backend=kernel_backend, progress=progress,
+                                parallel=parallel)
         self.tokenizer = load_tokenizer(tokenizer or model)
         self.engine = LLMEngine(self.model, self.tokenizer, EngineConfig(seed=seed, **engine_args),
                                 progress=progress)
@@ -60,6 +75,15 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+
+def parallel_config(parallel: ParallelConfig | str | Path | None = None, **sizes: int | None) -> ParallelConfig:
+    """A ParallelConfig from a config, a YAML file or preset name, or nothing; sizes given override it."""
+    if parallel is None:
+        parallel = ParallelConfig()
+    elif not isinstance(parallel, ParallelConfig):
+        parallel = ParallelConfig.from_yaml(parallel)
+    return parallel.replace(**{name: value for name, value in sizes.items() if value is not None})
 
 
 def _normalize_prompts(prompts):

@@ -18,7 +18,9 @@ from dsjax.engine.sampling_params import SamplingParams
 from dsjax.engine.scheduler import Scheduler
 from dsjax.engine.sequence import Sequence, SequenceStatus
 from dsjax.kv.block_manager import BlockManager
+from dsjax.kv.sharded import ShardedBlockManager
 from dsjax.model.paged import PagedKVCache
+from dsjax.parallel.mesh import num_batch_shards
 
 log = logging.getLogger(__name__)
 
@@ -26,23 +28,25 @@ DEFAULT_DEVICE_FRACTION = 0.9
 _ACTIVATION_BYTES_PER_TOKEN = 64 << 10  # headroom per batched token for a step's activations
 
 
-def kv_cache_num_blocks(model_config, config: EngineConfig, dtype) -> int:
-    """Pool size from num_kv_blocks, kv_cache_memory (bytes or a fraction of free memory), or the default."""
+def kv_cache_num_blocks(model_config, config: EngineConfig, dtype, num_shards: int = 1) -> int:
+    """Pool size from num_kv_blocks (all ranks), kv_cache_memory (bytes or a fraction of free memory, per
+    device), or the default; a multiple of num_shards, the data-parallel ranks that split the pool."""
     per_block = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype)
+    whole = lambda n: -(-n // num_shards) * num_shards
     if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
+        return whole(config.num_kv_blocks)
     memory = config.kv_cache_memory
     if isinstance(memory, int):
-        return max(1, memory // per_block)
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+        return num_shards * max(1, memory // per_block)
+    stats = jax.local_devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
     if stats and "bytes_limit" in stats:
         free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    elif memory is None:  # CPU default: every running sequence can reach max_model_len
-        return config.max_num_seqs * config.max_blocks_per_seq
+    elif memory is None:  # CPU default: every running sequence can reach max_model_len on its rank
+        return num_shards * -(-config.max_num_seqs // num_shards) * config.max_blocks_per_seq
     else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // jax.local_device_count()
     free -= config.max_num_batched_tokens * _ACTIVATION_BYTES_PER_TOKEN
-    return max(1, int(free * (memory or DEFAULT_DEVICE_FRACTION)) // per_block)
+    return num_shards * max(1, int(free * (memory or DEFAULT_DEVICE_FRACTION)) // per_block)
 
 
 class StepFailedError(RuntimeError):
@@ -78,25 +82,32 @@ class LLMEngine:
         if config.max_model_len > model.config.max_position_embeddings:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "
                               f"max_position_embeddings={model.config.max_position_embeddings}")
-        num_blocks = kv_cache_num_blocks(model.config, config, model.dtype)
+        num_shards = num_batch_shards(model.mesh)
+        num_blocks = kv_cache_num_blocks(model.config, config, model.dtype, num_shards)
         per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype)
-        log.warning("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers)",
+        log.warning("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers)%s",
                     num_blocks, config.block_size, num_blocks * config.block_size,
                     num_blocks * per_block / 2**30, per_block // config.block_size,
-                    model.config.num_hidden_layers)
+                    model.config.num_hidden_layers, f", in {num_shards} data-parallel slices" if num_shards > 1 else "")
         eos = tuple(sorted(set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))))
-        self._setup_host(config, tokenizer, num_blocks, eos)
+        self._setup_host(config, tokenizer, num_blocks, eos, num_shards)
         start = time.perf_counter()
-        self.runner = ModelRunner(model, config, self.num_blocks, self.eos_token_ids, progress=progress)
+        self.runner = ModelRunner(model, config, self.num_blocks, self.eos_token_ids, progress=progress,
+                                  shard_of=self.block_manager.shard_of)
         self.warmup_seconds = time.perf_counter() - start
 
-    def _setup_host(self, config: EngineConfig, tokenizer, num_blocks: int, eos_token_ids: tuple[int, ...]):
+    def _setup_host(self, config: EngineConfig, tokenizer, num_blocks: int, eos_token_ids: tuple[int, ...],
+                    num_shards: int = 1):
         """Everything but the runner: block manager, scheduler, request bookkeeping."""
         self.config = config
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        if num_shards == 1:
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        else:
+            self.block_manager = ShardedBlockManager(num_shards, num_blocks // num_shards, config.block_size,
+                                                     config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
             eos_token_ids=eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,

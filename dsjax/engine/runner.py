@@ -4,6 +4,12 @@ runs one compiled, cache-donating step (forward over the packed tokens + samplin
 Shapes come from token-count buckets: a step of n tokens runs at T = buckets.pick(n) with
 S = min(T, max_num_seqs) sequence rows and max_blocks_per_seq block-table columns, so the compiled
 set is one program per bucket, all compiled at start.
+
+With a mesh the step runs per device inside one shard_map (docs/parallelism.md). Its P = data x
+expert ranks each own a slice of the KV cache and the sequences placed there (ShardedBlockManager):
+the step's arrays are P slices of T tokens and S rows, rank p's at [p*T, (p+1)*T), with block ids
+local to its slice, and T is the bucket of the busiest rank. The sampled tokens come back gathered
+and replicated, so every process of a multi-host run reads them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm.auto import tqdm
 
 from dsjax.config import EngineConfig
@@ -24,6 +32,9 @@ from dsjax.engine.buckets import Buckets
 from dsjax.engine.sampler import SampleResult, SamplingArrays, sample
 from dsjax.engine.scheduler import SchedulerOutput
 from dsjax.model.paged import PagedBatch, PagedKVCache
+from dsjax.parallel.collectives import gather_batch
+from dsjax.parallel.mesh import num_batch_shards
+from dsjax.parallel.sharding import CACHE_SPEC, batch_spec, checks_vma, param_specs
 
 log = logging.getLogger(__name__)
 
@@ -57,17 +68,32 @@ class StepResult:
 
 
 class ModelRunner:
+    """``shard_of(seq)``: the data-parallel rank whose cache slice holds seq's blocks (block ids in its
+    table are local to that slice); ``num_blocks`` counts all slices."""
+
     def __init__(self, model, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...] = (),
-                 *, progress: bool = True):
+                 *, progress: bool = True, shard_of=None):
         self.config = config
         self.model_config = model.config
         self.graphdef, self.state = nnx.split(model)
-        self.cache = PagedKVCache.zeros(model.config, num_blocks, config.block_size, model.dtype)
+        self.mesh = model.mesh
+        self.num_shards = num_batch_shards(self.mesh)
+        if num_blocks % self.num_shards:
+            raise ValueError(f"num_blocks={num_blocks}: accepted a multiple of the {self.num_shards} "
+                             "data-parallel ranks, which split the cache evenly")
         self.num_blocks = num_blocks
+        self.num_blocks_per_shard = num_blocks // self.num_shards
+        self.shard_of = shard_of or (lambda seq: 0)
         self.cache_dtype = model.dtype
+        self.cache = self._zero_cache()
         self.eos_token_ids = tuple(eos_token_ids)
         self.progress = progress
-        self._jitted = jax.jit(self._step, donate_argnums=(1,))
+        step = self._step
+        if self.mesh is not None:
+            step = jax.shard_map(step, mesh=self.mesh, out_specs=(CACHE_SPEC, P()),
+                                 in_specs=(param_specs(self.state), CACHE_SPEC, self._input_specs()),
+                                 check_vma=checks_vma(model.kernel_backend))
+        self._jitted = jax.jit(step, donate_argnums=(1,))
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
@@ -83,22 +109,52 @@ class ModelRunner:
 
     # ----- compiled steps ------------------------------------------------------------------------
     def _step(self, state, cache, inputs: StepInputs):
+        """One rank's step (all of it without a mesh): its tokens, its cache slice, its rows."""
         model = nnx.merge(self.graphdef, state)
         hidden, cache = model.forward_paged(inputs.tokens, cache, inputs.batch)
         logits = model.compute_logits(hidden[inputs.logits_indices])
-        return cache, sample(logits, inputs.sampling, self.eos_token_ids, self.config.max_logprobs)
+        result = sample(logits, inputs.sampling, self.eos_token_ids, self.config.max_logprobs)
+        return cache, gather_batch(result)
 
     def num_rows(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.config.max_num_seqs)
 
+    def _zero_cache(self) -> PagedKVCache:
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, CACHE_SPEC)
+        return PagedKVCache.zeros(self.model_config, self.num_blocks, self.config.block_size, self.cache_dtype,
+                                  sharding=sharding)
+
     def _abstract_inputs(self, t: int) -> StepInputs:
-        s, w = self.num_rows(t), self.config.max_blocks_per_seq
+        inputs = self._input_shapes(t)
+        if self.mesh is None:
+            return inputs
+        return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            inputs, self._input_shardings())
+
+    def _input_shapes(self, t: int) -> StepInputs:
+        """Shapes of a step at bucket t: every rank's t tokens and num_rows(t) rows, rank-major."""
+        t, s, w = self.num_shards * t, self.num_shards * self.num_rows(t), self.config.max_blocks_per_seq
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
         f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
         return StepInputs(
             i32(t), PagedBatch(i32(t), i32(t), i32(t), i32(s, w)), i32(s),
             SamplingArrays(f32(s), i32(s), f32(s), jax.ShapeDtypeStruct((s,), jnp.uint32), i32(s),
                            jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s)))
+
+    def _input_specs(self) -> StepInputs:
+        """Every input split over the data-parallel ranks along its leading axis."""
+        return jax.tree.map(lambda a: batch_spec(a.ndim), self._input_shapes(1))
+
+    def _input_shardings(self) -> StepInputs:
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._input_specs(),
+                            is_leaf=lambda x: isinstance(x, P))
+
+    def place_inputs(self, inputs: StepInputs) -> StepInputs:
+        """Host arrays -> device: each device receives its rank's slices (every process passes the
+        same host arrays in a multi-host run)."""
+        if self.mesh is None:
+            return inputs
+        return jax.device_put(inputs, self._input_shardings())
 
     def compile_all(self):
         """Compiles every bucket ahead of time, so no request ever waits on the compiler."""
@@ -121,65 +177,75 @@ class ModelRunner:
         self.compile_all()
 
     # ----- one step ------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, rows: list[RowSampling]) -> tuple[int, StepInputs]:
-        """Host-side packing of a step into the arrays of its bucket (numpy, no device work)."""
-        bs, w = self.config.block_size, self.config.max_blocks_per_seq
-        t = self.buckets.pick(out.num_batched_tokens)
-        s = self.num_rows(t)
-        tokens = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        slots = np.full(t, self.num_blocks * bs, np.int32)  # past the pool: the write is dropped
-        seq_ids = np.zeros(t, np.int32)
-        tables = np.zeros((s, w), np.int32)
-        logits_indices = np.zeros(s, np.int32)
-        offset = 0
+    def prepare(self, out: SchedulerOutput, rows: list[RowSampling]) -> tuple[int, StepInputs, np.ndarray]:
+        """Host-side packing of a step into the arrays of its bucket (numpy, no device work).
+
+        -> (bucket t, inputs, row i32[num_seqs]: where scheduled sequence i's sample comes back)."""
+        bs, w, shards = self.config.block_size, self.config.max_blocks_per_seq, self.num_shards
+        by_shard: list[list[int]] = [[] for _ in range(shards)]
         for i, item in enumerate(out.scheduled):
-            n = item.num_scheduled_tokens
-            table = np.asarray(item.seq.block_table, np.int32)
-            pos = np.arange(item.num_computed_tokens, item.num_computed_tokens + n, dtype=np.int32)
-            tokens[offset:offset + n] = item.token_ids
-            positions[offset:offset + n] = pos
-            slots[offset:offset + n] = table[pos // bs] * bs + pos % bs
-            seq_ids[offset:offset + n] = i
-            tables[i, :len(table)] = table
-            logits_indices[i] = offset + n - 1
-            offset += n
-        padded = rows + [RowSampling()] * (s - len(rows))
+            by_shard[self.shard_of(item.seq)].append(i)
+        busiest = max(sum(out.scheduled[i].num_scheduled_tokens for i in items) for items in by_shard)
+        t = self.buckets.pick(busiest)
+        s = self.num_rows(t)
+        tokens = np.zeros(shards * t, np.int32)
+        positions = np.zeros(shards * t, np.int32)
+        slots = np.full(shards * t, self.num_blocks_per_shard * bs, np.int32)  # past the slice: dropped
+        seq_ids = np.zeros(shards * t, np.int32)
+        tables = np.zeros((shards * s, w), np.int32)
+        logits_indices = np.zeros(shards * s, np.int32)
+        row_of = np.zeros(len(out.scheduled), np.int64)
+        padded = [RowSampling()] * (shards * s)
+        for shard, items in enumerate(by_shard):
+            offset = 0  # within the rank's t tokens
+            for r, i in enumerate(items):
+                item = out.scheduled[i]
+                n, start, row = item.num_scheduled_tokens, shard * t + offset, shard * s + r
+                table = np.asarray(item.seq.block_table, np.int32)
+                pos = np.arange(item.num_computed_tokens, item.num_computed_tokens + n, dtype=np.int32)
+                tokens[start:start + n] = item.token_ids
+                positions[start:start + n] = pos
+                slots[start:start + n] = table[pos // bs] * bs + pos % bs
+                seq_ids[start:start + n] = r
+                tables[row, :len(table)] = table
+                logits_indices[row] = offset + n - 1
+                padded[row], row_of[i] = rows[i], row
+                offset += n
         column = lambda name, dtype: np.asarray([getattr(r, name) for r in padded], dtype)
         sampling = SamplingArrays(
             column("temperature", np.float32), column("top_k", np.int32), column("top_p", np.float32),
             np.asarray([r.seed & 0xFFFFFFFF for r in padded], np.uint32), column("counter", np.int32),
             column("mask_eos", np.bool_), column("num_logprobs", np.int32))
-        return t, StepInputs(tokens, PagedBatch(positions, slots, seq_ids, tables), logits_indices, sampling)
+        inputs = StepInputs(tokens, PagedBatch(positions, slots, seq_ids, tables), logits_indices, sampling)
+        return t, inputs, row_of
 
     def execute(self, out: SchedulerOutput, rows: list[RowSampling]) -> StepResult:
         if len(rows) != out.num_seqs:
             raise ValueError(f"{len(rows)} sampling rows for {out.num_seqs} scheduled sequences")
-        t, inputs = self.prepare(out, rows)
+        t, inputs, row_of = self.prepare(out, rows)
         compiled = self._compiled.get(t)
         if compiled is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
             compiled = self._compiled[t]
         try:
-            self.cache, result = compiled(self.state, self.cache, inputs)
+            self.cache, result = compiled(self.state, self.cache, self.place_inputs(inputs))
             result: SampleResult = jax.device_get(result)  # the one host sync of a step
         except Exception:
             self._recover_cache()
             raise
         self.num_useful_tokens += out.num_batched_tokens
-        self.num_padded_tokens += t
+        self.num_padded_tokens += self.num_shards * t
         if self._quantile_pending:
             self.step_sizes.append(out.num_batched_tokens)
             self._maybe_requantize()
-        n = out.num_seqs
-        return StepResult(result.token_ids[:n], result.logprobs[:n], result.top_ids[:n], result.top_logprobs[:n])
+        return StepResult(result.token_ids[row_of], result.logprobs[row_of], result.top_ids[row_of],
+                          result.top_logprobs[row_of])
 
     def _recover_cache(self):
         """A call that failed after donation leaves the cache deleted: start from a zeroed one, so
         later steps can run. Sets ``cache_was_reset``: every cached token is gone."""
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
-            self.cache = PagedKVCache.zeros(self.model_config, self.num_blocks, self.config.block_size,
-                                            self.cache_dtype)
+            self.cache = self._zero_cache()
             self.cache_was_reset = True
 
     cache_was_reset = False

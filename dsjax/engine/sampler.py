@@ -61,8 +61,8 @@ def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_t
     token_ids = jnp.where(arrays.temperature > 0, drawn, greedy).astype(jnp.int32)
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    rows = logits.shape[0]
-    none = lambda lp: (jnp.zeros((rows, num_top_logprobs), jnp.float32), jnp.zeros((rows, num_top_logprobs), jnp.int32))
+    # *_like: the zeros take the logits' varying mesh axes when this runs inside a shard_map.
+    none = lambda lp: (jnp.zeros_like(lp[:, :num_top_logprobs]), jnp.zeros_like(lp[:, :num_top_logprobs], jnp.int32))
     top = lambda lp: tuple(jax.lax.top_k(lp, num_top_logprobs))
     # Most steps want no logprobs: skip the top-k over the vocabulary then.
     top_logprobs, top_ids = jax.lax.cond(jnp.any(arrays.num_logprobs > 0), top, none, logprobs)

@@ -14,6 +14,7 @@ import dataclasses
 
 from dsjax.engine.sequence import Lane, Sequence, SequenceStatus, finish_reason_of
 from dsjax.kv.block_manager import BlockManager
+from dsjax.kv.sharded import ShardedBlockManager
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ def _priority_key(seq: Sequence) -> tuple[int, int]:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: BlockManager | ShardedBlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
@@ -154,10 +155,10 @@ class Scheduler:
             )
         # The last sampled token is never computed, so this is the most KV the request ever holds.
         num_blocks = self.block_manager.num_blocks_for(num_prompt + max_tokens - 1)
-        if num_blocks > self.block_manager.num_blocks_total:
+        if num_blocks > self.block_manager.num_blocks_per_shard:
             raise ValueError(
                 f"request {rid!r}: prompt tokens {num_prompt} + max_tokens {max_tokens} need {num_blocks} "
-                f"KV blocks, more than the whole pool of {self.block_manager.num_blocks_total}"
+                f"KV blocks, more than the whole pool of {self.block_manager.num_blocks_per_shard}"
             )
         seq.lane = self.lane_for(seq)
         seq.arrival_step = seq.waiting_since_step = self.step
@@ -186,9 +187,10 @@ class Scheduler:
                 continue
             # Allocation evicts cached blocks first; only when those run out do we preempt. The
             # victim is the last in priority order: BULK before DEFAULT before REALTIME, most
-            # recently admitted first; it may be seq itself.
+            # recently admitted first, among those in seq's pool (data-parallel attention splits
+            # the cache); it may be seq itself.
             while not self.block_manager.can_append(seq, num_new):
-                victim = self.running[-1]
+                victim = self._victim_for(seq)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -219,6 +221,10 @@ class Scheduler:
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted=preempted,
         )
+
+    def _victim_for(self, seq: Sequence) -> Sequence:
+        shard = self.block_manager.shard_of(seq)
+        return next(s for s in reversed(self.running) if self.block_manager.shard_of(s) == shard)
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute, not swap: outputs are kept and re-prefilled with the prompt on re-admission.

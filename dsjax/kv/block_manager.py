@@ -49,6 +49,17 @@ class BlockManager:
         self.num_prefix_query_tokens = 0  # tokens to prefill, summed over admissions
         self.num_prefix_hit_tokens = 0  # of those, tokens served from the prefix cache
 
+    # ---- one pool (dsjax.kv.sharded splits the cache into several) -----------------------------
+
+    num_shards = 1
+
+    @property
+    def num_blocks_per_shard(self) -> int:
+        return self.num_blocks_total
+
+    def shard_of(self, seq: Sequence) -> int:
+        return 0
+
     # ---- counters -------------------------------------------------------------------------------
 
     @property

@@ -9,8 +9,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 
+from dsjax.parallel.collectives import axis_size
+from dsjax.parallel.expert import ExpertDispatch, moe_expert_parallel
+from dsjax.parallel.mesh import EXPERT
 from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
 from pallas_kernels.mla_prefill import mla_prefill as mla_prefill_kernel
 from pallas_kernels.mla_prefill import mla_prefill_reference
@@ -53,12 +58,23 @@ def moe_route(logits, bias, spec: RoutingSpec, backend: str):
     return route(logits, bias, spec, interpret=backend == "interpret")
 
 
-def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str, layer=None):
+def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str, layer=None,
+                expert_dispatch: ExpertDispatch = ExpertDispatch()):
     """x [T, D] through experts ids i32[T, k] weighted by f32[T, k] -> [T, D].
 
     w_* are one layer's experts [E, ...], or with ``layer`` every layer's [L, E, ...] (the kernels then
-    read that layer's in place instead of receiving a copied slice).
+    read that layer's in place instead of receiving a copied slice). Inside a shard_map over an
+    'expert' axis of several ranks, w_* are this rank's experts and tokens travel to their owners
+    (dsjax.parallel.expert); the same computation then runs per rank on the rows it received.
     """
+    if axis_size(EXPERT) > 1:
+        num_local_experts = w_gate.shape[0 if layer is None else 1]
+        local = partial(_local_experts, w_gate=w_gate, w_up=w_up, w_down=w_down, backend=backend, layer=layer)
+        return moe_expert_parallel(x, weights, ids, num_local_experts, local, expert_dispatch)
+    return _local_experts(x, weights, ids, w_gate=w_gate, w_up=w_up, w_down=w_down, backend=backend, layer=layer)
+
+
+def _local_experts(x, weights, ids, *, w_gate, w_up, w_down, backend: str, layer):
     if backend == "reference":
         if layer is not None:
             w_gate, w_up, w_down = (w[layer] for w in (w_gate, w_up, w_down))

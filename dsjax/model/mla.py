@@ -70,7 +70,8 @@ class MLAttention(nnx.Module):
         return jnp.einsum("...hv,hvd->...d", v_ctx, self.o_proj[...])
 
     def __call__(self, x, positions, *, mode: str, backend: str):
-        """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D]."""
+        """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D], a
+        partial sum over tensor ranks (each holds some heads)."""
         q_nope, q_pe = self.queries(x, positions)
         c_kv, k_pe = self.latents(x, positions)
         if mode == "expanded":
@@ -81,18 +82,19 @@ class MLAttention(nnx.Module):
         if mode != "absorbed":
             raise ValueError(f"attention mode={mode!r} is not supported; accepted: expanded, absorbed")
         # Absorbed over the fresh latents: each sequence is one cache block of size T.
-        batch, seq_len = x.shape[:2]
+        batch, seq_len, num_heads = q_nope.shape[:3]  # this rank's heads under tensor parallelism
         seq_ids = jnp.repeat(jnp.arange(batch, dtype=jnp.int32), seq_len)
         tables = jnp.arange(batch, dtype=jnp.int32)[:, None]
         ctx = dispatch.mla_paged_attention(
-            self.absorb_query(q_nope).reshape(batch * seq_len, self.num_heads, -1),
-            q_pe.reshape(batch * seq_len, self.num_heads, -1), c_kv, k_pe, tables, seq_ids,
+            self.absorb_query(q_nope).reshape(batch * seq_len, num_heads, -1),
+            q_pe.reshape(batch * seq_len, num_heads, -1), c_kv, k_pe, tables, seq_ids,
             positions.reshape(-1), self.scale, backend)
-        return self.output(ctx.reshape(batch, seq_len, self.num_heads, -1))
+        return self.output(ctx.reshape(batch, seq_len, num_heads, -1))
 
     def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str):
         """Packed tokens x [T, D] of one engine step: write their latents into ``cache`` at layer
-        ``layer``, then attend (absorbed) over each token's sequence. -> ([T, D], updated cache)."""
+        ``layer``, then attend (absorbed) over each token's sequence. -> ([T, D] partial over tensor
+        ranks, updated cache)."""
         q_nope, q_pe = self.queries(x, batch.positions)
         c_kv, k_pe = self.latents(x, batch.positions)
         num_layers, num_blocks, block_size = cache.c_kv.shape[:3]

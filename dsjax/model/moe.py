@@ -8,6 +8,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model import dispatch
 from dsjax.model.params import param
+from dsjax.parallel.expert import ExpertDispatch
 from pallas_kernels.moe_routing import RoutingSpec
 
 
@@ -20,7 +21,7 @@ class MLP(nnx.Module):
         self.w_down = param(rngs, (intermediate_size, hidden_size), (axis, "embed"), dtype)
 
     def __call__(self, x, *, backend: str):
-        """x [T, D] -> [T, D]."""
+        """x [T, D] -> [T, D] (a partial sum over tensor ranks: each holds some columns)."""
         h = dispatch.swiglu(x, self.w_gate[...], self.w_up[...], backend)
         return jnp.dot(h, self.w_down[...])
 
@@ -35,9 +36,11 @@ def routing_spec(config: ModelConfig) -> RoutingSpec:
 class MoE(nnx.Module):
     """Shared experts see every token; each token also goes to its top-k routed experts."""
 
-    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, dtype, rngs: nnx.Rngs,
+                 expert_dispatch: ExpertDispatch = ExpertDispatch()):
         d, e, i = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
         self.spec = routing_spec(config)
+        self.expert_dispatch = expert_dispatch
         # The router stays in f32, as DeepSeek and transformers keep it: top-k choices are sensitive.
         self.router = param(rngs, (d, e), ("embed", None), jnp.float32)
         self.score_bias = (param(None, (e,), (None,), jnp.float32, init="zeros")
@@ -55,14 +58,16 @@ class MoE(nnx.Module):
         return dispatch.moe_route(logits, bias, self.spec, backend)
 
     def __call__(self, x, *, backend: str, stacked_experts=None):
-        """x [T, D] -> [T, D]. ``stacked_experts`` = (w_gate, w_up, w_down of every MoE layer
-        [L, E, ...], this layer's index): the kernels then read the stack in place."""
+        """x [T, D] -> [T, D] (a partial sum over tensor ranks). ``stacked_experts`` = (w_gate, w_up,
+        w_down of every MoE layer [L, E, ...], this layer's index): the kernels then read the stack in
+        place."""
         weights, ids = self.route(x, backend=backend)
         if stacked_experts is None:
             experts, layer = (self.w_gate[...], self.w_up[...], self.w_down[...]), None
         else:
             *experts, layer = stacked_experts
-        out = dispatch.moe_experts(x, weights, ids, *experts, backend, layer=layer)
+        out = dispatch.moe_experts(x, weights, ids, *experts, backend, layer=layer,
+                                   expert_dispatch=self.expert_dispatch)
         if self.shared is not None:
             out = out + self.shared(x, backend=backend)
         return out

@@ -29,10 +29,15 @@ class PagedKVCache(NamedTuple):
         return config.num_hidden_layers * block_size * config.kv_cache_dim * jnp.dtype(dtype).itemsize
 
     @classmethod
-    def zeros(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype) -> "PagedKVCache":
+    def zeros(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None) -> "PagedKVCache":
+        """``sharding`` (of both arrays): each device allocates only its slice."""
         layers = config.num_hidden_layers
-        return cls(jnp.zeros((layers, num_blocks, block_size, config.kv_lora_rank), dtype),
-                   jnp.zeros((layers, num_blocks, block_size, config.qk_rope_head_dim), dtype))
+
+        def make():
+            return cls(jnp.zeros((layers, num_blocks, block_size, config.kv_lora_rank), dtype),
+                       jnp.zeros((layers, num_blocks, block_size, config.qk_rope_head_dim), dtype))
+
+        return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 
 
 class PagedBatch(NamedTuple):

@@ -2,15 +2,22 @@
 
 Layers of one kind are stacked along a leading 'layers' axis and run with ``lax.scan``, so compile time
 does not grow with depth (V3 has 61 layers).
+
+With a mesh the traced methods run per device inside a shard_map (the runner's, or ``logits``'s) on
+this device's shards of every weight; the few collectives they need (dsjax.parallel.collectives) are
+no-ops without one.
 """
 
 from __future__ import annotations
 
+import functools
 from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from dsjax.config import ModelConfig
 from dsjax.model.dispatch import resolve_backend
@@ -18,16 +25,23 @@ from dsjax.model.mla import MLAttention
 from dsjax.model.moe import MLP, MoE
 from dsjax.model.norms import RMSNorm
 from dsjax.model.paged import PagedBatch, PagedKVCache
-from dsjax.model.params import INIT_STD, param
+from dsjax.model.params import INIT_STD, logical_axes, param
+from dsjax.parallel.collectives import embed_lookup, gather_vocab, psum_tensor
+from dsjax.parallel.expert import ExpertDispatch
+from dsjax.parallel.mesh import num_batch_shards
+from dsjax.parallel.sharding import batch_spec, checks_vma, logical_to_spec, param_shardings, param_specs
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, config: ModelConfig, moe: bool, dtype, rngs: nnx.Rngs):
+    """Attention and MLP sublayers return partial sums over the tensor ranks (each holds some heads or
+    columns): each is reduced once, here, before its residual add."""
+
+    def __init__(self, config: ModelConfig, moe: bool, dtype, rngs: nnx.Rngs, expert_dispatch: ExpertDispatch):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.attn_norm = RMSNorm(d, eps, "embed", dtype)
         self.attn = MLAttention(config, dtype, rngs)
         self.mlp_norm = RMSNorm(d, eps, "embed", dtype)
-        self.mlp = MoE(config, dtype, rngs) if moe else MLP(d, config.intermediate_size, dtype, rngs)
+        self.mlp = MoE(config, dtype, rngs, expert_dispatch) if moe else MLP(d, config.intermediate_size, dtype, rngs)
 
     def _mlp(self, x, backend, stacked_experts):
         if isinstance(self.mlp, MoE):
@@ -36,25 +50,26 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, *, mode: str, backend: str, stacked_experts=None):
         """x [B, T, D] -> [B, T, D]."""
-        h = x + self.attn(self.attn_norm(x), positions, mode=mode, backend=backend)
+        h = x + psum_tensor(self.attn(self.attn_norm(x), positions, mode=mode, backend=backend))
         flat = h.reshape(-1, h.shape[-1])
-        return h + self._mlp(self.mlp_norm(flat), backend, stacked_experts).reshape(h.shape)
+        return h + psum_tensor(self._mlp(self.mlp_norm(flat), backend, stacked_experts)).reshape(h.shape)
 
     def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked_experts=None):
         """x [T, D] -> ([T, D], cache)."""
         attn_out, cache = self.attn.paged(self.attn_norm(x), cache, layer, batch, backend=backend)
-        h = x + attn_out
-        return h + self._mlp(self.mlp_norm(h), backend, stacked_experts), cache
+        h = x + psum_tensor(attn_out)
+        return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked_experts)), cache
 
 
-def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs: nnx.Rngs):
+def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs: nnx.Rngs,
+                    expert_dispatch: ExpertDispatch):
     if num_layers == 0:
         return None
 
     @nnx.split_rngs(splits=num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
     def create(rngs):
-        return DecoderLayer(config, moe, dtype, rngs)
+        return DecoderLayer(config, moe, dtype, rngs, expert_dispatch)
 
     return create(rngs)
 
@@ -76,16 +91,20 @@ def _scan_layers(stack, carry, first_layer: int, step):
 
 
 class DeepseekForCausalLM(nnx.Module):
+    """``mesh`` (axes data, expert, tensor; dsjax.parallel.make_mesh) says where the weights live and
+    how ``logits`` and the engine split the work; None: one device."""
+
     def __init__(self, config: ModelConfig, *, dtype="float32", kernel_backend: str = "auto",
-                 rngs: nnx.Rngs):
+                 mesh: Mesh | None = None, expert_dispatch: ExpertDispatch = ExpertDispatch(), rngs: nnx.Rngs):
         dtype = jnp.dtype(dtype)
         d, v = config.hidden_size, config.vocab_size
         self.config = config
         self.dtype = dtype
         self.kernel_backend = resolve_backend(kernel_backend)
+        self.mesh = mesh
         self.embed = param(rngs, (v, d), ("vocab", "embed"), dtype)
-        self.dense_layers = _stacked_layers(config.num_dense_layers, config, False, dtype, rngs)
-        self.moe_layers = _stacked_layers(config.num_moe_layers, config, True, dtype, rngs)
+        self.dense_layers = _stacked_layers(config.num_dense_layers, config, False, dtype, rngs, expert_dispatch)
+        self.moe_layers = _stacked_layers(config.num_moe_layers, config, True, dtype, rngs, expert_dispatch)
         self.norm = RMSNorm(d, config.rms_norm_eps, "embed", dtype)
         self.lm_head = None if config.tie_word_embeddings else param(rngs, (d, v), ("embed", "vocab"), dtype)
 
@@ -93,7 +112,7 @@ class DeepseekForCausalLM(nnx.Module):
     def __call__(self, tokens, *, mode: str = "expanded"):
         """Full causal forward, no cache: tokens i32[B, T] -> logits f32[B, T, vocab]."""
         backend = self.kernel_backend
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = embed_lookup(self.embed[...], tokens)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         step = lambda layer, x, _, index: layer(x, positions, mode=mode, backend=backend,
                                                 stacked_experts=self._stacked_experts(index))
@@ -119,15 +138,15 @@ class DeepseekForCausalLM(nnx.Module):
             return layer.paged(x, cache, index, batch, backend=backend,
                                stacked_experts=self._stacked_experts(index_in_stack))
 
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        x = embed_lookup(self.embed[...], tokens)
         carry = _scan_layers(self.dense_layers, (x, cache), 0, step)
         x, cache = _scan_layers(self.moe_layers, carry, self.config.num_dense_layers, step)
         return self.norm(x), cache
 
     def compute_logits(self, hidden):
-        """hidden [..., D] (final-normed) -> f32[..., vocab]."""
+        """hidden [..., D] (final-normed) -> f32[..., vocab] (the whole vocabulary on every tensor rank)."""
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-        return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+        return gather_vocab(jnp.dot(hidden, head, preferred_element_type=jnp.float32))
 
     # ----- host ----------------------------------------------------------------------------------
     def logits(self, token_ids, *, mode: str = "expanded"):
@@ -136,7 +155,15 @@ class DeepseekForCausalLM(nnx.Module):
         if tokens.ndim != 2:
             raise ValueError(f"token_ids must be 2-D [batch, length], got shape {tokens.shape}")
         graphdef, state = nnx.split(self)
-        return _logits_jit(graphdef, state, tokens, mode)
+        if self.mesh is None:
+            return _logits_jit(graphdef, state, tokens, mode)
+        # Sequences split over the data-parallel ranks: pad the batch to a multiple of them.
+        batch = tokens.shape[0]
+        shards = num_batch_shards(self.mesh)
+        host = np.zeros((-(-batch // shards) * shards, tokens.shape[1]), np.int32)
+        host[:batch] = np.asarray(token_ids, np.int32)
+        tokens = jax.device_put(host, NamedSharding(self.mesh, batch_spec(2)))
+        return _logits_sharded(graphdef, state, tokens, mode, self.mesh)[:batch]
 
 
 @partial(jax.jit, static_argnums=(0, 3))
@@ -144,51 +171,91 @@ def _logits_jit(graphdef, state, tokens, mode):
     return nnx.merge(graphdef, state)(tokens, mode=mode)
 
 
-def abstract_model(config: ModelConfig, *, dtype="float32", kernel_backend: str = "auto"):
+@partial(jax.jit, static_argnums=(0, 3, 4))
+def _logits_sharded(graphdef, state, tokens, mode, mesh):
+    model = nnx.merge(graphdef, state)
+    local = lambda state, tokens: nnx.merge(graphdef, state)(tokens, mode=mode)
+    return jax.shard_map(local, mesh=mesh, in_specs=(param_specs(state), batch_spec(2)), out_specs=batch_spec(3),
+                         check_vma=checks_vma(model.kernel_backend))(state, tokens)
+
+
+def abstract_model(config: ModelConfig, *, dtype="float32", kernel_backend: str = "auto",
+                   mesh: Mesh | None = None, expert_dispatch: ExpertDispatch = ExpertDispatch()):
     """The model's structure with ShapeDtypeStruct leaves: nothing allocated."""
-    return nnx.eval_shape(lambda: DeepseekForCausalLM(config, dtype=dtype, kernel_backend=kernel_backend,
-                                                      rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: DeepseekForCausalLM(config, dtype=dtype, kernel_backend=kernel_backend, mesh=mesh,
+                                                      expert_dispatch=expert_dispatch, rngs=nnx.Rngs(0)))
 
 
-_STREAM_CHUNK = 1 << 24  # numbers per random draw: one compile, then device-speed generation
+def state_shardings(model_or_state, mesh: Mesh | None):
+    """NamedShardings of every weight on ``mesh`` (None without one)."""
+    if mesh is None:
+        return None
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+    return param_shardings(state, mesh)
 
 
-@partial(jax.jit, static_argnums=1)
-def _normal_chunk(key, size):
-    return jax.random.normal(key, (size,), jnp.float32)
-
-
-def random_model(config: ModelConfig, *, dtype="float32", kernel_backend: str = "auto", seed: int = 0):
+def random_model(config: ModelConfig, *, dtype="float32", kernel_backend: str = "auto", seed: int = 0,
+                 mesh: Mesh | None = None, expert_dispatch: ExpertDispatch = ExpertDispatch()):
     """Deterministic random weights: normal(0, 0.02) like transformers' init, norms 1, router bias 0.
 
-    All weights are cut in order from one stream of normals drawn in fixed-size chunks, so a single
-    small program is compiled whatever the model's size.
+    One jitted program whose outputs are the weights' shards. Each number is a pure function of
+    (seed, weight, coordinates) (``_hashed_normal``), so every device computes only its own shard,
+    the values do not depend on the mesh, and no device ever holds a weight it does not own.
     """
-    graphdef, state = nnx.split(abstract_model(config, dtype=dtype, kernel_backend=kernel_backend))
-    leaves, treedef = jax.tree.flatten_with_path(state)
-    total = sum(leaf.size for _, leaf in leaves)
-    chunk = min(_STREAM_CHUNK, 1 << max(total - 1, 1).bit_length())
-    key = jax.random.key(seed)
-    stream, buffer, offset, drawn = [], None, 0, 0
+    model = abstract_model(config, dtype=dtype, kernel_backend=kernel_backend, mesh=mesh,
+                           expert_dispatch=expert_dispatch)
+    graphdef, abstract = nnx.split(model)
+    state_shardings(abstract, mesh)  # refuses a mesh that cannot split some weight evenly
+    leaves, treedef = jax.tree.flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    plan = tuple((_init_kind(path), v.shape, jnp.dtype(v.dtype), logical_axes(v)) for path, v in leaves)
+    values = _random_init(plan, mesh)(jnp.uint32(seed & 0xFFFFFFFF))
+    state = jax.tree.unflatten(treedef, [v.replace(x) for (_, v), x in zip(leaves, values)])
+    return nnx.merge(graphdef, state)
 
-    def take(n):
-        nonlocal buffer, offset, drawn
-        pieces = []
-        while n:
-            if buffer is None or offset == chunk:
-                buffer, offset, drawn = _normal_chunk(jax.random.fold_in(key, drawn), chunk), 0, drawn + 1
-            k = min(n, chunk - offset)
-            pieces.append(buffer[offset:offset + k])
-            offset, n = offset + k, n - k
-        return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
-    for path, leaf in leaves:
-        name = str(path[-2].key) if len(path) >= 2 else ""
-        if name == "score_bias":
-            value = jnp.zeros(leaf.shape, leaf.dtype)
-        elif name == "weight":  # RMSNorm scales
-            value = jnp.ones(leaf.shape, leaf.dtype)
-        else:
-            value = (INIT_STD * take(leaf.size)).reshape(leaf.shape).astype(leaf.dtype)
-        stream.append(value)
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, stream))
+def _init_kind(path) -> str:
+    name = str(path[-1].key)
+    return {"score_bias": "zeros", "weight": "ones"}.get(name, "normal")  # "weight": RMSNorm scales
+
+
+@functools.lru_cache(maxsize=8)
+def _random_init(plan, mesh):
+    """The jitted initializer for a model's (kind, shape, dtype, logical axes) leaves on ``mesh``."""
+    shardings = None if mesh is None else [NamedSharding(mesh, logical_to_spec(axes)) for *_, axes in plan]
+
+    def one(seed, index, kind, shape, dtype):
+        if kind != "normal":
+            return (jnp.zeros if kind == "zeros" else jnp.ones)(shape, dtype)
+        key = _mix32(seed ^ jnp.uint32(index * _GOLDEN & 0xFFFFFFFF))  # one key per weight
+        return (INIT_STD * _hashed_normal(key, shape)).astype(dtype)
+
+    def init(seed):
+        return [one(seed, index, kind, shape, dtype) for index, (kind, shape, dtype, _) in enumerate(plan)]
+
+    return jax.jit(init, out_shardings=shardings)
+
+
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive integers over the 32-bit range
+
+
+def _mix32(h):
+    """murmur3's 32-bit finalizer: every input bit flips each output bit with probability ~1/2."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _hashed_normal(key, shape):
+    """f32 standard normals, element i = f(key, coordinates of i): the key is hashed with each
+    coordinate in turn (no flat index, so no 32-bit overflow on huge weights), then two 24-bit
+    uniforms go through Box-Muller. Elementwise over iotas, so XLA partitions it like any other
+    elementwise op, and a few integer ops per number compile far faster than threefry."""
+    h = jnp.full(shape, key, jnp.uint32)
+    for dim in range(len(shape)):
+        h = _mix32(h ^ jax.lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(_GOLDEN))
+    to_unit = lambda bits: (bits >> 8).astype(jnp.float32) * (1.0 / (1 << 24))  # [0, 1)
+    u1 = to_unit(_mix32(h ^ jnp.uint32(0x68E31DA4))) + 0.5 / (1 << 24)  # (0, 1): log is finite
+    u2 = to_unit(_mix32(h ^ jnp.uint32(0xB5297A4D)))
+    return jnp.sqrt(-2.0 * jnp.log(u1)) * jnp.cos(2.0 * np.pi * u2)

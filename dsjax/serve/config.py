@@ -14,13 +14,19 @@ from typing import Any
 
 import yaml
 
-from dsjax.config import ConfigError, EngineConfig
+from dsjax.config import ConfigError, EngineConfig, ParallelConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # The engine fields the server exposes; None means "EngineConfig's default".
 ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
                  "num_kv_blocks", "enable_prefix_caching", "enable_chunked_prefill", "max_logprobs", "seed")
+# The ParallelConfig fields the server exposes; None means "the --parallel-config file's, or 1".
+PARALLEL_FIELDS = ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size", "coordinator_address",
+                   "num_processes", "process_id")
+# Multi-host settings may come from the environment (one launcher line for every host).
+PARALLEL_ENV = {"coordinator_address": "DSJAX_COORDINATOR_ADDRESS", "num_processes": "DSJAX_NUM_PROCESSES",
+                "process_id": "DSJAX_PROCESS_ID"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +49,14 @@ class ServeConfig:
     enable_chunked_prefill: bool | None = None
     max_logprobs: int | None = None
     seed: int | None = None
+    # devices (see PARALLEL_FIELDS; docs/parallelism.md)
+    parallel_config: str | None = None  # YAML file or preset name (configs/parallel/)
+    tensor_parallel_size: int | None = None
+    expert_parallel_size: int | None = None
+    data_parallel_size: int | None = None
+    coordinator_address: str | None = None  # multi-host: process 0's host:port
+    num_processes: int | None = None
+    process_id: int | None = None
     # admission and limits
     max_queue_len: int = 256  # waiting sequences (n counts each) before new requests get 503
     max_n: int = 16  # the largest n a request may ask for
@@ -78,6 +92,7 @@ class ServeConfig:
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory", parse_memory(self.kv_cache_memory))
         self.engine_config()  # EngineConfig refuses bad engine values now, not after the model loads
+        self.parallel()
 
     @property
     def model_name(self) -> str:
@@ -86,6 +101,12 @@ class ServeConfig:
     def engine_config(self) -> EngineConfig:
         """The engine's config: the fields set here over EngineConfig's defaults (it validates them)."""
         return EngineConfig(**{name: getattr(self, name) for name in ENGINE_FIELDS if getattr(self, name) is not None})
+
+    def parallel(self) -> ParallelConfig:
+        """The --parallel-config file's settings (or the defaults), with the fields set here over them."""
+        base = ParallelConfig() if self.parallel_config is None else ParallelConfig.from_yaml(self.parallel_config)
+        given = {name: getattr(self, name) for name in PARALLEL_FIELDS if getattr(self, name) is not None}
+        return base.replace(**given)
 
     def replace(self, **changes: Any) -> ServeConfig:
         return dataclasses.replace(self, **changes)
@@ -157,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     p.add_argument("--max-logprobs", type=int, help="largest logprobs / top_logprobs a request may ask for")
     p.add_argument("--seed", type=int, help="engine seed for requests without one")
+    p.add_argument("--parallel-config", help="YAML of parallel sizes (configs/parallel/*.yaml, or a preset name)")
+    p.add_argument("--tensor-parallel-size", type=int, help="split heads, MLP and expert columns (default: 1)")
+    p.add_argument("--expert-parallel-size", type=int, help="split routed experts and sequences (default: 1)")
+    p.add_argument("--data-parallel-size", type=int, help="split sequences over expert-parallel replicas (default: 1)")
+    p.add_argument("--coordinator-address", help="multi-host: host:port of process 0 ($DSJAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, help="multi-host: processes in the run ($DSJAX_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, help="multi-host: this process, 0 serves HTTP ($DSJAX_PROCESS_ID)")
     p.add_argument("--max-queue-len", type=int, help="waiting sequences before new requests get 503 (default: 256)")
     p.add_argument("--max-n", type=int, help="largest n per request (default: 16)")
     p.add_argument("--max-body-bytes", type=int, help="request body limit; larger gets 413 (default: 4 MiB)")
@@ -172,4 +200,11 @@ def config_from_args(argv: list[str] | None = None, env: dict[str, str] | None =
     settings.update(args)
     if "api_key" not in settings and env and env.get("DSJAX_API_KEY"):
         settings["api_key"] = env["DSJAX_API_KEY"]
+    for name, var in PARALLEL_ENV.items():
+        if name not in settings and env and env.get(var):
+            value = env[var]
+            try:
+                settings[name] = value if name == "coordinator_address" else int(value)
+            except ValueError:
+                raise _refuse(name, value, f"an integer (from ${var})") from None
     return ServeConfig(**settings)

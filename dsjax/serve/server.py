@@ -17,11 +17,13 @@ from fastapi import FastAPI
 
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.loader import load_model, load_tokenizer
+from dsjax.parallel.mesh import initialize_distributed
 from dsjax.serve import fault_inject
 from dsjax.serve.app import build_app
 from dsjax.serve.async_engine import AsyncEngine
 from dsjax.serve.config import ServeConfig
 from dsjax.serve.metrics import ServeMetrics
+from dsjax.serve.multihost import LockstepEngine, follow
 from dsjax.serve.serving import OpenAIServing
 
 log = logging.getLogger(__name__)
@@ -30,10 +32,13 @@ _FORCED_SHUTDOWN_S = 5  # after the drain: how long uvicorn waits for responses 
 
 
 def build_engine(config: ServeConfig) -> LLMEngine:
+    parallel = config.parallel()
+    initialize_distributed(parallel)  # before anything touches a device
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
-    model = load_model(config.model, dtype=dtype, kernel_backend=config.kernel_backend, progress=False)
+    model = load_model(config.model, dtype=dtype, kernel_backend=config.kernel_backend, progress=False,
+                       parallel=parallel)
     tokenizer = load_tokenizer(config.model)
     engine = LLMEngine(model, tokenizer, config.engine_config(), progress=False)
     log.info("engine ready: %d KV blocks, buckets %s, compiled in %.1fs", engine.num_blocks,
@@ -103,6 +108,20 @@ def run_server(config: ServeConfig) -> None:
                         force=True)
     prometheus_client.disable_created_metrics()  # the *_created series only double the scrape size
     engine = build_engine(config)
+    if jax.process_count() == 1:
+        _serve(config, engine)
+    elif jax.process_index() != 0:  # multi-host: only process 0 serves; the others mirror its engine
+        log.warning("process %d of %d: following process 0's engine", jax.process_index(), jax.process_count())
+        follow(engine)
+    else:
+        engine = LockstepEngine(engine)
+        try:
+            _serve(config, engine)
+        finally:
+            engine.shutdown()
+
+
+def _serve(config: ServeConfig, engine) -> None:
     marker = os.environ.get(fault_inject.ENV_VAR)
     if marker is not None:
         fault_inject.install(engine, marker)

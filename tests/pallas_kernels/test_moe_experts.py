@@ -63,3 +63,18 @@ def test_moe_experts_lowers_to_triton_for_h200():
             shape((num_experts, inter, hidden), jnp.bfloat16))
     hlo = lower_for_h200(moe_experts, *args)
     assert hlo.count("__gpu$xla.gpu.triton") == 2  # grouped SwiGLU and grouped down projection
+
+
+def test_empty_slots_contribute_nothing():
+    """id == E marks an empty row (expert parallelism's padding): the same as leaving it out."""
+    x, weights, ids, *experts = _layer(4, 13, 8, 3, 32, 48, jnp.float32)
+    empty = np.zeros(ids.shape, bool)
+    empty[::3, 1] = empty[5] = True  # some single slots, and one token with no expert at all
+    ids_with_empty = jnp.where(empty, 8, ids)
+    expected = moe_experts_reference(x, jnp.where(empty, 0.0, weights), ids, *experts)
+    out, ref = run_fast(lambda *a: (moe_experts(*a, swiglu_config=SMALL_TILES, down_config=SMALL_TILES,
+                                                interpret=True), moe_experts_reference(*a)),
+                        x, weights, ids_with_empty, *experts)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ref, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[5], 0.0)

@@ -1,0 +1,126 @@
+"""Expert parallelism: routed experts split over mesh axis 'expert'; each token's assignments travel
+to the ranks that own their experts, run there, and come back weighted, inside the runner's shard_map.
+
+Two transports with one meaning:
+  padded  lax.all_to_all of fixed [ep, C, D] blocks, any backend (CPU included): every rank sends C
+          rows to every other, used or not.
+  ragged  lax.ragged_all_to_all (GPU): only the rows in use travel; the receive buffer still has the
+          static worst-case size.
+
+Capacity C bounds the rows one rank sends to one other per layer. Drop-free (the default) is the
+worst case T * min(k, experts per rank): every assignment of every local token lands on one rank.
+A factor f gives C = ceil(f * T * k / ep) instead: buffers and padded traffic shrink by
+min(k, E/ep) * ep / (f * k), and any assignment past C on its destination is dropped (its weight is
+lost for that token). Tests and the default run drop-free.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dsjax.config import ParallelConfig
+from dsjax.parallel.collectives import axis_size
+from dsjax.parallel.mesh import EXPERT
+
+# (rows [R, D], row weights f32[R, 1], local expert ids i32[R, 1]; id == experts per rank marks an
+# empty row) -> [R, D], each row already multiplied by its weight.
+ExpertFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+ragged_all_to_all = jax.lax.ragged_all_to_all  # module attribute: CPU tests substitute an emulation
+
+
+class ExpertDispatch(NamedTuple):
+    """Static choices of the expert all-to-all (hashable: part of the model's graph definition)."""
+
+    capacity_factor: float | None = None
+    ragged: bool = False
+
+
+def expert_dispatch(parallel: ParallelConfig) -> ExpertDispatch:
+    mode = parallel.expert_all_to_all
+    ragged = mode == "ragged" or (mode == "auto" and jax.default_backend() == "gpu")
+    return ExpertDispatch(parallel.expert_capacity_factor, ragged)
+
+
+def capacity(num_tokens: int, top_k: int, num_local_experts: int, num_ranks: int,
+             factor: float | None) -> int:
+    """Rows one rank may send to one other per layer (see the module docstring)."""
+    worst = num_tokens * min(top_k, num_local_experts)
+    if factor is None:
+        return worst
+    return max(1, min(worst, math.ceil(factor * num_tokens * top_k / num_ranks)))
+
+
+def moe_expert_parallel(x, weights, ids, num_local_experts: int, expert_fn: ExpertFn,
+                        dispatch: ExpertDispatch = ExpertDispatch()):
+    """x [T, D] (this rank's tokens), weights f32[T, k], ids i32[T, k] (global expert ids; rank r owns
+    experts [r*El, (r+1)*El)) -> [T, D] = sum_j weights[t, j] * expert_{ids[t, j]}(x[t])."""
+    num_tokens, top_k = ids.shape
+    num_ranks = axis_size(EXPERT)
+    cap = capacity(num_tokens, top_k, num_local_experts, num_ranks, dispatch.capacity_factor)
+    flat_ids = ids.reshape(-1)
+    dest = flat_ids // num_local_experts  # [A] owning rank of each assignment, A = T*k
+    local_ids = (flat_ids % num_local_experts).astype(jnp.int32)
+    # Rank of each assignment among those going to the same destination, in token order.
+    onehot = (dest[:, None] == jnp.arange(num_ranks)[None, :]).astype(jnp.int32)  # [A, ep]
+    rank_in_dest = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), dest[:, None], axis=1)[:, 0] - 1
+    keep = rank_in_dest < cap
+    send = (x[jnp.arange(flat_ids.shape[0]) // top_k], weights.reshape(-1).astype(jnp.float32), local_ids)
+    transport = _ragged if dispatch.ragged else _padded
+    rows = transport(send, dest, rank_in_dest, keep, jnp.sum(onehot, axis=0), cap, num_local_experts,
+                     expert_fn)  # [A, D], weighted
+    rows = jnp.where(keep[:, None], rows.astype(jnp.float32), 0.0)
+    return jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1).astype(x.dtype)
+
+
+def _scatter_rows(send, slot, num_rows: int, num_local_experts: int):
+    """The assignments' (row, weight, local id) at ``slot`` of [num_rows] buffers; other rows empty."""
+    rows, row_weights, row_ids = send
+    put = lambda buffer, values: buffer.at[slot].set(values, mode="drop")
+    return (put(jnp.zeros((num_rows, rows.shape[1]), rows.dtype), rows),
+            put(jnp.zeros((num_rows,), jnp.float32), row_weights),
+            put(jnp.full((num_rows,), num_local_experts, jnp.int32), row_ids))
+
+
+def _padded(send, dest, rank_in_dest, keep, counts, cap, num_local_experts, expert_fn):
+    num_ranks = counts.shape[0]
+    slot = jnp.where(keep, dest * cap + rank_in_dest, num_ranks * cap)  # [A]; past the end: dropped
+    buffers = _scatter_rows(send, slot, num_ranks * cap, num_local_experts)
+    exchange = lambda a: jax.lax.all_to_all(a.reshape(num_ranks, cap, *a.shape[1:]), EXPERT, 0, 0
+                                            ).reshape(a.shape)  # block r goes to rank r, comes from r
+    rows, row_weights, row_ids = (exchange(b) for b in buffers)
+    out = exchange(expert_fn(rows, row_weights[:, None], row_ids[:, None]))
+    return out[jnp.minimum(slot, num_ranks * cap - 1)]
+
+
+def _ragged(send, dest, rank_in_dest, keep, counts, cap, num_local_experts, expert_fn):
+    num_ranks = counts.shape[0]
+    num_assignments = dest.shape[0]
+    send_sizes = jnp.minimum(counts, cap).astype(jnp.int32)  # [ep]
+    input_offsets = jnp.cumsum(send_sizes) - send_sizes
+    pos = jnp.where(keep, input_offsets[dest] + rank_in_dest, num_assignments)  # destination-sorted row
+    buffers = _scatter_rows(send, pos, num_assignments, num_local_experts)
+    sizes = jax.lax.all_gather(send_sizes, EXPERT)  # [src, dst] rows each rank sends each other
+    me = jax.lax.axis_index(EXPERT)
+    earlier = jnp.arange(num_ranks) < me
+    output_offsets = jnp.sum(jnp.where(earlier[:, None], sizes, 0), axis=0).astype(jnp.int32)
+    recv_sizes = sizes[:, me]
+    num_recv = num_ranks * cap  # static bound: every source sends at most cap rows here
+
+    def forward(buffer, fill):
+        out = jnp.full((num_recv,) + buffer.shape[1:], fill, buffer.dtype)
+        return ragged_all_to_all(buffer, out, input_offsets, send_sizes, output_offsets, recv_sizes,
+                                 axis_name=EXPERT)
+
+    rows, row_weights, row_ids = (forward(b, f) for b, f in zip(buffers, (0, 0, num_local_experts)))
+    out = expert_fn(rows, row_weights[:, None], row_ids[:, None])  # rows grouped by source rank
+    recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+    # Each source's rows go back to where it sent them from: its input offset for this rank.
+    back_offsets = jnp.sum(jnp.where(earlier[None, :], sizes, 0), axis=1).astype(jnp.int32)
+    back = ragged_all_to_all(out, jnp.zeros((num_assignments,) + out.shape[1:], out.dtype), recv_offsets,
+                             recv_sizes, back_offsets, send_sizes, axis_name=EXPERT)
+    return back[jnp.minimum(pos, num_assignments - 1)]
