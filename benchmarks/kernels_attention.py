@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -37,11 +35,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import device_time_us  # noqa: E402
 from pallas_kernels.mla_decode import decode_blocks, default_num_splits, mla_decode, mla_decode_reference  # noqa: E402
 from pallas_kernels.mla_prefill import PREFILL_BLOCKS, mla_prefill, mla_prefill_reference  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "attention_h200.json"
-LOOP_SECONDS = 5e-3  # device time one timed loop aims for
 ANCHOR_KV_HEADS, ANCHOR_HEAD_DIM = 2, 128
 
 
@@ -85,32 +83,6 @@ PREFILL_SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4,
 
 QUICK_DECODE = [DecodeShape("quick decode", 2, 64, 16, latent_dim=64, rope_dim=16, block_size=16)]
 QUICK_PREFILL = [PrefillShape("quick prefill", 1, 64, 2, nope_dim=32, rope_dim=16, value_dim=32)]
-
-
-def device_time_us(fn, args, *, estimate_s: float, repeats: int = 5, iters: int | None = None) -> float:
-    """Median µs per call of ``fn(*args)``, timed as one jitted fori_loop of ``iters`` calls.
-
-    optimization_barrier makes each call's inputs depend on the previous call's output, so XLA can
-    neither hoist the call out of the loop nor drop iterations; it launches no kernel of its own.
-    """
-    iters = iters or int(np.clip(LOOP_SECONDS / max(estimate_s, 1e-7), 10, 300))
-    out_shape = jax.eval_shape(fn, *args)
-
-    @jax.jit
-    def loop(*args):
-        def body(_, previous):
-            return fn(*jax.lax.optimization_barrier((args, previous))[0])
-        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
-        return jax.lax.fori_loop(0, iters, body, init)
-
-    for _ in range(2):  # compile, then warm up (on the CPU the second interpret-mode run is slow too)
-        jax.block_until_ready(loop(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(loop(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / iters * 1e6
 
 
 def _decode_inputs(shape: DecodeShape, rng):

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -37,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, write_result  # noqa: E402
+from benchmarks.common import device_time_us, environment, write_result  # noqa: E402
 from pallas_kernels.grouped_swiglu import (DOWN_TILES, SWIGLU_TILES, TileConfig,  # noqa: E402
                                            grouped_matmul, grouped_swiglu, pick_config)
 from pallas_kernels.moe_experts import moe_experts, moe_experts_reference, moe_experts_xla  # noqa: E402
@@ -45,7 +43,6 @@ from pallas_kernels.moe_routing import (RoutingSpec, route, route_reference, sor
                                         sort_by_expert_reference)
 from pallas_kernels.swiglu import swiglu, swiglu_reference  # noqa: E402
 
-LOOP_SECONDS = 5e-3  # device time one timed loop aims for
 PEAK_TFLOPS, PEAK_TBS = 660.0, 4.8  # measured bf16 matmul ceiling and HBM spec, for the estimates
 TARGETS = dict(grouped_swiglu_prefill_tflops=450.0, grouped_swiglu_decode_tbs=3.4,
                layer_speedup_vs_xla=3.0, dense_swiglu_tflops=437.0)
@@ -102,32 +99,6 @@ MATMUL_SWEEP = {  # K = I = 1408 = 11 x 128: block_k 64 or 128 avoid a partial K
 ROUTE_SWEEP = [(8, 4), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]  # (block_tokens, num_warps)
 DENSE_SWEEP = [(128, 128, 64, 8, 4, 8), (128, 128, 32, 8, 4, 8), (128, 128, 64, 8, 3, 16),
                (128, 64, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8), (256, 64, 64, 8, 3, 8)]
-
-
-def device_time_us(fn, args, *, estimate_s: float, repeats: int = 5, iters: int | None = None,
-                   compiler_options: dict | None = None) -> float:
-    """Median µs per call of fn(*args) over ``repeats`` runs of a jitted fori_loop of ``iters`` calls.
-
-    The optimization barrier ties each call's inputs to the previous call's outputs, so XLA can
-    neither hoist the call out of the loop nor skip iterations, and adds no kernel of its own.
-    """
-    iters = iters or int(np.clip(LOOP_SECONDS / max(estimate_s, 1e-7), 10, 300))
-    out_shape = jax.eval_shape(fn, *args)
-
-    def loop(*args):
-        def body(_, previous):
-            return fn(*jax.lax.optimization_barrier((args, previous))[0])
-        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
-        return jax.lax.fori_loop(0, iters, body, init)
-
-    compiled = jax.jit(loop).lower(*args).compile(compiler_options)
-    jax.block_until_ready(compiled(*args))  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / iters * 1e6
 
 
 class Bench:

@@ -3,7 +3,6 @@ kernel_backend="pallas" against the reference path. Skipped without a CUDA GPU."
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
