@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
-# run them as separate calls: `bash benchmarks/run_h200.sh tests|attention|moe|decode`).
+# run them as separate calls: `bash benchmarks/run_h200.sh tests|attention|moe|decode|train`).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -22,5 +22,10 @@ case $part in
       timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
         --trace-dir /tmp/trace_b$b | grep -vi warn | head -28 | tee "$OUT/profile_b$b.txt"
     done ;;
-  *) echo "usage: $0 tests|attention|moe|decode" >&2; exit 2 ;;
+  train)      # the embedded default model (issue 9): train, export, and ship the export back in 15 MB parts
+    set -o pipefail
+    timeout 570 python -m dsjax.train --config configs/train/default-model.yaml --out /tmp/export/default \
+      --no-progress 2>&1 | tee "$OUT/train.log" | grep -vE "^\{" | tail -30
+    tar -C /tmp/export -cf - default | split -b 15M -d - "$OUT/default.tar." ;;
+  *) echo "usage: $0 tests|attention|moe|decode|train" >&2; exit 2 ;;
 esac

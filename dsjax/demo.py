@@ -1,4 +1,4 @@
-"""``python -m dsjax.demo``: load a model (the ``tiny`` preset by default), print its logits and a greedy
+"""``python -m dsjax.demo``: load a model (the embedded ``default`` model by default), print its logits and a greedy
 continuation computed with full forward passes (no cache)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     return buffer[0, len(prompt_ids):].tolist()
 
 
-def run(model_name: str = "tiny", prompt: str = "def fibonacci(n):", max_tokens: int = 16,
+def run(model_name: str = dsjax.loader.DEFAULT_MODEL, prompt: str = "def fibonacci(n):", max_tokens: int = 16,
         dtype: str = "float32") -> list[int]:
     start = time.perf_counter()
     model = dsjax.load_model(model_name, dtype=dtype)
@@ -44,7 +44,8 @@ def run(model_name: str = "tiny", prompt: str = "def fibonacci(n):", max_tokens:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="tiny", help="preset name or checkpoint directory")
+    parser.add_argument("--model", default=dsjax.loader.DEFAULT_MODEL,
+                        help="embedded model (default), preset name or checkpoint directory")
     parser.add_argument("--prompt", default="def fibonacci(n):")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])

@@ -15,10 +15,18 @@ from dsjax.parallel.mesh import check_mesh, initialize_distributed, make_mesh, p
 from dsjax.tokenizer import ByteTokenizer, HFTokenizer
 
 DTYPES = ("float32", "bfloat16")
+# Models that ship in the repository, by name (trained by dsjax.train; see each folder's README.md).
+EMBEDDED_MODELS = {"default": Path(__file__).resolve().parents[1] / "models" / "default"}
+DEFAULT_MODEL = "default"
 
 
 def _resolve(path_or_preset: str | Path) -> tuple[str, Path | str]:
     path = Path(path_or_preset).expanduser()
+    if not path.is_dir() and str(path_or_preset) in EMBEDDED_MODELS:
+        path = EMBEDDED_MODELS[str(path_or_preset)]
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"the embedded model {str(path_or_preset)!r} is missing from {path}: dsjax finds it "
+                              "in the checkout it is installed from (pip install -e .)")
     if path.is_dir():
         if is_orbax_dir(path):
             return "orbax", path
@@ -27,8 +35,8 @@ def _resolve(path_or_preset: str | Path) -> tuple[str, Path | str]:
         raise ConfigError(f"model directory {path} holds neither config.json nor a dsjax orbax checkpoint")
     if str(path_or_preset) in list_presets():
         return "preset", str(path_or_preset)
-    raise ConfigError(f"model {str(path_or_preset)!r} is neither a directory nor a preset; "
-                      f"presets: {', '.join(list_presets())}")
+    raise ConfigError(f"model {str(path_or_preset)!r} is neither a directory, an embedded model nor a preset; "
+                      f"embedded: {', '.join(EMBEDDED_MODELS)}; presets: {', '.join(list_presets())}")
 
 
 def load_model(path_or_preset: str | Path, dtype: str = "float32", kernel_backend: str = "auto", *,

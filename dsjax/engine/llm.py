@@ -12,12 +12,12 @@ from dsjax.config import EngineConfig, ParallelConfig
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.engine.outputs import RequestOutput
 from dsjax.engine.sampling_params import SamplingParams
-from dsjax.loader import load_model, load_tokenizer
+from dsjax.loader import DEFAULT_MODEL, load_model, load_tokenizer
 from dsjax.parallel.mesh import initialize_distributed
 
 
 class LLM:
-    """``LLM(model="tiny").generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))``.
+    """``LLM(model="default").generate(prompts, SamplingParams(max_tokens=64, temperature=0.0))``.
 
     Several devices: ``tensor_parallel_size=``, ``expert_parallel_size=``, ``data_parallel_size=``
     (vLLM's names), or ``parallel=`` a ParallelConfig or a YAML file (configs/parallel/); sizes given
@@ -25,7 +25,7 @@ class LLM:
     naming the coordinator and its process_id, then makes the same calls.
     """
 
-    def __init__(self, model: str = "tiny", dtype: str = "auto", *, kernel_backend: str = "auto",
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", *, kernel_backend: str = "auto",
                  tokenizer: str | None = None, seed: int = 0, progress: bool = True,
                  tensor_parallel_size: int | None = None, expert_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, parallel: ParallelConfig | str | Path | None = None,

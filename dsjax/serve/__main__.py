@@ -1,4 +1,4 @@
-"""``python -m dsjax.serve [--config configs/serve/NAME.yaml] [--model tiny] [--port 8000] ...``"""
+"""``python -m dsjax.serve [--config configs/serve/NAME.yaml] [--model default] [--port 8000] ...``"""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ PARALLEL_ENV = {"coordinator_address": "DSJAX_COORDINATOR_ADDRESS", "num_process
 
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
-    model: str = "tiny"
+    model: str = "default"  # the embedded trained model (models/default); a path or preset name otherwise
     served_model_name: str | None = None  # the name /v1/models lists and requests must use; default: model
     host: str = "127.0.0.1"
     port: int = 8000
@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m dsjax.serve", argument_default=argparse.SUPPRESS,
                                 description="OpenAI-compatible HTTP server for a dsjax model.")
     p.add_argument("--config", help="YAML file of settings (configs/serve/*.yaml); flags override it")
-    p.add_argument("--model", help="preset name or checkpoint directory (default: tiny)")
+    p.add_argument("--model", help="embedded model name, preset name or checkpoint directory (default: default, "
+                   "the trained model in models/default)")
     p.add_argument("--served-model-name", help="model name clients use (default: --model)")
     p.add_argument("--host", help="bind address (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="bind port (default: 8000)")

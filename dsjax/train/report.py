@@ -150,4 +150,6 @@ def model_card(s: dict) -> str:
         f"Reproduce: `{s['command']}` (train_config.yaml holds the settings; train_log.jsonl the curve).",
         "",
     ]
+    if s.get("note"):
+        lines += [f"Note: {s['note']}", ""]
     return "\n".join(lines)

@@ -12,10 +12,10 @@ from dsjax.serve.config import ServeConfig, config_from_args, load_yaml, parse_m
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "serve"
 
 
-def test_no_arguments_serve_tiny_on_localhost_8000():
+def test_no_arguments_serve_the_embedded_default_on_localhost_8000():
     config = config_from_args([])
-    assert (config.model, config.host, config.port) == ("tiny", "127.0.0.1", 8000)
-    assert config.model_name == "tiny"
+    assert (config.model, config.host, config.port) == ("default", "127.0.0.1", 8000)
+    assert config.model_name == "default"
 
 
 @pytest.mark.parametrize("name", ["default.yaml", "tiny-cpu.yaml"])
