@@ -310,6 +310,8 @@ def _parse_rope(c: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 BUCKET_MODES = ("pow2", "quantile")
+# "auto" stores the model's dtype; the others 8 bits a latent element (pallas_kernels/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,6 +328,11 @@ class EngineConfig:
     # for the default (0.9 of free memory on an accelerator; room for max_num_seqs full sequences on CPU).
     kv_cache_memory: int | float | None = None
     num_kv_blocks: int | None = None  # exact pool size (all data-parallel ranks); overrides kv_cache_memory
+    # Latent cache storage: "auto" (the model's dtype) or 8 bits a latent element, "int8" or "fp8" (e4m3),
+    # with one f32 scale per token, or per kv_cache_group_size elements of it (e.g. 128); the rope key
+    # stays in the model's dtype.
+    kv_cache_dtype: str = "auto"
+    kv_cache_group_size: int | None = None
     # Token-count buckets of the jitted steps: "pow2", "quantile" (re-derived from the first
     # quantile_warmup_steps observed steps), or an explicit tuple of sizes.
     buckets: str | tuple[int, ...] = "pow2"
@@ -355,6 +362,14 @@ class EngineConfig:
         if memory is not None and not (isinstance(memory, int) and memory > 0) and \
                 not (isinstance(memory, float) and 0 < memory <= 1):
             raise _refuse("kv_cache_memory", memory, "bytes (a positive int), a fraction in (0, 1], or null")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _refuse("kv_cache_dtype", self.kv_cache_dtype, ", ".join(KV_CACHE_DTYPES))
+        group = self.kv_cache_group_size
+        if group is not None and (not isinstance(group, int) or isinstance(group, bool) or group < 1
+                                  or group & (group - 1)):
+            raise _refuse("kv_cache_group_size", group, "a power of two dividing kv_lora_rank, or null (per token)")
+        if group is not None and self.kv_cache_dtype == "auto":
+            raise _refuse("kv_cache_group_size", group, "null unless kv_cache_dtype is int8 or fp8")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise _refuse("num_kv_blocks", self.num_kv_blocks, "a positive integer or null")
         if isinstance(self.buckets, str):

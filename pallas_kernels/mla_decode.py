@@ -8,6 +8,12 @@ sequence): it reads each cache token of its split once for all ``block_h`` heads
 an f32 online softmax (m, l, acc). With one split the program writes the output directly; otherwise a
 second small kernel merges the per-split partials. Each iteration gathers ``block_k`` cache rows
 through the block table, one row per token, so any page size works (4 … 64, or a whole sequence).
+
+An 8-bit latent cache (int8 or fp8, ``pallas_kernels/kv_quant.py``) comes with f32 scales
+c_kv_scale [N, bs, G], one per C/G latent elements of a token. The kernel reads the 8-bit rows and
+their scales, converts the rows to the query's dtype on the way into the dot (exact), and applies
+the scales to the scores and to the probabilities (dot(p * scale, rows)): no dequantized cache is
+ever written, so the bytes read per token are the compressed ones.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import dot_precision
+from pallas_kernels.kv_quant import dequantize_latent
 
 NUM_SMS = 132  # H100 / H200 SXM
 # Splits grow (by powers of two) until the grid has this many programs: one wave over the SMs.
@@ -77,15 +84,19 @@ def _decode_kernel(
     lengths_ref,  # i32[B]: keys 0..length-1 are attended
     q_latent_ref,  # [block_h, C]
     q_pe_ref,  # [block_h, R]
-    c_kv_ref,  # [N * bs, C]: the whole latent cache, one row per token slot
+    c_kv_ref,  # [N * bs, C]: the whole latent cache, one row per token slot (8-bit when quantized)
     k_pe_ref,  # [N * bs, R]
-    *out_refs,  # one split: o [block_h, C]; else m f32[block_h], l f32[block_h], acc f32[block_h, C]
+    *refs,  # (scale f32[N * bs * G] when quantized), then the outputs: one split: o [block_h, C];
+    #         else m f32[block_h], l f32[block_h], acc f32[block_h, C]
     block_size: int,
     table_width: int,
     block_k: int,
     tokens_per_split: int,
     scale_log2e: float,
+    num_groups: int,
+    quantized: bool,
 ):
+    kscale_ref, out_refs = (refs[0], refs[1:]) if quantized else (None, refs)
     split, b = pl.program_id(1), pl.program_id(2)
     seq_id = seq_ids_ref[b]
     length = lengths_ref[b]
@@ -93,51 +104,76 @@ def _decode_kernel(
     end = jnp.minimum(start + tokens_per_split, length)
     num_iters = pl.cdiv(jnp.maximum(end - start, 0), block_k)
 
-    q_latent = q_latent_ref[...]
+    # The latent splits into num_groups column groups of one scale each (one group unquantized).
     q_pe = q_pe_ref[...]
-    block_h, latent_dim = q_latent.shape
+    block_h, latent_dim = q_latent_ref.shape
+    group = latent_dim // num_groups
+    group_cols = lambda g: pl.ds(g * group, group)
+    q_groups = [q_latent_ref[:, group_cols(g)] for g in range(num_groups)]  # [block_h, C/G] each
+    compute_dtype = q_pe.dtype
     rope_dim = q_pe.shape[1]
-    latent_cols = jnp.arange(latent_dim)[None, :]
+    latent_cols = jnp.arange(group)[None, :]
     rope_cols = jnp.arange(rope_dim)[None, :]
+    contract_last = (((1,), (1,)), ((), ()))
+    fp8 = jnp.dtype(c_kv_ref.dtype) == jnp.float8_e4m3fn
 
     def body(i, carry):
-        m, l, acc = carry  # f32[block_h] (log2 units), f32[block_h], f32[block_h, C]
+        m, l, accs = carry  # f32[block_h] (log2 units), f32[block_h], G x f32[block_h, C/G]
         token = start + i * block_k + jnp.arange(block_k)  # i32[block_k]
         valid = token < end
         # Masked lanes read page 0 / zeros: no out-of-range table column, no stale NaN in the cache.
         page = plgpu.load(tables_ref.at[seq_id * table_width + token // block_size],
                           mask=valid, other=0)
-        rows = (page * block_size + token % block_size)[:, None]  # [block_k, 1]
-        keys = plgpu.load(c_kv_ref.at[rows, latent_cols], mask=valid[:, None], other=0)
-        keys_pe = plgpu.load(k_pe_ref.at[rows, rope_cols], mask=valid[:, None], other=0)
-        if keys.dtype != q_latent.dtype:
-            keys, keys_pe = keys.astype(q_latent.dtype), keys_pe.astype(q_latent.dtype)
-        precision = dot_precision(keys.dtype)
-        s = (jax.lax.dot_general(q_latent, keys, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32, precision=precision)
-             + jax.lax.dot_general(q_pe, keys_pe, (((1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32, precision=precision))  # [block_h, block_k]
+        slots = page * block_size + token % block_size  # [block_k]
+        rows = slots[:, None]
+        keys_pe = plgpu.load(k_pe_ref.at[rows, rope_cols], mask=valid[:, None], other=0).astype(compute_dtype)
+        precision = dot_precision(compute_dtype)
+        s = jax.lax.dot_general(q_pe, keys_pe, contract_last, preferred_element_type=jnp.float32,
+                                precision=precision)  # [block_h, block_k]
+        keys, kscales = [], []
+        for g in range(num_groups):
+            window = c_kv_ref.at[rows, g * group + latent_cols]
+            if fp8:  # Triton cannot splat a fill value into fp8: masked lanes read slot (page 0,
+                # token % bs) instead, a finite value (the pool starts zeroed), and get weight 0
+                k_g = plgpu.load(window)
+            else:
+                k_g = plgpu.load(window, mask=valid[:, None], other=0)
+            k_g = k_g.astype(compute_dtype)  # [block_k, C/G]; 8-bit -> exact
+            s_g = jax.lax.dot_general(q_groups[g], k_g, contract_last, preferred_element_type=jnp.float32,
+                                      precision=precision)
+            if quantized:
+                kscale = plgpu.load(kscale_ref.at[slots * num_groups + g], mask=valid, other=0.0)  # f32[block_k]
+                s_g = s_g * kscale[None, :]
+                kscales.append(kscale)
+            s = s + s_g
+            keys.append(k_g)
         s = jnp.where(valid[None, :], s * scale_log2e, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))
         correction = jnp.exp2(m - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l = l * correction + p.sum(axis=1)
-        acc = acc * correction[:, None] + jnp.dot(p.astype(keys.dtype), keys,
-                                                  preferred_element_type=jnp.float32, precision=precision)
-        return m_new, l, acc
+        accs = tuple(
+            acc * correction[:, None]
+            + jnp.dot((p * kscales[g][None, :] if quantized else p).astype(compute_dtype), keys[g],
+                      preferred_element_type=jnp.float32, precision=precision)
+            for g, acc in enumerate(accs))
+        return m_new, l, accs
 
     init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
-            jnp.zeros((block_h, latent_dim), jnp.float32))
-    m, l, acc = jax.lax.fori_loop(0, num_iters, body, init)
+            tuple(jnp.zeros((block_h, group), jnp.float32) for _ in range(num_groups)))
+    m, l, accs = jax.lax.fori_loop(0, num_iters, body, init)
     if len(out_refs) == 1:
         (o_ref,) = out_refs
         # l == 0 only for an empty context (length 0, e.g. a padding token): output zeros.
-        o_ref[...] = (acc / jnp.where(l == 0, 1.0, l)[:, None]).astype(o_ref.dtype)
+        denom = jnp.where(l == 0, 1.0, l)[:, None]
+        for g, acc in enumerate(accs):
+            o_ref[:, group_cols(g)] = (acc / denom).astype(o_ref.dtype)
     else:
         m_ref, l_ref, acc_ref = out_refs
         m_ref[...] = m
         l_ref[...] = l
-        acc_ref[...] = acc
+        for g, acc in enumerate(accs):
+            acc_ref[:, group_cols(g)] = acc
 
 
 def _combine_kernel(
@@ -158,10 +194,18 @@ def _is_pow2(n: int) -> bool:
 
 
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
-                   num_splits, block_h, block_k, num_warps, num_stages, interpret):
+                   c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret):
     """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]-1 of table row
     seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype."""
     batch, num_heads, latent_dim = q_latent.shape
+    quantized = c_kv_scale is not None
+    num_groups = c_kv_scale.shape[-1] if quantized else 1
+    if quantized and (c_kv_scale.shape[:2] != c_kv.shape[:2] or latent_dim % num_groups):
+        raise ValueError(f"c_kv_scale has shape {c_kv_scale.shape}; expected [N, bs, G] = "
+                         f"[{c_kv.shape[0]}, {c_kv.shape[1]}, G] with G dividing kv_lora_rank={latent_dim}")
+    if not quantized and jnp.dtype(c_kv.dtype).itemsize == 1:
+        raise ValueError(f"an 8-bit latent cache ({c_kv.dtype}) needs its c_kv_scale")
+    q_pe = q_pe.astype(q_latent.dtype)
     rope_dim = q_pe.shape[-1]
     num_pages, block_size = c_kv.shape[:2]
     table_width = block_tables.shape[1]
@@ -174,7 +218,7 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     num_splits = num_splits or default_num_splits(batch, num_heads, max_context, block_h, block_k)
     if not interpret:
         for name, value in (("kv_lora_rank", latent_dim), ("rope_dim", rope_dim),
-                            ("block_h", block_h), ("block_k", block_k)):
+                            ("block_h", block_h), ("block_k", block_k), ("scale groups", num_groups)):
             if not _is_pow2(value):
                 raise ValueError(f"mla_decode on the Triton lowering needs {name} to be a power of "
                                  f"two, got {value}")
@@ -192,7 +236,8 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
 
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, table_width=table_width, block_k=block_k,
-        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E)
+        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_groups=num_groups,
+        quantized=quantized)
     whole = pl.BlockSpec()  # indexed by hand inside the kernel
     f32 = jnp.float32
     if num_splits == 1:
@@ -213,15 +258,16 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         in_specs=[whole, whole, whole,
                   pl.BlockSpec((None, block_h, latent_dim), lambda h, s, b: (b, h, 0)),
                   pl.BlockSpec((None, block_h, rope_dim), lambda h, s, b: (b, h, 0)),
-                  whole, whole],
+                  whole, whole, *([whole] if quantized else [])],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"mla_decode_h{block_h}_k{block_k}_s{num_splits}",
+        name=f"mla_decode_h{block_h}_k{block_k}_s{num_splits}" + (f"_q{num_groups}" if quantized else ""),
     )(block_tables.reshape(-1), seq_ids, lengths, q_latent, q_pe,
       c_kv.reshape(num_pages * block_size, latent_dim),
-      k_pe.reshape(num_pages * block_size, rope_dim))  # free reshapes: contiguous rows
+      k_pe.reshape(num_pages * block_size, rope_dim),  # free reshapes: contiguous rows
+      *([c_kv_scale.reshape(-1).astype(jnp.float32)] if quantized else []))
     if num_splits == 1:
         return partials[:, :num_heads]
 
@@ -245,24 +291,25 @@ _STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, num_splits=None,
+def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv_scale=None, num_splits=None,
                block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
     """One query token per sequence; the semantics of ``mla_decode_reference``.
 
     q_latent [B, H, C], q_pe [B, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[B, W],
     lengths i32[B] (the new token's key included; 0 gives zeros) -> [B, H, C] in q_latent.dtype.
-    ``scale`` is a Python float. Unset tuning arguments come from ``DECODE_BLOCKS`` and
-    ``default_num_splits``; num_splits must be a power of two.
+    ``scale`` is a Python float. An 8-bit c_kv (int8 / float8_e4m3fn) comes with c_kv_scale
+    f32[N, bs, G]. Unset tuning arguments come from ``DECODE_BLOCKS`` and ``default_num_splits``;
+    num_splits must be a power of two.
     """
     batch = q_latent.shape[0]
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables,
                           jnp.arange(batch, dtype=jnp.int32), lengths.astype(jnp.int32), scale,
-                          num_splits=num_splits, block_h=block_h, block_k=block_k,
+                          c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *,
+def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
               num_splits=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
               interpret=False):
     """The engine's entry; the semantics of ``mla_paged_reference``.
@@ -271,20 +318,22 @@ def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scal
     seq_ids i32[T], positions i32[T] -> [T, H, C]. Each token is one decode query over keys
     0..positions[t] of row seq_ids[t]: chunked-prefill tokens re-read their shared context, which
     is cheap next to the prefill's own FLOPs. A negative position (padding) gives zeros, not NaN.
+    An 8-bit c_kv comes with c_kv_scale f32[N, bs, G].
     """
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids.astype(jnp.int32),
                           positions.astype(jnp.int32) + 1, scale,
-                          num_splits=num_splits, block_h=block_h, block_k=block_k,
+                          c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
-def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale):
+def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=None):
     """Ragged paged attention, one query token at a time.
 
     q_latent [T, H, C], q_pe [T, H, R]; c_kv [N, bs, C], k_pe [N, bs, R] (the paged caches);
     block_tables i32[S, W]; seq_ids i32[T] (row of block_tables per token); positions i32[T].
     Token t attends to the keys at positions 0..positions[t] of sequence seq_ids[t], which the caller
-    has already written (this covers decode, chunked prefill and prefix-cache hits alike).
+    has already written (this covers decode, chunked prefill and prefix-cache hits alike). An 8-bit
+    c_kv comes with its scales c_kv_scale f32[N, bs, G] (each block dequantized as it is read).
     Returns the latent context [T, H, C] in q_latent.dtype. Online softmax over blocks in f32, looping
     only as far as the longest context in the batch.
     """
@@ -298,7 +347,10 @@ def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, posit
     def body(j, carry):
         m, l, acc = carry  # [T, H], [T, H], [T, H, C]
         blocks = tables[:, j]
-        keys = c_kv[blocks].astype(jnp.float32)  # [T, bs, C]
+        if c_kv_scale is None:
+            keys = c_kv[blocks].astype(jnp.float32)  # [T, bs, C]
+        else:
+            keys = dequantize_latent(c_kv[blocks], c_kv_scale[blocks])
         keys_pe = k_pe[blocks].astype(jnp.float32)  # [T, bs, R]
         s = (jnp.einsum("thc,tkc->thk", q_latent32, keys)
              + jnp.einsum("thr,tkr->thk", q_pe32, keys_pe)) * scale
@@ -318,7 +370,7 @@ def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, posit
     return (acc / l[..., None]).astype(q_latent.dtype)
 
 
-def mla_decode_reference(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale):
+def mla_decode_reference(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, c_kv_scale=None):
     """One query token per sequence at position lengths-1.
 
     q_latent [B, H, C], q_pe [B, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[B, W],
@@ -326,4 +378,4 @@ def mla_decode_reference(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scal
     """
     batch = q_latent.shape[0]
     return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables,
-                               jnp.arange(batch, dtype=jnp.int32), lengths - 1, scale)
+                               jnp.arange(batch, dtype=jnp.int32), lengths - 1, scale, c_kv_scale)

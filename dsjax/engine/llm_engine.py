@@ -31,7 +31,8 @@ _ACTIVATION_BYTES_PER_TOKEN = 64 << 10  # headroom per batched token for a step'
 def kv_cache_num_blocks(model_config, config: EngineConfig, dtype, num_shards: int = 1) -> int:
     """Pool size from num_kv_blocks (all ranks), kv_cache_memory (bytes or a fraction of free memory, per
     device), or the default; a multiple of num_shards, the data-parallel ranks that split the pool."""
-    per_block = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype)
+    per_block = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype,
+                                             config.kv_cache_group_size)
     whole = lambda n: -(-n // num_shards) * num_shards
     if config.num_kv_blocks is not None:
         return whole(config.num_kv_blocks)
@@ -84,11 +85,14 @@ class LLMEngine:
                               f"max_position_embeddings={model.config.max_position_embeddings}")
         num_shards = num_batch_shards(model.mesh)
         num_blocks = kv_cache_num_blocks(model.config, config, model.dtype, num_shards)
-        per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype)
-        log.warning("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers)%s",
+        per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype, config.kv_cache_dtype,
+                                                 config.kv_cache_group_size)
+        log.warning("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers, %s)%s",
                     num_blocks, config.block_size, num_blocks * config.block_size,
                     num_blocks * per_block / 2**30, per_block // config.block_size,
-                    model.config.num_hidden_layers, f", in {num_shards} data-parallel slices" if num_shards > 1 else "")
+                    model.config.num_hidden_layers,
+                    f"latent {config.kv_cache_dtype}" + (f"/{config.kv_cache_group_size}" if config.kv_cache_group_size else ""),
+                    f", in {num_shards} data-parallel slices" if num_shards > 1 else "")
         eos = tuple(sorted(set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))))
         self._setup_host(config, tokenizer, num_blocks, eos, num_shards)
         start = time.perf_counter()

@@ -122,7 +122,8 @@ class ModelRunner:
     def _zero_cache(self) -> PagedKVCache:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, CACHE_SPEC)
         return PagedKVCache.zeros(self.model_config, self.num_blocks, self.config.block_size, self.cache_dtype,
-                                  sharding=sharding)
+                                  sharding=sharding, kv_cache_dtype=self.config.kv_cache_dtype,
+                                  group_size=self.config.kv_cache_group_size)
 
     def _abstract_inputs(self, t: int) -> StepInputs:
         inputs = self._input_shapes(t)

@@ -83,11 +83,14 @@ def _local_experts(x, weights, ids, *, w_gate, w_up, w_down, backend: str, layer
                               interpret=backend == "interpret")
 
 
-def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str):
-    """Absorbed MLA over the paged latent cache; see ``mla_paged_reference`` for shapes."""
+def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str,
+                        c_kv_scale=None):
+    """Absorbed MLA over the paged latent cache (8-bit c_kv with its c_kv_scale); see
+    ``mla_paged_reference`` for shapes."""
     if backend == "reference":
-        return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale)
-    return mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+        return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                                   c_kv_scale)
+    return mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=c_kv_scale,
                      interpret=backend == "interpret")
 
 

@@ -18,6 +18,7 @@ from dsjax.model.norms import RMSNorm
 from dsjax.model.paged import PagedBatch, PagedKVCache
 from dsjax.model.params import param
 from dsjax.model.rope import apply_rope, rope_frequencies
+from pallas_kernels.kv_quant import quantize_latent
 
 
 class MLAttention(nnx.Module):
@@ -99,12 +100,16 @@ class MLAttention(nnx.Module):
         c_kv, k_pe = self.latents(x, batch.positions)
         num_layers, num_blocks, block_size = cache.c_kv.shape[:3]
         blocks, offsets = batch.slot_mapping // block_size, batch.slot_mapping % block_size
-        cache = PagedKVCache(
-            cache.c_kv.at[layer, blocks, offsets].set(c_kv.astype(cache.c_kv.dtype), mode="drop"),
-            cache.k_pe.at[layer, blocks, offsets].set(k_pe.astype(cache.k_pe.dtype), mode="drop"))
+        write = lambda pool, rows: pool.at[layer, blocks, offsets].set(rows.astype(pool.dtype), mode="drop")
+        c_kv_scale = cache.c_kv_scale
+        if c_kv_scale is not None:  # 8-bit cache: quantized as written, per token (and group)
+            c_kv, scale = quantize_latent(c_kv, cache.quantization, c_kv_scale.shape[-1])
+            c_kv_scale = write(c_kv_scale, scale)
+        cache = PagedKVCache(write(cache.c_kv, c_kv), write(cache.k_pe, k_pe), c_kv_scale)
         # Flattening [L, N] is free; shifting the block ids selects this layer without a copy.
-        flat = lambda a: a.reshape(num_layers * num_blocks, block_size, a.shape[-1])
+        flat = lambda a: None if a is None else a.reshape(num_layers * num_blocks, block_size, a.shape[-1])
         ctx = dispatch.mla_paged_attention(
             self.absorb_query(q_nope), q_pe, flat(cache.c_kv), flat(cache.k_pe),
-            batch.block_tables + layer * num_blocks, batch.seq_ids, batch.positions, self.scale, backend)
+            batch.block_tables + layer * num_blocks, batch.seq_ids, batch.positions, self.scale, backend,
+            c_kv_scale=flat(cache.c_kv_scale))
         return self.output(ctx), cache

@@ -1,0 +1,300 @@
+"""8-bit latent caches (kv_cache_dtype int8 / fp8) against the model's dtype: capacity, accuracy, speed.
+
+    python -m benchmarks.kvquant                 # CPU: capacity + default-model accuracy (minutes)
+    python -m benchmarks.kvquant --gpu-parts     # one H200: + V2-Lite logit error, kernel bandwidth,
+                                                 #   decode throughput at the memory wall (~5 min)
+
+- capacity: concurrent sequences a fixed KV budget holds, computed from bytes per token and measured by
+  running that many requests through the engine (the most that ran at once, and any preemptions).
+- accuracy on the embedded default model: held-out perplexity with every context token read back from
+  the cache (chunked paged forward), and greedy agreement over 256 generated tokens.
+- GPU: V2-Lite (random weights) logit error of the paged forward; the paged decode kernel's effective
+  bandwidth counted on the bytes it reads (compressed for 8-bit caches); engine decode throughput with
+  the largest batch each cache dtype fits in the same KV budget (the memory wall).
+Writes benchmarks/results/kvquant.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.common import device_time_us, environment, markdown_table, write_result
+from dsjax import EngineConfig, SamplingParams, load_model, load_tokenizer
+from dsjax.engine.llm_engine import LLMEngine
+from dsjax.model.paged import PagedBatch, PagedKVCache
+from pallas_kernels.kv_quant import quantize_latent
+from pallas_kernels.mla_decode import mla_decode
+
+FORMATS = [("auto", None), ("int8", None), ("fp8", None), ("fp8", 128)]  # (kv_cache_dtype, group size)
+COPY_TBS = 4.27  # measured H200 device-to-device copy
+
+
+def label(kind: str, group: int | None) -> str:
+    return kind + (f"/{group}" if group else "")
+
+
+def usable_formats(config, formats=FORMATS):
+    """The formats that apply to this latent width (a group as wide as the latent is per-token: dropped)."""
+    return [(k, g) for k, g in formats if g is None or (config.kv_lora_rank % g == 0 and g < config.kv_lora_rank)]
+
+
+# ----- capacity ---------------------------------------------------------------------------------------
+def capacity_rows(config, dtype: str, budget_bytes: int, context: int, block_size: int) -> list[dict]:
+    blocks_per_seq = -(-context // block_size)
+    rows = []
+    for kind, group in usable_formats(config):
+        per_token = PagedKVCache.bytes_per_token(config, dtype, kind, group)
+        blocks = budget_bytes // (per_token * block_size)
+        rows.append({"kv_cache_dtype": label(kind, group), "bytes_per_token": per_token,
+                     "bytes_per_token_per_layer": per_token / config.num_hidden_layers,
+                     "blocks": int(blocks), "max_seqs": int(blocks // blocks_per_seq)})
+    base = rows[0]["max_seqs"]
+    for row in rows:
+        row["capacity_x"] = row["max_seqs"] / base if base else float("nan")
+    return rows
+
+
+def measured_capacity(model, tokenizer, kind, group, budget_bytes: int, prompt: int, gen: int, block_size: int,
+                      requests: int) -> dict:
+    """Runs ``requests`` identical-length requests with that KV budget: how many ran at once at most."""
+    config = EngineConfig(max_num_seqs=requests, max_num_batched_tokens=max(requests, 256), max_model_len=prompt + gen,
+                          block_size=block_size, kv_cache_memory=budget_bytes, enable_prefix_caching=False,
+                          kv_cache_dtype=kind, kv_cache_group_size=group, buckets=(max(requests, 256),))
+    engine = LLMEngine(model, tokenizer, config, progress=False)
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True)
+    for i in range(requests):
+        engine.add_request(f"c{i}", None, params, prompt_token_ids=rng.integers(3, 200, prompt).tolist())
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most = max(most, len(engine.scheduler.running))
+    engine.block_manager.check_invariants()
+    return {"kv_cache_dtype": label(kind, group), "num_blocks": engine.num_blocks, "max_running": most,
+            "preemptions": engine.scheduler.num_preemptions}
+
+
+# ----- accuracy ---------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=(2,))
+def _paged_chunk(graphdef, state, cache, tokens, positions, table):
+    model = nnx.merge(graphdef, state)
+    block_size = cache.block_size
+    slots = table[positions // block_size] * block_size + positions % block_size
+    batch = PagedBatch(positions, slots, jnp.zeros_like(positions), table[None, :])
+    hidden, cache = model.forward_paged(tokens, cache, batch)
+    return cache, model.compute_logits(hidden)
+
+
+def paged_logits(model, token_ids, kind: str, group: int | None, chunk: int = 64, block_size: int = 16):
+    """Logits f32[T, vocab] of one sequence run through the paged path in ``chunk``-token steps: every
+    key but the chunk's own is read back from a ``kind`` cache, as in chunked prefill and decode."""
+    num_tokens = len(token_ids)
+    padded = -(-num_tokens // chunk) * chunk
+    width = -(-padded // block_size)
+    cache = PagedKVCache.zeros(model.config, width, block_size, model.dtype, kv_cache_dtype=kind, group_size=group)
+    graphdef, state = nnx.split(model)
+    tokens = np.zeros(padded, np.int32)
+    tokens[:num_tokens] = token_ids
+    table = jnp.arange(width, dtype=jnp.int32)
+    out = []
+    for start in range(0, padded, chunk):
+        positions = jnp.arange(start, start + chunk, dtype=jnp.int32)
+        cache, logits = _paged_chunk(graphdef, state, cache, jnp.asarray(tokens[start:start + chunk]), positions, table)
+        out.append(np.asarray(logits, np.float32))
+    return np.concatenate(out)[:num_tokens]
+
+
+def nll(logits: np.ndarray, token_ids) -> np.ndarray:
+    """Next-token negative log-likelihoods f32[T-1]."""
+    logits = logits[:-1].astype(np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return logz - logits[np.arange(len(logits)), np.asarray(token_ids[1:])]
+
+
+def heldout_windows(tokenizer, num_windows: int, window: int) -> list[list[int]]:
+    """Windows of the default model's held-out stdlib modules (never trained on)."""
+    from dsjax.loader import DEFAULT_MODEL, EMBEDDED_MODELS
+    from dsjax.train.corpus import load_corpus, read_text
+    import json
+
+    summary = json.loads((EMBEDDED_MODELS[DEFAULT_MODEL] / "train_summary.json").read_text())
+    corpus = load_corpus(tuple(summary["data"]["heldout_modules"]))
+    ids = [t for path in corpus.heldout_files for t in tokenizer.encode(read_text(path))]
+    step = max(window, (len(ids) - window) // max(1, num_windows - 1))
+    return [ids[i:i + window] for i in range(0, len(ids) - window + 1, step)][:num_windows]
+
+
+def accuracy_default_model(num_windows: int, window: int, gen_tokens: int, num_prompts: int) -> dict:
+    model = load_model("default", dtype="float32", kernel_backend="auto", progress=False)
+    tokenizer = load_tokenizer("default")
+    windows = heldout_windows(tokenizer, num_windows, window)
+    rows, reference_logits = [], None
+    greedy = {}
+    prompts = [w[:64] for w in windows[:num_prompts]]
+    for kind, group in usable_formats(model.config):
+        logits = [paged_logits(model, w, kind, group) for w in windows]
+        losses = np.concatenate([nll(lg, w) for lg, w in zip(logits, windows)])
+        row = {"kv_cache_dtype": label(kind, group), "heldout_tokens": int(losses.size),
+               "heldout_loss": float(losses.mean()), "perplexity": float(np.exp(losses.mean()))}
+        if reference_logits is None:
+            reference_logits = logits
+        else:
+            err = max(np.abs(a - b).max() / np.abs(b).max() for a, b in zip(logits, reference_logits))
+            row["max_rel_logit_error"] = float(err)
+            row["top1_agreement"] = float(np.mean(np.concatenate(
+                [a.argmax(-1) == b.argmax(-1) for a, b in zip(logits, reference_logits)])))
+        config = EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256, max_model_len=64 + gen_tokens,
+                              block_size=16, num_kv_blocks=len(prompts) * (-(-(64 + gen_tokens) // 16)),
+                              kv_cache_dtype=kind, kv_cache_group_size=group, buckets=(16, 256))
+        engine = LLMEngine(model, tokenizer, config, progress=False)
+        params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), None, params, prompt_token_ids=p, final_only=True)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                done[int(out.request_id)] = out.outputs[0].token_ids
+        greedy[label(kind, group)] = [done[i] for i in range(len(prompts))]
+        rows.append(row)
+    base_ppl = rows[0]["perplexity"]
+    for row in rows:
+        row["perplexity_change_pct"] = (row["perplexity"] / base_ppl - 1) * 100
+        runs = greedy[row["kv_cache_dtype"]]
+        same = [np.asarray(a) == np.asarray(b) for a, b in zip(runs, greedy[rows[0]["kv_cache_dtype"]])]
+        row["greedy_positionwise_agreement"] = float(np.mean(np.concatenate(same)))
+        row["greedy_identical_prefix_mean"] = float(np.mean([np.argmin(s) if not s.all() else len(s) for s in same]))
+    return {"model": "default", "windows": len(windows), "window": window, "greedy_prompts": len(prompts),
+            "greedy_tokens": gen_tokens, "rows": rows}
+
+
+# ----- GPU parts --------------------------------------------------------------------------------------
+def v2lite_logit_error(model, num_tokens: int) -> list[dict]:
+    ids = np.random.default_rng(0).integers(3, model.config.vocab_size, num_tokens).tolist()
+    ref = paged_logits(model, ids, "auto", None, chunk=128, block_size=64)
+    rows = []
+    for kind, group in usable_formats(model.config)[1:]:
+        out = paged_logits(model, ids, kind, group, chunk=128, block_size=64)
+        rows.append({"kv_cache_dtype": label(kind, group), "tokens": num_tokens,
+                     "max_rel_logit_error": float(np.abs(out - ref).max() / np.abs(ref).max()),
+                     "mean_abs_logit_error": float(np.abs(out - ref).mean()),
+                     "top1_agreement": float(np.mean(out.argmax(-1) == ref.argmax(-1)))})
+    return rows
+
+
+def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> list[dict]:
+    """The paged decode kernel on a full cache: effective TB/s = cache bytes read / time."""
+    heads, latent, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    pages_per_seq = context // block_size
+    num_pages = batch * pages_per_seq
+    key = jax.random.PRNGKey(0)
+    c_kv = jax.random.normal(key, (num_pages, block_size, latent), jnp.float32)
+    k_pe = jax.random.normal(key, (num_pages, block_size, rope), jnp.bfloat16)
+    q = jax.random.normal(key, (batch, heads, latent), jnp.bfloat16)
+    q_pe = jax.random.normal(key, (batch, heads, rope), jnp.bfloat16)
+    tables = jax.random.permutation(key, num_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    rows = []
+    for kind, group in usable_formats(config):
+        if kind == "auto":
+            cache, scale = c_kv.astype(jnp.bfloat16), None
+        else:
+            cache, scale = quantize_latent(c_kv, kind, latent // (group or latent))
+        nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", kind, group)
+                                    // config.num_hidden_layers)
+        fn = lambda q, qp, c, kp, t, n, s: mla_decode(q, qp, c, kp, t, n, 0.1, c_kv_scale=s)
+        us = device_time_us(fn, (q, q_pe, cache, k_pe, tables, lengths, scale), estimate_s=nbytes / 3e12)
+        rows.append({"kv_cache_dtype": label(kind, group), "batch": batch, "context": context, "heads": heads,
+                     "us": us, "bytes": nbytes, "TB/s": nbytes / us / 1e6, "tokens_per_us": batch * context / us})
+    return rows
+
+
+def memory_wall_throughput(model, budget_bytes: int, prompt: int, steps: int) -> list[dict]:
+    from benchmarks.decode_probe import measure
+
+    rows = []
+    for kind, group in usable_formats(model.config)[:3]:
+        per_seq = PagedKVCache.bytes_per_token(model.config, model.dtype, kind, group) * (prompt + steps + 64)
+        fits = int(budget_bytes // per_seq)
+        batch = 1 << (fits.bit_length() - 1)  # the largest power of two that fits: one step shape
+        config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(batch, 2048),
+                              max_model_len=prompt + steps + 64, block_size=64, kv_cache_memory=budget_bytes,
+                              enable_prefix_caching=False, kv_cache_dtype=kind, kv_cache_group_size=group,
+                              buckets=tuple(sorted({batch, max(batch, 2048)})))
+        llm = _EngineHolder(LLMEngine(model, load_tokenizer("deepseek-v2-lite"), config, progress=False))
+        row = measure(llm, batch, prompt, steps)
+        rows.append({"kv_cache_dtype": label(kind, group), "fits_seqs": fits, **row})
+        del llm
+        gc.collect()
+    return rows
+
+
+class _EngineHolder:
+    """The .engine attribute decode_probe.measure expects from an LLM."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+
+# ----- main -------------------------------------------------------------------------------------------
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu-parts", action="store_true", help="also the V2-Lite and H200 measurements")
+    parser.add_argument("--budget-gib", type=float, default=4.0, help="KV budget of the capacity table")
+    parser.add_argument("--context", type=int, default=2048, help="tokens per sequence of the capacity table")
+    parser.add_argument("--windows", type=int, default=12, help="held-out windows of 512 tokens")
+    parser.add_argument("--gen-tokens", type=int, default=256)
+    parser.add_argument("--prompts", type=int, default=4, help="greedy-agreement prompts")
+    parser.add_argument("--capacity-requests", type=int, default=48)
+    parser.add_argument("--out", default="kvquant", help="results name under benchmarks/results (or a path)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    from dsjax import load_config
+
+    budget = int(args.budget_gib * 2**30)
+    result = {**environment(), "capacity": {}}
+    for preset in ("deepseek-v2-lite", "deepseek-v3"):
+        result["capacity"][preset] = capacity_rows(load_config(preset), "bfloat16", budget, args.context, 64)
+    default = load_model("default", dtype="float32", progress=False)
+    # 16 sequences of 128 tokens at f32; 48 requests, so every format runs into its limit.
+    small_budget = 128 * PagedKVCache.bytes_per_token(default.config, "float32") * 16
+    result["capacity_measured"] = {
+        "model": "default", "budget_bytes": small_budget, "prompt": 96, "gen": 32, "block_size": 16,
+        "requests": args.capacity_requests,
+        "rows": [measured_capacity(default, load_tokenizer("default"), k, g, small_budget, 96, 32, 16,
+                                   args.capacity_requests) for k, g in usable_formats(default.config)]}
+    result["accuracy_default"] = accuracy_default_model(args.windows, 512, args.gen_tokens, args.prompts)
+    if args.gpu_parts and jax.default_backend() == "gpu":
+        v2 = load_model("deepseek-v2-lite", dtype="bfloat16", progress=False)
+        result["v2lite_logit_error"] = v2lite_logit_error(v2, 512)
+        result["kernel_bandwidth"] = (kernel_bandwidth(v2.config, 64, 4096)
+                                      + kernel_bandwidth(load_config("deepseek-v3"), 128, 2048))
+        result["memory_wall"] = memory_wall_throughput(v2, 8 << 30, 1024, 16)
+    tables = [markdown_table(result["capacity"]["deepseek-v2-lite"],
+                             ["kv_cache_dtype", "bytes_per_token_per_layer", "max_seqs", "capacity_x"]),
+              markdown_table(result["capacity_measured"]["rows"],
+                             ["kv_cache_dtype", "num_blocks", "max_running", "preemptions"]),
+              markdown_table(result["accuracy_default"]["rows"],
+                             ["kv_cache_dtype", "heldout_loss", "perplexity", "perplexity_change_pct",
+                              "top1_agreement", "greedy_positionwise_agreement", "greedy_identical_prefix_mean"])]
+    for key, columns in (("v2lite_logit_error", ["kv_cache_dtype", "max_rel_logit_error", "top1_agreement"]),
+                         ("kernel_bandwidth", ["kv_cache_dtype", "batch", "context", "heads", "us", "TB/s",
+                                               "tokens_per_us"]),
+                         ("memory_wall", ["kv_cache_dtype", "fits_seqs", "batch", "step_ms", "tok_per_s"])):
+        if key in result:
+            tables.append(markdown_table(result[key], columns))
+    result["table"] = "\n\n".join(tables)
+    result["seconds"] = time.perf_counter() - start
+    print(result["table"])
+    print("wrote", write_result(args.out, result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+"""benchmarks/kvquant.py runs for real on CPU (small settings) and records what the issue asks for."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import kvquant
+
+
+def test_kvquant_cpu_run_records_capacity_and_accuracy(tmp_path):
+    out = tmp_path / "kvquant"
+    kvquant.main(["--windows", "1", "--gen-tokens", "8", "--prompts", "1", "--capacity-requests", "24",
+                  "--out", str(out)])
+    result = json.loads(out.with_suffix(".json").read_text())
+    v2 = {r["kv_cache_dtype"]: r for r in result["capacity"]["deepseek-v2-lite"]}
+    assert v2["fp8/128"]["bytes_per_token_per_layer"] == 656 and 1.7 < v2["int8"]["capacity_x"] < 1.8
+    measured = {r["kv_cache_dtype"]: r for r in result["capacity_measured"]["rows"]}
+    assert measured["int8"]["num_blocks"] > 2 * measured["auto"]["num_blocks"]  # f32 model: 4x smaller latent
+    assert measured["int8"]["max_running"] > measured["auto"]["max_running"]
+    rows = {r["kv_cache_dtype"]: r for r in result["accuracy_default"]["rows"]}
+    assert set(rows) == {"auto", "int8", "fp8"}
+    assert abs(rows["int8"]["perplexity_change_pct"]) < 5 and rows["int8"]["top1_agreement"] > 0.9
+    assert "v2lite_logit_error" not in result  # GPU parts only with --gpu-parts on a GPU

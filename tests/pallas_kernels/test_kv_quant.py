@@ -1,0 +1,114 @@
+"""8-bit latent cache: quantize/dequantize round-trip bounds, and the paged MLA kernel (interpret mode)
+reading int8 / fp8 caches against the reference, which dequantizes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.kv_quant import QUANT_DTYPES, dequantize_latent, num_scale_groups, quantize_latent
+from pallas_kernels.mla_decode import mla_decode, mla_decode_reference, mla_paged, mla_paged_reference
+from tests.pallas_kernels.kernel_utils import lower_for_h200
+from tests.pallas_kernels.test_mla_decode import shuffled_tables
+
+
+@pytest.mark.parametrize("kind", sorted(QUANT_DTYPES))
+@pytest.mark.parametrize("num_groups", [1, 4])
+def test_round_trip_error_is_bounded_per_group(kind, num_groups):
+    rng = np.random.default_rng(0)
+    # Rows of very different magnitudes (scales are per token and group), a zero row, a one-hot row.
+    x = rng.standard_normal((6, 512)) * np.array([1e-3, 1, 30, 1, 1, 1])[:, None]
+    x[3] = 0.0
+    x[4] = 0.0
+    x[4, 17] = -5.0
+    stored, scale = quantize_latent(jnp.asarray(x, jnp.float32), kind, num_groups)
+    assert stored.dtype == QUANT_DTYPES[kind][0] and scale.shape == (6, num_groups) and scale.dtype == jnp.float32
+    back = np.asarray(dequantize_latent(stored, scale))
+    amax = np.abs(x.reshape(6, num_groups, -1)).max(-1, keepdims=True)
+    err = np.abs(back - x).reshape(6, num_groups, -1)
+    if kind == "int8":  # uniform grid: half a step of amax/127
+        assert (err <= amax / 127 / 2 * (1 + 1e-5) + 1e-12).all()
+    else:  # e4m3: 3 mantissa bits, relative error <= 2^-4 of the value (normal range) + subnormal step
+        bound = np.abs(x.reshape(6, num_groups, -1)) * 2.0 ** -4 + amax / 448 * 2.0 ** -9
+        assert (err <= bound * (1 + 1e-5) + 1e-12).all()
+    np.testing.assert_array_equal(back[3], 0.0)
+    assert back[4, 17] == -5.0 and np.count_nonzero(back[4]) == 1  # the absmax itself is exact
+
+
+def test_group_size_must_divide_the_latent():
+    assert num_scale_groups(512, None) == 1 and num_scale_groups(512, 128) == 4
+    with pytest.raises(ValueError, match="kv_cache_group_size=96 must divide kv_lora_rank=512"):
+        num_scale_groups(512, 96)
+    with pytest.raises(ValueError, match="accepted: int8, fp8"):
+        quantize_latent(jnp.zeros((2, 8)), "int4")
+
+
+def quantized_cache(rng, num_pages, block_size, latent_dim, rope_dim, kind, num_groups):
+    c_kv = jnp.asarray(rng.standard_normal((num_pages, block_size, latent_dim)), jnp.float32)
+    stored, scale = quantize_latent(c_kv, kind, num_groups)
+    k_pe = jnp.asarray(rng.standard_normal((num_pages, block_size, rope_dim)), jnp.float32)
+    return stored, scale, k_pe
+
+
+@pytest.mark.parametrize("kind, num_groups, kwargs", [
+    ("int8", 1, dict(num_splits=2, block_k=8)),
+    ("fp8", 2, dict(num_splits=1, block_k=8)),
+    ("int8", 4, dict(num_splits=4, block_k=4, block_h=8)),
+])
+def test_mla_decode_reads_quantized_cache_like_the_reference(kind, num_groups, kwargs):
+    rng = np.random.default_rng(num_groups)
+    num_heads, latent_dim, rope_dim, block_size, width = 8, 64, 16, 4, 6
+    lengths = [1, 13, 24, 7]
+    batch = len(lengths)
+    num_pages = batch * width + 2
+    stored, scale, k_pe = quantized_cache(rng, num_pages, block_size, latent_dim, rope_dim, kind, num_groups)
+    tables = shuffled_tables(rng, batch, width, num_pages)
+    q_latent = jnp.asarray(rng.standard_normal((batch, num_heads, latent_dim)), jnp.float32)
+    q_pe = jnp.asarray(rng.standard_normal((batch, num_heads, rope_dim)), jnp.float32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    out = mla_decode(q_latent, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, interpret=True, **kwargs)
+    ref = mla_decode_reference(q_latent, q_pe, stored, k_pe, tables, lengths, 0.1, scale)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # The reference itself is attention over the dequantized cache.
+    dense = mla_decode_reference(q_latent, q_pe, dequantize_latent(stored, scale), k_pe, tables, lengths, 0.1)
+    np.testing.assert_allclose(np.asarray(ref), np.asarray(dense), rtol=1e-5, atol=1e-5)
+
+
+def test_mla_paged_quantized_mixed_batch_and_padding():
+    rng = np.random.default_rng(3)
+    num_heads, latent_dim, rope_dim, block_size, width = 4, 64, 16, 4, 6
+    num_pages = 3 * width + 2
+    stored, scale, k_pe = quantized_cache(rng, num_pages, block_size, latent_dim, rope_dim, "fp8", 1)
+    tables = shuffled_tables(rng, 3, width, num_pages)
+    seq_ids = jnp.asarray([1, 0, 2, 2, 2, 0], jnp.int32)
+    positions = jnp.asarray([22, 3, 5, 6, 7, -1], jnp.int32)  # last: padding
+    q_latent = jnp.asarray(rng.standard_normal((6, num_heads, latent_dim)), jnp.float32)
+    q_pe = jnp.asarray(rng.standard_normal((6, num_heads, rope_dim)), jnp.float32)
+    out = mla_paged(q_latent, q_pe, stored, k_pe, tables, seq_ids, positions, 0.1, c_kv_scale=scale, block_k=8,
+                    interpret=True)
+    ref = mla_paged_reference(q_latent, q_pe, stored, k_pe, tables, seq_ids, positions.at[-1].set(0), 0.1, scale)
+    np.testing.assert_allclose(np.asarray(out[:-1]), np.asarray(ref[:-1]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[-1]), 0.0)
+
+
+def test_an_8bit_cache_without_scales_is_refused():
+    c_kv = jnp.zeros((4, 4, 64), jnp.int8)
+    with pytest.raises(ValueError, match="needs its c_kv_scale"):
+        mla_decode(jnp.zeros((1, 4, 64)), jnp.zeros((1, 4, 16)), c_kv, jnp.zeros((4, 4, 16)),
+                   jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), 0.1, interpret=True)
+
+
+@pytest.mark.parametrize("kind, num_groups", [("int8", 1), ("fp8", 4)])
+def test_quantized_decode_lowers_to_triton_for_h200(kind, num_groups):
+    batch, num_heads, latent_dim, rope_dim, block_size, width = 8, 16, 512, 64, 64, 16
+    shape = jax.ShapeDtypeStruct
+    args = (shape((batch, num_heads, latent_dim), jnp.bfloat16), shape((batch, num_heads, rope_dim), jnp.bfloat16),
+            shape((100, block_size, latent_dim), QUANT_DTYPES[kind][0]),
+            shape((100, block_size, rope_dim), jnp.bfloat16),
+            shape((batch, width), jnp.int32), shape((batch,), jnp.int32),
+            shape((100, block_size, num_groups), jnp.float32))
+    hlo = lower_for_h200(lambda q, qp, c, kp, t, n, s: mla_decode(q, qp, c, kp, t, n, 0.07, c_kv_scale=s,
+                                                                   num_splits=4), *args)
+    assert hlo.count("__gpu$xla.gpu.triton") == 2
