@@ -42,9 +42,10 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def write_result(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_result(name: str, payload: dict, directory: Path = RESULTS) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2))
     return path
 

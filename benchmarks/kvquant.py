@@ -220,12 +220,15 @@ def memory_wall_throughput(model, budget_bytes: int, prompt: int, steps: int) ->
     from benchmarks.decode_probe import measure
 
     rows = []
+    # decode_probe.measure generates steps + (prefill steps) + 8 tokens; at most 256 sequences of
+    # `prompt` tokens take 128 prefill steps of 2048 tokens.
+    max_len = prompt + steps + 160
     for kind, group in usable_formats(model.config)[:3]:
-        per_seq = PagedKVCache.bytes_per_token(model.config, model.dtype, kind, group) * (prompt + steps + 64)
+        per_seq = PagedKVCache.bytes_per_token(model.config, model.dtype, kind, group) * max_len
         fits = int(budget_bytes // per_seq)
-        batch = 1 << (fits.bit_length() - 1)  # the largest power of two that fits: one step shape
+        batch = min(256, 1 << (fits.bit_length() - 1))  # the largest power of two that fits: one step shape
         config = EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(batch, 2048),
-                              max_model_len=prompt + steps + 64, block_size=64, kv_cache_memory=budget_bytes,
+                              max_model_len=max_len, block_size=64, kv_cache_memory=budget_bytes,
                               enable_prefix_caching=False, kv_cache_dtype=kind, kv_cache_group_size=group,
                               buckets=tuple(sorted({batch, max(batch, 2048)})))
         llm = _EngineHolder(LLMEngine(model, load_tokenizer("deepseek-v2-lite"), config, progress=False))

@@ -29,12 +29,12 @@ def child(run: str, args) -> dict:
     import jax
     import numpy as np
 
-    from benchmarks.decode_probe import measure
-    from dsjax import LLM, SamplingParams
+    from benchmarks.decode_probe import decode_len, measure
+    from dsjax import LLM
 
     top = max(args.batches)
     budget = max(top, args.prefill_chunk)
-    max_len = args.prompt + args.steps + -(-top * args.prompt // budget) + 16
+    max_len = decode_len(top, args.prompt, budget, args.steps + 2)
     # Under EP each rank runs its own sequences: steps are sized by a rank's share of the batch.
     shards = RUNS[run].get("expert_parallel_size", 1)
     buckets = {size // shards for size in (*args.batches, budget)} | {budget}
@@ -51,47 +51,13 @@ def child(run: str, args) -> dict:
             weights[str(shard.device)] += shard.data.nbytes
     probe = np.random.default_rng(0).integers(3, llm.model.config.vocab_size, (4, 32)).astype(np.int32)
     logits = np.asarray(jax.device_get(llm.model.logits(probe)))[:, -1].astype(np.float32)
-    rows = []
-    for b in args.batches:
-        row = measure(llm, b, args.prompt, args.steps)
-        row["device_step_ms"] = device_step_ms(llm, b, args.prompt, SamplingParams)
-        row["device_tok_per_s"] = b / row["device_step_ms"] * 1e3
-        rows.append(row)
+    rows = [measure(llm, b, args.prompt, args.steps, device_repeats=20) for b in args.batches]
     memory = [{"device": str(d), "weights_gib": weights[str(d)] / 2**30,
                **{k + "_gib": d.memory_stats()[k] / 2**30 for k in ("bytes_in_use", "peak_bytes_in_use")
                   if k in (d.memory_stats() or {})}} for d in devices]
     return {"run": run, "parallel": RUNS[run], "setup_s": setup_s, "rows": rows, "memory": memory,
             "kv_blocks": llm.engine.num_blocks, "kernel_backend": llm.model.kernel_backend,
             "probe_argmax": logits.argmax(-1).tolist(), "probe_logits": logits[:, :64].tolist()}
-
-
-def device_step_ms(llm, batch: int, prompt_len: int, sampling_params_cls, repeats: int = 20) -> float:
-    """The compiled decode step alone on fixed inputs (as benchmarks/step_profile.py times it)."""
-    import jax
-
-    engine, runner = llm.engine, llm.engine.runner
-    params = sampling_params_cls(max_tokens=engine.config.max_model_len - prompt_len, temperature=0.0,
-                                 ignore_eos=True)
-    ids = [f"dev{batch}-{i}" for i in range(batch)]
-    for i, rid in enumerate(ids):
-        engine.add_request(rid, None, params, prompt_token_ids=[5 + i % 900] * prompt_len)
-    while not (engine.scheduler.num_waiting == 0 and all(s.is_decoding for s in engine.scheduler.running)):
-        engine.step()
-    out = engine.scheduler.schedule()
-    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled])
-    inputs, compiled, cache = runner.place_inputs(inputs), runner._compiled[t], runner.cache
-    for _ in range(3):
-        cache, result = compiled(runner.state, cache, inputs)
-    jax.block_until_ready(result)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        cache, result = compiled(runner.state, cache, inputs)
-    jax.block_until_ready((cache, result))
-    elapsed = (time.perf_counter() - start) / repeats
-    runner.cache = cache
-    for rid in ids:
-        engine.abort_request(rid)
-    return elapsed * 1e3
 
 
 def main(argv=None):

@@ -86,8 +86,9 @@ def _decode_kernel(
     q_pe_ref,  # [block_h, R]
     c_kv_ref,  # [N * bs, C]: the whole latent cache, one row per token slot (8-bit when quantized)
     k_pe_ref,  # [N * bs, R]
-    *refs,  # (scale f32[N * bs * G] when quantized), then the outputs: one split: o [block_h, C];
-    #         else m f32[block_h], l f32[block_h], acc f32[block_h, C]
+    *refs,  # (scale f32[N * bs * G] when quantized); (layer i32[1], compressed [L * Nc * bs, C] 8-bit,
+    #         its scales f32[L * Nc * bs * G] when two pools); then the outputs: one split:
+    #         o [block_h, C]; else m f32[block_h], l f32[block_h], acc f32[block_h, C]
     block_size: int,
     table_width: int,
     block_k: int,
@@ -95,8 +96,12 @@ def _decode_kernel(
     scale_log2e: float,
     num_groups: int,
     quantized: bool,
+    pools: tuple[int, int] | None,
 ):
-    kscale_ref, out_refs = (refs[0], refs[1:]) if quantized else (None, refs)
+    refs = list(refs)
+    kscale_ref = refs.pop(0) if quantized else None
+    layer_ref, comp_ref, comp_scale_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if pools else (None,) * 3
+    out_refs = refs
     split, b = pl.program_id(1), pl.program_id(2)
     seq_id = seq_ids_ref[b]
     length = lengths_ref[b]
@@ -115,7 +120,18 @@ def _decode_kernel(
     latent_cols = jnp.arange(group)[None, :]
     rope_cols = jnp.arange(rope_dim)[None, :]
     contract_last = (((1,), (1,)), ((), ()))
-    fp8 = jnp.dtype(c_kv_ref.dtype) == jnp.float8_e4m3fn
+    if pools:  # two pools: global block ids [0, Nf) full precision, [Nf, Nf + Nc) compressed; this layer's
+        # rows sit at layer * (pool size) in each flattened pool, k_pe spans both pools
+        num_full, num_compressed = pools
+        layer = layer_ref[0]
+
+    def load_latent(slots_or_rows, g, valid, ref):
+        window = ref.at[slots_or_rows[:, None], g * group + latent_cols]
+        if jnp.dtype(ref.dtype) == jnp.float8_e4m3fn:
+            # Triton cannot splat a fill value into fp8: masked lanes read a valid slot instead
+            # (page 0's, or this layer's first compressed block's), finite, and get weight 0
+            return plgpu.load(window)
+        return plgpu.load(window, mask=valid[:, None], other=0)
 
     def body(i, carry):
         m, l, accs = carry  # f32[block_h] (log2 units), f32[block_h], G x f32[block_h, C/G]
@@ -124,25 +140,36 @@ def _decode_kernel(
         # Masked lanes read page 0 / zeros: no out-of-range table column, no stale NaN in the cache.
         page = plgpu.load(tables_ref.at[seq_id * table_width + token // block_size],
                           mask=valid, other=0)
-        slots = page * block_size + token % block_size  # [block_k]
-        rows = slots[:, None]
-        keys_pe = plgpu.load(k_pe_ref.at[rows, rope_cols], mask=valid[:, None], other=0).astype(compute_dtype)
+        offset = token % block_size
+        if pools:
+            is_full = page < num_full
+            slots = (layer * num_full + jnp.where(is_full, page, 0)) * block_size + offset  # full pool
+            comp_slots = (layer * num_compressed + jnp.where(is_full, 0, page - num_full)) * block_size + offset
+            pe_slots = (layer * (num_full + num_compressed) + page) * block_size + offset
+        else:
+            slots = pe_slots = page * block_size + offset  # [block_k]
+        keys_pe = plgpu.load(k_pe_ref.at[pe_slots[:, None], rope_cols], mask=valid[:, None],
+                             other=0).astype(compute_dtype)
         precision = dot_precision(compute_dtype)
         s = jax.lax.dot_general(q_pe, keys_pe, contract_last, preferred_element_type=jnp.float32,
                                 precision=precision)  # [block_h, block_k]
         keys, kscales = [], []
         for g in range(num_groups):
-            window = c_kv_ref.at[rows, g * group + latent_cols]
-            if fp8:  # Triton cannot splat a fill value into fp8: masked lanes read slot (page 0,
-                # token % bs) instead, a finite value (the pool starts zeroed), and get weight 0
-                k_g = plgpu.load(window)
+            if pools:  # each lane reads one pool (masked); the other load of a lane is masked off or,
+                # for fp8, a re-read of one L2-resident row
+                k_full = load_latent(slots, g, valid & is_full, c_kv_ref).astype(compute_dtype)
+                k_comp = load_latent(comp_slots, g, valid & ~is_full, comp_ref).astype(compute_dtype)
+                k_g = jnp.where(is_full[:, None], k_full, k_comp)
+                kscale = plgpu.load(comp_scale_ref.at[comp_slots * num_groups + g], mask=valid & ~is_full,
+                                    other=0.0)
+                kscale = jnp.where(is_full, 1.0, kscale)
             else:
-                k_g = plgpu.load(window, mask=valid[:, None], other=0)
-            k_g = k_g.astype(compute_dtype)  # [block_k, C/G]; 8-bit -> exact
+                k_g = load_latent(slots, g, valid, c_kv_ref).astype(compute_dtype)  # [block_k, C/G]; exact
+                if quantized:
+                    kscale = plgpu.load(kscale_ref.at[slots * num_groups + g], mask=valid, other=0.0)  # f32[bk]
             s_g = jax.lax.dot_general(q_groups[g], k_g, contract_last, preferred_element_type=jnp.float32,
                                       precision=precision)
-            if quantized:
-                kscale = plgpu.load(kscale_ref.at[slots * num_groups + g], mask=valid, other=0.0)  # f32[block_k]
+            if quantized or pools:
                 s_g = s_g * kscale[None, :]
                 kscales.append(kscale)
             s = s + s_g
@@ -154,7 +181,7 @@ def _decode_kernel(
         l = l * correction + p.sum(axis=1)
         accs = tuple(
             acc * correction[:, None]
-            + jnp.dot((p * kscales[g][None, :] if quantized else p).astype(compute_dtype), keys[g],
+            + jnp.dot((p * kscales[g][None, :] if kscales else p).astype(compute_dtype), keys[g],
                       preferred_element_type=jnp.float32, precision=precision)
             for g, acc in enumerate(accs))
         return m_new, l, accs
@@ -194,12 +221,23 @@ def _is_pow2(n: int) -> bool:
 
 
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
-                   c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret):
+                   c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret,
+                   compressed=None, pools=None):
     """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]-1 of table row
-    seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype."""
+    seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype.
+
+    Two pools (``pools`` = (Nf, Nc) static, ``compressed`` = (c_kv 8-bit [L * Nc, bs, C], scales
+    f32[L * Nc, bs, G], layer i32)): c_kv is the full-precision pool [L * Nf, bs, C], k_pe spans both
+    [L * (Nf + Nc), bs, R], and the tables hold global block ids (no layer offset)."""
     batch, num_heads, latent_dim = q_latent.shape
+    if pools:
+        comp_c_kv, comp_scale, layer = compressed
+        num_groups = comp_scale.shape[-1]
+        if c_kv_scale is not None:
+            raise ValueError("two pools keep the full-precision pool unquantized: c_kv_scale must be None")
     quantized = c_kv_scale is not None
-    num_groups = c_kv_scale.shape[-1] if quantized else 1
+    if not pools:
+        num_groups = c_kv_scale.shape[-1] if quantized else 1
     if quantized and (c_kv_scale.shape[:2] != c_kv.shape[:2] or latent_dim % num_groups):
         raise ValueError(f"c_kv_scale has shape {c_kv_scale.shape}; expected [N, bs, G] = "
                          f"[{c_kv.shape[0]}, {c_kv.shape[1]}, G] with G dividing kv_lora_rank={latent_dim}")
@@ -237,7 +275,7 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, table_width=table_width, block_k=block_k,
         tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_groups=num_groups,
-        quantized=quantized)
+        quantized=quantized, pools=pools)
     whole = pl.BlockSpec()  # indexed by hand inside the kernel
     f32 = jnp.float32
     if num_splits == 1:
@@ -258,16 +296,19 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         in_specs=[whole, whole, whole,
                   pl.BlockSpec((None, block_h, latent_dim), lambda h, s, b: (b, h, 0)),
                   pl.BlockSpec((None, block_h, rope_dim), lambda h, s, b: (b, h, 0)),
-                  whole, whole, *([whole] if quantized else [])],
+                  whole, whole, *([whole] if quantized else []), *([whole] * 3 if pools else [])],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"mla_decode_h{block_h}_k{block_k}_s{num_splits}" + (f"_q{num_groups}" if quantized else ""),
+        name=f"mla_decode_h{block_h}_k{block_k}_s{num_splits}" + (f"_q{num_groups}" if quantized else "")
+        + (f"_pools{num_groups}" if pools else ""),
     )(block_tables.reshape(-1), seq_ids, lengths, q_latent, q_pe,
       c_kv.reshape(num_pages * block_size, latent_dim),
-      k_pe.reshape(num_pages * block_size, rope_dim),  # free reshapes: contiguous rows
-      *([c_kv_scale.reshape(-1).astype(jnp.float32)] if quantized else []))
+      k_pe.reshape(-1, rope_dim),  # free reshapes: contiguous rows
+      *([c_kv_scale.reshape(-1).astype(jnp.float32)] if quantized else []),
+      *([jnp.asarray(layer, jnp.int32).reshape(1), comp_c_kv.reshape(-1, latent_dim),
+         comp_scale.reshape(-1).astype(jnp.float32)] if pools else []))
     if num_splits == 1:
         return partials[:, :num_heads]
 
@@ -288,6 +329,7 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
 
 
 _STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret")
+_STATIC_PAGED = (*_STATIC, "pools")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -308,20 +350,22 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC_PAGED)
 def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
-              num_splits=None, block_h=None, block_k=None, num_warps=None, num_stages=None,
-              interpret=False):
+              compressed=None, pools=None, num_splits=None, block_h=None, block_k=None, num_warps=None,
+              num_stages=None, interpret=False):
     """The engine's entry; the semantics of ``mla_paged_reference``.
 
     q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
     seq_ids i32[T], positions i32[T] -> [T, H, C]. Each token is one decode query over keys
     0..positions[t] of row seq_ids[t]: chunked-prefill tokens re-read their shared context, which
     is cheap next to the prefill's own FLOPs. A negative position (padding) gives zeros, not NaN.
-    An 8-bit c_kv comes with c_kv_scale f32[N, bs, G].
+    An 8-bit c_kv comes with c_kv_scale f32[N, bs, G]. Two pools (distance-aware precision): see
+    ``mla_paged_pools_reference``; ``compressed`` = (c_kv_compressed, compressed_scale, layer),
+    ``pools`` = (Nf, Nc).
     """
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids.astype(jnp.int32),
-                          positions.astype(jnp.int32) + 1, scale,
+                          positions.astype(jnp.int32) + 1, scale, compressed=compressed, pools=pools,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
@@ -368,6 +412,27 @@ def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, posit
             jnp.zeros_like(q_latent32))
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
     return (acc / l[..., None]).astype(q_latent.dtype)
+
+
+def pool_views(c_kv, k_pe, compressed, pools, block_tables):
+    """One layer's view of two pools as a single 8-bit-or-not cache for the reference: the blocks of
+    both pools dequantized to f32 and concatenated [Nf + Nc, bs, C], indexed by the global ids of the
+    tables; plus this layer's k_pe [Nf + Nc, bs, R]. (References may materialize; kernels do not.)"""
+    comp_c_kv, comp_scale, layer = compressed
+    num_full, num_compressed = pools
+    take = lambda a, n: jax.lax.dynamic_slice_in_dim(a, layer * n, n, axis=0)
+    latent = jnp.concatenate([take(c_kv, num_full).astype(jnp.float32),
+                              dequantize_latent(take(comp_c_kv, num_compressed), take(comp_scale, num_compressed))])
+    return latent, take(k_pe, num_full + num_compressed), block_tables
+
+
+def mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, compressed,
+                              pools):
+    """mla_paged_reference over two pools: global block ids [0, Nf) in the full-precision pool c_kv
+    [L * Nf, bs, C], [Nf, Nf + Nc) in the 8-bit compressed[0] [L * Nc, bs, C] with scales compressed[1]
+    [L * Nc, bs, G]; k_pe [L * (Nf + Nc), bs, R]; compressed[2] the layer (i32)."""
+    latent, layer_k_pe, tables = pool_views(c_kv, k_pe, compressed, pools, block_tables)
+    return mla_paged_reference(q_latent, q_pe, latent, layer_k_pe, tables, seq_ids, positions, scale)
 
 
 def mla_decode_reference(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, c_kv_scale=None):

@@ -88,6 +88,7 @@ def sort_by_expert_reference(ids, num_experts: int):
 # Tokens per program and warps, keyed by the padded expert count: a program keeps a few
 # [block_tokens, E] tiles live in registers, so wider routers take fewer tokens.
 _ROUTE_BLOCKS = {64: (64, 4), 128: (32, 4), 256: (32, 8), 512: (16, 8)}
+_MIN_PROGRAMS = 64  # about half the SMs of an H100/H200: below this a route is launch- and latency-bound
 _NEG_INF = float("-inf")
 _TAKEN = jnp.iinfo(jnp.int32).min  # below every ordered key, -inf's included
 
@@ -243,7 +244,9 @@ def route(logits, bias, spec: RoutingSpec, *, block_tokens: int | None = None,
     if padded_experts > 512:
         raise ValueError(f"num_experts={num_experts}: the routing kernel holds whole rows, up to 512")
     default_tokens, default_warps = _ROUTE_BLOCKS.get(max(64, padded_experts), (16, 8))
-    block_tokens = block_tokens or min(default_tokens, pl.next_power_of_2(num_tokens))
+    # Small batches (decode) take smaller blocks so the grid still spreads over the SMs.
+    spread = max(8, pl.next_power_of_2(pl.cdiv(num_tokens, _MIN_PROGRAMS)))
+    block_tokens = block_tokens or min(default_tokens, spread)
     padded_k = pl.next_power_of_2(spec.top_k)
     has_bias = spec.topk_method == "noaux_tc" and bias is not None
     kernel = functools.partial(_route_kernel, spec=spec, num_tokens=num_tokens,

@@ -39,6 +39,44 @@ def test_mla_decode_gpu(heads):
     assert _rel(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("kind, groups", [("int8", 1), ("fp8", 1), ("fp8", 4)])
+@pytest.mark.parametrize("heads", [16, 128])
+def test_mla_decode_quantized_cache_gpu(kind, groups, heads):
+    from pallas_kernels.kv_quant import quantize_latent
+    from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
+
+    rng = np.random.default_rng(heads + groups)
+    q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048])
+    stored, scale = quantize_latent(c_kv, kind, groups)
+    got = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
+    assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_mla_paged_two_pools_gpu(kind):
+    from pallas_kernels.kv_quant import quantize_latent
+    from pallas_kernels.mla_decode import mla_paged, mla_paged_pools_reference
+
+    rng = np.random.default_rng(5)
+    layers, nf, nc, bs, heads = 2, 40, 60, 64, 16
+    mk = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    full, k_pe = mk(layers * nf, bs, 512), mk(layers * (nf + nc), bs, 64)
+    comp, comp_scale = quantize_latent(mk(layers * nc, bs, 512), kind, 1)
+    tables = jnp.asarray(np.concatenate([rng.permutation(np.arange(nf, nf + nc))[:24].reshape(4, 6),
+                                         rng.permutation(nf)[:8].reshape(4, 2)], axis=1), jnp.int32)
+    seq_ids = jnp.arange(4, dtype=jnp.int32)
+    positions = jnp.asarray([511, 400, 300, 450], jnp.int32)
+    q, q_pe = mk(4, heads, 512), mk(4, heads, 64)
+    compressed = (comp, comp_scale, jnp.int32(1))
+    got = mla_paged(q, q_pe, full, k_pe, tables, seq_ids, positions, 0.1, compressed=compressed, pools=(nf, nc))
+    f32 = lambda a: a.astype(jnp.float32)
+    want = mla_paged_pools_reference(f32(q), f32(q_pe), f32(full), f32(k_pe), tables, seq_ids, positions, 0.1,
+                                     compressed, (nf, nc))
+    assert _rel(got, want) < 2e-2
+
+
 def test_mla_prefill_gpu():
     from pallas_kernels.mla_prefill import mla_prefill, mla_prefill_reference
 
@@ -51,11 +89,12 @@ def test_mla_prefill_gpu():
     assert _rel(got, want) < 2e-2
 
 
-def test_engine_pallas_matches_reference_f32():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engine_pallas_matches_reference_f32(kv_cache_dtype):
     from dsjax import LLM, SamplingParams
 
     engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=256, block_size=16, num_kv_blocks=256,
-                  progress=False)
+                  progress=False, kv_cache_dtype=kv_cache_dtype)
     prompts = [[5, 6, 7], list(range(10, 80)), [9], list(range(100, 140))]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outs = {}
