@@ -333,6 +333,10 @@ class EngineConfig:
     # stays in the model's dtype.
     kv_cache_dtype: str = "auto"
     kv_cache_group_size: int | None = None
+    # Distance-aware precision: the most recent full_precision_window tokens of a sequence stay in the
+    # model's dtype; blocks wholly older than that move to a kv_cache_dtype (int8 / fp8) pool, freeing
+    # their full-precision blocks. None: one pool, all kv_cache_dtype.
+    full_precision_window: int | None = None
     # Token-count buckets of the jitted steps: "pow2", "quantile" (re-derived from the first
     # quantile_warmup_steps observed steps), or an explicit tuple of sizes.
     buckets: str | tuple[int, ...] = "pow2"
@@ -370,6 +374,13 @@ class EngineConfig:
             raise _refuse("kv_cache_group_size", group, "a power of two dividing kv_lora_rank, or null (per token)")
         if group is not None and self.kv_cache_dtype == "auto":
             raise _refuse("kv_cache_group_size", group, "null unless kv_cache_dtype is int8 or fp8")
+        window = self.full_precision_window
+        if window is not None:
+            if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+                raise _refuse("full_precision_window", window, "a positive number of tokens, or null")
+            if self.kv_cache_dtype == "auto":
+                raise _refuse("full_precision_window", window,
+                              "null unless kv_cache_dtype is int8 or fp8 (the format of the older blocks)")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise _refuse("num_kv_blocks", self.num_kv_blocks, "a positive integer or null")
         if isinstance(self.buckets, str):

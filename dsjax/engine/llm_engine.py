@@ -50,6 +50,23 @@ def kv_cache_num_blocks(model_config, config: EngineConfig, dtype, num_shards: i
     return num_shards * max(1, int(free * (memory or DEFAULT_DEVICE_FRACTION)) // per_block)
 
 
+def kv_pool_sizes(model_config, config: EngineConfig, dtype, num_shards: int = 1) -> tuple[int, int]:
+    """(full-precision blocks, compressed blocks). Without full_precision_window: the one pool, in
+    kv_cache_dtype. With it, the same budget (num_kv_blocks counts model-dtype blocks' worth) holds
+    the recent windows of max_num_seqs sequences plus one step's new tokens at full precision, and
+    the rest as compressed blocks."""
+    if config.full_precision_window is None:
+        return kv_cache_num_blocks(model_config, config, dtype, num_shards), 0
+    total = kv_cache_num_blocks(model_config, config.replace(kv_cache_dtype="auto", kv_cache_group_size=None,
+                                                             full_precision_window=None), dtype, num_shards)
+    full_bytes = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype)
+    compressed_bytes = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype,
+                                                    config.kv_cache_group_size)
+    window_blocks = -(-config.full_precision_window // config.block_size) + 2
+    num_full = min(total, config.max_num_seqs * window_blocks + -(-config.max_num_batched_tokens // config.block_size))
+    return num_full, (total - num_full) * full_bytes // compressed_bytes
+
+
 class StepFailedError(RuntimeError):
     """One engine step raised; the requests it held (``request_ids``) were aborted, others go on."""
 
@@ -84,31 +101,36 @@ class LLMEngine:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "
                               f"max_position_embeddings={model.config.max_position_embeddings}")
         num_shards = num_batch_shards(model.mesh)
-        num_blocks = kv_cache_num_blocks(model.config, config, model.dtype, num_shards)
-        per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype, config.kv_cache_dtype,
-                                                 config.kv_cache_group_size)
-        log.warning("KV cache: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers, %s)%s",
-                    num_blocks, config.block_size, num_blocks * config.block_size,
-                    num_blocks * per_block / 2**30, per_block // config.block_size,
-                    model.config.num_hidden_layers,
-                    f"latent {config.kv_cache_dtype}" + (f"/{config.kv_cache_group_size}" if config.kv_cache_group_size else ""),
-                    f", in {num_shards} data-parallel slices" if num_shards > 1 else "")
+        num_blocks, num_compressed = kv_pool_sizes(model.config, config, model.dtype, num_shards)
+        latent = config.kv_cache_dtype + (f"/{config.kv_cache_group_size}" if config.kv_cache_group_size else "")
+        pools = [("", num_blocks, latent, config.kv_cache_group_size)]
+        if num_compressed:
+            pools = [("", num_blocks, "auto", None), (" (older blocks)", num_compressed, latent, config.kv_cache_group_size)]
+        for label, count, kind, group in pools:
+            per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype, kind.split("/")[0],
+                                                     group)
+            log.warning("KV cache%s: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers, "
+                        "latent %s)%s", label, count, config.block_size, count * config.block_size,
+                        count * per_block / 2**30, per_block // config.block_size, model.config.num_hidden_layers,
+                        kind, f", in {num_shards} data-parallel slices" if num_shards > 1 else "")
         eos = tuple(sorted(set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))))
-        self._setup_host(config, tokenizer, num_blocks, eos, num_shards)
+        self._setup_host(config, tokenizer, num_blocks, eos, num_shards, num_compressed)
         start = time.perf_counter()
         self.runner = ModelRunner(model, config, self.num_blocks, self.eos_token_ids, progress=progress,
+                                  num_compressed_blocks=num_compressed,
                                   shard_of=self.block_manager.shard_of)
         self.warmup_seconds = time.perf_counter() - start
 
     def _setup_host(self, config: EngineConfig, tokenizer, num_blocks: int, eos_token_ids: tuple[int, ...],
-                    num_shards: int = 1):
+                    num_shards: int = 1, num_compressed_blocks: int = 0):
         """Everything but the runner: block manager, scheduler, request bookkeeping."""
         self.config = config
         self.tokenizer = tokenizer
         self.num_blocks = num_blocks
         self.eos_token_ids = eos_token_ids
         if num_shards == 1:
-            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+            self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                              num_compressed_blocks)
         else:
             self.block_manager = ShardedBlockManager(num_shards, num_blocks // num_shards, config.block_size,
                                                      config.enable_prefix_caching)
@@ -120,6 +142,7 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._owner: dict[str, tuple[_Request, int]] = {}  # sequence id -> (request, child index)
         self._seed_rng = random.Random(config.seed)
+        self._ladder_logged: set[str] = set()
         self.num_steps = 0
         self.warmup_seconds = 0.0
 
@@ -176,9 +199,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one model step; returns the outputs of the requests that advanced."""
         out = self.scheduler.schedule()
+        self._log_ladder()
         if out.is_empty:
             return []
         try:
+            # Block moves decided since the last forward (window or memory pressure) land first: the
+            # tables of this step already point at their compressed copies.
+            pending = self.block_manager.take_pending_copies()
+            if pending:
+                self.runner.compress(pending)
             result = self.runner.execute(out, [self._row(item.seq) for item in out.scheduled])
         except Exception as e:
             raise StepFailedError(self._fail_step(out), e) from e
@@ -218,7 +247,37 @@ class LLMEngine:
                     self._owner.pop(seq.request_id, None)
             if finished or not request.final_only:
                 outputs.append(self._output(request))
+        self._compress_old_blocks()
         return outputs
+
+    def _compress_old_blocks(self) -> None:
+        """Distance-aware precision: blocks now wholly outside their sequence's recent window move to
+        the compressed pool (host tables now, the device copy before the next forward)."""
+        window = self.config.full_precision_window
+        if window is None:
+            return
+        for seq in self.scheduler.running:
+            self.block_manager.compress_outside_window(seq, window)
+
+    # The memory-pressure ladder: what the engine does when KV blocks run out, in order. Each rung is
+    # counted (stats(), /metrics) and logged the first time it is used; the server adds the last rung,
+    # 503 + Retry-After once its queue is full.
+    LADDER = (("num_prefix_evictions", "evicting least recently used prefix-cache blocks"),
+              ("num_pressure_compressions", "compressing old KV blocks early into the 8-bit pool"),
+              ("num_preemptions", "preempting the lowest-priority sequences (recomputed later)"))
+
+    def ladder_counts(self) -> dict[str, int]:
+        bm = self.block_manager
+        return {"num_prefix_evictions": bm.num_evictions, "num_pressure_compressions": bm.num_pressure_compressions,
+                "num_preemptions": self.scheduler.num_preemptions}
+
+    def _log_ladder(self) -> None:
+        counts = self.ladder_counts()
+        for rung, (key, what) in enumerate(self.LADDER, start=1):
+            if counts[key] and key not in self._ladder_logged:
+                self._ladder_logged.add(key)
+                log.warning("KV memory pressure, rung %d of %d: %s (first at step %d; counted in %s)", rung,
+                            len(self.LADDER) + 1, what, self.num_steps + 1, key)
 
     def _fail_step(self, out) -> list[str]:
         """Aborts the requests of a failed step (all running ones if the cache was lost with it)."""
@@ -258,4 +317,5 @@ class LLMEngine:
             "compile_seconds": self.runner.compile_seconds,
             "num_running": self.scheduler.num_running, "num_waiting": self.scheduler.num_waiting,
             "prefix_cache_queries": bm.num_prefix_query_tokens, "prefix_cache_hits": bm.num_prefix_hit_tokens,
+            "num_blocks_compressed": bm.num_blocks_compressed, **self.ladder_counts(),
         }

@@ -72,7 +72,7 @@ class ModelRunner:
     table are local to that slice); ``num_blocks`` counts all slices."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, eos_token_ids: tuple[int, ...] = (),
-                 *, progress: bool = True, shard_of=None):
+                 *, progress: bool = True, shard_of=None, num_compressed_blocks: int = 0):
         self.config = config
         self.model_config = model.config
         self.graphdef, self.state = nnx.split(model)
@@ -81,8 +81,12 @@ class ModelRunner:
         if num_blocks % self.num_shards:
             raise ValueError(f"num_blocks={num_blocks}: accepted a multiple of the {self.num_shards} "
                              "data-parallel ranks, which split the cache evenly")
+        if num_compressed_blocks and self.mesh is not None:
+            raise ValueError("full_precision_window (a compressed KV pool) runs on one device only; "
+                             "accepted: no mesh, or full_precision_window=None")
         self.num_blocks = num_blocks
         self.num_blocks_per_shard = num_blocks // self.num_shards
+        self.num_compressed_blocks = num_compressed_blocks
         self.shard_of = shard_of or (lambda seq: 0)
         self.cache_dtype = model.dtype
         self.cache = self._zero_cache()
@@ -94,6 +98,7 @@ class ModelRunner:
                                  in_specs=(param_specs(self.state), CACHE_SPEC, self._input_specs()),
                                  check_vma=checks_vma(model.kernel_backend))
         self._jitted = jax.jit(step, donate_argnums=(1,))
+        self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
@@ -123,7 +128,8 @@ class ModelRunner:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, CACHE_SPEC)
         return PagedKVCache.zeros(self.model_config, self.num_blocks, self.config.block_size, self.cache_dtype,
                                   sharding=sharding, kv_cache_dtype=self.config.kv_cache_dtype,
-                                  group_size=self.config.kv_cache_group_size)
+                                  group_size=self.config.kv_cache_group_size,
+                                  num_compressed_blocks=self.num_compressed_blocks)
 
     def _abstract_inputs(self, t: int) -> StepInputs:
         inputs = self._input_shapes(t)
@@ -191,7 +197,8 @@ class ModelRunner:
         s = self.num_rows(t)
         tokens = np.zeros(shards * t, np.int32)
         positions = np.zeros(shards * t, np.int32)
-        slots = np.full(shards * t, self.num_blocks_per_shard * bs, np.int32)  # past the slice: dropped
+        # Padding writes past every pool (k_pe spans the compressed one too): dropped.
+        slots = np.full(shards * t, (self.num_blocks_per_shard + self.num_compressed_blocks) * bs, np.int32)
         seq_ids = np.zeros(shards * t, np.int32)
         tables = np.zeros((shards * s, w), np.int32)
         logits_indices = np.zeros(shards * s, np.int32)
@@ -241,6 +248,18 @@ class ModelRunner:
             self._maybe_requantize()
         return StepResult(result.token_ids[row_of], result.logprobs[row_of], result.top_ids[row_of],
                           result.top_logprobs[row_of])
+
+    def compress(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies full-precision blocks into compressed ones (quantizing), (src, dst) global ids, before
+        the next step reads the tables that now point at dst. Pads to a power of two (>= 8) so a few
+        shapes compile; padding targets a block past both pools (dropped)."""
+        if not pairs:
+            return
+        size = max(8, 1 << (len(pairs) - 1).bit_length())
+        src = np.zeros(size, np.int32)
+        dst = np.full(size, self.num_blocks + self.num_compressed_blocks, np.int32)
+        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        self.cache = self._compress(self.cache, src, dst)
 
     def _recover_cache(self):
         """A call that failed after donation leaves the cache deleted: start from a zeroed one, so

@@ -185,10 +185,15 @@ class Scheduler:
             num_new = min(num_remaining, budget)
             if num_new < num_remaining and not self.enable_chunked_prefill:
                 continue
-            # Allocation evicts cached blocks first; only when those run out do we preempt. The
+            # Allocation evicts cached blocks first, then (with a compressed pool) old blocks are
+            # compressed; only when those run out do we preempt (the memory-pressure ladder). The
             # victim is the last in priority order: BULK before DEFAULT before REALTIME, most
             # recently admitted first, among those in seq's pool (data-parallel attention splits
             # the cache); it may be seq itself.
+            if not self.block_manager.can_append(seq, num_new) and self.block_manager.num_compressed_blocks:
+                # Before preempting anyone: move old blocks to the compressed pool, lowest priority first.
+                self.block_manager.relieve_pressure(list(reversed(self.running)),
+                                                    self.block_manager.num_blocks_to_append(seq, num_new))
             while not self.block_manager.can_append(seq, num_new):
                 victim = self._victim_for(seq)
                 budget += scheduled.pop(victim, 0)

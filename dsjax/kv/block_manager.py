@@ -7,6 +7,13 @@ Every block is in exactly one of three places:
 
 A full block is identified by a chained hash, blake2b(parent_hash, its token ids), so a hit on block i
 implies hits on blocks 0..i-1 and two requests sharing a system prompt share its blocks.
+
+Distance-aware precision (``num_compressed_blocks`` > 0): block ids [0, num_blocks) are full precision
+and [num_blocks, num_blocks + num_compressed_blocks) an 8-bit pool. New tokens always go to full
+blocks; ``compress_outside_window`` moves a sequence's blocks that lie wholly before its most recent
+``window`` tokens into compressed blocks (the caller copies their content on the device) and frees the
+full ones. Compressed blocks are never hashed (prefix caching shares full blocks only) and a block
+shared by several sequences stays full.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_compressed_blocks: int = 0):
         if num_blocks < 1:
             raise ValueError(f"num_blocks={num_blocks}: accepted an int >= 1")
         if block_size < 1:
@@ -39,8 +47,15 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._free: collections.deque[int] = collections.deque(range(num_blocks))
-        self._ref_counts = [0] * num_blocks
-        self._block_hashes: list[bytes | None] = [None] * num_blocks
+        self.num_compressed_blocks = num_compressed_blocks
+        self._free_compressed: collections.deque[int] = collections.deque(
+            range(num_blocks, num_blocks + num_compressed_blocks))
+        self._compressed_upto: dict[str, int] = {}  # request_id -> leading blocks already considered
+        self.num_blocks_compressed = 0  # blocks moved to the compressed pool, summed over time
+        self.num_pressure_compressions = 0  # of those, moved early because the full pool ran out
+        self._pending_copies: list[tuple[int, int]] = []  # (full, compressed) moves the device still owes
+        self._ref_counts = [0] * (num_blocks + num_compressed_blocks)
+        self._block_hashes: list[bytes | None] = [None] * (num_blocks + num_compressed_blocks)
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         # request_id -> (number of leading blocks already hashed, hash of the last of them).
@@ -73,6 +88,10 @@ class BlockManager:
     @property
     def num_blocks_used(self) -> int:
         return self.num_blocks_total - len(self._free) - len(self._evictable)
+
+    @property
+    def num_compressed_blocks_free(self) -> int:
+        return len(self._free_compressed)
 
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take: the free list plus evictable cached blocks."""
@@ -169,6 +188,9 @@ class BlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._num_missing_blocks(seq, num_new_tokens) <= self.get_num_free_blocks()
 
+    def num_blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+        return self._num_missing_blocks(seq, num_new_tokens)
+
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq.block_table to hold num_computed_tokens + num_new_tokens tokens."""
         num_missing = self._num_missing_blocks(seq, num_new_tokens)
@@ -200,6 +222,57 @@ class BlockManager:
                 self._cached[parent] = block
         self._hash_progress[seq.request_id] = (num_full_blocks, parent)
 
+    # ---- distance-aware precision ------------------------------------------------------------------
+
+    def is_compressed(self, block: int) -> bool:
+        return block >= self.num_blocks_total
+
+    def compress_outside_window(self, seq: Sequence, window: int) -> list[tuple[int, int]]:
+        """Moves seq's unshared full blocks that end at least ``window`` computed tokens ago into the
+        compressed pool (as far as it has room). Returns the (full, compressed) block pairs whose
+        content the device must copy (quantizing) before the next step; the full blocks are free."""
+        num_outside = max(0, seq.num_computed_tokens - window) // self.block_size
+        first = self._compressed_upto.get(seq.request_id, 0)
+        pairs = []
+        for i in range(first, num_outside):
+            src = seq.block_table[i]
+            if self.is_compressed(src) or self._ref_counts[src] != 1:
+                continue  # already moved, or a prefix other sequences share: stays full
+            if not self._free_compressed:
+                num_outside = i
+                break
+            dst = self._free_compressed.popleft()
+            self._ref_counts[dst] = 1
+            self._ref_counts[src] = 0
+            if self._block_hashes[src] is not None:  # its content leaves the full pool: forget it
+                del self._cached[self._block_hashes[src]]
+                self._block_hashes[src] = None
+            self._free.append(src)
+            seq.block_table[i] = dst
+            pairs.append((src, dst))
+        self._compressed_upto[seq.request_id] = max(first, num_outside)
+        self.num_blocks_compressed += len(pairs)
+        self._pending_copies += pairs
+        return pairs
+
+    def relieve_pressure(self, seqs: list[Sequence], num_blocks_needed: int) -> int:
+        """The ladder's second rung: when the full pool runs dry, compress every complete block of
+        ``seqs`` (in that order, window or not) until ``num_blocks_needed`` blocks are free. Returns how
+        many blocks moved."""
+        moved = 0
+        for seq in seqs:
+            if self.get_num_free_blocks() >= num_blocks_needed or not self._free_compressed:
+                break
+            moved += len(self.compress_outside_window(seq, 0))
+        self.num_pressure_compressions += moved
+        return moved
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """The (full, compressed) block moves decided since the last call: the engine copies them on the
+        device before the next forward (which may already overwrite the freed full blocks)."""
+        pairs, self._pending_copies = self._pending_copies, []
+        return pairs
+
     # ---- release --------------------------------------------------------------------------------
 
     def free(self, seq: Sequence) -> None:
@@ -214,12 +287,15 @@ class BlockManager:
                 )
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                if self._block_hashes[block] is not None:
+                if self.is_compressed(block):
+                    self._free_compressed.append(block)
+                elif self._block_hashes[block] is not None:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
         seq.block_table = []
         self._hash_progress.pop(seq.request_id, None)
+        self._compressed_upto.pop(seq.request_id, None)
 
     def _allocate_fresh_block(self) -> int:
         if self._free:
@@ -238,7 +314,7 @@ class BlockManager:
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._cached.clear()
-        self._block_hashes = [None] * self.num_blocks_total
+        self._block_hashes = [None] * len(self._ref_counts)
         return num_released
 
     # ---- checks ---------------------------------------------------------------------------------
@@ -262,7 +338,7 @@ class BlockManager:
                     f"evictable block {block}: ref_count={self._ref_counts[block]}, "
                     f"hashed={self._block_hashes[block] is not None}; expected 0 and hashed"
                 )
-        num_used = sum(1 for count in self._ref_counts if count > 0)
+        num_used = sum(1 for count in self._ref_counts[:self.num_blocks_total] if count > 0)
         if any(count < 0 for count in self._ref_counts):
             raise AssertionError(f"negative ref_counts: {self._ref_counts}")
         if len(free) + len(self._evictable) + num_used != self.num_blocks_total:
@@ -270,6 +346,17 @@ class BlockManager:
                 f"free={len(free)} + evictable={len(self._evictable)} + used={num_used} "
                 f"!= num_blocks_total={self.num_blocks_total}"
             )
+        free_compressed = set(self._free_compressed)
+        num_compressed_used = sum(1 for count in self._ref_counts[self.num_blocks_total:] if count > 0)
+        if len(free_compressed) != len(self._free_compressed) or \
+                any(not self.is_compressed(b) or self._ref_counts[b] for b in free_compressed) or \
+                len(free_compressed) + num_compressed_used != self.num_compressed_blocks:
+            raise AssertionError(
+                f"compressed pool: free={sorted(free_compressed)}, used={num_compressed_used}, "
+                f"size={self.num_compressed_blocks}: expected distinct unreferenced compressed ids that "
+                "with the used ones make up the pool")
+        if any(self._block_hashes[b] is not None for b in range(self.num_blocks_total, len(self._block_hashes))):
+            raise AssertionError("a compressed block carries a prefix-cache hash")
         for block_hash, block in self._cached.items():
             if self._block_hashes[block] != block_hash:
                 raise AssertionError(f"hash map points to block {block}, which carries a different hash")
@@ -280,7 +367,7 @@ class BlockManager:
             self._check_tables(live_seqs)
 
     def _check_tables(self, live_seqs: list[Sequence]) -> None:
-        holders = [0] * self.num_blocks_total
+        holders = [0] * len(self._ref_counts)
         for seq in live_seqs:
             if len(set(seq.block_table)) != len(seq.block_table):
                 raise AssertionError(f"request {seq.request_id!r} holds a block twice: {seq.block_table}")

@@ -21,6 +21,12 @@ if TYPE_CHECKING:
 
 
 class ShardedBlockManager:
+    num_compressed_blocks = 0  # distance-aware precision runs on one device only (ModelRunner refuses a mesh)
+    num_blocks_compressed = num_pressure_compressions = 0
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        return []
+
     def __init__(self, num_shards: int, num_blocks_per_shard: int, block_size: int,
                  enable_prefix_caching: bool = True):
         if num_shards < 1:

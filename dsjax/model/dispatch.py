@@ -16,7 +16,7 @@ import jax
 from dsjax.parallel.collectives import axis_size
 from dsjax.parallel.expert import ExpertDispatch, moe_expert_parallel
 from dsjax.parallel.mesh import EXPERT
-from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
+from pallas_kernels.mla_decode import mla_paged, mla_paged_pools_reference, mla_paged_reference
 from pallas_kernels.mla_prefill import mla_prefill as mla_prefill_kernel
 from pallas_kernels.mla_prefill import mla_prefill_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
@@ -84,14 +84,17 @@ def _local_experts(x, weights, ids, *, w_gate, w_up, w_down, backend: str, layer
 
 
 def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str,
-                        c_kv_scale=None):
-    """Absorbed MLA over the paged latent cache (8-bit c_kv with its c_kv_scale); see
-    ``mla_paged_reference`` for shapes."""
+                        c_kv_scale=None, compressed=None, pools=None):
+    """Absorbed MLA over the paged latent cache (8-bit c_kv with its c_kv_scale; or two pools, see
+    ``mla_paged_pools_reference``); see ``mla_paged_reference`` for shapes."""
     if backend == "reference":
+        if pools:
+            return mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                                             compressed, pools)
         return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
                                    c_kv_scale)
     return mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=c_kv_scale,
-                     interpret=backend == "interpret")
+                     compressed=compressed, pools=pools, interpret=backend == "interpret")
 
 
 def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, scale, backend: str):

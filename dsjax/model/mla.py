@@ -98,18 +98,25 @@ class MLAttention(nnx.Module):
         ranks, updated cache)."""
         q_nope, q_pe = self.queries(x, batch.positions)
         c_kv, k_pe = self.latents(x, batch.positions)
-        num_layers, num_blocks, block_size = cache.c_kv.shape[:3]
+        num_blocks, block_size = cache.c_kv.shape[1:3]
         blocks, offsets = batch.slot_mapping // block_size, batch.slot_mapping % block_size
         write = lambda pool, rows: pool.at[layer, blocks, offsets].set(rows.astype(pool.dtype), mode="drop")
         c_kv_scale = cache.c_kv_scale
-        if c_kv_scale is not None:  # 8-bit cache: quantized as written, per token (and group)
+        if c_kv_scale is not None:  # 8-bit cache: quantized as written, per token (and group); with two
+            # pools new tokens always land in the full-precision one
             c_kv, scale = quantize_latent(c_kv, cache.quantization, c_kv_scale.shape[-1])
             c_kv_scale = write(c_kv_scale, scale)
-        cache = PagedKVCache(write(cache.c_kv, c_kv), write(cache.k_pe, k_pe), c_kv_scale)
+        cache = cache._replace(c_kv=write(cache.c_kv, c_kv), k_pe=write(cache.k_pe, k_pe), c_kv_scale=c_kv_scale)
         # Flattening [L, N] is free; shifting the block ids selects this layer without a copy.
-        flat = lambda a: None if a is None else a.reshape(num_layers * num_blocks, block_size, a.shape[-1])
-        ctx = dispatch.mla_paged_attention(
-            self.absorb_query(q_nope), q_pe, flat(cache.c_kv), flat(cache.k_pe),
-            batch.block_tables + layer * num_blocks, batch.seq_ids, batch.positions, self.scale, backend,
-            c_kv_scale=flat(cache.c_kv_scale))
+        flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
+        if cache.pools:  # two pools: the kernel finds the layer and each block's pool itself
+            ctx = dispatch.mla_paged_attention(
+                self.absorb_query(q_nope), q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables,
+                batch.seq_ids, batch.positions, self.scale, backend, pools=cache.pools,
+                compressed=(flat(cache.c_kv_compressed), flat(cache.compressed_scale), layer))
+        else:
+            ctx = dispatch.mla_paged_attention(
+                self.absorb_query(q_nope), q_pe, flat(cache.c_kv), flat(cache.k_pe),
+                batch.block_tables + layer * num_blocks, batch.seq_ids, batch.positions, self.scale, backend,
+                c_kv_scale=flat(cache.c_kv_scale))
         return self.output(ctx), cache

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from dsjax.config import KV_CACHE_DTYPES, ModelConfig
-from pallas_kernels.kv_quant import QUANT_DTYPES, num_scale_groups
+from pallas_kernels.kv_quant import QUANT_DTYPES, num_scale_groups, quantize_latent
 
 assert set(KV_CACHE_DTYPES) == {"auto", *QUANT_DTYPES}
 
@@ -29,13 +29,26 @@ class PagedKVCache(NamedTuple):
     c_kv: jax.Array  # [L, num_blocks, block_size, kv_lora_rank]
     k_pe: jax.Array  # [L, num_blocks, block_size, qk_rope_head_dim]
     c_kv_scale: jax.Array | None = None  # f32[L, num_blocks, block_size, G] when c_kv is 8-bit
+    # Distance-aware precision: a second, 8-bit pool for old blocks; block ids >= num_blocks index it
+    # (minus num_blocks), and k_pe then holds num_blocks + Nc blocks.
+    c_kv_compressed: jax.Array | None = None  # [L, Nc, block_size, kv_lora_rank] int8 | float8_e4m3fn
+    compressed_scale: jax.Array | None = None  # f32[L, Nc, block_size, G]
 
     @property
     def quantization(self) -> str | None:
-        """'int8', 'fp8' or None (c_kv in the model's dtype)."""
-        if self.c_kv_scale is None:
+        """'int8', 'fp8' or None: the format of the 8-bit pool (c_kv's, or the compressed pool's)."""
+        stored = self.c_kv_compressed if self.c_kv_compressed is not None else (
+            self.c_kv if self.c_kv_scale is not None else None)
+        if stored is None:
             return None
-        return next(kind for kind, (dtype, _) in QUANT_DTYPES.items() if jnp.dtype(dtype) == self.c_kv.dtype)
+        return next(kind for kind, (dtype, _) in QUANT_DTYPES.items() if jnp.dtype(dtype) == stored.dtype)
+
+    @property
+    def pools(self) -> tuple[int, int] | None:
+        """(full-precision blocks, compressed blocks) with distance-aware precision, else None."""
+        if self.c_kv_compressed is None:
+            return None
+        return self.c_kv.shape[1], self.c_kv_compressed.shape[1]
 
     @property
     def num_blocks(self) -> int:
@@ -60,17 +73,36 @@ class PagedKVCache(NamedTuple):
 
     @classmethod
     def zeros(cls, config: ModelConfig, num_blocks: int, block_size: int, dtype, sharding=None,
-              kv_cache_dtype: str = "auto", group_size: int | None = None) -> "PagedKVCache":
-        """``sharding`` (of every array): each device allocates only its slice."""
+              kv_cache_dtype: str = "auto", group_size: int | None = None,
+              num_compressed_blocks: int = 0) -> "PagedKVCache":
+        """``sharding`` (of every array): each device allocates only its slice. With
+        ``num_compressed_blocks`` the num_blocks pool keeps the model's dtype and ``kv_cache_dtype``
+        formats the compressed pool."""
         layers = config.num_hidden_layers
         latent_dtype, num_groups = cache_layout(config, dtype, kv_cache_dtype, group_size)
+        if num_compressed_blocks and not num_groups:
+            raise ValueError("a compressed pool needs kv_cache_dtype int8 or fp8 (the format it stores)")
+        latent = lambda n, dt: jnp.zeros((layers, n, block_size, config.kv_lora_rank), dt)
+        scales = lambda n: jnp.ones((layers, n, block_size, num_groups), jnp.float32)
 
         def make():
-            return cls(jnp.zeros((layers, num_blocks, block_size, config.kv_lora_rank), latent_dtype),
-                       jnp.zeros((layers, num_blocks, block_size, config.qk_rope_head_dim), dtype),
-                       jnp.ones((layers, num_blocks, block_size, num_groups), jnp.float32) if num_groups else None)
+            k_pe = jnp.zeros((layers, num_blocks + num_compressed_blocks, block_size, config.qk_rope_head_dim), dtype)
+            if num_compressed_blocks:
+                return cls(latent(num_blocks, dtype), k_pe, None, latent(num_compressed_blocks, latent_dtype),
+                           scales(num_compressed_blocks))
+            return cls(latent(num_blocks, latent_dtype), k_pe, scales(num_blocks) if num_groups else None)
 
         return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
+
+    def compress_blocks(self, src, dst) -> "PagedKVCache":
+        """Moves full-precision blocks src i32[P] into compressed blocks dst i32[P] (global ids, >=
+        num_blocks), quantizing their latents per token; a dst out of range (padding) is dropped."""
+        num_full = self.c_kv.shape[1]
+        stored, scale = quantize_latent(self.c_kv[:, src], self.quantization, self.compressed_scale.shape[-1])
+        put = lambda pool, index, rows: pool.at[:, index].set(rows, mode="drop")
+        return self._replace(c_kv_compressed=put(self.c_kv_compressed, dst - num_full, stored),
+                             compressed_scale=put(self.compressed_scale, dst - num_full, scale),
+                             k_pe=put(self.k_pe, dst, self.k_pe[:, src]))
 
 
 class PagedBatch(NamedTuple):

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 
-from dsjax.engine.llm_engine import StepFailedError
+from dsjax.engine.llm_engine import LLMEngine, StepFailedError
 from dsjax.engine.outputs import RequestOutput
 from dsjax.engine.sampling_params import SamplingParams
 from dsjax.serve.metrics import ServeMetrics
@@ -149,7 +149,14 @@ class AsyncEngine:
     def _reject(self, reason: str, error: Exception) -> Exception:
         if self.metrics is not None:
             self.metrics.requests_rejected.labels(reason).inc()
+        if reason == "queue_full" and not self._queue_full_logged:  # the memory-pressure ladder's last rung
+            self._queue_full_logged = True
+            log.warning("KV memory pressure, rung %d of %d: answering 503 + Retry-After, the queue is full (%s; "
+                        "counted in dsjax_requests_rejected{reason=\"queue_full\"})", len(LLMEngine.LADDER) + 1,
+                        len(LLMEngine.LADDER) + 1, error)
         return error
+
+    _queue_full_logged = False
 
     async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                           prompt_token_ids: list[int], arrival_time: float | None = None) -> RequestStream:
@@ -364,6 +371,7 @@ class AsyncEngine:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "num_preemptions": scheduler.num_preemptions,
             "num_steps": engine.num_steps, "num_step_failures": self._num_step_failures,
             "num_useful_tokens": engine.runner.num_useful_tokens, "num_padded_tokens": engine.runner.num_padded_tokens,
+            "num_blocks_compressed": bm.num_blocks_compressed, **engine.ladder_counts(),
         }
         with self._cond:
             self._num_waiting = scheduler.num_waiting

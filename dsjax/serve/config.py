@@ -20,7 +20,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # The engine fields the server exposes; None means "EngineConfig's default".
 ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                 "num_kv_blocks", "kv_cache_dtype", "kv_cache_group_size", "enable_prefix_caching", "enable_chunked_prefill", "max_logprobs", "seed")
+                 "num_kv_blocks", "kv_cache_dtype", "kv_cache_group_size", "full_precision_window", "enable_prefix_caching", "enable_chunked_prefill", "max_logprobs", "seed")
 # The ParallelConfig fields the server exposes; None means "the --parallel-config file's, or 1".
 PARALLEL_FIELDS = ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size", "coordinator_address",
                    "num_processes", "process_id")
@@ -47,6 +47,7 @@ class ServeConfig:
     num_kv_blocks: int | None = None
     kv_cache_dtype: str | None = None  # auto, int8, fp8
     kv_cache_group_size: int | None = None
+    full_precision_window: int | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     max_logprobs: int | None = None
@@ -181,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="latent cache storage: auto (the model's dtype), int8 or fp8 (e4m3) with f32 scales")
     p.add_argument("--kv-cache-group-size", type=int,
                    help="latent elements per scale of an 8-bit cache (default: one scale per token)")
+    p.add_argument("--full-precision-window", type=int,
+                   help="keep each sequence's most recent N tokens in the model's dtype, older blocks in "
+                        "--kv-cache-dtype (int8/fp8)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
     p.add_argument("--max-logprobs", type=int, help="largest logprobs / top_logprobs a request may ask for")

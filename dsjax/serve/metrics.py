@@ -26,7 +26,14 @@ _ENGINE_STATE = {
     "kv_cache_usage": ("dsjax_kv_cache_usage_ratio", "Fraction of KV blocks held by live sequences.", "gauge"),
     "prefix_cache_hit_rate": ("dsjax_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache, "
                               "over prompt tokens looked up, since start.", "gauge"),
-    "num_preemptions": ("dsjax_num_preemptions", "Sequences preempted (recomputed later) since start.", "counter"),
+    "num_preemptions": ("dsjax_num_preemptions", "Sequences preempted (recomputed later) since start: the "
+                        "memory-pressure ladder's third rung.", "counter"),
+    "num_prefix_evictions": ("dsjax_kv_prefix_evictions", "Prefix-cache blocks evicted for fresh ones since start: "
+                             "the memory-pressure ladder's first rung.", "counter"),
+    "num_pressure_compressions": ("dsjax_kv_pressure_compressions", "KV blocks compressed early because the "
+                                  "full-precision pool ran out: the ladder's second rung.", "counter"),
+    "num_blocks_compressed": ("dsjax_kv_blocks_compressed", "KV blocks moved to the 8-bit pool since start "
+                              "(full_precision_window and memory pressure).", "counter"),
     "num_steps": ("dsjax_engine_steps", "Engine steps run since start.", "counter"),
     "num_step_failures": ("dsjax_engine_step_failures", "Engine steps that raised since start.", "counter"),
     "num_useful_tokens": ("dsjax_step_useful_tokens", "Tokens scheduled in engine steps (before padding).", "counter"),

@@ -26,7 +26,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def client(engine):
-    app = create_app(ServeConfig(api_key=KEY, max_n=4, max_body_bytes=4096), engine)
+    app = create_app(ServeConfig(model="tiny", api_key=KEY, max_n=4, max_body_bytes=4096), engine)
     with TestClient(app, headers=AUTH) as client:
         yield client
 
