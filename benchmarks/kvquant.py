@@ -31,14 +31,18 @@ from dsjax import EngineConfig, SamplingParams, load_model, load_tokenizer
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.model.paged import PagedBatch, PagedKVCache
 from pallas_kernels.kv_quant import quantize_latent
-from pallas_kernels.mla_decode import mla_decode
+from pallas_kernels.mla_decode import mla_decode, mla_paged
 
 FORMATS = [("auto", None), ("int8", None), ("fp8", None), ("fp8", 128)]  # (kv_cache_dtype, group size)
 COPY_TBS = 4.27  # measured H200 device-to-device copy
 
 
-def label(kind: str, group: int | None) -> str:
-    return kind + (f"/{group}" if group else "")
+# Distance-aware precision on the default model (trained on 512-token windows): the latest 128 tokens full.
+WINDOWED = [("int8", None, 128), ("fp8", None, 128)]  # (kv_cache_dtype, group size, full_precision_window)
+
+
+def label(kind: str, group: int | None, window: int | None = None) -> str:
+    return kind + (f"/{group}" if group else "") + (f" + window {window}" if window else "")
 
 
 def usable_formats(config, formats=FORMATS):
@@ -56,6 +60,13 @@ def capacity_rows(config, dtype: str, budget_bytes: int, context: int, block_siz
         rows.append({"kv_cache_dtype": label(kind, group), "bytes_per_token": per_token,
                      "bytes_per_token_per_layer": per_token / config.num_hidden_layers,
                      "blocks": int(blocks), "max_seqs": int(blocks // blocks_per_seq)})
+    for kind, group, window in [("int8", None, 512)]:  # distance-aware: the last 512 tokens (+ a block) full
+        recent = min(context, window + block_size)
+        per_seq = (recent * PagedKVCache.bytes_per_token(config, dtype)
+                   + (context - recent) * PagedKVCache.bytes_per_token(config, dtype, kind, group))
+        rows.append({"kv_cache_dtype": label(kind, group, window), "bytes_per_token": per_seq / context,
+                     "bytes_per_token_per_layer": per_seq / context / config.num_hidden_layers,
+                     "blocks": None, "max_seqs": int(budget_bytes // per_seq)})
     base = rows[0]["max_seqs"]
     for row in rows:
         row["capacity_x"] = row["max_seqs"] / base if base else float("nan")
@@ -93,22 +104,34 @@ def _paged_chunk(graphdef, state, cache, tokens, positions, table):
     return cache, model.compute_logits(hidden)
 
 
-def paged_logits(model, token_ids, kind: str, group: int | None, chunk: int = 64, block_size: int = 16):
+def paged_logits(model, token_ids, kind: str, group: int | None, chunk: int = 64, block_size: int = 16,
+                 window: int | None = None):
     """Logits f32[T, vocab] of one sequence run through the paged path in ``chunk``-token steps: every
-    key but the chunk's own is read back from a ``kind`` cache, as in chunked prefill and decode."""
+    key but the chunk's own is read back from a ``kind`` cache, as in chunked prefill and decode. With
+    ``window``, the cache keeps the model's dtype and blocks wholly older than the last ``window``
+    tokens move to a ``kind`` pool after each chunk, as the engine's full_precision_window does."""
     num_tokens = len(token_ids)
     padded = -(-num_tokens // chunk) * chunk
     width = -(-padded // block_size)
-    cache = PagedKVCache.zeros(model.config, width, block_size, model.dtype, kv_cache_dtype=kind, group_size=group)
+    cache = PagedKVCache.zeros(model.config, width, block_size, model.dtype, kv_cache_dtype=kind, group_size=group,
+                               num_compressed_blocks=width if window else 0)
     graphdef, state = nnx.split(model)
     tokens = np.zeros(padded, np.int32)
     tokens[:num_tokens] = token_ids
-    table = jnp.arange(width, dtype=jnp.int32)
+    table = np.arange(width, dtype=np.int32)
     out = []
     for start in range(0, padded, chunk):
         positions = jnp.arange(start, start + chunk, dtype=jnp.int32)
-        cache, logits = _paged_chunk(graphdef, state, cache, jnp.asarray(tokens[start:start + chunk]), positions, table)
+        # Tokens are written by position into the full pool: the table maps positions to (full) slots
+        # for the write and, once a block moved, to its compressed copy for reading.
+        cache, logits = _paged_chunk(graphdef, state, cache, jnp.asarray(tokens[start:start + chunk]), positions,
+                                     jnp.asarray(table))
         out.append(np.asarray(logits, np.float32))
+        if window:
+            moved = [i for i in range(max(0, start + chunk - window) // block_size) if table[i] < width]
+            if moved:
+                cache = cache.compress_blocks(jnp.asarray(moved, jnp.int32), jnp.asarray(moved, jnp.int32) + width)
+                table[moved] += width
     return np.concatenate(out)[:num_tokens]
 
 
@@ -139,10 +162,11 @@ def accuracy_default_model(num_windows: int, window: int, gen_tokens: int, num_p
     rows, reference_logits = [], None
     greedy = {}
     prompts = [w[:64] for w in windows[:num_prompts]]
-    for kind, group in usable_formats(model.config):
-        logits = [paged_logits(model, w, kind, group) for w in windows]
+    formats = [(k, g, None) for k, g in usable_formats(model.config)] + WINDOWED
+    for kind, group, precision_window in formats:
+        logits = [paged_logits(model, w, kind, group, window=precision_window) for w in windows]
         losses = np.concatenate([nll(lg, w) for lg, w in zip(logits, windows)])
-        row = {"kv_cache_dtype": label(kind, group), "heldout_tokens": int(losses.size),
+        row = {"kv_cache_dtype": label(kind, group, precision_window), "heldout_tokens": int(losses.size),
                "heldout_loss": float(losses.mean()), "perplexity": float(np.exp(losses.mean()))}
         if reference_logits is None:
             reference_logits = logits
@@ -153,7 +177,8 @@ def accuracy_default_model(num_windows: int, window: int, gen_tokens: int, num_p
                 [a.argmax(-1) == b.argmax(-1) for a, b in zip(logits, reference_logits)])))
         config = EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256, max_model_len=64 + gen_tokens,
                               block_size=16, num_kv_blocks=len(prompts) * (-(-(64 + gen_tokens) // 16)),
-                              kv_cache_dtype=kind, kv_cache_group_size=group, buckets=(16, 256))
+                              kv_cache_dtype=kind, kv_cache_group_size=group, buckets=(16, 256),
+                              full_precision_window=precision_window)
         engine = LLMEngine(model, tokenizer, config, progress=False)
         params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, ignore_eos=True)
         for i, p in enumerate(prompts):
@@ -162,7 +187,7 @@ def accuracy_default_model(num_windows: int, window: int, gen_tokens: int, num_p
         while engine.has_unfinished_requests():
             for out in engine.step():
                 done[int(out.request_id)] = out.outputs[0].token_ids
-        greedy[label(kind, group)] = [done[i] for i in range(len(prompts))]
+        greedy[label(kind, group, precision_window)] = [done[i] for i in range(len(prompts))]
         rows.append(row)
     base_ppl = rows[0]["perplexity"]
     for row in rows:
@@ -213,6 +238,26 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
         us = device_time_us(fn, (q, q_pe, cache, k_pe, tables, lengths, scale), estimate_s=nbytes / 3e12)
         rows.append({"kv_cache_dtype": label(kind, group), "batch": batch, "context": context, "heads": heads,
                      "us": us, "bytes": nbytes, "TB/s": nbytes / us / 1e6, "tokens_per_us": batch * context / us})
+    # Two pools (full_precision_window = context / 4): each sequence's last quarter of pages full precision.
+    for kind in ("int8", "fp8"):
+        recent = pages_per_seq // 4
+        full_pages = batch * recent
+        comp_pages = num_pages - full_pages
+        full = c_kv[:full_pages].astype(jnp.bfloat16)
+        comp, comp_scale = quantize_latent(c_kv[full_pages:], kind, 1)
+        old = (jnp.arange(batch * (pages_per_seq - recent)) + full_pages).reshape(batch, -1)
+        new = jnp.arange(full_pages).reshape(batch, recent)
+        pool_tables = jnp.concatenate([old, new], axis=1).astype(jnp.int32)
+        per_layer = lambda k: PagedKVCache.bytes_per_token(config, "bfloat16", k) // config.num_hidden_layers
+        nbytes = batch * block_size * (full_pages // batch * per_layer("auto") + comp_pages // batch * per_layer(kind))
+        fn = lambda q, qp, f, kp, t, pos, c, s: mla_paged(q, qp, f, kp, t, jnp.arange(batch, dtype=jnp.int32), pos,
+                                                         0.1, compressed=(c, s, jnp.int32(0)),
+                                                         pools=(full_pages, comp_pages))
+        us = device_time_us(fn, (q, q_pe, full, k_pe, pool_tables, lengths - 1, comp, comp_scale),
+                            estimate_s=nbytes / 3e12)
+        rows.append({"kv_cache_dtype": label(kind, None, context // 4), "batch": batch, "context": context,
+                     "heads": heads, "us": us, "bytes": nbytes, "TB/s": nbytes / us / 1e6,
+                     "tokens_per_us": batch * context / us})
     return rows
 
 
@@ -256,12 +301,19 @@ def main(argv=None):
     parser.add_argument("--gen-tokens", type=int, default=256)
     parser.add_argument("--prompts", type=int, default=4, help="greedy-agreement prompts")
     parser.add_argument("--capacity-requests", type=int, default=48)
+    parser.add_argument("--kernels-only", action="store_true", help="only the GPU kernel bandwidth table")
     parser.add_argument("--out", default="kvquant", help="results name under benchmarks/results (or a path)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     from dsjax import load_config
 
     budget = int(args.budget_gib * 2**30)
+    if args.kernels_only:
+        rows = kernel_bandwidth(load_config("deepseek-v2-lite"), 64, 4096)
+        table = markdown_table(rows, ["kv_cache_dtype", "batch", "context", "heads", "us", "TB/s", "tokens_per_us"])
+        print(table)
+        print("wrote", write_result(args.out, {**environment(), "kernel_bandwidth": rows, "table": table}))
+        return
     result = {**environment(), "capacity": {}}
     for preset in ("deepseek-v2-lite", "deepseek-v3"):
         result["capacity"][preset] = capacity_rows(load_config(preset), "bfloat16", budget, args.context, 64)
