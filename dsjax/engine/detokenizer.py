@@ -11,9 +11,17 @@ _PROMPT_CONTEXT = 5  # prompt tokens kept as left context (tokenizers that merge
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
+    """``deferred``: nobody reads the text before the end (offline requests without stop strings), so
+    append() only records the token and flush() decodes the whole output in one call, instead of two
+    decode calls a token on the engine's critical path."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = (), *,
+                 deferred: bool = False):
+        if deferred and stop:
+            raise ValueError("a deferred detokenizer cannot watch for stop strings")
         self.tokenizer = tokenizer
         self.stop = stop
+        self.deferred = deferred
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -25,6 +33,8 @@ class IncrementalDetokenizer:
         """Adds one generated token; returns the text it completes (possibly empty)."""
         self._ids.append(token_id)
         self._num_output_tokens += 1
+        if self.deferred:
+            return ""
         prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset])
         full = self.tokenizer.decode(self._ids[self._prefix_offset:])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
@@ -51,6 +61,11 @@ class IncrementalDetokenizer:
         """At the end: whatever the last window still held back (an incomplete character)."""
         if self.stop_reason is not None:
             return ""
+        if self.deferred:  # the context the incremental path starts from, then everything after it
+            context = self.tokenizer.decode(self._ids[:self._read_offset])
+            self.text = self.tokenizer.decode(self._ids)[len(context):]
+            self._prefix_offset = self._read_offset = len(self._ids)
+            return self.text
         rest = self.tokenizer.decode(self._ids[self._read_offset:]) if self._read_offset < len(self._ids) else ""
         if not rest:
             return ""

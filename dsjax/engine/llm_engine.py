@@ -167,7 +167,8 @@ class LLMEngine:
             self.scheduler.add(seq)
         request = _Request(
             request_id, prompt, ids, params, seqs, [base_seed + i for i in range(params.n)],
-            [IncrementalDetokenizer(self.tokenizer, ids, params.stop) for _ in seqs],
+            [IncrementalDetokenizer(self.tokenizer, ids, params.stop, deferred=final_only and not params.stop)
+             for _ in seqs],
             [[] for _ in seqs], [0.0] * params.n, RequestMetrics(arrival_time=time.time()), final_only)
         self._requests[request_id] = request
         for i, seq in enumerate(seqs):

@@ -134,6 +134,26 @@ def test_detokenizer_stop_across_tokens():
     assert "".join(pieces) == "é✓" and pieces[0] == ""  # waits for the whole character
 
 
+@pytest.mark.parametrize("model", ["tiny", "default"])
+def test_deferred_detokenizer_gives_the_incremental_text(model):
+    """Offline requests without stop strings decode once at the end: same text as token by token,
+    random ids included (bytes that split multi-byte characters, U+FFFD in between)."""
+    from dsjax.engine.detokenizer import IncrementalDetokenizer
+
+    tok = dsjax.load_tokenizer(model)
+    rng = np.random.default_rng(0)
+    for prompt, output in [(tok.encode("x = 1"), tok.encode(" é✓ déjà\n\tdef f():", add_special_tokens=False)),
+                           *[(rng.integers(3, 500, 7).tolist(), rng.integers(3, 500, 40).tolist()) for _ in range(5)]]:
+        eager, deferred = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt, deferred=True)
+        for token in output:
+            eager.append(token)
+            assert deferred.append(token) == ""
+        eager.flush(), deferred.flush()
+        assert deferred.text == eager.text
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tok, [0], stop=("x",), deferred=True)
+
+
 def test_logprobs_and_n(llm):
     out = llm.generate("hi", SamplingParams(max_tokens=4, temperature=0.8, n=3, logprobs=2, seed=7, ignore_eos=True))[0]
     assert len(out.outputs) == 3
