@@ -63,8 +63,10 @@ def kv_pool_sizes(model_config, config: EngineConfig, dtype, num_shards: int = 1
     compressed_bytes = PagedKVCache.bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype,
                                                     config.kv_cache_group_size)
     window_blocks = -(-config.full_precision_window // config.block_size) + 2
-    num_full = min(total, config.max_num_seqs * window_blocks + -(-config.max_num_batched_tokens // config.block_size))
-    return num_full, (total - num_full) * full_bytes // compressed_bytes
+    num_full = config.max_num_seqs * window_blocks + -(-config.max_num_batched_tokens // config.block_size)
+    if num_full >= total:  # a budget too small for every window: still keep a quarter for older blocks
+        num_full = max(1, total * 3 // 4)
+    return num_full, max(1, (total - num_full) * full_bytes // compressed_bytes)
 
 
 class StepFailedError(RuntimeError):

@@ -72,6 +72,8 @@ def test_pool_split_and_validation():
     assert num_full == 64 * (8 + 2) + 32  # each sequence's window + 2 blocks, plus one step of new tokens
     assert num_compressed == (4096 - num_full) * 1152 // 644  # the rest of the budget, 8-bit
     assert kv_pool_sizes(config, engine.replace(full_precision_window=None), "bfloat16") == (4096, 0)
+    small = kv_pool_sizes(config, engine.replace(num_kv_blocks=400), "bfloat16")  # less than the windows need
+    assert small == (300, 100 * 1152 // 644)
     with pytest.raises(ConfigError, match="full_precision_window.*null unless kv_cache_dtype is int8 or fp8"):
         EngineConfig(full_precision_window=512)
     with pytest.raises(ConfigError, match="full_precision_window.*positive"):
