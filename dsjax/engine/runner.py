@@ -209,13 +209,20 @@ class ModelRunner:
             for r, i in enumerate(items):
                 item = out.scheduled[i]
                 n, start, row = item.num_scheduled_tokens, shard * t + offset, shard * s + r
-                table = np.asarray(item.seq.block_table, np.int32)
-                pos = np.arange(item.num_computed_tokens, item.num_computed_tokens + n, dtype=np.int32)
-                tokens[start:start + n] = item.token_ids
-                positions[start:start + n] = pos
-                slots[start:start + n] = table[pos // bs] * bs + pos % bs
-                seq_ids[start:start + n] = r
-                tables[row, :len(table)] = table
+                block_table, first = item.seq.block_table, item.num_computed_tokens
+                if n == 1:  # decodes, most of a large batch: scalars, no temporary arrays
+                    tokens[start] = item.seq.last_token_id if item.is_decode else item.token_ids[0]
+                    positions[start] = first
+                    slots[start] = block_table[first // bs] * bs + first % bs
+                    seq_ids[start] = r
+                else:
+                    table = np.asarray(block_table, np.int32)
+                    pos = np.arange(first, first + n, dtype=np.int32)
+                    tokens[start:start + n] = item.token_ids
+                    positions[start:start + n] = pos
+                    slots[start:start + n] = table[pos // bs] * bs + pos % bs
+                    seq_ids[start:start + n] = r
+                tables[row, :len(block_table)] = block_table
                 logits_indices[row] = offset + n - 1
                 padded[row], row_of[i] = rows[i], row
                 offset += n

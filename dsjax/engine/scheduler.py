@@ -174,8 +174,10 @@ class Scheduler:
         preempted: list[Sequence] = []
 
         # Decodes get the budget before prefill chunks: a long prompt must not stall generation.
-        decodes = [seq for seq in self.running if seq.is_decoding]
-        prefilling = [seq for seq in self.running if not seq.is_decoding]
+        decodes, prefilling = [], []
+        for seq in self.running:
+            (decodes if seq.is_decoding else prefilling).append(seq)
+        block_size = self.block_manager.block_size
         for seq in decodes + prefilling:
             if budget == 0:
                 break
@@ -184,6 +186,10 @@ class Scheduler:
             num_remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(num_remaining, budget)
             if num_new < num_remaining and not self.enable_chunked_prefill:
+                continue
+            if seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size:
+                scheduled[seq] = num_new  # its blocks have room (most decode steps): nothing to allocate
+                budget -= num_new
                 continue
             # Allocation evicts cached blocks first, then (with a compressed pool) old blocks are
             # compressed; only when those run out do we preempt (the memory-pressure ladder). The
