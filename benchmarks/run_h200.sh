@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
-# run them as separate calls: `bash benchmarks/run_h200.sh tests|attention|moe|decode|train`).
+# run them as separate calls: `bash benchmarks/run_h200.sh tests|attention|moe|decode|train|e2e|kvquant`).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -27,5 +27,9 @@ case $part in
     timeout 570 python -m dsjax.train --config configs/train/default-model.yaml --out /tmp/export/default \
       --no-progress 2>&1 | tee "$OUT/train.log" | grep -vE "^\{" | tail -30
     tar -C /tmp/export -cf - default | split -b 15M -d - "$OUT/default.tar." ;;
-  *) echo "usage: $0 tests|attention|moe|decode|train" >&2; exit 2 ;;
+  e2e)        # decode curve + roofline, mixed/templated workloads, HF generate baseline (python -m dsjax.bench)
+    timeout 580 python -m dsjax.bench all --out-dir "$OUT" | tail -30 ;;
+  kvquant)    # 8-bit KV caches: capacity, accuracy, V2-Lite logit error, kernel bandwidth, memory wall
+    timeout 580 python -m benchmarks.kvquant --gpu-parts --out "$OUT/kvquant" | grep -v WARNING | tail -45 ;;
+  *) echo "usage: $0 tests|attention|moe|decode|train|e2e|kvquant" >&2; exit 2 ;;
 esac
