@@ -293,6 +293,9 @@ class BlockManager:
                     self._evictable[block] = None
                 else:
                     self._free.append(block)
+        if self._pending_copies:  # moves into blocks just freed are moot, and the blocks may be reused
+            released = set(seq.block_table)
+            self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst not in released]
         seq.block_table = []
         self._hash_progress.pop(seq.request_id, None)
         self._compressed_upto.pop(seq.request_id, None)

@@ -58,3 +58,17 @@ def test_shared_prefix_blocks_stay_full_and_compressed_blocks_are_never_hashed()
     for seq in (a, c):
         bm.free(seq)
     bm.check_invariants([])
+
+
+def test_freeing_a_sequence_drops_its_pending_moves():
+    """An aborted sequence's pending device copies must not land in compressed blocks that another
+    sequence may take next (two writes to one block in one copy would race)."""
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=False, num_compressed_blocks=1)
+    a, b = Sequence("a", range(9)), Sequence("b", range(100, 109))
+    admit(bm, a)
+    admit(bm, b)
+    assert bm.compress_outside_window(a, 4) == [(0, 8)]
+    bm.free(a)  # aborted before the next step flushed the copy
+    assert bm.compress_outside_window(b, 4) == [(3, 8)]  # block 8 is b's now
+    assert bm.take_pending_copies() == [(3, 8)]
+    bm.check_invariants([b])
