@@ -123,7 +123,10 @@ def test_models_health_metrics(client):
                  "dsjax_time_per_output_token_seconds_bucket", "dsjax_e2e_request_latency_seconds_bucket",
                  "dsjax_generation_tokens_total", "dsjax_num_requests_running", "dsjax_num_requests_waiting",
                  "dsjax_kv_cache_usage_ratio", "dsjax_prefix_cache_hit_rate", "dsjax_num_preemptions_total",
-                 "dsjax_step_padded_tokens_total"):
+                 "dsjax_step_padded_tokens_total",
+                 # the memory-pressure ladder's rungs (the fourth: dsjax_requests_rejected{reason="queue_full"})
+                 "dsjax_kv_prefix_evictions_total", "dsjax_kv_pressure_compressions_total",
+                 "dsjax_kv_blocks_compressed_total"):
         assert name in text, name
 
 
