@@ -51,6 +51,8 @@ def test_mesh_matches_one_device(tp, ep, dp):
     assert r["logprob_err"] < 1e-3
     layers, experts, hidden, inter = r["expert_shape"]
     assert r["expert_shard_shape"] == [layers, experts // ep, hidden, inter // tp]  # weights live in shards
+    if dp > 1:
+        assert r["int8_tokens_equal"]  # the 8-bit cache and its scales split like the latents
     if tp > 1 and ep > 1:  # checkpoints load straight into the same shards
         for kind in ("hf", "orbax"):
             assert r[f"{kind}_logits_rel_err"] < 1e-4 and r[f"{kind}_expert_shard_shape"] == r["expert_shard_shape"]

@@ -35,7 +35,7 @@ from tests.parallel.cases import ENGINE, GREEDY, PROMPTS, TOKENS  # noqa: E402
 
 
 def generate(**parallel):
-    llm = LLM("tiny", **ENGINE, **parallel)
+    llm = LLM("tiny", **{**ENGINE, **parallel})
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs], [o.outputs[0].cumulative_logprob for o in outs]
 
@@ -66,6 +66,10 @@ def check_mesh(tp: int, ep: int, dp: int) -> dict:
                 checkpoints[f"{kind}_logits_rel_err"] = rel_err(loaded.logits(TOKENS), reference)
                 checkpoints[f"{kind}_expert_shard_shape"] = list(
                     loaded.moe_layers.mlp.w_gate[...].addressable_shards[0].data.shape)
+    if dp > 1:  # an 8-bit cache (latents + scales) split over data-parallel ranks
+        _, int8_ref, _ = generate(kv_cache_dtype="int8")
+        _, int8_tokens, _ = generate(kv_cache_dtype="int8", parallel=parallel)
+        checkpoints["int8_tokens_equal"] = int8_tokens == int8_ref
     on_mesh = dsjax.load_model("tiny", mesh=model.mesh)  # a ready mesh instead of a ParallelConfig
     return {
         **checkpoints,
