@@ -155,14 +155,16 @@ def heldout_windows(tokenizer, num_windows: int, window: int) -> list[list[int]]
     return [ids[i:i + window] for i in range(0, len(ids) - window + 1, step)][:num_windows]
 
 
-def accuracy_default_model(num_windows: int, window: int, gen_tokens: int, num_prompts: int) -> dict:
+def accuracy_default_model(num_windows: int, window: int, gen_tokens: int, num_prompts: int,
+                           kinds: tuple[str, ...] = ("auto", "int8", "fp8")) -> dict:
     model = load_model("default", dtype="float32", kernel_backend="auto", progress=False)
     tokenizer = load_tokenizer("default")
     windows = heldout_windows(tokenizer, num_windows, window)
     rows, reference_logits = [], None
     greedy = {}
     prompts = [w[:64] for w in windows[:num_prompts]]
-    formats = [(k, g, None) for k, g in usable_formats(model.config)] + WINDOWED
+    formats = [(k, g, w) for k, g, w in [(k, g, None) for k, g in usable_formats(model.config)] + WINDOWED
+               if k in kinds]
     for kind, group, precision_window in formats:
         logits = [paged_logits(model, w, kind, group, window=precision_window) for w in windows]
         losses = np.concatenate([nll(lg, w) for lg, w in zip(logits, windows)])
@@ -175,8 +177,9 @@ def accuracy_default_model(num_windows: int, window: int, gen_tokens: int, num_p
             row["max_rel_logit_error"] = float(err)
             row["top1_agreement"] = float(np.mean(np.concatenate(
                 [a.argmax(-1) == b.argmax(-1) for a, b in zip(logits, reference_logits)])))
+        # Twice the blocks the prompts need: no preemption, and room for both pools with a window.
         config = EngineConfig(max_num_seqs=len(prompts), max_num_batched_tokens=256, max_model_len=64 + gen_tokens,
-                              block_size=16, num_kv_blocks=len(prompts) * (-(-(64 + gen_tokens) // 16)),
+                              block_size=16, num_kv_blocks=2 * len(prompts) * (-(-(64 + gen_tokens) // 16)),
                               kv_cache_dtype=kind, kv_cache_group_size=group, buckets=(16, 256),
                               full_precision_window=precision_window)
         engine = LLMEngine(model, tokenizer, config, progress=False)
@@ -302,6 +305,8 @@ def main(argv=None):
     parser.add_argument("--prompts", type=int, default=4, help="greedy-agreement prompts")
     parser.add_argument("--capacity-requests", type=int, default=48)
     parser.add_argument("--kernels-only", action="store_true", help="only the GPU kernel bandwidth table")
+    parser.add_argument("--kinds", nargs="+", default=["auto", "int8", "fp8"], choices=["auto", "int8", "fp8"],
+                        help="cache dtypes of the default-model measurements (auto is the baseline: keep it first)")
     parser.add_argument("--out", default="kvquant", help="results name under benchmarks/results (or a path)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
@@ -324,8 +329,9 @@ def main(argv=None):
         "model": "default", "budget_bytes": small_budget, "prompt": 96, "gen": 32, "block_size": 16,
         "requests": args.capacity_requests,
         "rows": [measured_capacity(default, load_tokenizer("default"), k, g, small_budget, 96, 32, 16,
-                                   args.capacity_requests) for k, g in usable_formats(default.config)]}
-    result["accuracy_default"] = accuracy_default_model(args.windows, 512, args.gen_tokens, args.prompts)
+                                   args.capacity_requests) for k, g in usable_formats(default.config) if k in args.kinds]}
+    result["accuracy_default"] = accuracy_default_model(args.windows, 512, args.gen_tokens, args.prompts,
+                                                        tuple(args.kinds))
     if args.gpu_parts and jax.default_backend() == "gpu":
         v2 = load_model("deepseek-v2-lite", dtype="bfloat16", progress=False)
         result["v2lite_logit_error"] = v2lite_logit_error(v2, 512)
