@@ -19,7 +19,9 @@ ENGINE = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block
 PROMPTS = [[5, 6, 7], list(range(10, 31)), [9]]
 
 
-@pytest.mark.parametrize("kv_cache_dtype, group_size", [("int8", None), ("fp8", 16)])
+# fp8 with 4 scale groups a token here; int8 per token runs through the same kernel in
+# tests/engine/test_full_precision_window.py (two pools) and tests/pallas_kernels/test_kv_quant.py.
+@pytest.mark.parametrize("kv_cache_dtype, group_size", [("fp8", 16)])
 def test_quantized_engine_kernels_match_reference(kv_cache_dtype, group_size):
     """The paged kernel (interpret mode) over 8-bit pages gives the reference path's greedy tokens, with
     chunked prefill (16-token steps) re-reading earlier chunks from the quantized cache."""
