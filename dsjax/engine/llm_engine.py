@@ -104,17 +104,18 @@ class LLMEngine:
                               f"max_position_embeddings={model.config.max_position_embeddings}")
         num_shards = num_batch_shards(model.mesh)
         num_blocks, num_compressed = kv_pool_sizes(model.config, config, model.dtype, num_shards)
-        latent = config.kv_cache_dtype + (f"/{config.kv_cache_group_size}" if config.kv_cache_group_size else "")
-        pools = [("", num_blocks, latent, config.kv_cache_group_size)]
+        # (label, blocks, kv_cache_dtype, group size) of each pool: one, or full precision + older blocks.
+        pools = [("", num_blocks, config.kv_cache_dtype, config.kv_cache_group_size)]
         if num_compressed:
-            pools = [("", num_blocks, "auto", None), (" (older blocks)", num_compressed, latent, config.kv_cache_group_size)]
+            pools = [("", num_blocks, "auto", None),
+                     (" (older blocks)", num_compressed, config.kv_cache_dtype, config.kv_cache_group_size)]
         for label, count, kind, group in pools:
-            per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype, kind.split("/")[0],
-                                                     group)
+            per_block = PagedKVCache.bytes_per_block(model.config, config.block_size, model.dtype, kind, group)
             log.warning("KV cache%s: %d blocks x %d tokens = %d tokens, %.3f GiB (%d bytes a token over %d layers, "
                         "latent %s)%s", label, count, config.block_size, count * config.block_size,
                         count * per_block / 2**30, per_block // config.block_size, model.config.num_hidden_layers,
-                        kind, f", in {num_shards} data-parallel slices" if num_shards > 1 else "")
+                        kind + (f"/{group}" if group else ""),
+                        f", in {num_shards} data-parallel slices" if num_shards > 1 else "")
         eos = tuple(sorted(set(model.config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))))
         self._setup_host(config, tokenizer, num_blocks, eos, num_shards, num_compressed)
         start = time.perf_counter()

@@ -177,7 +177,6 @@ class Scheduler:
         decodes, prefilling = [], []
         for seq in self.running:
             (decodes if seq.is_decoding else prefilling).append(seq)
-        block_size = self.block_manager.block_size
         for seq in decodes + prefilling:
             if budget == 0:
                 break
@@ -187,7 +186,7 @@ class Scheduler:
             num_new = min(num_remaining, budget)
             if num_new < num_remaining and not self.enable_chunked_prefill:
                 continue
-            if seq.num_computed_tokens + num_new <= len(seq.block_table) * block_size:
+            if self.block_manager.num_blocks_to_append(seq, num_new) == 0:
                 scheduled[seq] = num_new  # its blocks have room (most decode steps): nothing to allocate
                 budget -= num_new
                 continue

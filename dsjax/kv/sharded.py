@@ -104,6 +104,9 @@ class ShardedBlockManager:
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.shards[self._shard[seq.request_id]].can_append(seq, num_new_tokens)
 
+    def num_blocks_to_append(self, seq: Sequence, num_new_tokens: int) -> int:
+        return self.shards[self._shard[seq.request_id]].num_blocks_to_append(seq, num_new_tokens)
+
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         self.shards[self._shard[seq.request_id]].append(seq, num_new_tokens)
 
