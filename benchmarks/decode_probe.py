@@ -65,14 +65,14 @@ def compiled_step_ms(engine, repeats: int = 20) -> float:
     so call it only right before aborting the running requests."""
     runner = engine.runner
     out = engine.scheduler.schedule()
-    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled])
+    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
     inputs, compiled, cache = runner.place_inputs(inputs), runner._compiled[t], runner.cache
     for _ in range(3):
-        cache, result = compiled(runner.state, cache, inputs)
+        cache, result, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
     jax.block_until_ready(result)
     start = time.perf_counter()
     for _ in range(repeats):
-        cache, result = compiled(runner.state, cache, inputs)
+        cache, result, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
     jax.block_until_ready((cache, result))
     runner.cache = cache  # the old one was donated
     return (time.perf_counter() - start) / repeats * 1e3
@@ -107,6 +107,8 @@ def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_
     finally:
         for rid in ids:
             engine.abort_request(rid)
+        while engine.has_unfinished_requests():  # an async engine's last step is still in flight
+            engine.step()
     step = statistics.median(times)
     row = {"batch": batch, "prompt": prompt_len, "context": context / decode_steps / batch,
            "steps_timed": len(times), "step_ms": step * 1e3, "tok_per_s": batch / step,

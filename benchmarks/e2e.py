@@ -88,6 +88,7 @@ class Settings:
     bandwidth: float = H200_BYTES_PER_S
     kv_cache_gib: float | None = None  # None: what the grid needs, within the device's free memory
     seed: int = 0
+    async_scheduling: bool = True  # the engine queues each step before reading the previous one
 
     def __post_init__(self):
         for name in ("batches", "prompts", "hf_batches"):
@@ -144,7 +145,7 @@ def engine_args(settings: Settings, model_config) -> dict:
                          "lower --prompts, --batches or --scale")
     args = dict(max_num_seqs=top, max_num_batched_tokens=chunk, max_model_len=max_model_len,
                 block_size=settings.block_size, buckets=tuple(sorted({*settings.batches, chunk})),
-                enable_prefix_caching=True)
+                enable_prefix_caching=True, async_scheduling=settings.async_scheduling)
     args["kv_cache_memory"] = kv_cache_bytes(settings, model_config, top * max(decode, mixed))
     return args
 
@@ -267,6 +268,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", type=Path, help="where results go (default benchmarks/results/)")
     p.add_argument("--tag", help="file-name suffix (default: cpu, or the accelerator's name, e.g. h200)")
     p.add_argument("--seed", type=int)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   help="overlap host work with the device step (default: on)")
     return p
 
 

@@ -17,7 +17,8 @@ def summary_markdown(payloads: dict[str, dict], files: dict[str, str]) -> str:
     for name, p in payloads.items():
         plots = ", plots beside it" if p.get("rows") else ""
         lines.append(f"- {name}: `{files[name]}.json`{plots} ({p['date']}, jax {p['jax']}, kernel_backend "
-                     f"{p['engine']['kernel_backend']}, `{p['command'] or 'python -m dsjax.bench ' + name}`)")
+                     f"{p['engine']['kernel_backend']}, async scheduling "
+                     f"{'on' if p['engine'].get('async_scheduling') else 'off'}, `{p['command'] or 'python -m dsjax.bench ' + name}`)")
     if "decode-curve" in payloads:
         lines += ["", *decode_section(payloads["decode-curve"])]
     if "hf-baseline" in payloads:

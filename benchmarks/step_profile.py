@@ -62,23 +62,23 @@ def main(argv=None):
     out = engine.scheduler.schedule()  # a decode step, run by hand below (then discarded)
     rows = [engine._row(item.seq) for item in out.scheduled]
     start = time.perf_counter()
-    t, inputs, _ = runner.prepare(out, rows)
+    t, inputs, _ = runner.prepare(out, rows, engine._pending_rows)
     prepare_s = time.perf_counter() - start
     inputs = jax.device_put(runner.place_inputs(inputs))
     compiled = runner._compiled[t]
     cache = runner.cache
     for _ in range(3):
-        cache, res = compiled(runner.state, cache, inputs)
+        cache, res, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
     jax.block_until_ready(res)
     start = time.perf_counter()
     n = 20
     for _ in range(n):
-        cache, res = compiled(runner.state, cache, inputs)
+        cache, res, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
     jax.block_until_ready((cache, res))
     device_s = (time.perf_counter() - start) / n
     with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
         for _ in range(3):
-            cache, res = compiled(runner.state, cache, inputs)
+            cache, res, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
         jax.block_until_ready((cache, res))
     runner.cache = cache
     print(f"batch {b}: engine.step {np.median(host) * 1e3:.2f} ms, compiled step alone {device_s * 1e3:.2f} ms, "

@@ -340,6 +340,10 @@ class EngineConfig:
     # Token-count buckets of the jitted steps: "pow2", "quantile" (re-derived from the first
     # quantile_warmup_steps observed steps), or an explicit tuple of sizes.
     buckets: str | tuple[int, ...] = "pow2"
+    # Queue each step before reading the previous one's tokens, so host work (scheduling, packing,
+    # detokenizing) overlaps the device's; a token reaches the caller one step() later, and a sequence
+    # that stops computes one extra token, dropped.
+    async_scheduling: bool = False
     num_quantile_buckets: int = 6
     quantile_warmup_steps: int = 32
     realtime_max_prompt_tokens: int = 512
@@ -381,6 +385,8 @@ class EngineConfig:
             if self.kv_cache_dtype == "auto":
                 raise _refuse("full_precision_window", window,
                               "null unless kv_cache_dtype is int8 or fp8 (the format of the older blocks)")
+        if not isinstance(self.async_scheduling, bool):
+            raise _refuse("async_scheduling", self.async_scheduling, "true or false")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise _refuse("num_kv_blocks", self.num_kv_blocks, "a positive integer or null")
         if isinstance(self.buckets, str):

@@ -13,9 +13,9 @@ import jax
 from dsjax.config import ConfigError, EngineConfig
 from dsjax.engine.detokenizer import IncrementalDetokenizer
 from dsjax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from dsjax.engine.runner import ModelRunner, RowSampling
+from dsjax.engine.runner import ModelRunner, RowSampling, StepHandle
 from dsjax.engine.sampling_params import SamplingParams
-from dsjax.engine.scheduler import Scheduler
+from dsjax.engine.scheduler import Scheduler, SchedulerOutput
 from dsjax.engine.sequence import Sequence, SequenceStatus
 from dsjax.kv.block_manager import BlockManager
 from dsjax.kv.sharded import ShardedBlockManager
@@ -146,6 +146,10 @@ class LLMEngine:
         self._owner: dict[str, tuple[_Request, int]] = {}  # sequence id -> (request, child index)
         self._seed_rng = random.Random(config.seed)
         self._ladder_logged: set[str] = set()
+        # Async scheduling: the step on the device whose results are not read yet, and the rows of
+        # its result that hold each sequence's PENDING_TOKEN.
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        self._pending_rows: dict[Sequence, int] = {}
         self.num_steps = 0
         self.warmup_seconds = 0.0
 
@@ -188,7 +192,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ----- one step -------------------------------------------------------------------------------
     def _row(self, seq: Sequence) -> RowSampling:
@@ -201,28 +205,56 @@ class LLMEngine:
             num_logprobs=p.logprobs or 0)
 
     def step(self) -> list[RequestOutput]:
-        """Runs one model step; returns the outputs of the requests that advanced."""
+        """Runs one model step; returns the outputs of the requests that advanced.
+
+        With async_scheduling the step is queued on the device and the previous one's results are
+        read (and returned) while it runs: a request's token reaches the caller one call later, and
+        the host's work overlaps the device's instead of adding to it."""
         out = self.scheduler.schedule()
         self._log_ladder()
-        if out.is_empty:
-            return []
+        ready, self._in_flight = self._in_flight, None
+        launched = None
+        if not out.is_empty:
+            launched = (out, self._launch(out, ready))
+            if not self.config.async_scheduling:
+                self.scheduler.commit(out)
+                ready, launched = launched, None
+        outputs = self._complete(*ready, also_failed=launched) if ready is not None else []
+        if launched is not None:  # committed only now: the previous step's pending tokens are known
+            self.scheduler.commit(out)
+            self._pending_rows = {item.seq: int(row) for item, row in zip(out.scheduled, launched[1].row_of)
+                                  if item.do_sample}
+            self._in_flight = launched
+        self._compress_old_blocks()
+        return outputs
+
+    def _launch(self, out: SchedulerOutput, in_flight) -> StepHandle:
         try:
             # Block moves decided since the last forward (window or memory pressure) land first: the
             # tables of this step already point at their compressed copies.
             pending = self.block_manager.take_pending_copies()
             if pending:
                 self.runner.compress(pending)
-            result = self.runner.execute(out, [self._row(item.seq) for item in out.scheduled])
+            handle = self.runner.dispatch(out, [self._row(item.seq) for item in out.scheduled], self._pending_rows)
         except Exception as e:
-            raise StepFailedError(self._fail_step(out), e) from e
+            raise StepFailedError(self._fail_step(out, in_flight), e) from e
         self.num_steps += 1
+        return handle
+
+    def _complete(self, out: SchedulerOutput, handle: StepHandle, also_failed=None) -> list[RequestOutput]:
+        """Reads a dispatched, committed step's samples and hands them to their requests.
+        also_failed: a step queued after it, which fails with it."""
+        try:
+            result = self.runner.fetch(handle)
+        except Exception as e:
+            raise StepFailedError(self._fail_step(out, also_failed), e) from e
         sampled = {item.seq.request_id: int(result.token_ids[i])
                    for i, item in enumerate(out.scheduled) if item.do_sample}
-        self.scheduler.update_from_output(out, sampled)
+        received = {id(item) for item in self.scheduler.resolve(out, sampled)}
         now = time.time()
         touched: dict[str, _Request] = {}
         for i, item in enumerate(out.scheduled):
-            if not item.do_sample or item.seq.request_id not in self._owner:
+            if id(item) not in received or item.seq.request_id not in self._owner:
                 continue
             request, index = self._owner[item.seq.request_id]
             token = sampled[item.seq.request_id]
@@ -251,7 +283,6 @@ class LLMEngine:
                     self._owner.pop(seq.request_id, None)
             if finished or not request.final_only:
                 outputs.append(self._output(request))
-        self._compress_old_blocks()
         return outputs
 
     def _compress_old_blocks(self) -> None:
@@ -283,9 +314,12 @@ class LLMEngine:
                 log.warning("KV memory pressure, rung %d of %d: %s (first at step %d; counted in %s)", rung,
                             len(self.LADDER) + 1, what, self.num_steps + 1, key)
 
-    def _fail_step(self, out) -> list[str]:
-        """Aborts the requests of a failed step (all running ones if the cache was lost with it)."""
+    def _fail_step(self, out: SchedulerOutput, in_flight=None) -> list[str]:
+        """Aborts the requests of a failed step and of in_flight, a (SchedulerOutput, StepHandle)
+        queued with it (all running ones if the cache was lost with them)."""
         seqs = [item.seq for item in out.scheduled]
+        if in_flight is not None:
+            seqs += [item.seq for item in in_flight[0].scheduled]
         if self.runner.cache_was_reset:  # every sequence's KV is gone, cached prefixes too
             self.runner.cache_was_reset = False
             seqs += list(self.scheduler.running)

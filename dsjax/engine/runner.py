@@ -10,6 +10,11 @@ expert ranks each own a slice of the KV cache and the sequences placed there (Sh
 the step's arrays are P slices of T tokens and S rows, rank p's at [p*T, (p+1)*T), with block ids
 local to its slice, and T is the bucket of the busiest rank. The sampled tokens come back gathered
 and replicated, so every process of a multi-host run reads them.
+
+Async scheduling: dispatch() returns as soon as the step is queued; fetch() reads its sampled tokens.
+Each step also returns its tokens as a device array of max_num_seqs rows per rank (``last_tokens``),
+and the next step takes any token whose value the host does not know yet (a PENDING_TOKEN) from it:
+``token_sources`` names the row, so the host never waits for a step before queuing the next.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dsjax.config import EngineConfig
 from dsjax.engine.buckets import Buckets
 from dsjax.engine.sampler import SampleResult, SamplingArrays, sample
 from dsjax.engine.scheduler import SchedulerOutput
+from dsjax.engine.sequence import PENDING_TOKEN, Sequence
 from dsjax.model.paged import PagedBatch, PagedKVCache
 from dsjax.parallel.collectives import gather_batch
 from dsjax.parallel.mesh import num_batch_shards
@@ -44,6 +50,7 @@ class StepInputs(NamedTuple):
     batch: PagedBatch
     logits_indices: jax.Array  # i32[S] last scheduled token of each sequence
     sampling: SamplingArrays
+    token_sources: jax.Array  # i32[T] -1: tokens[i]; r >= 0: row r of the previous step's last_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +64,16 @@ class RowSampling:
     counter: int = 0  # tokens generated so far by this sequence
     mask_eos: bool = False
     num_logprobs: int = 0
+
+
+@dataclasses.dataclass
+class StepHandle:
+    """A dispatched step: its bucket, where each scheduled sequence's sample lands, the device result."""
+
+    bucket: int
+    row_of: np.ndarray  # i64[num_seqs]
+    result: SampleResult
+    num_batched_tokens: int
 
 
 @dataclasses.dataclass
@@ -94,11 +111,12 @@ class ModelRunner:
         self.progress = progress
         step = self._step
         if self.mesh is not None:
-            step = jax.shard_map(step, mesh=self.mesh, out_specs=(CACHE_SPEC, P()),
-                                 in_specs=(param_specs(self.state), CACHE_SPEC, self._input_specs()),
+            step = jax.shard_map(step, mesh=self.mesh, out_specs=(CACHE_SPEC, P(), P()),
+                                 in_specs=(param_specs(self.state), CACHE_SPEC, self._input_specs(), P()),
                                  check_vma=checks_vma(model.kernel_backend))
         self._jitted = jax.jit(step, donate_argnums=(1,))
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
+        self.last_tokens = self._zero_last_tokens()
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
@@ -113,13 +131,24 @@ class ModelRunner:
         self.compile_all()
 
     # ----- compiled steps ------------------------------------------------------------------------
-    def _step(self, state, cache, inputs: StepInputs):
-        """One rank's step (all of it without a mesh): its tokens, its cache slice, its rows."""
+    def _step(self, state, cache, inputs: StepInputs, last_tokens):
+        """One rank's step (all of it without a mesh): its tokens, its cache slice, its rows.
+        last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
         model = nnx.merge(self.graphdef, state)
-        hidden, cache = model.forward_paged(inputs.tokens, cache, inputs.batch)
+        sources = inputs.token_sources
+        tokens = jnp.where(sources >= 0, last_tokens[jnp.maximum(sources, 0)], inputs.tokens)
+        hidden, cache = model.forward_paged(tokens, cache, inputs.batch)
         logits = model.compute_logits(hidden[inputs.logits_indices])
-        result = sample(logits, inputs.sampling, self.eos_token_ids, self.config.max_logprobs)
-        return cache, gather_batch(result)
+        result = gather_batch(sample(logits, inputs.sampling, self.eos_token_ids, self.config.max_logprobs))
+        return cache, result, jnp.pad(result.token_ids, (0, last_tokens.shape[0] - result.token_ids.shape[0]))
+
+    def _last_tokens_shape(self) -> jax.ShapeDtypeStruct:
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, P())
+        return jax.ShapeDtypeStruct((self.num_shards * self.config.max_num_seqs,), jnp.int32, sharding=sharding)
+
+    def _zero_last_tokens(self) -> jax.Array:
+        shape = self._last_tokens_shape()
+        return jax.device_put(np.zeros(shape.shape, np.int32), shape.sharding)
 
     def num_rows(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.config.max_num_seqs)
@@ -146,7 +175,7 @@ class ModelRunner:
         return StepInputs(
             i32(t), PagedBatch(i32(t), i32(t), i32(t), i32(s, w)), i32(s),
             SamplingArrays(f32(s), i32(s), f32(s), jax.ShapeDtypeStruct((s,), jnp.uint32), i32(s),
-                           jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s)))
+                           jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s)), i32(t))
 
     def _input_specs(self) -> StepInputs:
         """Every input split over the data-parallel ranks along its leading axis."""
@@ -168,7 +197,8 @@ class ModelRunner:
         todo = [t for t in self.buckets.sizes if t not in self._compiled]
         start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
-            self._compiled[t] = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t)).compile()
+            self._compiled[t] = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t),
+                                                   self._last_tokens_shape()).compile()
             self.num_compiled_shapes += 1
         self.compile_seconds += time.perf_counter() - start
 
@@ -184,8 +214,11 @@ class ModelRunner:
         self.compile_all()
 
     # ----- one step ------------------------------------------------------------------------------
-    def prepare(self, out: SchedulerOutput, rows: list[RowSampling]) -> tuple[int, StepInputs, np.ndarray]:
+    def prepare(self, out: SchedulerOutput, rows: list[RowSampling],
+                pending_rows: dict[Sequence, int] | None = None) -> tuple[int, StepInputs, np.ndarray]:
         """Host-side packing of a step into the arrays of its bucket (numpy, no device work).
+        pending_rows: for each sequence whose last token is still a PENDING_TOKEN, its row in the
+        previous step's result (StepHandle.row_of).
 
         -> (bucket t, inputs, row i32[num_seqs]: where scheduled sequence i's sample comes back)."""
         bs, w, shards = self.config.block_size, self.config.max_blocks_per_seq, self.num_shards
@@ -200,6 +233,7 @@ class ModelRunner:
         # Padding writes past every pool (k_pe spans the compressed one too): dropped.
         slots = np.full(shards * t, (self.num_blocks_per_shard + self.num_compressed_blocks) * bs, np.int32)
         seq_ids = np.zeros(shards * t, np.int32)
+        sources = np.full(shards * t, -1, np.int32)
         tables = np.zeros((shards * s, w), np.int32)
         logits_indices = np.zeros(shards * s, np.int32)
         row_of = np.zeros(len(out.scheduled), np.int64)
@@ -211,7 +245,10 @@ class ModelRunner:
                 n, start, row = item.num_scheduled_tokens, shard * t + offset, shard * s + r
                 block_table, first = item.seq.block_table, item.num_computed_tokens
                 if n == 1:  # decodes, most of a large batch: scalars, no temporary arrays
-                    tokens[start] = item.seq.last_token_id if item.is_decode else item.token_ids[0]
+                    token = item.seq.last_token_id if item.is_decode else item.token_ids[0]
+                    if token == PENDING_TOKEN:
+                        sources[start] = pending_rows[item.seq]
+                    tokens[start] = token
                     positions[start] = first
                     slots[start] = block_table[first // bs] * bs + first % bs
                     seq_ids[start] = r
@@ -231,28 +268,44 @@ class ModelRunner:
             column("temperature", np.float32), column("top_k", np.int32), column("top_p", np.float32),
             np.asarray([r.seed & 0xFFFFFFFF for r in padded], np.uint32), column("counter", np.int32),
             column("mask_eos", np.bool_), column("num_logprobs", np.int32))
-        inputs = StepInputs(tokens, PagedBatch(positions, slots, seq_ids, tables), logits_indices, sampling)
+        inputs = StepInputs(tokens, PagedBatch(positions, slots, seq_ids, tables), logits_indices, sampling, sources)
         return t, inputs, row_of
 
     def execute(self, out: SchedulerOutput, rows: list[RowSampling]) -> StepResult:
+        """dispatch() and wait for its result."""
+        return self.fetch(self.dispatch(out, rows))
+
+    def dispatch(self, out: SchedulerOutput, rows: list[RowSampling],
+                 pending_rows: dict[Sequence, int] | None = None) -> StepHandle:
+        """Packs and queues one step; returns without waiting for the device."""
         if len(rows) != out.num_seqs:
             raise ValueError(f"{len(rows)} sampling rows for {out.num_seqs} scheduled sequences")
-        t, inputs, row_of = self.prepare(out, rows)
+        t, inputs, row_of = self.prepare(out, rows, pending_rows)
         compiled = self._compiled.get(t)
         if compiled is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
             compiled = self._compiled[t]
         try:
-            self.cache, result = compiled(self.state, self.cache, self.place_inputs(inputs))
-            result: SampleResult = jax.device_get(result)  # the one host sync of a step
+            self.cache, result, self.last_tokens = compiled(self.state, self.cache, self.place_inputs(inputs),
+                                                            self.last_tokens)
         except Exception:
             self._recover_cache()
             raise
-        self.num_useful_tokens += out.num_batched_tokens
-        self.num_padded_tokens += self.num_shards * t
+        return StepHandle(t, row_of, result, out.num_batched_tokens)
+
+    def fetch(self, handle: StepHandle) -> StepResult:
+        """Waits for a dispatched step and reads its samples: the one host sync of a step."""
+        try:
+            result: SampleResult = jax.device_get(handle.result)
+        except Exception:
+            self._recover_cache()
+            raise
+        self.num_useful_tokens += handle.num_batched_tokens
+        self.num_padded_tokens += self.num_shards * handle.bucket
         if self._quantile_pending:
-            self.step_sizes.append(out.num_batched_tokens)
+            self.step_sizes.append(handle.num_batched_tokens)
             self._maybe_requantize()
+        row_of = handle.row_of
         return StepResult(result.token_ids[row_of], result.logprobs[row_of], result.top_ids[row_of],
                           result.top_logprobs[row_of])
 
@@ -274,6 +327,8 @@ class ModelRunner:
         if any(leaf.is_deleted() for leaf in jax.tree.leaves(self.cache)):
             self.cache = self._zero_cache()
             self.cache_was_reset = True
+        if self.last_tokens.is_deleted():
+            self.last_tokens = self._zero_last_tokens()
 
     cache_was_reset = False
 

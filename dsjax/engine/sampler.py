@@ -31,17 +31,19 @@ class SampleResult(NamedTuple):
 
 
 def _filtered_sample(logits, arrays: SamplingArrays, keys):
-    """Temperature, then top-k and top-p over the sorted distribution, then a categorical draw."""
+    """Temperature, then top-k and top-p over the sorted distribution, then a categorical draw over
+    the kept tokens in vocabulary order: a row that filters nothing draws exactly what _plain_sample
+    draws, so a seeded request's tokens do not depend on its batch neighbours' filters."""
     scaled = logits / jnp.maximum(arrays.temperature, 1e-6)[:, None]
-    sorted_logits, sorted_ids = jax.lax.top_k(scaled, scaled.shape[-1])  # descending
+    sorted_logits = jax.lax.top_k(scaled, scaled.shape[-1])[0]  # descending
     rank = jnp.arange(scaled.shape[-1])[None, :]
     k = jnp.where(arrays.top_k > 0, arrays.top_k, scaled.shape[-1])[:, None]
     sorted_logits = jnp.where(rank < k, sorted_logits, -jnp.inf)
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
-    sorted_logits = jnp.where(mass_before < arrays.top_p[:, None], sorted_logits, -jnp.inf)  # keeps rank 0
-    choice = jax.vmap(jax.random.categorical)(keys, sorted_logits)
-    return jnp.take_along_axis(sorted_ids, choice[:, None], axis=-1)[:, 0]
+    kept = (rank < k) & (mass_before < arrays.top_p[:, None])  # keeps rank 0
+    cutoff = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)  # ties at it stay
+    return jax.vmap(jax.random.categorical)(keys, jnp.where(scaled >= cutoff, scaled, -jnp.inf))
 
 
 def _plain_sample(logits, arrays: SamplingArrays, keys):

@@ -4,6 +4,12 @@ Pure Python, no JAX. Each schedule() call decides one model step: which sequence
 of their tokens. A sequence's uncomputed tokens are all_token_ids[num_computed_tokens:]; a decode
 has one (the last sampled token), a prefill has the rest of its prompt, or after a preemption its
 prompt and outputs. The runner samples a token for a sequence only when the step reaches its end.
+
+A step's results come back in two halves: commit() once the step is dispatched (its tokens count as
+computed, each sampling sequence gets a PENDING_TOKEN), resolve() once its sampled tokens are read
+(the pending tokens take their values, stop conditions are checked). Synchronous engines call both
+right away (update_from_output); with async scheduling the next step is scheduled in between, so a
+sequence decodes its pending token, whose value the device supplies from the step before.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import bisect
 import collections
 import dataclasses
 
-from dsjax.engine.sequence import Lane, Sequence, SequenceStatus, finish_reason_of
+from dsjax.engine.sequence import PENDING_TOKEN, Lane, Sequence, SequenceStatus, finish_reason_of
 from dsjax.kv.block_manager import BlockManager
 from dsjax.kv.sharded import ShardedBlockManager
 
@@ -182,6 +188,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted to make room for one ahead of it
                 continue
+            if seq.num_output_tokens >= seq.sampling_params.max_tokens:  # its last token is still pending
+                continue
             num_remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(num_remaining, budget)
             if num_new < num_remaining and not self.enable_chunked_prefill:
@@ -257,6 +265,8 @@ class Scheduler:
             if lane is None:
                 break
             seq = self.waiting[lane][0]
+            if seq.has_pending_token:  # preempted while its last token was in flight: prefill it once known
+                break
             num_new = seq.num_tokens - self.block_manager.get_num_cached_tokens(seq)
             if num_new > budget:
                 if not self.enable_chunked_prefill:
@@ -291,35 +301,55 @@ class Scheduler:
     # ---- results in -----------------------------------------------------------------------------
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Advance the step's sequences, append sampled tokens; returns those finished now."""
-        finished = []
+        """commit() then resolve(), for a step whose tokens are already known; returns the sequences
+        finished now."""
+        self.commit(output)
+        return [item.seq for item in self.resolve(output, sampled) if item.seq.is_finished]
+
+    def commit(self, output: SchedulerOutput) -> None:
+        """The step is on its way: its tokens count as computed, and each sequence it samples for gets
+        a PENDING_TOKEN, so the next schedule() can already decode it."""
         for item in output.scheduled:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted between schedule() and now
                 continue
             seq.num_computed_tokens += item.num_scheduled_tokens
             self.block_manager.cache_full_blocks(seq)
-            if not item.do_sample:
+            if item.do_sample:
+                seq.output_token_ids.append(PENDING_TOKEN)
+
+    def resolve(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[ScheduledSequence]:
+        """The committed step's sampled tokens replace their PENDING_TOKENs and stop conditions are
+        checked. Returns the items that received a token (not those finished or aborted meanwhile:
+        their token was computed for nothing and is dropped)."""
+        received = []
+        for item in output.scheduled:
+            seq = item.seq
+            if not item.do_sample or seq.is_finished:
                 continue
+            index = item.num_computed_tokens + item.num_scheduled_tokens - seq.num_prompt_tokens
+            if index >= seq.num_output_tokens or seq.output_token_ids[index] != PENDING_TOKEN:
+                continue  # never committed
             if seq.request_id not in sampled:
                 raise KeyError(f"request {seq.request_id!r}: step {output.step} owes it a sampled token")
             token_id = sampled[seq.request_id]
-            seq.output_token_ids.append(token_id)
-            status, stop_reason = self._check_stop(seq, token_id)
+            seq.output_token_ids[index] = token_id
+            received.append(item)
+            status, stop_reason = self._check_stop(seq, token_id, index + 1)
             if status is not None:
                 self.finish(seq, status, stop_reason)
-                finished.append(seq)
-        return finished
+        return received
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> tuple[SequenceStatus | None, int | None]:
+    def _check_stop(self, seq: Sequence, token_id: int, num_outputs: int) -> tuple[SequenceStatus | None, int | None]:
+        """Whether seq ends with token_id, its num_outputs-th output token."""
         params = seq.sampling_params
         # Stop strings are the detokenizer's job: the engine calls finish() for them.
-        if seq.num_output_tokens >= params.min_tokens:
+        if num_outputs >= params.min_tokens:
             if token_id in self.eos_token_ids and not params.ignore_eos:
                 return SequenceStatus.FINISHED_STOPPED, None
             if token_id in params.stop_token_ids:
                 return SequenceStatus.FINISHED_STOPPED, token_id
-        if seq.num_output_tokens >= params.max_tokens:
+        if num_outputs >= params.max_tokens:
             return SequenceStatus.FINISHED_LENGTH, None
         return None, None
 

@@ -8,6 +8,11 @@ import enum
 from dsjax.engine.sampling_params import SamplingParams
 
 
+# An output token already sampled on the device but not yet read back (async scheduling): the next step
+# takes its value straight from the device; the host learns it one step later.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -85,6 +90,10 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def has_pending_token(self) -> bool:
+        return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
 
     @property
     def is_decoding(self) -> bool:

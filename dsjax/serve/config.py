@@ -20,7 +20,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # The engine fields the server exposes; None means "EngineConfig's default".
 ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
-                 "num_kv_blocks", "kv_cache_dtype", "kv_cache_group_size", "full_precision_window", "enable_prefix_caching", "enable_chunked_prefill", "max_logprobs", "seed")
+                 "num_kv_blocks", "kv_cache_dtype", "kv_cache_group_size", "full_precision_window", "enable_prefix_caching", "enable_chunked_prefill", "async_scheduling",
+                 "max_logprobs", "seed")
 # The ParallelConfig fields the server exposes; None means "the --parallel-config file's, or 1".
 PARALLEL_FIELDS = ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size", "coordinator_address",
                    "num_processes", "process_id")
@@ -50,6 +51,7 @@ class ServeConfig:
     full_precision_window: int | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
+    async_scheduling: bool | None = None
     max_logprobs: int | None = None
     seed: int | None = None
     # devices (see PARALLEL_FIELDS; docs/parallelism.md)
@@ -89,7 +91,7 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise _refuse(name, value, "a non-empty string (or unset)")
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "async_scheduling"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise _refuse(name, getattr(self, name), "true or false")
         if isinstance(self.kv_cache_memory, str):
@@ -187,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--kv-cache-dtype (int8/fp8)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
+                   help="queue each engine step before reading the previous one's tokens (host work overlaps "
+                        "the device's)")
     p.add_argument("--max-logprobs", type=int, help="largest logprobs / top_logprobs a request may ask for")
     p.add_argument("--seed", type=int, help="engine seed for requests without one")
     p.add_argument("--parallel-config", help="YAML of parallel sizes (configs/parallel/*.yaml, or a preset name)")

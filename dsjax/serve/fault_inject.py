@@ -20,20 +20,20 @@ class InjectedFault(RuntimeError):
 
 
 def install(engine, marker: str) -> None:
-    """Wraps engine.runner.execute (an instance attribute, the engine's code is untouched)."""
+    """Wraps engine.runner.dispatch (an instance attribute, the engine's code is untouched)."""
     if not marker:
         raise ValueError(f"{ENV_VAR}={marker!r}: accepted a non-empty marker string")
     log.warning("%s is set: engine steps with a prompt containing %r will raise (test-only)", ENV_VAR, marker)
-    tokenizer, execute = engine.tokenizer, engine.runner.execute
+    tokenizer, dispatch = engine.tokenizer, engine.runner.dispatch
     poisoned: dict[str, bool] = {}  # sequence id -> its prompt contains the marker (grows; test-only)
 
-    def execute_or_raise(out, rows):
+    def dispatch_or_raise(out, rows, pending_rows=None):
         for item in out.scheduled:
             key = item.seq.request_id
             if key not in poisoned:
                 poisoned[key] = marker in tokenizer.decode(item.seq.prompt_token_ids)
             if poisoned[key]:
                 raise InjectedFault(f"injected fault: request {item.seq.request_id!r} carries {marker!r}")
-        return execute(out, rows)
+        return dispatch(out, rows, pending_rows)
 
-    engine.runner.execute = execute_or_raise
+    engine.runner.dispatch = dispatch_or_raise

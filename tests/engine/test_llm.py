@@ -84,6 +84,11 @@ def test_seed_reproduces_samples_regardless_of_batch(llm):
                          [SamplingParams(max_tokens=5, temperature=1.0), params,
                           SamplingParams(max_tokens=9, temperature=0.7)])
     assert crowd[1].outputs[0].token_ids == alone
+    # And an unfiltered seeded request draws the same whether or not a neighbour filters (top-k/p).
+    plain = SamplingParams(max_tokens=12, temperature=1.0, seed=77, ignore_eos=True)
+    plain_alone = llm.generate(["the quick brown fox"], plain)[0].outputs[0].token_ids
+    beside_filter = llm.generate(["the quick brown fox", "other"], [plain, params])[0].outputs[0].token_ids
+    assert beside_filter == plain_alone
     other_seed = llm.generate(["the quick brown fox"], SamplingParams(
         max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True))[0].outputs[0].token_ids
     assert other_seed != alone
@@ -190,13 +195,13 @@ def test_failed_step_aborts_only_its_requests(llm, monkeypatch):
     engine.add_request("ok", None, params, prompt_token_ids=[5, 6, 7])
     engine.step()  # "ok" is running before the bad request arrives
     engine.add_request("bad", None, params, prompt_token_ids=[8, 9])
-    real = engine.runner.execute
+    real = engine.runner.dispatch
 
-    def fail_once(out, rows):
-        monkeypatch.setattr(engine.runner, "execute", real)
+    def fail_once(out, rows, pending_rows=None):
+        monkeypatch.setattr(engine.runner, "dispatch", real)
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "execute", fail_once)
+    monkeypatch.setattr(engine.runner, "dispatch", fail_once)
     with pytest.raises(StepFailedError) as err:
         engine.step()
     assert sorted(err.value.request_ids) == ["bad", "ok"]  # both were in the failed step

@@ -37,7 +37,8 @@ class FakeRunner:
         self.gate = threading.Event()
         self.gate.set()
 
-    def execute(self, out, rows) -> StepResult:
+    def dispatch(self, out, rows, pending_rows=None) -> StepResult:
+        """The step's result stands in for its handle: the fake device is done when dispatch returns."""
         self.gate.wait()
         if self.step_delay:
             time.sleep(self.step_delay)
@@ -49,6 +50,9 @@ class FakeRunner:
         self.num_useful_tokens += out.num_batched_tokens
         self.num_padded_tokens += self.buckets.pick(out.num_batched_tokens)
         return StepResult(token_ids, top_logprobs[:, 0].copy(), top_ids, top_logprobs)
+
+    def fetch(self, handle: StepResult) -> StepResult:
+        return handle
 
     @property
     def padding_ratio(self) -> float:

@@ -1,0 +1,115 @@
+"""Async scheduling: each step is queued before the previous one's tokens are read, and a decode takes
+its pending token straight from the device. Outputs must equal the synchronous engine's exactly, with
+stops, preemption, prefix hits, n > 1, logprobs and seeds; aborts and failures must not leak blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsjax import LLM, SamplingParams
+from dsjax.engine.llm_engine import StepFailedError
+from dsjax.engine.sequence import PENDING_TOKEN
+
+# A pool of 24 blocks x 4 tokens for up to 8 sequences: the mixed set below preempts.
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=384, block_size=4, num_kv_blocks=24)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return (LLM("tiny", dtype="float32", progress=False, **ENGINE),
+            LLM("tiny", dtype="float32", progress=False, async_scheduling=True, **ENGINE))
+
+
+def mixed_requests(stop_token: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [[5, 6, 7], list(range(3, 43)), [9, 8, 7, 6, 5, 4, 3], list(range(3, 43)) + [11, 12],
+               [100, 101], list(range(50, 70)), [7] * 13, [21, 22, 23, 24]]
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=9, temperature=1.0, seed=3, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.0, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=11, temperature=0.7, top_p=0.9, seed=11, min_tokens=4, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, stop=["e"], ignore_eos=True),
+    ]
+    return prompts, params
+
+
+def summary(outputs) -> list:
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.logprobs and
+              [{t: round(lp, 4) for t, lp in entry.items()} for entry in c.logprobs]) for c in out.outputs]
+            for out in outputs]
+
+
+def test_async_outputs_equal_sync(engines):
+    sync, overlapped = engines
+    greedy = sync.generate([[9, 8, 7, 6, 5, 4, 3]], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    stop_token = greedy.outputs[0].token_ids[5]  # request 2 stops on its 6th token (or earlier)
+    prompts, params = mixed_requests(stop_token)
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    got = overlapped.generate(prompts, params, use_tqdm=False)
+    assert summary(got) == summary(expected)
+    assert got[2].outputs[0].finish_reason == "stop" and len(got[2].outputs[0].token_ids) <= 6
+    for cpl_got, cpl_expected in zip(got[3].outputs, expected[3].outputs):
+        assert cpl_got.cumulative_logprob == pytest.approx(cpl_expected.cumulative_logprob, abs=1e-4)
+    assert overlapped.stats()["num_preemptions"] > 0  # the small pool forced recomputation
+    # The second pass hits the prefix cache in both, with the same tokens.
+    assert summary(overlapped.generate(prompts, params, use_tqdm=False)) == summary(expected)
+    assert overlapped.stats()["prefix_cache_hits"] > 0
+    for llm in engines:
+        assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_blocks_used == 0
+        llm.engine.scheduler.check_invariants()
+
+
+def test_async_step_reports_one_call_later(engines):
+    engine = engines[1].engine
+    steps = engine.num_steps
+    engine.add_request("a", None, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+                       prompt_token_ids=[5, 6, 7])
+    assert engine.step() == []  # the prefill is queued; nothing read yet
+    seq = engine.scheduler.get("a")
+    assert seq.output_token_ids == [PENDING_TOKEN]  # sampled on the device, not yet known here
+    tokens = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+            assert PENDING_TOKEN not in tokens
+    assert len(tokens) == 3 and out.finished and out.outputs[0].finish_reason == "length"
+    # max_tokens is known ahead: no step is spent past it (prefill + 2 decodes).
+    assert engine.num_steps - steps == 3
+    assert engine.block_manager.num_blocks_used == 0
+
+
+def test_async_abort_while_in_flight(engines):
+    engine = engines[1].engine
+    engine.add_request("gone", None, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                       prompt_token_ids=[5, 6, 7, 8])
+    engine.step()
+    engine.step()  # a decode of the pending token is in flight
+    assert engine.abort_request("gone")
+    assert engine.has_unfinished_requests()  # its step still has to land
+    assert engine.step() == []
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_blocks_used == 0
+    engine.scheduler.check_invariants()
+
+
+def test_async_failed_read_aborts_both_queued_steps(engines, monkeypatch):
+    engine = engines[1].engine
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", None, params, prompt_token_ids=[5, 6, 7])
+    engine.step()  # "first" is in flight
+    engine.add_request("second", None, params, prompt_token_ids=[8, 9])
+    real = engine.runner.fetch
+
+    def fail_once(handle):
+        monkeypatch.setattr(engine.runner, "fetch", real)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "fetch", fail_once)
+    with pytest.raises(StepFailedError) as err:
+        engine.step()  # queues a step with both, then reading the first step fails
+    assert sorted(err.value.request_ids) == ["first", "second"]
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_blocks_used == 0
+    out = engines[1].generate([[5, 6, 7]], params, use_tqdm=False)[0]  # and the engine keeps serving
+    assert len(out.outputs[0].token_ids) == 6
