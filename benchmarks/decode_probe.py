@@ -66,15 +66,13 @@ def compiled_step_ms(engine, repeats: int = 20) -> float:
     runner = engine.runner
     out = engine.scheduler.schedule()
     t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
-    inputs, compiled, cache = runner.place_inputs(inputs), runner._compiled[t], runner.cache
     for _ in range(3):
-        cache, result, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
+        result = runner.launch(t, inputs)
     jax.block_until_ready(result)
     start = time.perf_counter()
     for _ in range(repeats):
-        cache, result, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
-    jax.block_until_ready((cache, result))
-    runner.cache = cache  # the old one was donated
+        result = runner.launch(t, inputs)
+    jax.block_until_ready((runner.cache, result))
     return (time.perf_counter() - start) / repeats * 1e3
 
 

@@ -64,23 +64,19 @@ def main(argv=None):
     start = time.perf_counter()
     t, inputs, _ = runner.prepare(out, rows, engine._pending_rows)
     prepare_s = time.perf_counter() - start
-    inputs = jax.device_put(runner.place_inputs(inputs))
-    compiled = runner._compiled[t]
-    cache = runner.cache
     for _ in range(3):
-        cache, res, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
+        res = runner.launch(t, inputs)
     jax.block_until_ready(res)
     start = time.perf_counter()
     n = 20
     for _ in range(n):
-        cache, res, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
-    jax.block_until_ready((cache, res))
+        res = runner.launch(t, inputs)
+    jax.block_until_ready((runner.cache, res))
     device_s = (time.perf_counter() - start) / n
     with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
         for _ in range(3):
-            cache, res, _ = compiled(runner.state, cache, inputs, runner.last_tokens)
-        jax.block_until_ready((cache, res))
-    runner.cache = cache
+            res = runner.launch(t, inputs)
+        jax.block_until_ready((runner.cache, res))
     print(f"batch {b}: engine.step {np.median(host) * 1e3:.2f} ms, compiled step alone {device_s * 1e3:.2f} ms, "
           f"prepare {prepare_s * 1e3:.3f} ms")
     files = glob.glob(f"{args.trace_dir}/**/perfetto_trace.json.gz", recursive=True)

@@ -11,6 +11,10 @@ the step's arrays are P slices of T tokens and S rows, rank p's at [p*T, (p+1)*T
 local to its slice, and T is the bucket of the busiest rank. The sampled tokens come back gathered
 and replicated, so every process of a multi-host run reads them.
 
+A step is two programs: the forward (per bucket: tokens -> cache writes and the sampled rows'
+logits) and the sampler (per row count and the batch's sampling features: top-k/top-p filtering,
+logprobs, decided on the host). Nothing in either waits on the host, so queuing a step never blocks.
+
 Async scheduling: dispatch() returns as soon as the step is queued; fetch() reads its sampled tokens.
 Each step also returns its tokens as a device array of max_num_seqs rows per rank (``last_tokens``),
 and the next step takes any token whose value the host does not know yet (a PENDING_TOKEN) from it:
@@ -20,6 +24,7 @@ and the next step takes any token whose value the host does not know yet (a PEND
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import NamedTuple
@@ -109,15 +114,17 @@ class ModelRunner:
         self.cache = self._zero_cache()
         self.eos_token_ids = tuple(eos_token_ids)
         self.progress = progress
-        step = self._step
+        forward = self._forward
         if self.mesh is not None:
-            step = jax.shard_map(step, mesh=self.mesh, out_specs=(CACHE_SPEC, P(), P()),
-                                 in_specs=(param_specs(self.state), CACHE_SPEC, self._input_specs(), P()),
-                                 check_vma=checks_vma(model.kernel_backend))
-        self._jitted = jax.jit(step, donate_argnums=(1,))
+            forward = jax.shard_map(forward, mesh=self.mesh, out_specs=(CACHE_SPEC, batch_spec(2)),
+                                    in_specs=(param_specs(self.state), CACHE_SPEC,
+                                              self._input_specs()._replace(sampling=None), P()),
+                                    check_vma=checks_vma(model.kernel_backend))
+        self._jitted = jax.jit(forward, donate_argnums=(1,))
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
         self.last_tokens = self._zero_last_tokens()
         self._compiled: dict[int, jax.stages.Compiled] = {}
+        self._samplers: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, filtered, logprobs)
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
         self.num_useful_tokens = 0  # scheduled tokens, summed over steps
@@ -131,16 +138,38 @@ class ModelRunner:
         self.compile_all()
 
     # ----- compiled steps ------------------------------------------------------------------------
-    def _step(self, state, cache, inputs: StepInputs, last_tokens):
-        """One rank's step (all of it without a mesh): its tokens, its cache slice, its rows.
-        last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
+    def _forward(self, state, cache, inputs: StepInputs, last_tokens):
+        """One rank's forward (all of it without a mesh): its tokens, its cache slice, the logits of its
+        rows. last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
         model = nnx.merge(self.graphdef, state)
         sources = inputs.token_sources
         tokens = jnp.where(sources >= 0, last_tokens[jnp.maximum(sources, 0)], inputs.tokens)
         hidden, cache = model.forward_paged(tokens, cache, inputs.batch)
-        logits = model.compute_logits(hidden[inputs.logits_indices])
-        result = gather_batch(sample(logits, inputs.sampling, self.eos_token_ids, self.config.max_logprobs))
-        return cache, result, jnp.pad(result.token_ids, (0, last_tokens.shape[0] - result.token_ids.shape[0]))
+        return cache, model.compute_logits(hidden[inputs.logits_indices])
+
+    def _sample(self, logits, sampling: SamplingArrays, *, filtered: bool, logprobs: bool):
+        """One rank's rows sampled; -> (every rank's SampleResult, its tokens padded to last_tokens)."""
+        result = gather_batch(sample(logits, sampling, self.eos_token_ids, self.config.max_logprobs,
+                                     filtered=filtered, logprobs=logprobs))
+        rows = self.num_shards * self.config.max_num_seqs
+        return result, jnp.pad(result.token_ids, (0, rows - result.token_ids.shape[0]))
+
+    def _sampler(self, rows: int, filtered: bool, logprobs: bool) -> jax.stages.Compiled:
+        """The sampler for ``rows`` rows a rank, compiled on first use (the plain one with every bucket)."""
+        key = (rows, filtered, logprobs)
+        if key not in self._samplers:
+            start = time.perf_counter()
+            fn = functools.partial(self._sample, filtered=filtered, logprobs=logprobs)
+            if self.mesh is not None:
+                specs = self._input_specs().sampling
+                fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(batch_spec(2), specs), out_specs=(P(), P()))
+            shapes = self._abstract_inputs(rows)  # a bucket of `rows` tokens has `rows` rows
+            logits = jax.ShapeDtypeStruct((self.num_shards * rows, self.model_config.vocab_size), jnp.float32,
+                                          sharding=None if self.mesh is None else
+                                          NamedSharding(self.mesh, batch_spec(2)))
+            self._samplers[key] = jax.jit(fn).lower(logits, shapes.sampling).compile()
+            self.compile_seconds += time.perf_counter() - start
+        return self._samplers[key]
 
     def _last_tokens_shape(self) -> jax.ShapeDtypeStruct:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -197,8 +226,9 @@ class ModelRunner:
         todo = [t for t in self.buckets.sizes if t not in self._compiled]
         start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
-            self._compiled[t] = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t),
+            self._compiled[t] = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t)._replace(sampling=None),
                                                    self._last_tokens_shape()).compile()
+            self._sampler(self.num_rows(t), False, False)
             self.num_compiled_shapes += 1
         self.compile_seconds += time.perf_counter() - start
 
@@ -281,17 +311,26 @@ class ModelRunner:
         if len(rows) != out.num_seqs:
             raise ValueError(f"{len(rows)} sampling rows for {out.num_seqs} scheduled sequences")
         t, inputs, row_of = self.prepare(out, rows, pending_rows)
+        return StepHandle(t, row_of, self.launch(t, inputs), out.num_batched_tokens)
+
+    def launch(self, t: int, inputs: StepInputs) -> SampleResult:
+        """Queues the forward of bucket t and its sampler on host inputs (from prepare); updates the
+        cache and last_tokens, and returns the device result."""
         compiled = self._compiled.get(t)
         if compiled is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
             compiled = self._compiled[t]
+        arrays = inputs.sampling
+        filtered = bool(np.any((arrays.temperature > 0) & ((arrays.top_k > 0) | (arrays.top_p < 1))))
+        sampler = self._sampler(self.num_rows(t), filtered, bool(np.any(arrays.num_logprobs > 0)))
+        placed = self.place_inputs(inputs)
         try:
-            self.cache, result, self.last_tokens = compiled(self.state, self.cache, self.place_inputs(inputs),
-                                                            self.last_tokens)
+            self.cache, logits = compiled(self.state, self.cache, placed._replace(sampling=None), self.last_tokens)
+            result, self.last_tokens = sampler(logits, placed.sampling)
         except Exception:
             self._recover_cache()
             raise
-        return StepHandle(t, row_of, result, out.num_batched_tokens)
+        return result
 
     def fetch(self, handle: StepHandle) -> StepResult:
         """Waits for a dispatched step and reads its samples: the one host sync of a step."""

@@ -51,21 +51,26 @@ def _plain_sample(logits, arrays: SamplingArrays, keys):
     return jax.vmap(jax.random.categorical)(keys, scaled)
 
 
-def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_top_logprobs: int) -> SampleResult:
-    """logits f32[S, V] -> SampleResult."""
+def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_top_logprobs: int, *,
+           filtered: bool = True, logprobs: bool = True) -> SampleResult:
+    """logits f32[S, V] -> SampleResult.
+
+    filtered / logprobs (static, decided on the host from the batch's settings): whether any row uses
+    top-k / top-p (the sorted path; rows that filter nothing draw as without it), and whether any
+    wants top log-probabilities (else top_ids / top_logprobs are zeros). Static, not lax.cond: a
+    conditional makes the GPU runtime read its predicate back, blocking the host mid-step."""
     if eos_token_ids:
         eos = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(eos_token_ids)].set(True)
         logits = jnp.where(arrays.mask_eos[:, None] & eos[None, :], -jnp.inf, logits)
     keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(arrays.seeds, arrays.counters)
     greedy = jnp.argmax(logits, axis=-1)
-    needs_filter = jnp.any((arrays.temperature > 0) & ((arrays.top_k > 0) | (arrays.top_p < 1)))
-    drawn = jax.lax.cond(needs_filter, _filtered_sample, _plain_sample, logits, arrays, keys)
+    drawn = (_filtered_sample if filtered else _plain_sample)(logits, arrays, keys)
     token_ids = jnp.where(arrays.temperature > 0, drawn, greedy).astype(jnp.int32)
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(logprobs, token_ids[:, None], axis=-1)[:, 0]
-    # *_like: the zeros take the logits' varying mesh axes when this runs inside a shard_map.
-    none = lambda lp: (jnp.zeros_like(lp[:, :num_top_logprobs]), jnp.zeros_like(lp[:, :num_top_logprobs], jnp.int32))
-    top = lambda lp: tuple(jax.lax.top_k(lp, num_top_logprobs))
-    # Most steps want no logprobs: skip the top-k over the vocabulary then.
-    top_logprobs, top_ids = jax.lax.cond(jnp.any(arrays.num_logprobs > 0), top, none, logprobs)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(log_probs, token_ids[:, None], axis=-1)[:, 0]
+    if logprobs:
+        top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
+    else:  # *_like: the zeros take the logits' varying mesh axes when this runs inside a shard_map
+        top_logprobs = jnp.zeros_like(log_probs[:, :num_top_logprobs])
+        top_ids = jnp.zeros_like(log_probs[:, :num_top_logprobs], jnp.int32)
     return SampleResult(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)
