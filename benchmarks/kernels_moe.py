@@ -16,7 +16,12 @@ enters), each call's inputs tied to the previous output by an optimization barri
     python benchmarks/kernels_moe.py                 # GPU: table + benchmarks/results/moe_h200.json
     python benchmarks/kernels_moe.py --only grouped  # one section: grouped, layer, route or swiglu
     python benchmarks/kernels_moe.py --no-sweep      # table defaults only
+    python benchmarks/kernels_moe.py --focus         # the issue's targets only (about a minute on an H200)
     python benchmarks/kernels_moe.py --quick         # tiny shapes, interpret mode on CPU (smoke test)
+
+``--focus``: V2-Lite T=256 and T=8192 only, table-default tiles: the grouped SwiGLU and down
+projection (sorted rows, and the layer's in-kernel gather / scatter variants) and the whole layer
+against both XLA paths; results in moe_h200_focus.json. Combines with ``--quick`` for a CPU check.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ from benchmarks.common import device_time_us, environment, write_result  # noqa:
 from pallas_kernels.grouped_swiglu import (DOWN_TILES, SWIGLU_TILES, TileConfig,  # noqa: E402
                                            grouped_matmul, grouped_swiglu, pick_config)
 from pallas_kernels.moe_experts import moe_experts, moe_experts_reference, moe_experts_xla  # noqa: E402
-from pallas_kernels.moe_routing import (RoutingSpec, route, route_reference, sort_by_expert,  # noqa: E402
-                                        sort_by_expert_reference)
+from pallas_kernels.moe_routing import RoutingSpec, route, route_reference  # noqa: E402
+from pallas_kernels.moe_sort import sort_by_expert, sort_by_expert_reference  # noqa: E402
 from pallas_kernels.swiglu import swiglu, swiglu_reference  # noqa: E402
 
 PEAK_TFLOPS, PEAK_TBS = 660.0, 4.8  # measured bf16 matmul ceiling and HBM spec, for the estimates
@@ -178,8 +183,10 @@ def _configs(table, sweep, shape: MoeShape, width, depth, enabled: bool) -> list
     return list(dict.fromkeys(configs))
 
 
-def bench_grouped(bench: Bench, shape: MoeShape, *, sweep: bool) -> dict:
-    """Grouped SwiGLU and grouped down projection on pre-sorted rows; returns the best tiles."""
+def bench_grouped(bench: Bench, shape: MoeShape, *, sweep: bool, anchors: bool = True) -> dict:
+    """Grouped SwiGLU and grouped down projection on pre-sorted rows, then the layer's variants
+    (token gather, scatter back to assignment order) at the best tiles; returns the best tiles.
+    ``anchors``: also time ragged_dot."""
     t, e, d, i, k = shape.num_tokens, shape.num_experts, shape.hidden, shape.inter, shape.top_k
     print(f"grouped {shape.name}: T={t} E={e} D={d} I={i} k={k}", flush=True)
     data = _moe_inputs(shape)
@@ -201,10 +208,10 @@ def bench_grouped(bench: Bench, shape: MoeShape, *, sweep: bool) -> dict:
     best_swiglu = bench.best(section, shape.name, "grouped_swiglu")
     if best_swiglu is not None:  # the layer's variant: token rows gathered inside the kernel
         config = best_swiglu["config"]
-        fn = lambda x, r, g, wg, wu: grouped_swiglu(x, g, wg, wu, row_ids=r, **config,
+        fn = lambda x, o, g, wg, wu: grouped_swiglu(x, g, wg, wu, order=o, top_k=k, **config,
                                                     interpret=bench.interpret)
         bench.run(section, shape, "grouped_swiglu_gather", config, fn,
-                  (data["x"], order // k, group_sizes, data["w_gate"], data["w_up"]),
+                  (data["x"], order, group_sizes, data["w_gate"], data["w_up"]),
                   estimate_s=estimate(gate_up_flops, gate_up_bytes), flops=gate_up_flops,
                   bytes_read=gate_up_bytes)
 
@@ -214,18 +221,25 @@ def bench_grouped(bench: Bench, shape: MoeShape, *, sweep: bool) -> dict:
         bench.run(section, shape, "grouped_matmul", config._asdict(), fn,
                   (h_sorted, group_sizes, data["w_down"], row_scale),
                   estimate_s=estimate(down_flops, down_bytes), flops=down_flops, bytes_read=down_bytes)
+    best_matmul = bench.best(section, shape.name, "grouped_matmul")
+    if best_matmul is not None:  # the layer's variant: rows stored back in (token, slot) order
+        config = best_matmul["config"]
+        fn = lambda h, g, w, o, s: grouped_matmul(h, g, w, order=o, row_scale=s, **config,
+                                                  interpret=bench.interpret)
+        bench.run(section, shape, "grouped_matmul_scatter", config, fn,
+                  (h_sorted, group_sizes, data["w_down"], order, data["weights"].reshape(-1)),
+                  estimate_s=estimate(down_flops, down_bytes), flops=down_flops, bytes_read=down_bytes)
 
     def xla_swiglu(x, g, wg, wu):  # one XLA dot per expert would be T*E work: use ragged_dot
         gate = jax.lax.ragged_dot(x, wg, g, preferred_element_type=jnp.float32)
         up = jax.lax.ragged_dot(x, wu, g, preferred_element_type=jnp.float32)
         return (jax.nn.silu(gate) * up).astype(x.dtype)
 
-    if not bench.interpret:  # ragged_dot's CPU path is fine but pointless to time here
+    if anchors and not bench.interpret:  # ragged_dot's CPU path is fine but pointless to time here
         bench.run(section, shape, "ragged_dot_swiglu", {}, xla_swiglu,
                   (x_sorted, group_sizes, data["w_gate"], data["w_up"]),
                   estimate_s=estimate(gate_up_flops, gate_up_bytes) * 20, flops=gate_up_flops,
                   bytes_read=gate_up_bytes, slow=True)
-    best_matmul = bench.best(section, shape.name, "grouped_matmul")
     return dict(swiglu=TileConfig(**best_swiglu["config"]) if best_swiglu else None,
                 down=TileConfig(**best_matmul["config"]) if best_matmul else None)
 
@@ -286,9 +300,9 @@ def bench_route(bench: Bench, shape: RouteShape, *, sweep: bool) -> None:
         bench.run("route", shape, "route", config, fn, (logits, bias), estimate_s=estimate)
     bench.run("route", shape, "xla_route_reference", {},
               lambda l, b: route_reference(l, b, spec), (logits, bias), estimate_s=estimate * 3)
-    # The expert sort that follows routing: counting formulation against XLA's argsort.
-    bench.run("route", shape, "sort_by_expert", {}, lambda i: sort_by_expert(i, e), (ids,),
-              estimate_s=estimate)
+    # The expert sort that follows routing: the sort kernel against XLA's stable argsort.
+    bench.run("route", shape, "sort_by_expert", {},
+              lambda i: sort_by_expert(i, e, interpret=bench.interpret), (ids,), estimate_s=estimate)
     bench.run("route", shape, "xla_argsort", {}, lambda i: sort_by_expert_reference(i, e), (ids,),
               estimate_s=estimate)
 
@@ -379,18 +393,23 @@ def print_summary(summary: dict, env: dict) -> None:
         print(f"  {key:<56} {value:8.2f}  {'PASS' if ok else 'MISS'}")
 
 
-def run(*, quick: bool = False, sweep: bool = True, only: str | None = None,
+def run(*, quick: bool = False, sweep: bool = True, only: str | None = None, focus: bool = False,
         out_name: str | None = "moe_h200") -> dict:
     """Benchmarks the chosen sections, printing rows as they come; the results file is rewritten
-    after every shape, so a run cut short keeps what it measured."""
+    after every shape, so a run cut short keeps what it measured. ``focus``: the grouped and layer
+    rows of the MoE shapes only, table tiles, no ragged_dot anchor (see the module docstring)."""
+    if focus and only is not None:
+        raise ValueError(f"focus picks its own sections; got only={only!r} too")
     bench = Bench(quick=quick)
-    sweep = sweep and not quick
+    sweep = sweep and not quick and not focus
     shapes = dict(moe=QUICK_MOE if quick else MOE_SHAPES, route=QUICK_ROUTE if quick else ROUTE_SHAPES,
                   dense=QUICK_DENSE if quick else DENSE_SHAPES)
+    if focus:
+        shapes.update(route=[], dense=[])
     env = environment()
 
     def save() -> dict:
-        payload = dict(**env, gpu=env["device"], quick=quick, targets_h200=TARGETS,
+        payload = dict(**env, gpu=env["device"], quick=quick, focus=focus, targets_h200=TARGETS,
                        shapes={k: [s._asdict() | ({"spec": s.spec._asdict()} if hasattr(s, "spec") else {})
                                    for s in v] for k, v in shapes.items()},
                        rows=bench.rows, **summarize(bench, shapes))
@@ -401,7 +420,8 @@ def run(*, quick: bool = False, sweep: bool = True, only: str | None = None,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
         for shape in shapes["moe"] if only in (None, "grouped", "layer") else []:
-            tiles = bench_grouped(bench, shape, sweep=sweep) if only != "layer" else None
+            tiles = (bench_grouped(bench, shape, sweep=sweep, anchors=not focus) if only != "layer"
+                     else None)
             if only != "grouped":
                 bench_layer(bench, shape, tiles, sweep=sweep)
             save()
@@ -422,15 +442,24 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU)")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="table defaults only")
-    parser.add_argument("--only", choices=("grouped", "layer", "route", "swiglu"),
-                        help="one section (the layer then uses table-default tiles)")
+    sections = parser.add_mutually_exclusive_group()
+    sections.add_argument("--only", choices=("grouped", "layer", "route", "swiglu"),
+                          help="one section (the layer then uses table-default tiles)")
+    sections.add_argument("--focus", action="store_true",
+                          help="the issue's targets only: grouped kernels and the layer at V2-Lite "
+                               "T=256 and T=8192, table tiles (about a minute on an H200)")
     parser.add_argument("--out", default=None,
-                        help="results file stem in benchmarks/results (default moe_h200, or "
-                             "moe_h200_<section> with --only; none with --quick)")
+                        help="results file stem in benchmarks/results (default moe_h200, "
+                             "moe_h200_<section> with --only, moe_h200_focus with --focus; none "
+                             "with --quick)")
     args = parser.parse_args(argv)
-    default_name = "moe_h200" + (f"_{args.only}" if args.only else "")
+    if not args.quick and jax.default_backend() != "gpu":
+        parser.error(f"the kernels need a GPU (JAX backend here: {jax.default_backend()}); --quick "
+                     "runs tiny shapes in interpret mode on CPU")
+    default_name = "moe_h200" + (f"_{args.only}" if args.only else "_focus" if args.focus else "")
     out_name = args.out if args.out is not None else (None if args.quick else default_name)
-    return run(quick=args.quick, sweep=args.sweep, only=args.only, out_name=out_name)
+    return run(quick=args.quick, sweep=args.sweep, only=args.only, focus=args.focus,
+               out_name=out_name)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Grouped expert GEMMs over expert-sorted rows: the fused gate/up SwiGLU and the down projection.
 
 Rows arrive sorted by expert (``group_sizes[e]`` consecutive rows per expert, see
-``moe_routing.sort_by_expert``). A jnp-built tile schedule cuts each expert's rows into M tiles of
-block_m rows that never straddle experts: a tile starts at its expert's first row plus a multiple of
-block_m and masks rows past its expert's end, so no padded copy of the activations is needed. The
-schedule has a static worst-case length; tiles past the real count do nothing. Empty experts get no
-tiles and read no weights.
+``moe_sort.sort_by_expert``). Each program locates its own M tile from group_sizes (``locate_tile``):
+each expert's rows are cut into M tiles of block_m rows that never straddle experts, a tile starting
+at its expert's first row plus a multiple of block_m and masking rows past its expert's end, so no
+padded copy of the activations is needed. The grid has a static worst-case length; tiles past the
+real count do nothing. Empty experts get no tiles and read no weights. In the MoE layer the token
+gather (SwiGLU) and the scatter back to (token, slot) order (down projection) happen inside the
+kernels too, so only the combine runs outside them.
 
 Program order puts the N tiles of one M tile next to each other and the M tiles of one expert next to
 each other: an expert held in one M tile (decode, with the table's block_m) reads each weight tile from
@@ -69,26 +71,41 @@ def pick_config(table, num_rows: int, num_experts: int, width: int, depth: int, 
                            block_n=fit(config.block_n, width), block_k=fit(config.block_k, depth))
 
 
-def tile_schedule(group_sizes, num_rows: int, block_m: int):
-    """group_sizes i32[E] -> i32[3, num_tiles]: (expert, first row, end row) of every M tile.
+def locate_tile(group_sizes, tile, *, block_m: int, num_rows: int, num_experts: int):
+    """group_sizes i32[E'] (entries past E zero), M tile index -> (expert, first row, end row).
 
-    num_tiles is the static worst case: sum_e cdiv(size_e, block_m) <= (M + n(block_m-1)) / block_m
-    with n = min(E, M) non-empty experts. Unused tiles are (0, 0, 0): empty row range.
+    Each expert takes cdiv(size, block_m) consecutive M tiles, in expert order: a tile starts at its
+    expert's first row plus a multiple of block_m and ends (exclusive) at the expert's end, so no tile
+    straddles experts. Tiles past the last get (0, 0, 0): no rows. Plain jnp on an [E'] vector, so each
+    kernel program locates its own tile (one cumsum and a few sums over E: no schedule array, and no
+    XLA op between the expert sort and the kernel) and ``tile_schedule`` lays out the same for tests.
     """
-    num_experts = group_sizes.shape[0]
-    num_tiles = max(1, (num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m)
     sizes = group_sizes.astype(jnp.int32)
-    group_starts = jnp.cumsum(sizes) - sizes
-    group_ends = jnp.minimum(group_starts + sizes, num_rows)
+    expert_id = jnp.arange(sizes.shape[0], dtype=jnp.int32)
     tiles = (sizes + block_m - 1) // block_m
-    tile_ends = jnp.cumsum(tiles)
-    tile = jnp.arange(num_tiles, dtype=jnp.int32)
-    expert = jnp.sum(tile_ends[None, :] <= tile[:, None], axis=1, dtype=jnp.int32)  # E past the end
+    before = jnp.cumsum(tiles) <= tile  # experts whose tiles all come earlier: a prefix of them
+    expert = jnp.sum(jnp.where(before, 1, 0))
+    start = jnp.sum(jnp.where(before, sizes, 0))
+    first = start + (tile - jnp.sum(jnp.where(before, tiles, 0))) * block_m
+    end = jnp.minimum(start + jnp.sum(jnp.where(expert_id == expert, sizes, 0)), num_rows)
     used = expert < num_experts
-    expert = jnp.minimum(expert, num_experts - 1)
-    first = group_starts[expert] + (tile - (tile_ends - tiles)[expert]) * block_m
-    end = group_ends[expert]
-    return jnp.stack([jnp.where(used, expert, 0), jnp.where(used, first, 0), jnp.where(used, end, 0)])
+    return jnp.where(used, expert, 0), jnp.where(used, first, 0), jnp.where(used, end, 0)
+
+
+def num_m_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    """Static worst case of sum_e cdiv(size_e, block_m) <= (M + n(block_m-1)) / block_m, with
+    n = min(E, M) non-empty experts: the grid's M extent (tiles past the real count do nothing)."""
+    return max(1, (num_rows + min(num_experts, num_rows) * (block_m - 1)) // block_m)
+
+
+def tile_schedule(group_sizes, num_rows: int, block_m: int):
+    """group_sizes i32[E] -> i32[3, num_tiles]: (expert, first row, end row) of every M tile, as the
+    kernel programs locate them."""
+    num_experts = group_sizes.shape[0]
+    locate = functools.partial(locate_tile, group_sizes, block_m=block_m, num_rows=num_rows,
+                               num_experts=num_experts)
+    tiles = jnp.arange(num_m_tiles(num_rows, num_experts, block_m), dtype=jnp.int32)
+    return jnp.stack(jax.vmap(locate)(tiles))
 
 
 def _load_weight_tile(w_ref, expert, k0, n0, *, block_k, block_n, depth, width):
@@ -105,58 +122,75 @@ def _load_weight_tile(w_ref, expert, k0, n0, *, block_k, block_n, depth, width):
     return plgpu.load(window, mask=mask, other=0)
 
 
-def _program_tile(schedule_ref, *, num_n_tiles, block_m, depth, block_k):
-    """This program's expert, first row, rows [bm] and row mask, N tile, and whether the tile has rows.
+def _program_tile(group_sizes_ref, offset_ref, *, num_n_tiles, block_m, num_rows):
+    """This program's expert (weights index), first row, rows [bm] and row mask, N tile, and whether
+    the tile has rows.
 
-    Unused tiles (the schedule is sized for the worst case) skip all work under ``pl.when``: they
-    load no weights and store nothing. (A data-dependent trip count would express the same, but the
-    GPU's Triton rejects the mixed-type scf.for bounds Pallas emits for it.)
+    Unused tiles (the grid is sized for the worst case) skip all work under ``pl.when``: they load no
+    weights and store nothing. (A data-dependent trip count would express the same, but the GPU's
+    Triton rejects the mixed-type scf.for bounds Pallas emits for it.)
     """
     pid = pl.program_id(0)
     tile, n_tile = pid // num_n_tiles, pid % num_n_tiles
-    expert, first, end = schedule_ref[0, tile], schedule_ref[1, tile], schedule_ref[2, tile]
+    num_experts = group_sizes_ref.shape[0]
+    padded = pl.next_power_of_2(num_experts)  # Triton vectors have power-of-two lengths
+    window = group_sizes_ref.at[pl.ds(0, padded)]
+    sizes = (plgpu.load(window) if padded == num_experts
+             else plgpu.load(window, mask=jnp.arange(padded) < num_experts, other=0))
+    expert, first, end = locate_tile(sizes, tile, block_m=block_m, num_rows=num_rows,
+                                     num_experts=num_experts)
+    if offset_ref is not None:
+        expert = expert + offset_ref[0]
     rows = first + jnp.arange(block_m)
     return expert, first, rows, rows < end, n_tile, first < end
 
 
-def _grouped_swiglu_kernel(schedule_ref, x_ref, *refs, block_m, block_n, block_k, num_n_tiles,
-                           gather):
-    # schedule_ref i32[3, num_tiles]; x_ref [M, D] sorted rows, or [T, D] when gather;
-    # (row_ids_ref i32[M] when gather); w_gate_ref/w_up_ref [E, D, I]; out_ref [M, I]
-    if gather:
-        row_ids_ref, w_gate_ref, w_up_ref, out_ref = refs
-    else:
-        (w_gate_ref, w_up_ref, out_ref), row_ids_ref = refs, None
+def _optional_refs(refs, *present):
+    """The kernel refs after the fixed ones: one per flag (None where absent), then the output."""
+    refs = list(refs)
+    taken = [refs.pop(0) if p else None for p in present]
+    (out_ref,) = refs
+    return *taken, out_ref
+
+
+def _grouped_swiglu_kernel(group_sizes_ref, x_ref, w_gate_ref, w_up_ref, *refs, block_m, block_n,
+                           block_k, num_n_tiles, num_rows, top_k, gather, has_offset):
+    # group_sizes_ref i32[E]; x_ref [M, D] sorted rows, or [T, D] when gather; w_gate_ref/w_up_ref
+    # [E', D, I]; (order_ref i32[M] when gather: sorted row -> assignment, token = assignment // top_k);
+    # (offset_ref i32[1]); out_ref [M, I]
+    order_ref, offset_ref, out_ref = _optional_refs(refs, gather, has_offset)
     depth, width = w_gate_ref.shape[1:]
     expert, first, rows, row_ok, n_tile, active = _program_tile(
-        schedule_ref, num_n_tiles=num_n_tiles, block_m=block_m, depth=depth, block_k=block_k)
-    # Rows past the expert's end read a valid row (token 0, or the tile's first) and are never
-    # stored, so the K loop needs no row mask.
-    if gather:
-        x_rows = plgpu.load(row_ids_ref.at[pl.ds(first, block_m)], mask=row_ok, other=0)
-    else:
-        x_rows = jnp.where(row_ok, rows, first)
+        group_sizes_ref, offset_ref, num_n_tiles=num_n_tiles, block_m=block_m, num_rows=num_rows)
     n0 = n_tile * block_n
     weight_tile = functools.partial(_load_weight_tile, expert=expert, n0=n0, block_k=block_k,
                                     block_n=block_n, depth=depth, width=width)
 
-    def body(kk, carry):
-        acc_gate, acc_up = carry  # f32[bm, bn] x 2
-        k0 = pl.multiple_of(kk * block_k, block_k)
-        k_idx = k0 + jnp.arange(block_k)
-        x_tile = x_ref.at[x_rows[:, None], k_idx[None, :]]
-        if depth % block_k:
-            x = plgpu.load(x_tile, mask=(k_idx < depth)[None, :], other=0)
-        else:
-            x = plgpu.load(x_tile)  # [bm, bk], shared by both GEMMs
-        acc_gate += jnp.dot(x, weight_tile(w_gate_ref, k0=k0), preferred_element_type=jnp.float32,
-                            precision=dot_precision(x.dtype))
-        acc_up += jnp.dot(x, weight_tile(w_up_ref, k0=k0), preferred_element_type=jnp.float32,
-                          precision=dot_precision(x.dtype))
-        return acc_gate, acc_up
-
     @pl.when(active)
     def _():
+        # Rows past the expert's end read a valid row (token 0, or the tile's first) and are never
+        # stored, so the K loop needs no row mask.
+        if gather:
+            assignment = plgpu.load(order_ref.at[pl.ds(first, block_m)], mask=row_ok, other=0)
+            x_rows = assignment // top_k
+        else:
+            x_rows = jnp.where(row_ok, rows, first)
+
+        def body(kk, carry):
+            acc_gate, acc_up = carry  # f32[bm, bn] x 2
+            k0 = pl.multiple_of(kk * block_k, block_k)
+            k_idx = k0 + jnp.arange(block_k)
+            x_tile = x_ref.at[x_rows[:, None], k_idx[None, :]]
+            if depth % block_k:
+                x = plgpu.load(x_tile, mask=(k_idx < depth)[None, :], other=0)
+            else:
+                x = plgpu.load(x_tile)  # [bm, bk], shared by both GEMMs
+            acc_gate += jnp.dot(x, weight_tile(w_gate_ref, k0=k0), preferred_element_type=jnp.float32,
+                                precision=dot_precision(x.dtype))
+            acc_up += jnp.dot(x, weight_tile(w_up_ref, k0=k0), preferred_element_type=jnp.float32,
+                              precision=dot_precision(x.dtype))
+            return acc_gate, acc_up
+
         zeros = jnp.zeros((block_m, block_n), jnp.float32)
         acc_gate, acc_up = jax.lax.fori_loop(0, pl.cdiv(depth, block_k), body, (zeros, zeros))
         h = jax.nn.silu(acc_gate) * acc_up
@@ -165,17 +199,15 @@ def _grouped_swiglu_kernel(schedule_ref, x_ref, *refs, block_m, block_n, block_k
                     mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _grouped_matmul_kernel(schedule_ref, h_ref, w_ref, *refs, block_m, block_n, block_k,
-                           num_n_tiles, scaled):
-    # schedule_ref i32[3, num_tiles]; h_ref [M, I] sorted rows; w_ref [E, I, D];
-    # (row_scale_ref f32[M] when scaled); out_ref [M, D]
-    if scaled:
-        row_scale_ref, out_ref = refs
-    else:
-        (out_ref,), row_scale_ref = refs, None
+def _grouped_matmul_kernel(group_sizes_ref, h_ref, w_ref, *refs, block_m, block_n, block_k,
+                           num_n_tiles, num_rows, scatter, scaled, has_offset):
+    # group_sizes_ref i32[E]; h_ref [M, I] sorted rows; w_ref [E', I, D]; (order_ref i32[M] when
+    # scatter: sorted row r -> output row order[r]); (row_scale_ref f32[M] when scaled, indexed like
+    # the output rows); (offset_ref i32[1]); out_ref [M, D]
+    order_ref, row_scale_ref, offset_ref, out_ref = _optional_refs(refs, scatter, scaled, has_offset)
     depth, width = w_ref.shape[1:]
     expert, first, rows, row_ok, n_tile, active = _program_tile(
-        schedule_ref, num_n_tiles=num_n_tiles, block_m=block_m, depth=depth, block_k=block_k)
+        group_sizes_ref, offset_ref, num_n_tiles=num_n_tiles, block_m=block_m, num_rows=num_rows)
     h_rows = jnp.where(row_ok, rows, first)
     n0 = n_tile * block_n
 
@@ -193,18 +225,19 @@ def _grouped_matmul_kernel(schedule_ref, h_ref, w_ref, *refs, block_m, block_n, 
 
     @pl.when(active)
     def _():
+        # Destination rows and scales load before the K loop, so their latency hides behind it.
+        # Masked rows point past the output (interpret mode's scatter then drops them; the GPU's
+        # masked lanes touch nothing).
+        out_rows = (plgpu.load(order_ref.at[pl.ds(first, block_m)], mask=row_ok, other=out_ref.shape[0])
+                    if scatter else rows)
+        if scaled:
+            scale = plgpu.load(row_scale_ref.at[out_rows], mask=row_ok, other=0.0).astype(jnp.float32)
         acc = jax.lax.fori_loop(0, pl.cdiv(depth, block_k), body, jnp.zeros((block_m, block_n), jnp.float32))
         if scaled:
-            scale = plgpu.load(row_scale_ref.at[pl.ds(first, block_m)], mask=row_ok, other=0.0)
-            acc = acc * scale.astype(jnp.float32)[:, None]
-        col_ok = n0 + jnp.arange(block_n) < width
-        plgpu.store(out_ref.at[pl.ds(first, block_m), pl.ds(n0, block_n)], acc.astype(out_ref.dtype),
-                    mask=row_ok[:, None] & col_ok[None, :])
-
-
-def _offset(schedule, expert_offset):
-    """Shifts the expert row of a tile schedule (unused tiles too: they read no weights)."""
-    return schedule if expert_offset is None else schedule.at[0].add(jnp.asarray(expert_offset, jnp.int32))
+            acc = acc * scale[:, None]
+        cols = n0 + jnp.arange(block_n)
+        plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
+                    mask=row_ok[:, None] & (cols < width)[None, :])
 
 
 def _check_groups(name, rows_arg, group_sizes, weights, expert_offset):
@@ -220,55 +253,65 @@ def _check_groups(name, rows_arg, group_sizes, weights, expert_offset):
                          f"[E, K, N] have K={weights.shape[1]}")
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps",
+def _optional_operands(order, *others, expert_offset):
+    """Kernel operands after the fixed ones, those given, in order; expert_offset last as i32[1]."""
+    offset = None if expert_offset is None else jnp.asarray(expert_offset, jnp.int32).reshape(1)
+    order = None if order is None else order.astype(jnp.int32)
+    return [op for op in (order, *others, offset) if op is not None]
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "block_m", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def grouped_swiglu(x_sorted, group_sizes, w_gate, w_up, *, row_ids=None, expert_offset=None, block_m=None,
-                   block_n=None, block_k=None, num_warps=None, num_stages=None,
+def grouped_swiglu(x, group_sizes, w_gate, w_up, *, order=None, top_k: int = 1, expert_offset=None,
+                   block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None,
                    interpret=False):
     """silu(x @ w_gate[e]) * (x @ w_up[e]) for each expert's rows, both GEMMs in one kernel.
 
-    x_sorted [M, D] (rows sorted by expert), group_sizes i32[E] (sum <= M), w_gate/w_up [E, D, I]
-    -> [M, I] in x.dtype. With ``row_ids`` i32[M], x_sorted is instead the unsorted [T, D] and sorted
-    row r is x_sorted[row_ids[r]], gathered inside the kernel (saves writing the sorted copy).
-    Rows past sum(group_sizes) are left unspecified. ``expert_offset`` (i32 scalar, may be traced):
-    group e uses weights[e + expert_offset], so w_* can hold every layer's experts flattened
-    [L*E, D, I] and a layer loop passes offset layer*E: a kernel operand cut out of a stacked array
-    would be copied each layer, this way nothing is.
+    x [M, D] (rows sorted by expert), group_sizes i32[E] (sum <= M), w_gate/w_up [E, D, I]
+    -> [M, I] in x.dtype. With ``order`` i32[M] (``moe_sort.sort_by_expert``'s), x is instead the
+    tokens [T, D] and sorted row r is x[order[r] // top_k], gathered inside the kernel (saves writing
+    the sorted copy). Rows past sum(group_sizes) are left unspecified. ``expert_offset`` (i32 scalar,
+    may be traced): group e uses weights[e + expert_offset], so w_* can hold every layer's experts
+    flattened [L*E, D, I] and a layer loop passes offset layer*E: a kernel operand cut out of a
+    stacked array would be copied each layer, this way nothing is.
     """
-    _check_groups("grouped_swiglu", x_sorted, group_sizes, w_gate, expert_offset)
+    _check_groups("grouped_swiglu", x, group_sizes, w_gate, expert_offset)
     num_experts = group_sizes.shape[0]
     depth, width = w_gate.shape[1:]
-    num_rows = x_sorted.shape[0] if row_ids is None else row_ids.shape[0]
+    num_rows = x.shape[0] if order is None else order.shape[0]
     config = pick_config(SWIGLU_TILES, num_rows, num_experts, width, depth, w_gate.dtype.itemsize,
                          block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                          num_stages=num_stages)
-    schedule = _offset(tile_schedule(group_sizes, num_rows, config.block_m), expert_offset)
     num_n_tiles = pl.cdiv(width, config.block_n)
-    gather = row_ids is not None
     kernel = functools.partial(_grouped_swiglu_kernel, block_m=config.block_m,
                                block_n=config.block_n, block_k=config.block_k,
-                               num_n_tiles=num_n_tiles, gather=gather)
+                               num_n_tiles=num_n_tiles, num_rows=num_rows, top_k=top_k,
+                               gather=order is not None, has_offset=expert_offset is not None)
     return pl.pallas_call(
         kernel,
-        grid=(schedule.shape[1] * num_n_tiles,),
-        out_shape=jax.ShapeDtypeStruct((num_rows, width), x_sorted.dtype),
+        grid=(num_m_tiles(num_rows, num_experts, config.block_m) * num_n_tiles,),
+        out_shape=jax.ShapeDtypeStruct((num_rows, width), x.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="grouped_swiglu",
-    )(schedule, x_sorted, *([row_ids.astype(jnp.int32)] if gather else []), w_gate, w_up)
+    )(group_sizes.astype(jnp.int32), x, w_gate, w_up,
+      *_optional_operands(order, expert_offset=expert_offset))
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "block_m", "block_n", "block_k",
                                              "num_warps", "num_stages", "interpret"))
-def grouped_matmul(h_sorted, group_sizes, w, *, row_scale=None, out_dtype=None, expert_offset=None,
-                   block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
+def grouped_matmul(h_sorted, group_sizes, w, *, order=None, row_scale=None, out_dtype=None,
+                   expert_offset=None, block_m=None, block_n=None, block_k=None, num_warps=None,
+                   num_stages=None, interpret=False):
     """(h @ w[e]) * row_scale for each expert's rows: the MoE down projection.
 
-    h_sorted [M, I] (rows sorted by expert), group_sizes i32[E], w [E, I, D], row_scale f32[M] or
-    None (the routing weight of each row, applied to the f32 accumulator) -> [M, D] in out_dtype
-    (default h.dtype). Rows past sum(group_sizes) are left unspecified. ``expert_offset``: as in
-    ``grouped_swiglu``.
+    h_sorted [M, I] (rows sorted by expert), group_sizes i32[E], w [E, I, D] -> [M, D] in out_dtype
+    (default h.dtype). Without ``order`` the output rows stay sorted; with ``order`` i32[M]
+    (``moe_sort.sort_by_expert``'s) sorted row r is stored at row order[r], back in (token, slot)
+    order, so the MoE combine needs no gather. row_scale f32[M] or None is indexed like the output
+    rows (the routing weight of each, applied to the f32 accumulator). Output rows no group row maps
+    to are left unspecified. ``expert_offset``: as in ``grouped_swiglu``.
     """
     _check_groups("grouped_matmul", h_sorted, group_sizes, w, expert_offset)
     num_experts = group_sizes.shape[0]
@@ -277,21 +320,21 @@ def grouped_matmul(h_sorted, group_sizes, w, *, row_scale=None, out_dtype=None, 
     config = pick_config(DOWN_TILES, num_rows, num_experts, width, depth, w.dtype.itemsize,
                          block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                          num_stages=num_stages)
-    schedule = _offset(tile_schedule(group_sizes, num_rows, config.block_m), expert_offset)
     num_n_tiles = pl.cdiv(width, config.block_n)
-    scaled = row_scale is not None
     kernel = functools.partial(_grouped_matmul_kernel, block_m=config.block_m,
                                block_n=config.block_n, block_k=config.block_k,
-                               num_n_tiles=num_n_tiles, scaled=scaled)
+                               num_n_tiles=num_n_tiles, num_rows=num_rows, scatter=order is not None,
+                               scaled=row_scale is not None, has_offset=expert_offset is not None)
     return pl.pallas_call(
         kernel,
-        grid=(schedule.shape[1] * num_n_tiles,),
+        grid=(num_m_tiles(num_rows, num_experts, config.block_m) * num_n_tiles,),
         out_shape=jax.ShapeDtypeStruct((num_rows, width), out_dtype or h_sorted.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                              num_stages=config.num_stages),
         interpret=interpret,
         name="grouped_matmul",
-    )(schedule, h_sorted, w, *([row_scale.astype(jnp.float32)] if scaled else []))
+    )(group_sizes.astype(jnp.int32), h_sorted, w,
+      *_optional_operands(order, row_scale, expert_offset=expert_offset))
 
 
 def _row_experts(group_sizes, num_rows):

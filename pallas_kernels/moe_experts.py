@@ -2,9 +2,9 @@
 weighted and summed.
 
 Three implementations with one meaning:
-- ``moe_experts``: the GPU path. Counting sort by expert -> grouped SwiGLU kernel gathering token rows
-  itself -> grouped down-projection kernel scaling each row by its routing weight -> one gather-sum
-  that un-permutes and adds the k expert outputs of each token.
+- ``moe_experts``: the GPU path, three kernels and one XLA fusion: expert sort (order and group sizes)
+  -> grouped SwiGLU gathering token rows itself -> grouped down projection scaling each row by its
+  routing weight and storing it back in (token, slot) order -> the sum of each token's k rows.
 - ``moe_experts_xla``: the plain-XLA sort-based path (the benchmark anchor).
 - ``moe_experts_reference``: dense one-hot, exact but O(T * E).
 """
@@ -18,8 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.grouped_swiglu import TileConfig, grouped_matmul, grouped_swiglu
-from pallas_kernels.moe_routing import (expert_positions, order_from_positions,
-                                        sort_by_expert_reference)
+from pallas_kernels.moe_sort import sort_by_expert, sort_by_expert_reference
 
 
 def _config_kwargs(config: TileConfig | None) -> dict:
@@ -46,21 +45,16 @@ def moe_experts(x, weights, ids, w_gate, w_up, w_down, *, layer=None, swiglu_con
         offset = layer * num_experts
     else:
         num_experts = w_gate.shape[0]
-    # position[a]: sorted row of assignment a (token a // k); order is its inverse. Empty slots
-    # (id E) sort last, past sum(group_sizes): the kernels never reach them.
-    position, group_sizes = expert_positions(ids, num_experts + 1)
-    group_sizes = group_sizes[:num_experts]
-    order = order_from_positions(position)
-    h = grouped_swiglu(x, group_sizes, w_gate, w_up, row_ids=order // top_k, expert_offset=offset,
+    # Empty slots (id E) join no group: the kernels never reach them and their rows stay unwritten.
+    order, group_sizes = sort_by_expert(ids, num_experts, interpret=interpret)
+    h = grouped_swiglu(x, group_sizes, w_gate, w_up, order=order, top_k=top_k, expert_offset=offset,
                        interpret=interpret, **_config_kwargs(swiglu_config))  # [T*k, I], sorted
-    row_scale = weights.reshape(-1).astype(jnp.float32)[order]
-    y = grouped_matmul(h, group_sizes, w_down, row_scale=row_scale, expert_offset=offset, interpret=interpret,
-                       **_config_kwargs(down_config))  # [T*k, D], sorted and weighted
-    # Combine: gather each token's k rows back and add them (one fused gather-reduce pass); rows of
-    # empty slots were never written.
-    rows = jnp.where((ids.reshape(-1) < num_experts)[:, None], y[position].astype(jnp.float32), 0.0)
-    out = jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1)
-    return out.astype(x.dtype)
+    y = grouped_matmul(h, group_sizes, w_down, order=order, row_scale=weights.reshape(-1),
+                       expert_offset=offset, interpret=interpret,
+                       **_config_kwargs(down_config))  # [T*k, D], (token, slot) order, weighted
+    # Combine: one fused pass adding each token's k rows.
+    rows = jnp.where((ids < num_experts).reshape(-1, 1), y.astype(jnp.float32), 0.0)
+    return jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity",))

@@ -1,5 +1,5 @@
-"""Mixture-of-experts routing: router logits -> top-k expert ids and weights, plus the expert-sorted
-token permutation that grouped expert GEMMs consume.
+"""Mixture-of-experts routing: router logits -> top-k expert ids and weights (``moe_sort`` then orders
+the assignments by expert for the grouped expert GEMMs).
 
 Covers DeepSeek-V2 (softmax, greedy or group-limited greedy) and DeepSeek-V3 (sigmoid scores,
 e_score_correction_bias for the choice only, group-limited top-k by the sum of each group's top two,
@@ -67,18 +67,6 @@ def route_reference(logits, bias, spec: RoutingSpec):
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
     return weights * spec.routed_scaling_factor, ids.astype(jnp.int32)
-
-
-def sort_by_expert_reference(ids, num_experts: int):
-    """ids i32[T, k] -> (order i32[T*k], group_sizes i32[E]).
-
-    ``order`` lists flat (token, slot) assignment indices sorted by expert (stable, so within an
-    expert tokens keep their order); token index = order // k. ``group_sizes[e]`` counts rows of expert e.
-    """
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1)
-    return order, group_sizes
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -163,9 +151,9 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
         logits_ref, bias_ref, weights_ref, ids_ref = refs
     else:
         (logits_ref, weights_ref, ids_ref), bias_ref = refs, None
-    # logits_ref [T, E] (whole array), bias_ref f32[E], weights_ref f32[T, k_pad], ids_ref i32[T, k_pad]
+    # logits_ref [T, E] (whole array), bias_ref f32[E], weights_ref f32[T, k], ids_ref i32[T, k]
     padded_experts = pl.next_power_of_2(num_experts)
-    padded_k = weights_ref.shape[1]
+    padded_k = pl.next_power_of_2(spec.top_k)
     token0 = pl.program_id(0) * block_tokens
     rows = token0 + jnp.arange(block_tokens)[:, None]  # [bt, 1]
     token_ok = rows < num_tokens
@@ -210,9 +198,12 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
     if spec.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     weights = weights * spec.routed_scaling_factor
+    # Stored straight into [T, k] (the padding slots masked off): a [T, k_pad] output would need an
+    # XLA slice copy for each consumer kernel.
     out_tile = (pl.ds(token0, block_tokens), pl.ds(0, padded_k))
-    plgpu.store(weights_ref.at[out_tile], weights, mask=token_ok)
-    plgpu.store(ids_ref.at[out_tile], ids, mask=token_ok)
+    out_ok = token_ok & (slot < spec.top_k)
+    plgpu.store(weights_ref.at[out_tile], weights, mask=out_ok)
+    plgpu.store(ids_ref.at[out_tile], ids, mask=out_ok)
 
 
 def _check_spec(spec: RoutingSpec, num_experts: int):
@@ -247,13 +238,12 @@ def route(logits, bias, spec: RoutingSpec, *, block_tokens: int | None = None,
     # Small batches (decode) take smaller blocks so the grid still spreads over the SMs.
     spread = max(8, pl.next_power_of_2(pl.cdiv(num_tokens, _MIN_PROGRAMS)))
     block_tokens = block_tokens or min(default_tokens, spread)
-    padded_k = pl.next_power_of_2(spec.top_k)
     has_bias = spec.topk_method == "noaux_tc" and bias is not None
     kernel = functools.partial(_route_kernel, spec=spec, num_tokens=num_tokens,
                                num_experts=num_experts, block_tokens=block_tokens, has_bias=has_bias)
-    out_shape = (jax.ShapeDtypeStruct((num_tokens, padded_k), jnp.float32),
-                 jax.ShapeDtypeStruct((num_tokens, padded_k), jnp.int32))
-    weights, ids = pl.pallas_call(
+    out_shape = (jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.float32),
+                 jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.int32))
+    return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, block_tokens),),
         out_shape=out_shape,
@@ -261,60 +251,3 @@ def route(logits, bias, spec: RoutingSpec, *, block_tokens: int | None = None,
         interpret=interpret,
         name="moe_route",
     )(logits, *([bias] if has_bias else []))
-    return weights[:, :spec.top_k], ids[:, :spec.top_k]
-
-
-# ----------------------------------------------------------------------------------------------------
-# Expert sort without a sort
-# ----------------------------------------------------------------------------------------------------
-
-_SORT_BLOCK = 128  # assignments ranked against each other by a [block, block] comparison
-
-
-def expert_positions(ids, num_experts: int):
-    """ids i32[T, k] -> (position i32[T*k], group_sizes i32[E]).
-
-    position[a] is where assignment a lands in the stable expert-sorted order, so
-    ``order[position] = arange(T*k)``; the MoE combine gathers with it directly.
-
-    Counting instead of argsort: the rank of an assignment is (rows of lower experts) + (rows of
-    the same expert in earlier blocks) + (same-expert rows earlier in its own block). Each term is
-    a fused compare-and-reduce over [blocks, block, E] or [blocks, block, block], O(T·k·(E+block))
-    work in a few XLA fusions, against the multi-pass radix sort behind a GPU argsort; exact, since
-    ties keep token order as the stable argsort does. benchmarks/kernels_moe.py times both.
-    """
-    flat = ids.reshape(-1).astype(jnp.int32)
-    num_rows = flat.shape[0]
-    block = min(_SORT_BLOCK, pl.next_power_of_2(num_rows))
-    num_blocks = pl.cdiv(num_rows, block)
-    blocks = jnp.pad(flat, (0, num_blocks * block - num_rows), constant_values=num_experts)
-    blocks = blocks.reshape(num_blocks, block)  # [nb, B]; padding uses expert id E (never counted)
-    block_counts = jnp.sum(blocks[:, :, None] == jnp.arange(num_experts)[None, None, :], axis=1,
-                           dtype=jnp.int32)  # [nb, E]
-    group_sizes = jnp.sum(block_counts, axis=0, dtype=jnp.int32)  # [E]
-    group_starts = jnp.cumsum(group_sizes) - group_sizes  # [E]
-    block_starts = jnp.cumsum(block_counts, axis=0) - block_counts + group_starts[None, :]  # [nb, E]
-    earlier = jnp.arange(block)[None, :] < jnp.arange(block)[:, None]  # [B(i), B(j)]: j < i
-    rank_in_block = jnp.sum((blocks[:, :, None] == blocks[:, None, :]) & earlier[None], axis=2,
-                            dtype=jnp.int32)  # [nb, B]
-    start = jnp.take_along_axis(block_starts, jnp.minimum(blocks, num_experts - 1), axis=1)
-    position = (start + rank_in_block).reshape(-1)[:num_rows]
-    return position, group_sizes
-
-
-def order_from_positions(position):
-    """The inverse permutation: order[position[a]] = a (a scatter of T*k ints)."""
-    num_rows = position.shape[0]
-    return jnp.zeros((num_rows,), jnp.int32).at[position].set(
-        jnp.arange(num_rows, dtype=jnp.int32), unique_indices=True)
-
-
-@functools.partial(jax.jit, static_argnames=("num_experts", "interpret"))
-def sort_by_expert(ids, num_experts: int, *, interpret: bool = False):
-    """Same (order i32[T*k], group_sizes i32[E]) as ``sort_by_expert_reference``, without a sort.
-
-    Plain XLA (see ``expert_positions``); ``interpret`` is accepted for a uniform kernel API.
-    """
-    del interpret
-    position, group_sizes = expert_positions(ids, num_experts)
-    return order_from_positions(position), group_sizes

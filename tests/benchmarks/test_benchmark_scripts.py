@@ -13,3 +13,11 @@ def test_attention_benchmark_quick(capsys):
 def test_moe_benchmark_quick(capsys):
     kernels_moe.main(["--quick"])
     assert "grouped_swiglu" in capsys.readouterr().out
+
+
+def test_moe_benchmark_focus_quick(capsys):
+    payload = kernels_moe.main(["--quick", "--focus"])
+    out = capsys.readouterr().out
+    assert "grouped_matmul_scatter" in out and "xla_dense_reference" in out
+    assert {row["section"] for row in payload["rows"]} == {"grouped", "layer"}
+    assert all("us" in row for row in payload["rows"]), payload["rows"]

@@ -143,6 +143,31 @@ def test_moe_kernels_gpu_v2_lite_shapes():
                                                       wu2.astype(jnp.float32))) < 2e-2
 
 
+def test_moe_sort_and_prefill_tiles_gpu():
+    """The expert sort's chunked path (T=8192: several chunks, two passes) exactly, and the layer at
+    prefill tiles (192 rows per expert: 128-row tiles, 8 warps) with a skewed, uneven routing."""
+    from pallas_kernels.moe_experts import moe_experts, moe_experts_xla
+    from pallas_kernels.moe_sort import sort_by_expert, sort_by_expert_reference
+
+    rng = np.random.default_rng(2)
+    ids = jnp.asarray(np.argsort(rng.uniform(size=(8192, 64)), axis=1)[:, :6], jnp.int32)
+    (order, sizes), (ref_order, ref_sizes) = sort_by_expert(ids, 64), sort_by_expert_reference(ids, 64)
+    np.testing.assert_array_equal(np.asarray(order), np.asarray(ref_order))
+    np.testing.assert_array_equal(np.asarray(sizes), np.asarray(ref_sizes))
+
+    t, d, e, i, k = 2048, 2048, 64, 1408, 6
+    popularity = np.exp(-0.05 * np.arange(e))
+    ids = np.stack([rng.choice(e, k, replace=False, p=popularity / popularity.sum()) for _ in range(t)])
+    weights = jnp.asarray(rng.uniform(0.1, 1.0, (t, k)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((t, d)) * 0.5, jnp.bfloat16)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.02, jnp.bfloat16)
+    wg, wu, wd = w(e, d, i), w(e, d, i), w(e, i, d)
+    ids = jnp.asarray(ids, jnp.int32)
+    got = moe_experts(x, weights, ids, wg, wu, wd)
+    f32 = lambda a: a.astype(jnp.float32)
+    assert _rel(got, moe_experts_xla(f32(x), weights, ids, f32(wg), f32(wu), f32(wd))) < 2e-2
+
+
 def test_v3_routing_gpu():
     from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
 

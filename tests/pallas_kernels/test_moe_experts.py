@@ -7,6 +7,7 @@ import pytest
 
 from pallas_kernels.grouped_swiglu import TileConfig
 from pallas_kernels.moe_experts import moe_experts, moe_experts_reference, moe_experts_xla
+from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
 from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 SMALL_TILES = TileConfig(16, 32, 32, 4, 2)
@@ -45,6 +46,29 @@ def test_moe_experts_bf16_default_tiles(num_tokens, num_experts, top_k):
     np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_routed_layer_with_tied_router_logits():
+    """route -> moe_experts as the benchmark's layer runs them: tied logits (ties go to the lower
+    expert id in both paths) and a router that leaves some experts empty."""
+    rng = np.random.default_rng(5)
+    num_tokens, num_experts, top_k, hidden, inter = 19, 8, 3, 32, 48
+    x, _, _, *experts = _layer(5, num_tokens, num_experts, top_k, hidden, inter, jnp.float32)
+    logits = np.round(rng.standard_normal((num_tokens, num_experts)) * 1.5) / 2
+    logits[:, 5:] -= 10.0  # experts 5-7 never chosen
+    spec = RoutingSpec(top_k)
+
+    def both(x, logits, *experts):
+        weights, ids = route(logits, None, spec, interpret=True)
+        out = moe_experts(x, weights, ids, *experts, swiglu_config=SMALL_TILES, down_config=SMALL_TILES,
+                          interpret=True)
+        ref_weights, ref_ids = route_reference(logits, None, spec)
+        return out, moe_experts_reference(x, ref_weights, ref_ids, *experts), ids, ref_ids
+
+    out, ref, ids, ref_ids = run_fast(both, x, jnp.asarray(logits, jnp.float32), *experts)
+    np.testing.assert_array_equal(ids, ref_ids)
+    assert np.asarray(ids).max() < 5
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("capacity", [None, 2], ids=["default", "many_rounds"])
 def test_moe_experts_xla(capacity):
     args = _layer(2, 19, 8, 3, 16, 24, jnp.float32, skew=1.0)
@@ -62,7 +86,10 @@ def test_moe_experts_lowers_to_triton_for_h200():
             shape((num_experts, hidden, inter), jnp.bfloat16),
             shape((num_experts, inter, hidden), jnp.bfloat16))
     hlo = lower_for_h200(moe_experts, *args)
-    assert hlo.count("__gpu$xla.gpu.triton") == 2  # grouped SwiGLU and grouped down projection
+    assert hlo.count("__gpu$xla.gpu.triton") == 3  # expert sort, grouped SwiGLU, grouped down
+    # Nothing between the kernels but the combine: no XLA gather, scatter, sort, pad or concatenate.
+    for op in ("gather", "scatter", "sort", "pad", "concatenate", "dynamic_slice", "while"):
+        assert f"stablehlo.{op}" not in hlo, op
 
 
 def test_empty_slots_contribute_nothing():
@@ -78,3 +105,14 @@ def test_empty_slots_contribute_nothing():
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ref, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(out[5], 0.0)
+
+
+def test_stacked_layers_read_in_place():
+    """layer (traced) picks that layer's experts out of weights stacked [L, E, ...]."""
+    x, weights, ids, *experts = _layer(6, 11, 8, 2, 32, 48, jnp.float32)
+    stacked = [jnp.stack([w[::-1], w]) for w in experts]  # layer 0: experts reversed; layer 1: as given
+    out, ref = run_fast(lambda x, w, i, layer, stacked, experts: (
+        moe_experts(x, w, i, *stacked, layer=layer, swiglu_config=SMALL_TILES, down_config=SMALL_TILES,
+                    interpret=True), moe_experts_reference(x, w, i, *experts)),
+        x, weights, ids, jnp.int32(1), stacked, experts)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)

@@ -1,12 +1,11 @@
-"""Routing kernel (interpret mode) and the counting expert sort against their references."""
+"""Routing kernel (interpret mode) against its reference."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_routing import (RoutingSpec, route, route_reference, sort_by_expert,
-                                        sort_by_expert_reference)
+from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
 from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 
@@ -60,26 +59,6 @@ def test_route_rejects_bad_spec():
         route(jnp.zeros((4, 16)), None, RoutingSpec(2, "sigmoid", "noaux_tc", 3, 1), interpret=True)
     with pytest.raises(ValueError, match="top_k=20"):
         route(jnp.zeros((4, 16)), None, RoutingSpec(20), interpret=True)
-
-
-@pytest.mark.parametrize("num_tokens,top_k,num_experts", [(1, 1, 4), (300, 6, 64)])
-def test_sort_by_expert_exact(num_tokens, top_k, num_experts):
-    rng = np.random.default_rng(num_tokens)
-    ids = jnp.asarray(np.argsort(rng.uniform(size=(num_tokens, num_experts)), axis=1)[:, :top_k],
-                      jnp.int32)  # k distinct experts per token
-    (order, group_sizes), (ref_order, ref_sizes) = run_fast(
-        lambda i: (sort_by_expert(i, num_experts), sort_by_expert_reference(i, num_experts)), ids)
-    np.testing.assert_array_equal(order, ref_order)
-    np.testing.assert_array_equal(group_sizes, ref_sizes)
-
-
-def test_sort_by_expert_one_hot_expert_and_empty_experts():
-    ids = jnp.asarray(np.stack([np.full(200, 3), np.arange(200) % 2], axis=1), jnp.int32)  # 4 blocks
-    (order, group_sizes), (ref_order, ref_sizes) = run_fast(
-        lambda i: (sort_by_expert(i, 8), sort_by_expert_reference(i, 8)), ids)
-    np.testing.assert_array_equal(order, ref_order)
-    np.testing.assert_array_equal(group_sizes, [100, 100, 0, 200, 0, 0, 0, 0])
-    np.testing.assert_array_equal(group_sizes, ref_sizes)
 
 
 @pytest.mark.parametrize("num_experts,spec", [
