@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 
 from dsjax.parallel.collectives import axis_size
 from dsjax.parallel.expert import ExpertDispatch, moe_expert_parallel
@@ -49,6 +50,24 @@ def swiglu(x, w_gate, w_up, backend: str):
     if backend in ("reference", "pallas"):
         return swiglu_reference(x, w_gate, w_up)
     return swiglu_kernel(x, w_gate, w_up, interpret=backend == "interpret")
+
+
+# Batches up to this many tokens run a stacked MLP (dense layers, shared experts) through the grouped
+# kernels, reading the layer's weights in place; larger ones through XLA's GEMMs (faster at prefill
+# sizes, where the copy of the layer's slice costs little beside the GEMMs).
+STACKED_MLP_MAX_TOKENS = 512
+
+
+def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
+    """x [T, D] through layer ``layer``'s SwiGLU MLP, given every layer's w_gate/w_up [L, D, I] and
+    w_down [L, I, D] -> [T, D]: the routed-expert kernels with one expert, taken by every token at
+    weight 1. In a layer scan XLA would copy the layer's slice for cuBLAS (about 60 MB a V2-Lite
+    layer at decode sizes); the kernels read it in place and stay weight-bandwidth bound."""
+    if backend == "reference":
+        return jnp.dot(swiglu_reference(x, w_gate[layer], w_up[layer]), w_down[layer])
+    ones, zeros = jnp.ones((x.shape[0], 1), jnp.float32), jnp.zeros((x.shape[0], 1), jnp.int32)
+    return moe_experts_kernel(x, ones, zeros, w_gate[:, None], w_up[:, None], w_down[:, None], layer=layer,
+                              interpret=backend == "interpret")
 
 
 def moe_route(logits, bias, spec: RoutingSpec, backend: str):

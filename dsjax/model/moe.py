@@ -20,8 +20,12 @@ class MLP(nnx.Module):
         self.w_up = param(rngs, (hidden_size, intermediate_size), ("embed", axis), dtype)
         self.w_down = param(rngs, (intermediate_size, hidden_size), (axis, "embed"), dtype)
 
-    def __call__(self, x, *, backend: str):
-        """x [T, D] -> [T, D] (a partial sum over tensor ranks: each holds some columns)."""
+    def __call__(self, x, *, backend: str, stacked=None):
+        """x [T, D] -> [T, D] (a partial sum over tensor ranks: each holds some columns). ``stacked`` =
+        (w_gate, w_up, w_down of every layer [L, ...], this layer's index): small batches then run the
+        kernels on the stack in place."""
+        if stacked is not None and x.shape[0] <= dispatch.STACKED_MLP_MAX_TOKENS:
+            return dispatch.stacked_mlp(x, *stacked, backend)
         h = dispatch.swiglu(x, self.w_gate[...], self.w_up[...], backend)
         return jnp.dot(h, self.w_down[...])
 
@@ -57,10 +61,10 @@ class MoE(nnx.Module):
         bias = None if self.score_bias is None else self.score_bias[...]
         return dispatch.moe_route(logits, bias, self.spec, backend)
 
-    def __call__(self, x, *, backend: str, stacked_experts=None):
+    def __call__(self, x, *, backend: str, stacked_experts=None, stacked_shared=None):
         """x [T, D] -> [T, D] (a partial sum over tensor ranks). ``stacked_experts`` = (w_gate, w_up,
         w_down of every MoE layer [L, E, ...], this layer's index): the kernels then read the stack in
-        place."""
+        place; ``stacked_shared`` the same for the shared experts (see MLP)."""
         weights, ids = self.route(x, backend=backend)
         if stacked_experts is None:
             experts, layer = (self.w_gate[...], self.w_up[...], self.w_down[...]), None
@@ -69,5 +73,5 @@ class MoE(nnx.Module):
         out = dispatch.moe_experts(x, weights, ids, *experts, backend, layer=layer,
                                    expert_dispatch=self.expert_dispatch)
         if self.shared is not None:
-            out = out + self.shared(x, backend=backend)
+            out = out + self.shared(x, backend=backend, stacked=stacked_shared)
         return out

@@ -43,22 +43,23 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(d, eps, "embed", dtype)
         self.mlp = MoE(config, dtype, rngs, expert_dispatch) if moe else MLP(d, config.intermediate_size, dtype, rngs)
 
-    def _mlp(self, x, backend, stacked_experts):
+    def _mlp(self, x, backend, stacked):
+        experts, mlp = stacked or (None, None)
         if isinstance(self.mlp, MoE):
-            return self.mlp(x, backend=backend, stacked_experts=stacked_experts)
-        return self.mlp(x, backend=backend)
+            return self.mlp(x, backend=backend, stacked_experts=experts, stacked_shared=mlp)
+        return self.mlp(x, backend=backend, stacked=mlp)
 
-    def __call__(self, x, positions, *, mode: str, backend: str, stacked_experts=None):
+    def __call__(self, x, positions, *, mode: str, backend: str, stacked=None):
         """x [B, T, D] -> [B, T, D]."""
         h = x + psum_tensor(self.attn(self.attn_norm(x), positions, mode=mode, backend=backend))
         flat = h.reshape(-1, h.shape[-1])
-        return h + psum_tensor(self._mlp(self.mlp_norm(flat), backend, stacked_experts)).reshape(h.shape)
+        return h + psum_tensor(self._mlp(self.mlp_norm(flat), backend, stacked)).reshape(h.shape)
 
-    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked_experts=None):
+    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked=None):
         """x [T, D] -> ([T, D], cache)."""
         attn_out, cache = self.attn.paged(self.attn_norm(x), cache, layer, batch, backend=backend)
         h = x + psum_tensor(attn_out)
-        return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked_experts)), cache
+        return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked)), cache
 
 
 def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs: nnx.Rngs,
@@ -114,33 +115,38 @@ class DeepseekForCausalLM(nnx.Module):
         backend = self.kernel_backend
         x = embed_lookup(self.embed[...], tokens)
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        step = lambda layer, x, _, index: layer(x, positions, mode=mode, backend=backend,
-                                                stacked_experts=self._stacked_experts(index))
-        x = _scan_layers(self.dense_layers, x, 0, step)
-        x = _scan_layers(self.moe_layers, x, self.config.num_dense_layers, step)
+        step = lambda stack: lambda layer, x, _, index: layer(x, positions, mode=mode, backend=backend,
+                                                              stacked=self._stacked(stack, index))
+        x = _scan_layers(self.dense_layers, x, 0, step(self.dense_layers))
+        x = _scan_layers(self.moe_layers, x, self.config.num_dense_layers, step(self.moe_layers))
         return self.compute_logits(self.norm(x))
 
-    def _stacked_experts(self, index):
-        """Every MoE layer's expert weights plus this layer's index, for kernels that read the
-        stack in place (a slice taken inside the layer scan would be copied for them)."""
-        if self.moe_layers is None or self.kernel_backend == "reference":
+    def _stacked(self, stack, index):
+        """Every layer's weights of ``stack`` plus this layer's index, for kernels that read the stack
+        in place (a slice taken inside the layer scan would be copied for them): (routed experts
+        [L, E, ...], the dense MLP or shared experts [L, ...]), each (w_gate, w_up, w_down, index) or None."""
+        if stack is None or self.kernel_backend == "reference":
             return None
-        mlp = self.moe_layers.mlp
-        return mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index
+        mlp, experts = stack.mlp, None
+        if isinstance(mlp, MoE):
+            experts = (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index)
+            mlp = mlp.shared
+        return experts, None if mlp is None else (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index)
 
     def forward_paged(self, tokens, cache: PagedKVCache, batch: PagedBatch):
         """One engine step over packed tokens i32[T]: writes their latents into the paged cache and
         returns (final-normed hidden states [T, D], updated cache)."""
         backend = self.kernel_backend
 
-        def step(layer, carry, index, index_in_stack):
-            x, cache = carry
-            return layer.paged(x, cache, index, batch, backend=backend,
-                               stacked_experts=self._stacked_experts(index_in_stack))
+        def step(stack):
+            def one(layer, carry, index, index_in_stack):
+                x, cache = carry
+                return layer.paged(x, cache, index, batch, backend=backend, stacked=self._stacked(stack, index_in_stack))
+            return one
 
         x = embed_lookup(self.embed[...], tokens)
-        carry = _scan_layers(self.dense_layers, (x, cache), 0, step)
-        x, cache = _scan_layers(self.moe_layers, carry, self.config.num_dense_layers, step)
+        carry = _scan_layers(self.dense_layers, (x, cache), 0, step(self.dense_layers))
+        x, cache = _scan_layers(self.moe_layers, carry, self.config.num_dense_layers, step(self.moe_layers))
         return self.norm(x), cache
 
     def compute_logits(self, hidden):
