@@ -53,9 +53,10 @@ def swiglu(x, w_gate, w_up, backend: str):
 
 
 # Batches up to this many tokens run a stacked MLP (dense layers, shared experts) through the grouped
-# kernels, reading the layer's weights in place; larger ones through XLA's GEMMs (faster at prefill
-# sizes, where the copy of the layer's slice costs little beside the GEMMs).
-STACKED_MLP_MAX_TOKENS = 512
+# kernels, reading the layer's weights in place; larger ones through XLA's GEMMs. H200, V2-Lite decode
+# (benchmarks/results/e2e_decode_curve_h200*.json): the kernels save 0.9 ms a step at batch 1 and 0.15
+# at 32, but cost 0.1-0.7 ms from 64 on, where each of their row tiles re-reads the weights.
+STACKED_MLP_MAX_TOKENS = 32
 
 
 def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
