@@ -71,7 +71,7 @@ def run_decode_curve(llm, settings) -> dict:
                   f"({percent(rows[-1]['roofline_fraction'])} of roofline) [{time.perf_counter() - start:.0f}s]", flush=True)
     return {"rows": rows, "skipped": skipped, "table": markdown_table(rows, COLUMNS), "seconds": time.perf_counter() - start,
             "roofline": roofline_notes(model_config, dtype_bytes, settings.bandwidth),
-            "analysis": explain(model_config, rows, dtype_bytes, settings.bandwidth)}
+            "analysis": explain(model_config, rows, dtype_bytes, settings.bandwidth, settings.async_scheduling)}
 
 
 def roofline_notes(model_config, dtype_bytes: int, bytes_per_s: float) -> dict:
@@ -86,8 +86,10 @@ def roofline_notes(model_config, dtype_bytes: int, bytes_per_s: float) -> dict:
     }
 
 
-def explain(model_config, rows: list[dict], dtype_bytes: int, bytes_per_s: float) -> list[str]:
-    """Where the roofline bends and why, and how the measured curve follows it, from this run's numbers."""
+def explain(model_config, rows: list[dict], dtype_bytes: int, bytes_per_s: float,
+            overlapped: bool = False) -> list[str]:
+    """Where the roofline bends and why, and how the measured curve follows it, from this run's numbers.
+    overlapped: the engine ran with async scheduling (host work overlaps the device step)."""
     c = model_config
     lines = []
     one = decode_step_bytes(c, 1, 1, dtype_bytes)
@@ -121,7 +123,11 @@ def explain(model_config, rows: list[dict], dtype_bytes: int, bytes_per_s: float
                 f"{lo['batch']}'s {lo['step_ms']:.2f} ms " +
                 (f"up to batch {flat}, then reaches {hi['step_ms']:.2f} ms" if flat < hi["batch"]
                  else f"at every batch measured ({hi['step_ms']:.2f} ms at batch {hi['batch']})"))
-        if hi.get("host_ms") is not None:
+        if hi.get("host_ms") is not None and overlapped:
+            line += (f"; with async scheduling the host's work (schedule, pack, fetch) overlaps the device step: "
+                     f"the engine step is {lo['step_ms'] / lo['device_step_ms']:.2f}x the compiled step alone at "
+                     f"batch {lo['batch']} and {hi['step_ms'] / hi['device_step_ms']:.2f}x at batch {hi['batch']}")
+        elif hi.get("host_ms") is not None:
             line += (f"; host work (schedule, pack, fetch) is {lo['host_ms'] / lo['step_ms']:.0%} of the step at "
                      f"batch {lo['batch']} and {hi['host_ms'] / hi['step_ms']:.0%} at batch {hi['batch']}")
         lines.append(line + ".")
