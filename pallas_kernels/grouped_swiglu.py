@@ -55,7 +55,6 @@ DOWN_TILES = (
     (None, TileConfig(128, 256, 64, 8, 3)),  # H200 sweep, V2-Lite T=8192: 476 TFLOP/s
 )
 # (benchmarks/results/moe_h200.json holds the whole sweep.)
-MIN_PROGRAMS = 132  # one per SM of an H100 / H200 SXM
 
 
 def pick_config(table, num_rows: int, num_experts: int, width: int, depth: int, itemsize: int = 2,
@@ -68,15 +67,8 @@ def pick_config(table, num_rows: int, num_experts: int, width: int, depth: int, 
     config = config._replace(block_k=block_k, num_stages=num_stages)
     config = config._replace(**{k: v for k, v in overrides.items() if v is not None})
     fit = lambda block, dim: max(16, min(block, pl.next_power_of_2(dim)))
-    config = config._replace(block_m=fit(config.block_m, num_rows),
-                             block_n=fit(config.block_n, width), block_k=fit(config.block_k, depth))
-    # A small grid (one expert at decode sizes: a dense MLP or shared experts) would leave SMs idle;
-    # narrower N tiles give every SM a stream of weights.
-    m_tiles = num_m_tiles(num_rows, num_experts, config.block_m)
-    while overrides.get("block_n") is None and config.block_n > 16 and \
-            m_tiles * pl.cdiv(width, config.block_n) < MIN_PROGRAMS:
-        config = config._replace(block_n=config.block_n // 2)
-    return config
+    return config._replace(block_m=fit(config.block_m, num_rows),
+                           block_n=fit(config.block_n, width), block_k=fit(config.block_k, depth))
 
 
 def locate_tile(group_sizes, tile, *, block_m: int, num_rows: int, num_experts: int):

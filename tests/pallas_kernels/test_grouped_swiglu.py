@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 
 from pallas_kernels.grouped_swiglu import (grouped_matmul, grouped_matmul_reference, grouped_swiglu,
                                            grouped_swiglu_reference, tile_schedule)
@@ -158,14 +157,3 @@ def test_grouped_kernels_lower_to_triton_for_h200(num_rows):
 
     hlo = lower_for_h200(each, x, groups, w_in, w_in, w_out, h, scale, order)
     assert hlo.count("__gpu$xla.gpu.triton") == 5
-
-
-def test_pick_config_narrows_n_tiles_for_small_grids():
-    from pallas_kernels.grouped_swiglu import MIN_PROGRAMS, SWIGLU_TILES, num_m_tiles, pick_config
-
-    one_expert = pick_config(SWIGLU_TILES, 1, 1, 2816, 2048)  # a shared-expert MLP at batch 1
-    assert one_expert.block_n == 16 and pl.cdiv(2816, 16) >= MIN_PROGRAMS
-    routed = pick_config(SWIGLU_TILES, 32 * 6, 64, 1408, 2048)  # V2-Lite routed experts, batch 32: enough already
-    assert routed.block_n == 64 and num_m_tiles(32 * 6, 64, routed.block_m) * pl.cdiv(1408, 64) >= MIN_PROGRAMS
-    assert pick_config(SWIGLU_TILES, 8192 * 6, 64, 1408, 2048).block_n == 128  # prefill keeps its tiles
-    assert pick_config(SWIGLU_TILES, 1, 1, 2816, 2048, block_n=64).block_n == 64  # an explicit choice stays
