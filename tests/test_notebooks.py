@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import pytest
 
 nbformat = pytest.importorskip("nbformat")
@@ -20,7 +21,12 @@ def test_every_numbered_notebook_is_collected():
 
 
 @pytest.mark.parametrize("name", NOTEBOOK_NAMES)
-def test_notebook_runs(name):
+def test_notebook_runs(name, monkeypatch):
+    # The kernel shares the tests' persistent compilation cache (tests/conftest.py): the notebooks
+    # build engines and models the tests also compile.
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", jax.config.jax_compilation_cache_dir)
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                       str(jax.config.jax_persistent_cache_min_compile_time_secs))
     book = nbformat.read(NOTEBOOKS / name, as_version=4)
     client = nbclient.NotebookClient(book, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(NOTEBOOKS)}})
