@@ -42,7 +42,7 @@ def child(run: str, args) -> dict:
     llm = LLM(args.preset, dtype=args.dtype, kernel_backend=args.kernel_backend, max_num_seqs=top,
               max_num_batched_tokens=budget, max_model_len=max_len, block_size=64, buckets=tuple(sorted(buckets)),
               enable_prefix_caching=False, progress=False, kv_cache_memory=int(args.kv_cache_gib * 2**30),
-              **RUNS[run])
+              async_scheduling=args.async_scheduling, **RUNS[run])
     setup_s = time.perf_counter() - start
     devices = jax.local_devices()[:max(1, llm.model.mesh.size if llm.model.mesh is not None else 1)]
     weights = {str(d): 0 for d in devices}
@@ -71,6 +71,8 @@ def main(argv=None):
     parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="KV pool per GPU")
     parser.add_argument("--kernel-backend", default="auto")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="overlap the host's work with the device step, as dsjax.bench does")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per run")
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/")
     parser.add_argument("--child", help=argparse.SUPPRESS)
