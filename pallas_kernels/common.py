@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 
 def dot_precision(dtype):
@@ -18,3 +22,25 @@ def shrink_for_itemsize(block_k: int, num_stages: int, itemsize: int) -> tuple[i
     if itemsize <= 2:
         return block_k, num_stages
     return max(16, block_k // 2), min(num_stages, 2)
+
+
+def swiglu_accumulators(x_ref, x_rows, load_gate, load_up, *, block_m: int, block_n: int, block_k: int,
+                        depth: int):
+    """Both GEMMs of one SwiGLU output tile over the whole K extent (inside a kernel): rows ``x_rows``
+    of x_ref [*, depth] times the weight tiles load_gate(k0) / load_up(k0) [block_k, block_n] -> two f32
+    [block_m, block_n] accumulators. Each K step loads its x tile once, for both GEMMs."""
+
+    def body(kk, carry):
+        acc_gate, acc_up = carry
+        k0 = pl.multiple_of(kk * block_k, block_k)
+        k_idx = k0 + jnp.arange(block_k)
+        x_tile = x_ref.at[x_rows[:, None], k_idx[None, :]]
+        if depth % block_k:
+            x = plgpu.load(x_tile, mask=(k_idx < depth)[None, :], other=0)
+        else:
+            x = plgpu.load(x_tile)
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=dot_precision(x.dtype))
+        return acc_gate + dot(x, load_gate(k0)), acc_up + dot(x, load_up(k0))
+
+    zeros = jnp.zeros((block_m, block_n), jnp.float32)
+    return jax.lax.fori_loop(0, pl.cdiv(depth, block_k), body, (zeros, zeros))

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_precision, shrink_for_itemsize
+from pallas_kernels.common import dot_precision, shrink_for_itemsize, swiglu_accumulators
 
 
 class TileConfig(NamedTuple):
@@ -176,23 +176,9 @@ def _grouped_swiglu_kernel(group_sizes_ref, x_ref, w_gate_ref, w_up_ref, *refs, 
         else:
             x_rows = jnp.where(row_ok, rows, first)
 
-        def body(kk, carry):
-            acc_gate, acc_up = carry  # f32[bm, bn] x 2
-            k0 = pl.multiple_of(kk * block_k, block_k)
-            k_idx = k0 + jnp.arange(block_k)
-            x_tile = x_ref.at[x_rows[:, None], k_idx[None, :]]
-            if depth % block_k:
-                x = plgpu.load(x_tile, mask=(k_idx < depth)[None, :], other=0)
-            else:
-                x = plgpu.load(x_tile)  # [bm, bk], shared by both GEMMs
-            acc_gate += jnp.dot(x, weight_tile(w_gate_ref, k0=k0), preferred_element_type=jnp.float32,
-                                precision=dot_precision(x.dtype))
-            acc_up += jnp.dot(x, weight_tile(w_up_ref, k0=k0), preferred_element_type=jnp.float32,
-                              precision=dot_precision(x.dtype))
-            return acc_gate, acc_up
-
-        zeros = jnp.zeros((block_m, block_n), jnp.float32)
-        acc_gate, acc_up = jax.lax.fori_loop(0, pl.cdiv(depth, block_k), body, (zeros, zeros))
+        acc_gate, acc_up = swiglu_accumulators(x_ref, x_rows, lambda k0: weight_tile(w_gate_ref, k0=k0),
+                                               lambda k0: weight_tile(w_up_ref, k0=k0), block_m=block_m,
+                                               block_n=block_n, block_k=block_k, depth=depth)
         h = jax.nn.silu(acc_gate) * acc_up
         col_ok = n0 + jnp.arange(block_n) < width
         plgpu.store(out_ref.at[pl.ds(first, block_m), pl.ds(n0, block_n)], h.astype(out_ref.dtype),

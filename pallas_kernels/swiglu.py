@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_precision, shrink_for_itemsize
+from pallas_kernels.common import shrink_for_itemsize, swiglu_accumulators
 
 
 class SwigluConfig(NamedTuple):
@@ -64,23 +64,9 @@ def _swiglu_kernel(x_ref, w_gate_ref, w_up_ref, out_ref, *, block_m, block_n, bl
             mask = col_ok[None, :] if mask is None else mask & col_ok[None, :]
         return plgpu.load(window) if mask is None else plgpu.load(window, mask=mask, other=0)
 
-    def body(kk, carry):
-        acc_gate, acc_up = carry  # f32[bm, bn] x 2
-        k0 = pl.multiple_of(kk * block_k, block_k)
-        k_idx = k0 + jnp.arange(block_k)
-        x_tile = x_ref.at[x_rows[:, None], k_idx[None, :]]
-        if depth % block_k:
-            x = plgpu.load(x_tile, mask=(k_idx < depth)[None, :], other=0)
-        else:
-            x = plgpu.load(x_tile)  # [bm, bk], shared by both GEMMs
-        acc_gate += jnp.dot(x, load_w(w_gate_ref, k0), preferred_element_type=jnp.float32,
-                            precision=dot_precision(x.dtype))
-        acc_up += jnp.dot(x, load_w(w_up_ref, k0), preferred_element_type=jnp.float32,
-                          precision=dot_precision(x.dtype))
-        return acc_gate, acc_up
-
-    zeros = jnp.zeros((block_m, block_n), jnp.float32)
-    acc_gate, acc_up = jax.lax.fori_loop(0, pl.cdiv(depth, block_k), body, (zeros, zeros))
+    acc_gate, acc_up = swiglu_accumulators(x_ref, x_rows, lambda k0: load_w(w_gate_ref, k0),
+                                           lambda k0: load_w(w_up_ref, k0), block_m=block_m, block_n=block_n,
+                                           block_k=block_k, depth=depth)
     h = jax.nn.silu(acc_gate) * acc_up
     plgpu.store(out_ref.at[pl.ds(m_tile * block_m, block_m), pl.ds(n0, block_n)],
                 h.astype(out_ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
