@@ -3,6 +3,9 @@ chunked prefill, small blocks and preemption; prefix caching; seeds; stops; logp
 
 from __future__ import annotations
 
+import re
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -185,6 +188,19 @@ def test_stats_report_buckets(llm):
     stats = llm.stats()
     assert stats["buckets"] == [1, 2, 4, 8, 16, 32] and stats["num_compiled_shapes"] == 6
     assert 0 <= stats["padding_ratio"] < 1 and stats["warmup_seconds"] > 0
+
+
+def test_compiled_steps_update_the_kv_pool_in_place(llm):
+    """The donated pool is written in place: no step copies it (on CPU a one-token step once copied
+    the whole pool several times a layer, making decode cost grow with the pool, not the context)."""
+    runner = llm.engine.runner
+    pool_shapes = {f"{jnp.dtype(a.dtype).name.replace('float', 'f')}[{','.join(map(str, a.shape))}]"
+                   for a in (runner.cache.c_kv, runner.cache.k_pe)}
+    for bucket, compiled in runner._compiled.items():
+        copies = [line for line in compiled.as_text().splitlines()
+                  if re.search(r"= (\S+)\{[\d,]+\} copy\(", line) and
+                  re.search(r"= (\S+)\{", line).group(1) in pool_shapes]
+        assert not copies, f"bucket {bucket} copies the KV pool: {copies[0].strip()[:200]}"
 
 
 def test_failed_step_aborts_only_its_requests(llm, monkeypatch):
