@@ -36,6 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import device_time_us  # noqa: E402
+from pallas_kernels import mla_decode_mgpu  # noqa: E402
 from pallas_kernels.mla_decode import decode_blocks, default_num_splits, mla_decode, mla_decode_reference  # noqa: E402
 from pallas_kernels.mla_prefill import PREFILL_BLOCKS, mla_prefill, mla_prefill_reference  # noqa: E402
 
@@ -106,10 +107,10 @@ def _row(kernel, shape, config, us=None, *, bytes_read=None, flops=None, error=N
     metric = ""
     if bytes_read is not None:
         row["TB/s"] = bytes_read / (us * 1e-6) / 1e12
-        metric = f"{row['TB/s']:7.2f} TB/s"
+        metric = f"{row['TB/s']:7.2f} TB/s "
     if flops is not None:
         row["TFLOP/s"] = flops / (us * 1e-6) / 1e12
-        metric = f"{row['TFLOP/s']:7.1f} TFLOP/s"
+        metric += f"{row['TFLOP/s']:7.1f} TFLOP/s"
     print(f"  {kernel:<22} {json.dumps(config):<70} {us:10.1f} us {metric}", flush=True)
     return row
 
@@ -129,7 +130,7 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
     args = _decode_inputs(shape, rng)
     scale = (128 + shape.rope_dim) ** -0.5
     bytes_read = shape.batch * shape.context * (shape.latent_dim + shape.rope_dim) * 2
-    # Rough lower bounds, only to size the timed loop.
+    # What the absorbed form computes (scores over C + R, values over C, every head and key).
     flops = 2 * shape.batch * shape.num_heads * shape.context * (2 * shape.latent_dim + shape.rope_dim)
     estimate = max(bytes_read / 3e12, flops / 4e14, 5e-6)
     rows = []
@@ -145,9 +146,21 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
                           num_splits=num_splits, auto_splits=num_splits == auto)
             fn = lambda *a, c=config: mla_decode(
                 *a, scale, num_splits=c["num_splits"], block_h=c["block_h"], block_k=c["block_k"],
-                num_warps=c["num_warps"], num_stages=c["num_stages"], interpret=interpret)
+                num_warps=c["num_warps"], num_stages=c["num_stages"], interpret=interpret, impl="triton")
             rows.append(_attempt("mla_decode", shape, config, fn, args, estimate_s=estimate,
-                                 bytes_read=bytes_read, **timing))
+                                 bytes_read=bytes_read, flops=flops, **timing))
+
+    if not interpret and shape.num_heads % mla_decode_mgpu.BLOCK_H == 0:
+        # The Mosaic GPU kernel (TMA + wgmma, 64 heads a CTA), what impl="auto" picks on Hopper here.
+        auto = default_num_splits(shape.batch, shape.num_heads, shape.context, mla_decode_mgpu.BLOCK_H,
+                                  mla_decode_mgpu.BLOCK_K)
+        max_splits = max(1, shape.context // mla_decode_mgpu.BLOCK_K)
+        splits = sorted({auto, max(1, auto // 2), min(max_splits, auto * 2)}) if sweep else [auto]
+        for num_splits in splits:
+            config = dict(num_splits=num_splits, auto_splits=num_splits == auto)
+            fn = lambda *a, n=num_splits: mla_decode(*a, scale, num_splits=n, impl="mosaic")
+            rows.append(_attempt("mla_decode_mosaic", shape, config, fn, args, estimate_s=estimate,
+                                 bytes_read=bytes_read, flops=flops, **timing))
 
     rows.append(_attempt("xla_reference", shape, {}, lambda *a: mla_decode_reference(*a, scale), args,
                          estimate_s=estimate * 4, bytes_read=bytes_read, **timing))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import mla_decode_mgpu
 from pallas_kernels.common import dot_precision
 from pallas_kernels.kv_quant import dequantize_latent
 
@@ -222,7 +223,7 @@ def _is_pow2(n: int) -> bool:
 
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
                    c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret,
-                   compressed=None, pools=None):
+                   compressed=None, pools=None, impl="auto"):
     """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]-1 of table row
     seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype.
 
@@ -247,6 +248,15 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     rope_dim = q_pe.shape[-1]
     num_pages, block_size = c_kv.shape[:2]
     table_width = block_tables.shape[1]
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not supported; accepted: {', '.join(IMPLS)}")
+    why_not = "interpret mode" if interpret else "an 8-bit cache or two pools" if quantized or pools else \
+        mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype)
+    if impl == "mosaic" and why_not:
+        raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
+    if impl == "mosaic" or (impl == "auto" and not why_not and not (block_h or block_k)):
+        return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
+                                     num_splits=num_splits)
     blocks = decode_blocks(num_heads, jnp.dtype(c_kv.dtype).itemsize)
     block_h = block_h or blocks.block_h
     block_k = block_k or blocks.block_k
@@ -313,28 +323,66 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         return partials[:, :num_heads]
 
     m, l, acc = partials
+    return combine_splits(m, l, acc, q_latent.dtype, splits_axis=2, num_heads=num_heads, interpret=interpret)
+
+
+def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *, num_splits):
+    """The Mosaic GPU kernel (Hopper, H a multiple of 64) with its splits and their merge."""
+    batch, num_heads = q_latent.shape[:2]
+    block = mla_decode_mgpu.BLOCK_K
+    max_context = block_tables.shape[1] * c_kv.shape[1]
+    # One CTA an SM (the kernel fills shared memory): splits grow until the grid covers the SMs.
+    num_splits = num_splits or default_num_splits(batch, num_heads, max_context, mla_decode_mgpu.BLOCK_H, block)
+    tokens_per_split = pl.cdiv(pl.cdiv(max_context, num_splits), block) * block
+    out = mla_decode_mgpu.mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
+                                          num_splits=num_splits, tokens_per_split=tokens_per_split)
+    if num_splits == 1:
+        return out.astype(q_latent.dtype)
+    return combine_splits(*out, q_latent.dtype, splits_axis=1)
+
+
+def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None = None, interpret: bool = False):
+    """Merges flash-decoding partials: m, l f32 (log2-unit running max, softmax denominator) and acc f32
+    (unnormalized output), laid out [B, H, S] / [B, H, S, C] (splits_axis=2, the Triton kernel) or
+    [B, S, H] / [B, S, H, C] (splits_axis=1, the Mosaic kernel) -> [B, H, C] in ``dtype``; only the first
+    ``num_heads`` heads (the rest are padding)."""
+    if splits_axis == 2:
+        batch, _, num_splits, latent_dim = acc.shape
+        row = lambda h, c, b: (b, h, 0)
+        tile = lambda h, c, b: (b, h, 0, c)
+        row_block = lambda: (None, None, num_splits)
+        tile_block = lambda block_c: (None, None, num_splits, block_c)
+    else:
+        batch, num_splits, _, latent_dim = acc.shape
+        row = lambda h, c, b: (b, 0, h)
+        tile = lambda h, c, b: (b, 0, h, c)
+        row_block = lambda: (None, num_splits, None)
+        tile_block = lambda block_c: (None, num_splits, None, block_c)
+    num_heads = num_heads or acc.shape[3 - splits_axis]
     block_c = min(latent_dim, max(1, _COMBINE_TILE // num_splits))
     return pl.pallas_call(
         _combine_kernel,
         grid=(num_heads, pl.cdiv(latent_dim, block_c), batch),
-        in_specs=[pl.BlockSpec((None, None, num_splits), lambda h, c, b: (b, h, 0)),
-                  pl.BlockSpec((None, None, num_splits), lambda h, c, b: (b, h, 0)),
-                  pl.BlockSpec((None, None, num_splits, block_c), lambda h, c, b: (b, h, 0, c))],
+        in_specs=[pl.BlockSpec(row_block(), row), pl.BlockSpec(row_block(), row),
+                  pl.BlockSpec(tile_block(block_c), tile)],
         out_specs=pl.BlockSpec((None, None, block_c), lambda h, c, b: (b, h, c)),
-        out_shape=jax.ShapeDtypeStruct((batch, num_heads, latent_dim), q_latent.dtype),
+        out_shape=jax.ShapeDtypeStruct((batch, num_heads, latent_dim), dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="mla_decode_combine",
     )(m, l, acc)
 
 
-_STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret")
+_STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl")
+# "auto": the Mosaic GPU kernel where it runs (Hopper, bf16 cache, heads a multiple of 64, pages a multiple
+# of 64 tokens; mla_decode_mgpu.supports), else the Triton one. "triton" / "mosaic" force one.
+IMPLS = ("auto", "triton", "mosaic")
 _STATIC_PAGED = (*_STATIC, "pools")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv_scale=None, num_splits=None,
-               block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
+               block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False, impl="auto"):
     """One query token per sequence; the semantics of ``mla_decode_reference``.
 
     q_latent [B, H, C], q_pe [B, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[B, W],
@@ -347,13 +395,13 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables,
                           jnp.arange(batch, dtype=jnp.int32), lengths.astype(jnp.int32), scale,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
-                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_PAGED)
 def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
               compressed=None, pools=None, num_splits=None, block_h=None, block_k=None, num_warps=None,
-              num_stages=None, interpret=False):
+              num_stages=None, interpret=False, impl="auto"):
     """The engine's entry; the semantics of ``mla_paged_reference``.
 
     q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
@@ -367,7 +415,7 @@ def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scal
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids.astype(jnp.int32),
                           positions.astype(jnp.int32) + 1, scale, compressed=compressed, pools=pools,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
-                          num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl)
 
 
 def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=None):

@@ -27,16 +27,36 @@ def _paged(rng, batch, heads, lengths, block_size=64, latent=512, rope=64, dtype
     return q, q_pe, c_kv, k_pe, jnp.asarray(perm), jnp.asarray(lengths, jnp.int32)
 
 
-@pytest.mark.parametrize("heads", [16, 128])
-def test_mla_decode_gpu(heads):
+@pytest.mark.parametrize("heads, impl, block_size, num_splits", [
+    (16, "auto", 64, None), (128, "triton", 64, None), (128, "mosaic", 64, None), (128, "mosaic", 64, 1),
+    (64, "mosaic", 128, 8), (256, "mosaic", 64, None)])
+def test_mla_decode_gpu(heads, impl, block_size, num_splits):
     from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
 
     rng = np.random.default_rng(heads)
-    args = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048])
+    args = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048], block_size=block_size)
     scale = 0.1
-    got = mla_decode(*args, scale)
+    got = mla_decode(*args, scale, impl=impl, num_splits=num_splits)
     want = mla_decode_reference(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in args], scale)
     assert _rel(got, want) < 2e-2
+
+
+def test_mla_paged_mosaic_several_queries_per_sequence_gpu():
+    """Chunked-prefill tails: several queries of one sequence at different positions, padding (-1)."""
+    from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
+
+    rng = np.random.default_rng(7)
+    q, q_pe, c_kv, k_pe, tables, _ = _paged(rng, 3, 128, [300, 64, 1000])
+    seq_ids = jnp.asarray([0, 0, 0, 1, 2, 2, 1, 0], jnp.int32)
+    positions = jnp.asarray([0, 63, 299, 63, 999, 511, -1, 128], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((8, 128, 512)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((8, 128, 64)), jnp.bfloat16)
+    got = mla_paged(q, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1, impl="mosaic")
+    f32 = lambda a: a.astype(jnp.float32)
+    want = mla_paged_reference(f32(q), f32(q_pe), f32(c_kv), f32(k_pe), tables, seq_ids, positions, 0.1)
+    assert not np.asarray(got[6], np.float32).any()  # padding: zeros
+    keep = np.arange(8) != 6
+    assert _rel(np.asarray(got)[keep], np.asarray(want)[keep]) < 2e-2
 
 
 @pytest.mark.parametrize("kind, groups", [("int8", 1), ("fp8", 1), ("fp8", 4)])

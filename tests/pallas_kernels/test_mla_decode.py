@@ -113,3 +113,32 @@ def test_mla_decode_lowers_to_triton_for_h200():
     for num_splits in (1, 4):
         hlo = lower_for_h200(lambda *a: mla_decode(*a, 0.07, num_splits=num_splits), *args)
         assert hlo.count("__gpu$xla.gpu.triton") == (1 if num_splits == 1 else 2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_mosaic_decode_lowers_for_hopper(num_splits):
+    """The Mosaic GPU kernel's Pallas lowering (layouts, wgmma operands, shared-memory budget) runs
+    without a GPU; its numerics are checked on the GPU (tests/gpu)."""
+    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+
+    tokens, heads, width = 4, 128, 16
+    shape = jax.ShapeDtypeStruct
+    args = (shape((tokens, heads, 512), jnp.bfloat16), shape((tokens, heads, 64), jnp.bfloat16),
+            shape((100, 128, 512), jnp.bfloat16), shape((100, 128, 64), jnp.bfloat16),
+            shape((tokens, width), jnp.int32), shape((tokens,), jnp.int32), shape((tokens,), jnp.int32))
+    fn = lambda *a: mla_decode_mgpu(*a, 0.07, num_splits=num_splits, tokens_per_split=width * 128 // num_splits)
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("custom_call @mosaic_gpu") == 1
+
+
+def test_mosaic_decode_refuses_what_it_cannot_run():
+    from pallas_kernels import mla_decode_mgpu
+
+    assert mla_decode_mgpu.supports(128, 512, 64, 64, jnp.bfloat16) is not None  # no GPU here
+    q = jnp.zeros((1, 64, 512), jnp.bfloat16)
+    cache = jnp.zeros((2, 64, 512), jnp.bfloat16), jnp.zeros((2, 64, 64), jnp.bfloat16)
+    args = (q, q[..., :64], *cache, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), 0.1)
+    with pytest.raises(ValueError, match="impl='mosaic' cannot run here"):
+        mla_decode(*args, impl="mosaic")
+    with pytest.raises(ValueError, match="accepted: auto, triton, mosaic"):
+        mla_decode(*args, impl="cuda")

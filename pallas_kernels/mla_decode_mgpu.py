@@ -1,0 +1,263 @@
+"""Paged MLA decode on Hopper through Mosaic GPU (TMA + wgmma): the kernel for many heads.
+
+The semantics are ``mla_paged_reference`` (pallas_kernels/mla_decode.py), restricted to a bf16 cache
+with pages of a multiple of 64 tokens and a head count that is a multiple of 64. At DeepSeek-V3's 128
+heads decode is compute-bound (every 1,152-byte cache token meets 128 heads: 2 x 128 x (576 + 512)
+FLOPs, ~242 FLOPs a byte), so the tensor cores must do the work: the Triton kernel's per-program dots
+reach ~150 TFLOP/s there. Here one CTA owns 64 heads of one query and one context split, and three
+warpgroups share it:
+
+- the memory warpgroup walks the block table and TMA-loads each 64-token slab of the latent cache
+  (c_kv [64, 512] and k_pe [64, 64]) into a two-stage ring;
+- compute warpgroup 0 holds the queries in shared memory, computes the scores S = q_latent c_kv^T +
+  q_pe k_pe^T (wgmma, f32), the online softmax (log2 units), hands P (bf16) and the rescale factor to
+  warpgroup 1 through shared memory, and accumulates P c_kv[:, :256];
+- compute warpgroup 1 accumulates P c_kv[:, 256:].
+
+The cache slab is read from HBM once per 64 heads and used twice (keys and values are the same
+latent). With one split the CTA writes the bf16 output; with several it writes f32 partials (m, l,
+unnormalized acc) that ``combine_splits`` merges, as for the Triton kernel.
+
+Tokens of a page past the context are masked in the scores (weight 0); the pool they come from is
+finite (zero-initialized, written only with real latents), as the kernel's P x V relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_H = 64  # heads per CTA: one wgmma M tile
+BLOCK_K = 64  # cache tokens per pipeline step
+STAGES = 2  # cache slabs in flight: 2 x 72 KiB, with the 72 KiB of queries, fills shared memory
+LATENT_DIM = 512
+ROPE_DIM = 64
+_HALF = LATENT_DIM // 2  # output columns per compute warpgroup
+_M_INIT = float(jnp.finfo(jnp.float32).min)
+_LOG2E = math.log2(math.e)
+
+
+def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype) -> str | None:
+    """None when the Mosaic kernel takes these shapes, else why not (the caller falls back)."""
+    if jax.default_backend() != "gpu":
+        return "not on a GPU"
+    if "sm_90" not in _compute_capability():
+        return "not a Hopper GPU (wgmma/TMA as written here need sm_90a)"
+    if num_heads % BLOCK_H:
+        return f"num_heads={num_heads} is not a multiple of {BLOCK_H}"
+    if (latent_dim, rope_dim) != (LATENT_DIM, ROPE_DIM):
+        return f"latent/rope dims {latent_dim}/{rope_dim} are not {LATENT_DIM}/{ROPE_DIM}"
+    if block_size % BLOCK_K:
+        return f"block_size={block_size} is not a multiple of {BLOCK_K}"
+    if jnp.dtype(dtype) != jnp.bfloat16:
+        return f"cache dtype {jnp.dtype(dtype).name} is not bfloat16"
+    return None
+
+
+@functools.cache
+def _compute_capability() -> str:
+    device = jax.devices()[0]
+    return f"sm_{str(getattr(device, 'compute_capability', '')).replace('.', '')}"
+
+
+def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_ref, *refs,
+            table_width: int, slabs_per_page: int, tokens_per_split: int, scale_log2e: float,
+            num_splits: int):
+    outs, scratch = refs[:-1], refs[-1]
+    (q_smem, p_smem, rows_smem, union,
+     ckv_bars, kpe_bars, q_bars, consumed_bars, p_ready, p_free, compute_sync) = scratch
+    (ckv_smem, kpe_smem), out16_smem, out32_smem = union
+    head_tile, split, t = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("t")
+    wg = lax.axis_index("wg")
+    h0 = head_tile * BLOCK_H
+    seq_id = seq_ids_ref[t]
+    length = lengths_ref[t]
+    start = split * tokens_per_split
+    end = jnp.minimum(start + tokens_per_split, length)
+    num_steps = lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), jnp.int32(BLOCK_K))
+
+    def init_row(value):
+        return plgpu.layout_cast(jnp.full((BLOCK_H,), value, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+
+    def init_acc():
+        return plgpu.layout_cast(jnp.zeros((BLOCK_H, _HALF), jnp.float32), plgpu.Layout.WGMMA)
+
+    def pv(acc, p, step_slot, half: int):
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, p, ckv_smem.at[step_slot, :, pl.ds(half * _HALF, _HALF)])
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    def _sync():  # the two compute warpgroups meet; after the first meeting neither reads the
+        # cache ring again, so the output staging may reuse it
+        plgpu.barrier_arrive(compute_sync)
+        plgpu.barrier_wait(compute_sync)
+
+    def _write(acc, l, half):
+        cols = pl.ds(half * _HALF, _HALF)
+        if num_splits == 1:
+            (o_ref,) = outs
+            denom = jnp.where(l == 0, 1.0, l)  # an empty context (padding) outputs zeros
+            out16_smem.at[half][...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [0])).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out16_smem.at[half], o_ref.at[t, pl.ds(h0, BLOCK_H), cols])
+        else:
+            m_ref, l_ref, acc_ref = outs
+            out32_smem.at[half][...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out32_smem.at[half], acc_ref.at[t, split, pl.ds(h0, BLOCK_H), cols])
+            if half == 0:
+                plgpu.copy_smem_to_gmem(rows_smem.at[0], m_ref.at[t, split, pl.ds(h0, BLOCK_H)])
+                plgpu.copy_smem_to_gmem(rows_smem.at[1], l_ref.at[t, split, pl.ds(h0, BLOCK_H)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 0)
+    def _scores_and_first_half():
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h0, BLOCK_H)], q_smem, q_bars.at[0])
+        plgpu.copy_gmem_to_smem(qpe_ref.at[t, pl.ds(h0, BLOCK_H)], p_smem, q_bars.at[1])
+        plgpu.barrier_wait(q_bars.at[1])
+        # q_pe stays in registers (an A operand), so its staging reuses P's buffer (shared memory is full)
+        q_pe = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA)
+        plgpu.barrier_wait(q_bars.at[0])
+
+        def step(i, carry):
+            acc, m, l = carry
+            slot = lax.rem(i, jnp.int32(STAGES))
+            plgpu.barrier_wait(ckv_bars.at[slot])
+            plgpu.barrier_wait(kpe_bars.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, ckv_smem.at[slot].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_pe, kpe_smem.at[slot].transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
+            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(cols < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            p16 = p.astype(jnp.bfloat16)
+
+            @pl.when(i > 0)
+            def _():  # warpgroup 1 is done with the previous P
+                plgpu.barrier_wait(p_free)
+
+            p_smem[...] = p16
+            rows_smem.at[0][...] = alpha
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(p_ready)
+            acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p16, slot, 0)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc, m_new, l
+
+        acc, m, l = lax.fori_loop(0, num_steps, step, (init_acc(), init_row(_M_INIT), init_row(0.0)))
+        _sync()  # warpgroup 1 has read its last rescale factor: the rows now carry m and l
+        rows_smem.at[0][...] = m
+        rows_smem.at[1][...] = l
+        plgpu.commit_smem()
+        _sync()
+        _write(acc, l, 0)
+
+    @pl.when(wg == 1)
+    def _second_half():
+        plgpu.set_max_registers(232, action="increase")
+
+        def step(i, acc):
+            slot = lax.rem(i, jnp.int32(STAGES))
+            plgpu.barrier_wait(ckv_bars.at[slot])
+            plgpu.barrier_wait(p_ready)
+            alpha = plgpu.load(rows_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+            acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem, slot, 1)
+            plgpu.barrier_arrive(p_free)
+            plgpu.barrier_arrive(consumed_bars.at[slot])
+            return acc
+
+        acc = lax.fori_loop(0, num_steps, step, init_acc())
+        _sync()
+        _sync()
+        l = plgpu.load(rows_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
+        _write(acc, l, 1)
+
+    @pl.when(wg == 2)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def load(i):
+            slot = lax.rem(i, jnp.int32(STAGES))
+            token = start + i * BLOCK_K
+            page = tables_ref[seq_id * table_width + lax.div(token, jnp.int32(slabs_per_page * BLOCK_K))]
+            slab = page * slabs_per_page + lax.rem(lax.div(token, jnp.int32(BLOCK_K)), jnp.int32(slabs_per_page))
+            plgpu.copy_gmem_to_smem(ckv_ref.at[slab], ckv_smem.at[slot], ckv_bars.at[slot])
+            plgpu.copy_gmem_to_smem(kpe_ref.at[slab], kpe_smem.at[slot], kpe_bars.at[slot])
+
+        for i in range(STAGES):
+            pl.when(i < num_steps)(functools.partial(load, jnp.int32(i)))
+
+        @pl.loop(STAGES, jnp.maximum(num_steps, STAGES))
+        def _(i):
+            plgpu.barrier_wait(consumed_bars.at[lax.rem(i, jnp.int32(STAGES))])
+            load(i)
+
+
+def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,
+                    tokens_per_split: int, interpret: bool = False):
+    """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512], k_pe [N, bs, 64] (bf16),
+    block_tables i32[S, W], seq_ids i32[T], lengths i32[T] (keys 0..length-1 attended) ->
+    with one split the output [T, H, 512] bf16; else partials (m f32[T, splits, H] in log2 units,
+    l f32[T, splits, H], acc f32[T, splits, H, 512]) for ``combine_splits``. ``tokens_per_split`` is a
+    multiple of 64. Shapes must pass ``supports``."""
+    num_tokens, num_heads, latent_dim = q_latent.shape
+    num_pages, block_size = c_kv.shape[:2]
+    slabs_per_page = block_size // BLOCK_K
+    if tokens_per_split % BLOCK_K:
+        raise ValueError(f"tokens_per_split={tokens_per_split} must be a multiple of {BLOCK_K}")
+    tiling = lambda dtype: (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
+                            plgpu.SwizzleTransform(128))
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    smem = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=tiling(dtype))
+    scratch = [
+        smem((BLOCK_H, LATENT_DIM), bf16),  # q_latent
+        smem((BLOCK_H, BLOCK_K), bf16),  # before the loop q_pe; then P, warpgroup 0 -> 1
+        plgpu.SMEM((2, BLOCK_H), f32),  # in the loop the step's rescale factor (0 -> 1); then m, l
+        plgpu.RefUnion(  # the cache ring; after the loop, the output staging
+            (smem((STAGES, BLOCK_K, LATENT_DIM), bf16), smem((STAGES, BLOCK_K, ROPE_DIM), bf16)),
+            smem((2, BLOCK_H, _HALF), bf16),
+            smem((2, BLOCK_H, _HALF), f32)),
+        plgpu.Barrier(num_barriers=STAGES),  # c_kv slab landed
+        plgpu.Barrier(num_barriers=STAGES),  # k_pe slab landed
+        plgpu.Barrier(num_barriers=2),  # queries landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),  # both compute warpgroups done with a slot
+        plgpu.Barrier(num_barriers=1),  # P ready
+        plgpu.Barrier(num_barriers=1),  # P read
+        plgpu.Barrier(num_arrivals=2),  # compute warpgroups in step
+    ]
+    if num_splits == 1:
+        out_type = jax.ShapeDtypeStruct((num_tokens, num_heads, latent_dim), bf16)
+    else:
+        out_type = (jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
+                    jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
+                    jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads, latent_dim), f32))
+    kernel = functools.partial(
+        _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
+        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_splits=num_splits)
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=[scratch],
+        grid=(num_heads // BLOCK_H, num_splits, num_tokens),
+        grid_names=("h", "s", "t"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(bf16), q_pe.astype(bf16),
+      c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
+      k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM))
