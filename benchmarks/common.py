@@ -75,3 +75,25 @@ def device_time_us(fn, args, *, estimate_s: float, repeats: int = 5, iters: int 
         jax.block_until_ready(compiled(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times) / iters * 1e6
+
+
+def kernel_time_us(fn, args, *, calls: int = 50) -> dict[str, float]:
+    """µs per call that each kernel of fn(*args) runs on the device, from a profiler trace of ``calls``
+    back-to-back calls: kernel time alone, without the launch gaps between kernels (the loop in
+    ``device_time_us`` includes those). Keys are the kernel names; "total" sums them."""
+    import glob
+    import tempfile
+
+    from benchmarks.step_profile import top_ops
+
+    jitted = jax.jit(fn)
+    jax.block_until_ready(jitted(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        outs = [jitted(*args) for _ in range(calls)]
+        jax.block_until_ready(outs)
+        jax.profiler.stop_trace()
+        (trace,) = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+        ops = top_ops(trace, limit=1000)
+    per_call = {name: total / calls for name, total, _ in ops}
+    return {**per_call, "total": sum(per_call.values())}

@@ -1,17 +1,21 @@
 """Attention kernels on the GPU: MLA decode and MLA prefill, ours against the alternatives.
 
 Decode (absorbed MLA over the paged latent cache, bf16, C=512, R=64, page size 64, shuffled page
-tables, every sequence at the full context): ``mla_decode`` over a sweep of block_h / block_k /
-num_warps / num_stages / num_splits, the jitted XLA ``mla_decode_reference``, and JAX's bundled Triton
-``paged_attention`` on GQA with head dim 128 as an anchor (2 KV heads: 512 cached values a token,
-next to MLA's 576). Effective bandwidth = cache bytes read / time.
+tables, every sequence at the full context): the Triton ``mla_decode`` over a sweep of block_h /
+block_k / num_warps / num_stages / num_splits, the Mosaic GPU kernel (``mla_decode_mosaic``, heads a
+multiple of 64) over its split counts, the jitted XLA ``mla_decode_reference``, and JAX's bundled
+Triton ``paged_attention`` on GQA with head dim 128 as an anchor (2 KV heads: 512 cached values a
+token, next to MLA's 576). Effective bandwidth = cache bytes read / time; FLOPs = 2·H·(C+R+C) a key.
 
-Prefill (causal, B=4, S=4096, H=16, Dn=128, R=64, Dv=128): ``mla_prefill`` over a block sweep, the
-XLA ``mla_prefill_reference`` and cuDNN flash attention through ``jax.nn.dot_product_attention``
-(which needs v at the q/k head dim: v is zero-padded to 192). FLOPs = 2·S²·H·(192+128)/2 a sequence.
+Prefill (causal, B=4, S=4096, H=16, Dn=128, R=64, Dv=128): the Triton ``mla_prefill`` over a block
+sweep, the Mosaic GPU kernel (``mla_prefill_mosaic``) over key blocks and ring depths, the XLA
+``mla_prefill_reference``, cuDNN flash attention through ``jax.nn.dot_product_attention`` and JAX's
+bundled FlashAttention-3 on Mosaic GPU (both need v at the q/k head dim: v is zero-padded to 192).
+FLOPs = 2·S²·H·(192+128)/2 a sequence.
 
 Each time is the median over repeats of one jitted ``lax.fori_loop`` of many calls, divided by the
-call count: per-call dispatch never enters the number.
+call count: per-call dispatch never enters the number. At batch <= 4 the default configs are also
+profiled: ``kernel_us`` is the kernels' own device time per call, without the launch gaps.
 
     python benchmarks/kernels_attention.py            # H200: table + benchmarks/results/attention_h200.json
     python benchmarks/kernels_attention.py --no-sweep # only the tuned defaults
@@ -35,8 +39,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import device_time_us  # noqa: E402
-from pallas_kernels import mla_decode_mgpu  # noqa: E402
+from benchmarks.common import device_time_us, kernel_time_us  # noqa: E402
+from pallas_kernels import mla_decode_mgpu, mla_prefill_mgpu  # noqa: E402
 from pallas_kernels.mla_decode import decode_blocks, default_num_splits, mla_decode, mla_decode_reference  # noqa: E402
 from pallas_kernels.mla_prefill import PREFILL_BLOCKS, mla_prefill, mla_prefill_reference  # noqa: E402
 
@@ -76,10 +80,13 @@ PREFILL_SHAPES = [PrefillShape("B4 S4096 H16", 4, 4096, 16)]
 # first. Each is also run at half and twice the default split count. Left out: block_h 64 (its
 # f32 accumulator spills at 8 warps) and block_k 128 at 4 warps (spills).
 DECODE_SWEEP = {
-    16: [(16, 32, 4, 2), (16, 32, 8, 3), (16, 64, 8, 2), (16, 64, 4, 3), (16, 128, 8, 2)],
+    16: [(16, 32, 4, 2), (16, 32, 8, 3), (16, 64, 8, 2), (16, 64, 4, 3), (16, 128, 8, 2), (16, 32, 4, 4),
+         (16, 32, 4, 5), (16, 16, 4, 6)],
     128: [(16, 64, 4, 2), (16, 32, 4, 2), (32, 32, 8, 3), (32, 32, 4, 3), (32, 64, 8, 3), (64, 32, 8, 2)],
 }
 # (block_q, block_k, num_warps, num_stages); 128 x 128 needs 3 stages of 288 KiB: past the SM.
+# (block_kv, stages) of the Mosaic kernel; 128 x 3 stages is past shared memory.
+MOSAIC_PREFILL_SWEEP = [(64, 2), (64, 3), (64, 4), (128, 2)]
 PREFILL_SWEEP = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3), (64, 128, 4, 2)]
 
 QUICK_DECODE = [DecodeShape("quick decode", 2, 64, 16, latent_dim=64, rope_dim=16, block_size=16)]
@@ -115,12 +122,21 @@ def _row(kernel, shape, config, us=None, *, bytes_read=None, flops=None, error=N
     return row
 
 
-def _attempt(kernel, shape, config, fn, args, *, estimate_s, bytes_read=None, flops=None, **timing):
+def _attempt(kernel, shape, config, fn, args, *, estimate_s, bytes_read=None, flops=None, profile=False, **timing):
+    """Times fn in a jitted loop (launch gaps included); with ``profile`` also the kernels' own device
+    time per call from a profiler trace (``kernel_us``, and per kernel)."""
     try:
         us = device_time_us(fn, args, estimate_s=estimate_s, **timing)
+        kernels = kernel_time_us(fn, args) if profile else None
     except Exception as e:  # a config past the SM's shared memory, an unsupported cuDNN shape, ...
         return _row(kernel, shape, config, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
-    return _row(kernel, shape, config, us, bytes_read=bytes_read, flops=flops)
+    row = _row(kernel, shape, config, us, bytes_read=bytes_read, flops=flops)
+    if kernels is not None:
+        row["kernel_us"] = kernels.pop("total")
+        row["kernels_us"] = kernels
+        print(f"  {'':<22} kernels alone: {row['kernel_us']:.1f} us "
+              + ", ".join(f"{k} {v:.1f}" for k, v in kernels.items()), flush=True)
+    return row
 
 
 def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: dict) -> list[dict]:
@@ -133,6 +149,7 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
     # What the absorbed form computes (scores over C + R, values over C, every head and key).
     flops = 2 * shape.batch * shape.num_heads * shape.context * (2 * shape.latent_dim + shape.rope_dim)
     estimate = max(bytes_read / 3e12, flops / 4e14, 5e-6)
+    profile = shape.batch <= 4 and not interpret  # latency-bound: how much of a call is the kernels' own time
     rows = []
 
     default = decode_blocks(shape.num_heads, 2)
@@ -148,7 +165,9 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
                 *a, scale, num_splits=c["num_splits"], block_h=c["block_h"], block_k=c["block_k"],
                 num_warps=c["num_warps"], num_stages=c["num_stages"], interpret=interpret, impl="triton")
             rows.append(_attempt("mla_decode", shape, config, fn, args, estimate_s=estimate,
-                                 bytes_read=bytes_read, flops=flops, **timing))
+                                 bytes_read=bytes_read, flops=flops, **timing,
+                                 profile=profile and (block_h, block_k, num_warps, num_stages) == tuple(default)
+                                 and num_splits == auto))
 
     if not interpret and shape.num_heads % mla_decode_mgpu.BLOCK_H == 0:
         # The Mosaic GPU kernel (TMA + wgmma, 64 heads a CTA), what impl="auto" picks on Hopper here.
@@ -160,7 +179,8 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
             config = dict(num_splits=num_splits, auto_splits=num_splits == auto)
             fn = lambda *a, n=num_splits: mla_decode(*a, scale, num_splits=n, impl="mosaic")
             rows.append(_attempt("mla_decode_mosaic", shape, config, fn, args, estimate_s=estimate,
-                                 bytes_read=bytes_read, flops=flops, **timing))
+                                 bytes_read=bytes_read, flops=flops, profile=profile and num_splits == auto,
+                                 **timing))
 
     rows.append(_attempt("xla_reference", shape, {}, lambda *a: mla_decode_reference(*a, scale), args,
                          estimate_s=estimate * 4, bytes_read=bytes_read, **timing))
@@ -211,9 +231,17 @@ def bench_prefill(shape: PrefillShape, *, sweep: bool, interpret: bool, timing: 
     configs = [tuple(PREFILL_BLOCKS[2])] + (PREFILL_SWEEP if sweep else [])
     for block_q, block_k, num_warps, num_stages in configs:
         config = dict(block_q=block_q, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
-        fn = lambda *a, c=config: mla_prefill(*a, scale, **c, interpret=interpret)
+        fn = lambda *a, c=config: mla_prefill(*a, scale, **c, interpret=interpret, impl="triton")
         rows.append(_attempt("mla_prefill", shape, config, fn, args, estimate_s=estimate, flops=flops,
                              **timing))
+
+    if not interpret:  # the Mosaic GPU kernel (FA3-style), what impl="auto" picks on Hopper
+        default = (mla_prefill_mgpu.BLOCK_KV, mla_prefill_mgpu.STAGES)
+        for block_kv, stages in [default] + ([c for c in MOSAIC_PREFILL_SWEEP if c != default] if sweep else []):
+            config = dict(block_kv=block_kv, stages=stages)
+            fn = lambda *a, c=config: mla_prefill_mgpu.mla_prefill_mgpu(*a, scale, **c)
+            rows.append(_attempt("mla_prefill_mosaic", shape, config, fn, args, estimate_s=estimate,
+                                 flops=flops, **timing))
 
     rows.append(_attempt("xla_reference", shape, {}, lambda *a: mla_prefill_reference(*a, scale), args,
                          estimate_s=estimate * 10, flops=flops, **timing))
@@ -229,7 +257,20 @@ def bench_prefill(shape: PrefillShape, *, sweep: bool, interpret: bool, timing: 
             q, k, v, scale=scale, is_causal=True, implementation="cudnn")[..., :shape.value_dim]
         rows.append(_attempt("cudnn", shape, dict(v_padded_to=qk_dim), cudnn, (q, k, v),
                              estimate_s=estimate, flops=flops, **timing))
+        rows.append(_bench_fa3_anchor(shape, (q, k, v), estimate=estimate, flops=flops, timing=timing))
     return rows
+
+
+def _bench_fa3_anchor(shape: PrefillShape, qkv, *, estimate: float, flops: float, timing: dict) -> dict:
+    """JAX's bundled FlashAttention-3 on Mosaic GPU (float16; one head dim for q, k, v: v zero-padded
+    to 192)."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu
+
+    config = dict(block_q=64, block_kv=64, max_concurrent_steps=2, v_padded_to=qkv[0].shape[-1])
+    tuning = attention_mgpu.TuningConfig(block_q=64, block_kv=64, max_concurrent_steps=2, causal=True)
+    fn = lambda q, k, v: attention_mgpu.attention(q, k, v, tuning)[..., :shape.value_dim]
+    half = tuple(a.astype(jnp.float16) for a in qkv)  # its shared-memory buffers are float16
+    return _attempt("jax_fa3_mosaic", shape, config, fn, half, estimate_s=estimate, flops=flops, **timing)
 
 
 def _best(rows: list[dict], kernel: str) -> dict:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import mla_prefill_mgpu
 from pallas_kernels.common import dot_precision
 
 _LOG2E = math.log2(math.e)
@@ -101,10 +102,15 @@ def _prefill_kernel(
     plgpu.store(o_ref.at[q_rows, :], (acc / l[:, None]).astype(o_ref.dtype), mask=row_ok)
 
 
+# "auto": the Mosaic GPU kernel where it runs (Hopper, bf16/f16, T a multiple of 128, head dims multiples
+# of 64; mla_prefill_mgpu.supports), else the Triton one. "triton" / "mosaic" force one.
+IMPLS = ("auto", "triton", "mosaic")
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "impl"))
 def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, scale, *, block_q=None, block_k=None, num_warps=None,
-                num_stages=None, interpret=False):
+                num_stages=None, interpret=False, impl="auto"):
     """The semantics of ``mla_prefill_reference``: q_nope [B, T, H, Dn], q_pe [B, T, H, R],
     k_nope [B, T, H, Dn], k_pe [B, T, R], v [B, T, H, Dv] -> [B, T, H, Dv] in v.dtype, causal.
 
@@ -114,6 +120,14 @@ def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, scale, *, block_q=None, block_k=N
     """
     batch, seq_len, num_heads, nope_dim = q_nope.shape
     rope_dim, value_dim = q_pe.shape[-1], v.shape[-1]
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not supported; accepted: {', '.join(IMPLS)}")
+    why_not = "interpret mode" if interpret else \
+        mla_prefill_mgpu.supports(seq_len, nope_dim, rope_dim, value_dim, v.dtype)
+    if impl == "mosaic" and why_not:
+        raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
+    if impl == "mosaic" or (impl == "auto" and not why_not and not (block_q or block_k)):
+        return mla_prefill_mgpu.mla_prefill_mgpu(q_nope, q_pe, k_nope, k_pe, v, scale)
     blocks = PREFILL_BLOCKS[min(jnp.dtype(q_nope.dtype).itemsize, 4)]
     short = max(16, pl.next_power_of_2(seq_len))  # 16: the smallest tensor-core tile
     block_q = block_q or min(blocks.block_q, short)

@@ -97,14 +97,18 @@ def test_mla_paged_two_pools_gpu(kind):
     assert _rel(got, want) < 2e-2
 
 
-def test_mla_prefill_gpu():
+@pytest.mark.parametrize("t, impl, blocks", [(300, "auto", {}), (512, "triton", {}), (512, "mosaic", {}),
+                                              (640, "mosaic", dict(block_kv=128, stages=2)),
+                                              (384, "mosaic", dict(block_kv=64, stages=3))])
+def test_mla_prefill_gpu(t, impl, blocks):
     from pallas_kernels.mla_prefill import mla_prefill, mla_prefill_reference
+    from pallas_kernels.mla_prefill_mgpu import mla_prefill_mgpu
 
-    rng = np.random.default_rng(0)
-    b, t, h = 2, 300, 16
+    rng = np.random.default_rng(t)
+    b, h = 2, 16
     mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     args = (mk(b, t, h, 128), mk(b, t, h, 64), mk(b, t, h, 128), mk(b, t, 64), mk(b, t, h, 128))
-    got = mla_prefill(*args, 0.07)
+    got = mla_prefill_mgpu(*args, 0.07, **blocks) if blocks else mla_prefill(*args, 0.07, impl=impl)
     want = mla_prefill_reference(*[a.astype(jnp.float32) for a in args], 0.07)
     assert _rel(got, want) < 2e-2
 

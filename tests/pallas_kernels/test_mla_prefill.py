@@ -46,3 +46,27 @@ def test_mla_prefill_lowers_to_triton_for_h200():
             shape(batch, seq_len, num_heads, 128))
     hlo = lower_for_h200(lambda *a: mla_prefill(*a, 0.07), *args)
     assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("block_kv, stages", [(64, 2), (128, 2)])
+def test_mosaic_prefill_lowers_for_hopper(block_kv, stages):
+    """The Mosaic GPU kernel's Pallas lowering (layouts, wgmma operands, the barrier protocol's shapes,
+    shared-memory budget) runs without a GPU; its numerics are checked on the GPU (tests/gpu)."""
+    from pallas_kernels.mla_prefill_mgpu import mla_prefill_mgpu
+
+    shape = jax.ShapeDtypeStruct
+    b, t, h = 2, 512, 4
+    args = (shape((b, t, h, 128), jnp.bfloat16), shape((b, t, h, 64), jnp.bfloat16),
+            shape((b, t, h, 128), jnp.bfloat16), shape((b, t, 64), jnp.bfloat16), shape((b, t, h, 128), jnp.bfloat16))
+    fn = lambda *a: mla_prefill_mgpu(*a, 0.07, block_kv=block_kv, stages=stages)
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("custom_call @mosaic_gpu") == 1
+
+
+def test_mosaic_prefill_refuses_what_it_cannot_run():
+    x = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+    args = (x, x[..., :64], x, x[:, :, 0, :64], x)
+    with pytest.raises(ValueError, match="impl='mosaic' cannot run here"):
+        mla_prefill(*args, 0.1, impl="mosaic")
+    with pytest.raises(ValueError, match="accepted: auto, triton, mosaic"):
+        mla_prefill(*args, 0.1, impl="fast")
