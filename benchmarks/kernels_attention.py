@@ -84,6 +84,9 @@ DECODE_SWEEP = {
          (16, 32, 4, 5), (16, 16, 4, 6)],
     128: [(16, 64, 4, 2), (16, 32, 4, 2), (32, 32, 8, 3), (32, 32, 4, 3), (32, 64, 8, 3), (64, 32, 8, 2)],
 }
+# Latency configs for a few sequences: one short iteration a program, few stages.
+SMALL_BATCH_SWEEP = {16: [(16, 32, 4, 1), (16, 64, 4, 1), (16, 16, 4, 2), (16, 32, 2, 2)],
+                     128: [(32, 32, 4, 1), (16, 32, 4, 1)]}
 # (block_q, block_k, num_warps, num_stages); 128 x 128 needs 3 stages of 288 KiB: past the SM.
 # (block_kv, stages) of the Mosaic kernel; 128 x 3 stages is past shared memory.
 MOSAIC_PREFILL_SWEEP = [(64, 2), (64, 3), (64, 4), (128, 2)]
@@ -152,8 +155,10 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
     profile = shape.batch <= 4 and not interpret  # latency-bound: how much of a call is the kernels' own time
     rows = []
 
-    default = decode_blocks(shape.num_heads, 2)
+    default = decode_blocks(shape.num_heads, 2, shape.batch)
     configs = [tuple(default)] + (DECODE_SWEEP[16 if shape.num_heads < 64 else 128] if sweep else [])
+    if sweep and shape.batch <= 4:
+        configs += SMALL_BATCH_SWEEP[16 if shape.num_heads < 64 else 128]
     for block_h, block_k, num_warps, num_stages in configs:
         auto = default_num_splits(shape.batch, shape.num_heads, shape.context, block_h, block_k)
         max_splits = max(1, shape.context // block_k)
@@ -165,9 +170,7 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
                 *a, scale, num_splits=c["num_splits"], block_h=c["block_h"], block_k=c["block_k"],
                 num_warps=c["num_warps"], num_stages=c["num_stages"], interpret=interpret, impl="triton")
             rows.append(_attempt("mla_decode", shape, config, fn, args, estimate_s=estimate,
-                                 bytes_read=bytes_read, flops=flops, **timing,
-                                 profile=profile and (block_h, block_k, num_warps, num_stages) == tuple(default)
-                                 and num_splits == auto))
+                                 bytes_read=bytes_read, flops=flops, profile=profile, **timing))
 
     if not interpret and shape.num_heads % mla_decode_mgpu.BLOCK_H == 0:
         # The Mosaic GPU kernel (TMA + wgmma, 64 heads a CTA), what impl="auto" picks on Hopper here.

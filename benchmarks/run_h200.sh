@@ -9,7 +9,7 @@ OUT=${OUT:-benchmarks/results}
 part=${1:-tests}
 case $part in
   tests)      # kernels on the GPU vs references, engine with kernels vs the reference path
-    timeout 300 python -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
   attention)  # MLA decode sweep, then prefill sweep (results/attention_h200_decode.json, attention_h200.json)
     timeout 280 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20
     timeout 280 python benchmarks/kernels_attention.py --only prefill --out "$OUT/attention_h200_prefill.json" | tail -12 ;;

@@ -9,6 +9,10 @@ an f32 online softmax (m, l, acc). With one split the program writes the output 
 second small kernel merges the per-split partials. Each iteration gathers ``block_k`` cache rows
 through the block table, one row per token, so any page size works (4 … 64, or a whole sequence).
 
+On Hopper, with a bf16 cache and a head count that is a multiple of 64 (DeepSeek-V3's 128), the
+Mosaic GPU kernel in ``mla_decode_mgpu.py`` (TMA, wgmma) replaces this one: there decode is
+compute-bound and needs the tensor cores at full width. ``impl`` picks ("auto", "triton", "mosaic").
+
 An 8-bit latent cache (int8 or fp8, ``pallas_kernels/kv_quant.py``) comes with f32 scales
 c_kv_scale [N, bs, G], one per C/G latent elements of a token. The kernel reads the 8-bit rows and
 their scales, converts the rows to the query's dtype on the way into the dot (exact), and applies
@@ -52,7 +56,8 @@ class DecodeBlocks(NamedTuple):
 # At C=512, R=64 for sm_90 (Triton 3.8): 16 heads x 64 keys, 4 warps is 92 KiB of shared memory and
 # ~206 registers; 32 x 64, 8 warps is 112 KiB and ~190: two programs an SM, no spills. 64 heads spill
 # the f32 accumulator [block_h, 512]. The bf16 rows are the H200 sweep's best (2026-11-30,
-# benchmarks/results/attention_h200_decode.json): 3.09 TB/s at V2-Lite B64 ctx4096, 0.65 at V3 B128.
+# benchmarks/results/attention_h200_decode.json): 3.23 TB/s at V2-Lite B64 ctx4096, 0.66 at V3 B128
+# (where impl="auto" takes the Mosaic GPU kernel instead: 1.62 TB/s).
 DECODE_BLOCKS = {
     (2, 1): DecodeBlocks(block_h=16, block_k=64, num_warps=4, num_stages=3),
     (2, 64): DecodeBlocks(block_h=32, block_k=32, num_warps=4, num_stages=3),
@@ -60,11 +65,25 @@ DECODE_BLOCKS = {
 }
 
 
-def decode_blocks(num_heads: int, itemsize: int) -> DecodeBlocks:
+# One or two head tiles in all (batch 1 at V2-Lite's 16 heads): latency, not bandwidth. The context is
+# spread over as many programs as there are SMs, each one short iteration with nothing to pipeline
+# (H200, B1 ctx4096 H16, kernel time per call: 32 keys, 1 stage, 128 splits 4.8 us + combine; the
+# throughput row's 64 keys, 3 stages, 64 splits 6.4 us).
+LATENCY_BLOCKS = DecodeBlocks(block_h=16, block_k=32, num_warps=4, num_stages=1)
+LATENCY_MAX_TILES = 2
+
+
+def decode_blocks(num_heads: int, itemsize: int, batch: int | None = None) -> DecodeBlocks:
+    """The tuned blocks for this head count and cache itemsize; a bf16 decode of at most
+    ``LATENCY_MAX_TILES`` (query, head tile) programs before splitting gets ``LATENCY_BLOCKS``."""
     fits = [k for k in DECODE_BLOCKS if k[0] == itemsize and k[1] <= num_heads]
     if not fits:
         fits = [k for k in DECODE_BLOCKS if k[0] == 2 and k[1] <= num_heads]
-    return DECODE_BLOCKS[max(fits)]
+    blocks = DECODE_BLOCKS[max(fits)]
+    if (batch is not None and itemsize == 2
+            and batch * pl.cdiv(num_heads, LATENCY_BLOCKS.block_h) <= LATENCY_MAX_TILES):
+        return LATENCY_BLOCKS
+    return blocks
 
 
 def default_num_splits(batch: int, num_heads: int, max_context: int, block_h: int, block_k: int) -> int:
@@ -257,7 +276,7 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     if impl == "mosaic" or (impl == "auto" and not why_not and not (block_h or block_k)):
         return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
                                      num_splits=num_splits)
-    blocks = decode_blocks(num_heads, jnp.dtype(c_kv.dtype).itemsize)
+    blocks = decode_blocks(num_heads, jnp.dtype(c_kv.dtype).itemsize, batch)
     block_h = block_h or blocks.block_h
     block_k = block_k or blocks.block_k
     num_warps = num_warps or blocks.num_warps
@@ -359,7 +378,11 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
         row_block = lambda: (None, num_splits, None)
         tile_block = lambda block_c: (None, num_splits, None, block_c)
     num_heads = num_heads or acc.shape[3 - splits_axis]
+    # Columns a program: all splits of block_c columns in registers, but halved (down to 32) until the
+    # grid covers the SMs (H200 batch 1, 16 heads, 64 splits: 128 columns 2.8 us, 32 columns 2.1 us).
     block_c = min(latent_dim, max(1, _COMBINE_TILE // num_splits))
+    while block_c > 32 and num_heads * batch * pl.cdiv(latent_dim, block_c) < NUM_SMS:
+        block_c //= 2
     return pl.pallas_call(
         _combine_kernel,
         grid=(num_heads, pl.cdiv(latent_dim, block_c), batch),

@@ -8,6 +8,9 @@ score is two dots, q_nope·k_nope + q_pe·k_pe, and k_pe is read once per key bl
 A program owns one (head, sequence, query block) and walks its key blocks in two loops: the blocks
 wholly below the diagonal without masks, then the diagonal blocks with the causal mask. Blocks above
 the diagonal are never read.
+
+On Hopper (bf16/f16, T a multiple of 128) the Mosaic GPU kernel in ``mla_prefill_mgpu.py`` (TMA,
+wgmma, FlashAttention-3 style) replaces this one; ``impl`` picks ("auto", "triton", "mosaic").
 """
 
 from __future__ import annotations

@@ -108,9 +108,11 @@ class MLAttention(nnx.Module):
             c_kv, scale = quantize_latent(c_kv, cache.quantization, c_kv_scale.shape[-1])
             c_kv_scale = write(c_kv_scale, scale)
         cache = cache._replace(c_kv=write(cache.c_kv, c_kv), k_pe=write(cache.k_pe, k_pe), c_kv_scale=c_kv_scale)
-        # The attention and the layer scan's carry read one written pool: without the barrier XLA CPU
-        # fuses a one-token write into each reader separately and copies the whole pool for each.
-        cache = jax.lax.optimization_barrier(cache)
+        if jax.default_backend() == "cpu":
+            # The attention and the layer scan's carry read one written pool: without the barrier XLA
+            # CPU fuses a one-token write into each reader separately and copies the whole pool for
+            # each (decode cost grew with the pool). XLA GPU writes in place already; it is left as is.
+            cache = jax.lax.optimization_barrier(cache)
         # Flattening [L, N] is free; shifting the block ids selects this layer without a copy.
         flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
         if cache.pools:  # two pools: the kernel finds the layer and each block's pool itself

@@ -103,6 +103,15 @@ def test_default_num_splits_fills_the_gpu():
     assert default_num_splits(1, 16, 64, block_h=16, block_k=64) == 1
 
 
+def test_decode_blocks_switch_to_latency_blocks_for_one_sequence():
+    from pallas_kernels.mla_decode import DECODE_BLOCKS, LATENCY_BLOCKS, decode_blocks
+
+    assert decode_blocks(16, 2, batch=1) == LATENCY_BLOCKS  # batch 1 at V2-Lite: latency-bound
+    assert decode_blocks(16, 2, batch=64) == decode_blocks(16, 2) == DECODE_BLOCKS[(2, 1)]
+    assert decode_blocks(128, 2, batch=1) == DECODE_BLOCKS[(2, 64)]  # 8 head tiles already
+    assert decode_blocks(16, 1, batch=1) == DECODE_BLOCKS[(2, 1)]  # 8-bit caches keep theirs
+
+
 def test_mla_decode_lowers_to_triton_for_h200():
     """Triton lowering (no GPU needed): catches non-power-of-two shapes and unsupported ops in CI."""
     batch, num_heads, latent_dim, rope_dim, block_size, width = 8, 128, 512, 64, 64, 16
