@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import dsjax
 from dsjax import LLM
@@ -42,24 +41,30 @@ def run_worker(*args: str) -> dict:
     return _result(proc.returncode, proc.stdout, proc.stderr)
 
 
-@pytest.mark.parametrize("tp,ep,dp", [(2, 1, 1), (1, 4, 1), (2, 4, 1), (1, 4, 2)],
-                         ids=["tp2", "ep4", "tp2-ep4", "dp2-ep4"])
-def test_mesh_matches_one_device(tp, ep, dp):
-    r = run_worker("mesh", str(tp), str(ep), str(dp))
-    assert r["logits_rel_err"] < 1e-4 and r["mesh_arg_logits_rel_err"] < 1e-4
-    assert r["tokens_equal"], f"greedy tokens differ:\n{r['tokens']}\n{r['ref_tokens']}"
-    assert r["logprob_err"] < 1e-3
-    layers, experts, hidden, inter = r["expert_shape"]
-    assert r["expert_shard_shape"] == [layers, experts // ep, hidden, inter // tp]  # weights live in shards
-    if dp > 1:
-        assert r["int8_tokens_equal"]  # the 8-bit cache and its scales split like the latents
-    if tp > 1 and ep > 1:  # checkpoints load straight into the same shards
-        for kind in ("hf", "orbax"):
-            assert r[f"{kind}_logits_rel_err"] < 1e-4 and r[f"{kind}_expert_shard_shape"] == r["expert_shard_shape"]
-    # Each data-parallel rank's cache slice holds its share of max_num_seqs full-length sequences.
-    seqs_per_rank = -(-ENGINE["max_num_seqs"] // (dp * ep))
-    num_blocks = seqs_per_rank * -(-ENGINE["max_model_len"] // ENGINE["block_size"])
-    assert r["cache_shard_shape"][1] == r["num_blocks_per_shard"] == num_blocks
+MESHES = {"tp2": (2, 1, 1), "ep4": (1, 4, 1), "tp2-ep4": (2, 4, 1), "dp2-ep4": (1, 4, 2)}
+
+
+def test_meshes_match_one_device():
+    """Every mesh in one worker: the one-device references (and their compiles) are made once."""
+    results = run_worker("mesh", *(",".join(map(str, spec)) for spec in MESHES.values()))
+    for name, (tp, ep, dp) in MESHES.items():
+        r = results[f"{tp},{ep},{dp}"]
+        assert r["logits_rel_err"] < 1e-4 and r["mesh_arg_logits_rel_err"] < 1e-4, name
+        assert r["tokens_equal"], f"{name}: greedy tokens differ:\n{r['tokens']}\n{r['ref_tokens']}"
+        assert r["logprob_err"] < 1e-3, name
+        layers, experts, hidden, inter = r["expert_shape"]
+        # weights live in shards
+        assert r["expert_shard_shape"] == [layers, experts // ep, hidden, inter // tp], name
+        if dp > 1:
+            assert r["int8_tokens_equal"], name  # the 8-bit cache and its scales split like the latents
+        if tp > 1 and ep > 1:  # checkpoints load straight into the same shards
+            for kind in ("hf", "orbax"):
+                assert r[f"{kind}_logits_rel_err"] < 1e-4, (name, kind)
+                assert r[f"{kind}_expert_shard_shape"] == r["expert_shard_shape"], (name, kind)
+        # Each data-parallel rank's cache slice holds its share of max_num_seqs full-length sequences.
+        seqs_per_rank = -(-ENGINE["max_num_seqs"] // (dp * ep))
+        num_blocks = seqs_per_rank * -(-ENGINE["max_model_len"] // ENGINE["block_size"])
+        assert r["cache_shard_shape"][1] == r["num_blocks_per_shard"] == num_blocks, name
 
 
 def test_expert_all_to_all_matches_dense_experts():

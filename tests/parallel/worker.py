@@ -1,7 +1,7 @@
 """Runs in a subprocess with simulated CPU devices (XLA_FLAGS is set before JAX starts): the pytest
 process has already started JAX with one device. Prints one JSON line of results on stdout.
 
-    python tests/parallel/worker.py mesh TP EP DP       # one mesh against one device
+    python tests/parallel/worker.py mesh TP,EP,DP ...   # meshes against one device
     python tests/parallel/worker.py dispatch            # expert all-to-all against the dense reference
     python tests/parallel/worker.py kernels             # the Pallas kernels (interpret) per rank
     python tests/parallel/worker.py host PROCESS_ID NUM_PROCESSES PORT   # one process of a multi-host run
@@ -44,13 +44,22 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / np.max(np.abs(np.asarray(b))))
 
 
-def check_mesh(tp: int, ep: int, dp: int) -> dict:
-    parallel = ParallelConfig(tensor_parallel_size=tp, expert_parallel_size=ep, data_parallel_size=dp)
+def check_meshes(specs: list[tuple[int, int, int]]) -> dict:
+    """Each (TP, EP, DP) mesh against one device; the one-device references are computed once."""
+    import functools
+
     one_device = dsjax.load_model("tiny")
     reference = np.asarray(one_device.logits(TOKENS))
+    ref_tokens, ref_logprobs = generate()[1:]
+    int8_reference = functools.cache(lambda: generate(kv_cache_dtype="int8")[1])
+    return {f"{tp},{ep},{dp}": check_mesh(tp, ep, dp, one_device, reference, ref_tokens, ref_logprobs,
+                                          int8_reference) for tp, ep, dp in specs}
+
+
+def check_mesh(tp, ep, dp, one_device, reference, ref_tokens, ref_logprobs, int8_reference) -> dict:
+    parallel = ParallelConfig(tensor_parallel_size=tp, expert_parallel_size=ep, data_parallel_size=dp)
     model = dsjax.load_model("tiny", parallel=parallel)
     experts = model.moe_layers.mlp.w_gate[...]
-    _, ref_tokens, ref_logprobs = generate()
     llm, tokens, logprobs = generate(parallel=parallel)
     checkpoints = {}
     if tp > 1 and ep > 1:  # every relayout kind, heads and experts split: HF and orbax straight into shards
@@ -67,9 +76,8 @@ def check_mesh(tp: int, ep: int, dp: int) -> dict:
                 checkpoints[f"{kind}_expert_shard_shape"] = list(
                     loaded.moe_layers.mlp.w_gate[...].addressable_shards[0].data.shape)
     if dp > 1:  # an 8-bit cache (latents + scales) split over data-parallel ranks
-        _, int8_ref, _ = generate(kv_cache_dtype="int8")
         _, int8_tokens, _ = generate(kv_cache_dtype="int8", parallel=parallel)
-        checkpoints["int8_tokens_equal"] = int8_tokens == int8_ref
+        checkpoints["int8_tokens_equal"] = int8_tokens == int8_reference()
     on_mesh = dsjax.load_model("tiny", mesh=model.mesh)  # a ready mesh instead of a ParallelConfig
     return {
         **checkpoints,
@@ -181,7 +189,7 @@ def run_host(process_id: int, num_processes: int, port: int) -> dict:
 
 if __name__ == "__main__":
     if MODE == "mesh":
-        result = check_mesh(*map(int, sys.argv[2:5]))
+        result = check_meshes([tuple(map(int, spec.split(","))) for spec in sys.argv[2:]])
     elif MODE == "dispatch":
         result = check_dispatch()
     elif MODE == "kernels":
