@@ -367,15 +367,13 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
     ``num_heads`` heads (the rest are padding)."""
     if splits_axis == 2:
         batch, _, num_splits, latent_dim = acc.shape
-        row = lambda h, c, b: (b, h, 0)
+        row, row_block = (lambda h, c, b: (b, h, 0)), (None, None, num_splits)
         tile = lambda h, c, b: (b, h, 0, c)
-        row_block = lambda: (None, None, num_splits)
         tile_block = lambda block_c: (None, None, num_splits, block_c)
     else:
         batch, num_splits, _, latent_dim = acc.shape
-        row = lambda h, c, b: (b, 0, h)
+        row, row_block = (lambda h, c, b: (b, 0, h)), (None, num_splits, None)
         tile = lambda h, c, b: (b, 0, h, c)
-        row_block = lambda: (None, num_splits, None)
         tile_block = lambda block_c: (None, num_splits, None, block_c)
     num_heads = num_heads or acc.shape[3 - splits_axis]
     # Columns a program: all splits of block_c columns in registers, but halved (down to 32) until the
@@ -386,7 +384,7 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
     return pl.pallas_call(
         _combine_kernel,
         grid=(num_heads, pl.cdiv(latent_dim, block_c), batch),
-        in_specs=[pl.BlockSpec(row_block(), row), pl.BlockSpec(row_block(), row),
+        in_specs=[pl.BlockSpec(row_block, row), pl.BlockSpec(row_block, row),
                   pl.BlockSpec(tile_block(block_c), tile)],
         out_specs=pl.BlockSpec((None, None, block_c), lambda h, c, b: (b, h, c)),
         out_shape=jax.ShapeDtypeStruct((batch, num_heads, latent_dim), dtype),
