@@ -14,7 +14,7 @@ bundled FlashAttention-3 on Mosaic GPU (both need v at the q/k head dim: v is ze
 FLOPs = 2·S²·H·(192+128)/2 a sequence.
 
 Each time is the median over repeats of one jitted ``lax.fori_loop`` of many calls, divided by the
-call count: per-call dispatch never enters the number. At batch <= 4 the default configs are also
+call count: per-call dispatch never enters the number. At batch <= 4 every decode config is also
 profiled: ``kernel_us`` is the kernels' own device time per call, without the launch gaps.
 
     python benchmarks/kernels_attention.py            # H200: table + benchmarks/results/attention_h200.json
@@ -142,6 +142,11 @@ def _attempt(kernel, shape, config, fn, args, *, estimate_s, bytes_read=None, fl
     return row
 
 
+def _split_counts(auto: int, max_splits: int, sweep: bool) -> list[int]:
+    """The default split count, and with ``sweep`` half and twice it (within one iteration a split)."""
+    return sorted({auto, max(1, auto // 2), min(max(1, max_splits), auto * 2)}) if sweep else [auto]
+
+
 def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: dict) -> list[dict]:
     print(f"decode {shape.name}: B={shape.batch} ctx={shape.context} H={shape.num_heads} "
           f"C={shape.latent_dim} R={shape.rope_dim} bs={shape.block_size}", flush=True)
@@ -159,10 +164,10 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
     configs = [tuple(default)] + (DECODE_SWEEP[16 if shape.num_heads < 64 else 128] if sweep else [])
     if sweep and shape.batch <= 4:
         configs += SMALL_BATCH_SWEEP[16 if shape.num_heads < 64 else 128]
+    configs = list(dict.fromkeys(configs))  # the default may also sit in a sweep list
     for block_h, block_k, num_warps, num_stages in configs:
         auto = default_num_splits(shape.batch, shape.num_heads, shape.context, block_h, block_k)
-        max_splits = max(1, shape.context // block_k)
-        splits = sorted({auto, max(1, auto // 2), min(max_splits, auto * 2)}) if sweep else [auto]
+        splits = _split_counts(auto, shape.context // block_k, sweep)
         for num_splits in splits:
             config = dict(block_h=block_h, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                           num_splits=num_splits, auto_splits=num_splits == auto)
@@ -176,8 +181,7 @@ def bench_decode(shape: DecodeShape, *, sweep: bool, interpret: bool, timing: di
         # The Mosaic GPU kernel (TMA + wgmma, 64 heads a CTA), what impl="auto" picks on Hopper here.
         auto = default_num_splits(shape.batch, shape.num_heads, shape.context, mla_decode_mgpu.BLOCK_H,
                                   mla_decode_mgpu.BLOCK_K)
-        max_splits = max(1, shape.context // mla_decode_mgpu.BLOCK_K)
-        splits = sorted({auto, max(1, auto // 2), min(max_splits, auto * 2)}) if sweep else [auto]
+        splits = _split_counts(auto, shape.context // mla_decode_mgpu.BLOCK_K, sweep)
         for num_splits in splits:
             config = dict(num_splits=num_splits, auto_splits=num_splits == auto)
             fn = lambda *a, n=num_splits: mla_decode(*a, scale, num_splits=n, impl="mosaic")

@@ -10,6 +10,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
+def why_not_hopper() -> str | None:
+    """None on a Hopper GPU (the Mosaic GPU kernels' wgmma/TMA need sm_90a), else why not."""
+    if jax.default_backend() != "gpu":
+        return "not on a GPU"
+    if _compute_capability() != "9.0":
+        return "not a Hopper GPU (wgmma/TMA as written here need sm_90a)"
+    return None
+
+
+@functools.cache
+def _compute_capability() -> str:
+    return str(getattr(jax.devices()[0], "compute_capability", ""))
+
+
 def dot_precision(dtype):
     """f32 operands get IEEE products: the Triton lowering otherwise runs f32 dots as TF32, which
     would make f32 runs disagree with the references. bf16/fp16 keep the tensor cores' native path."""

@@ -33,6 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import why_not_hopper
+
 BLOCK_H = 64  # heads per CTA: one wgmma M tile
 BLOCK_K = 64  # cache tokens per pipeline step
 STAGES = 2  # cache slabs in flight: 2 x 72 KiB, with the 72 KiB of queries, fills shared memory
@@ -45,10 +47,8 @@ _LOG2E = math.log2(math.e)
 
 def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype) -> str | None:
     """None when the Mosaic kernel takes these shapes, else why not (the caller falls back)."""
-    if jax.default_backend() != "gpu":
-        return "not on a GPU"
-    if "sm_90" not in _compute_capability():
-        return "not a Hopper GPU (wgmma/TMA as written here need sm_90a)"
+    if why_not := why_not_hopper():
+        return why_not
     if num_heads % BLOCK_H:
         return f"num_heads={num_heads} is not a multiple of {BLOCK_H}"
     if (latent_dim, rope_dim) != (LATENT_DIM, ROPE_DIM):
@@ -58,12 +58,6 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
     if jnp.dtype(dtype) != jnp.bfloat16:
         return f"cache dtype {jnp.dtype(dtype).name} is not bfloat16"
     return None
-
-
-@functools.cache
-def _compute_capability() -> str:
-    device = jax.devices()[0]
-    return f"sm_{str(getattr(device, 'compute_capability', '')).replace('.', '')}"
 
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_ref, *refs,

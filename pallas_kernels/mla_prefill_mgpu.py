@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mla_decode_mgpu import _compute_capability
+from pallas_kernels.common import why_not_hopper
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile); a CTA owns 2 x BLOCK_Q
 COMPUTE_WGS = 2
@@ -40,10 +40,8 @@ _LOG2E = math.log2(math.e)
 
 def supports(seq_len: int, nope_dim: int, rope_dim: int, value_dim: int, dtype, block_kv: int = BLOCK_KV) -> str | None:
     """None when the Mosaic kernel takes these shapes, else why not (the caller falls back)."""
-    if jax.default_backend() != "gpu":
-        return "not on a GPU"
-    if "sm_90" not in _compute_capability():
-        return "not a Hopper GPU (wgmma/TMA as written here need sm_90a)"
+    if why_not := why_not_hopper():
+        return why_not
     if seq_len % (COMPUTE_WGS * BLOCK_Q) or seq_len % block_kv:
         return f"seq_len={seq_len} is not a multiple of {max(COMPUTE_WGS * BLOCK_Q, block_kv)}"
     if any(d % 64 for d in (nope_dim, rope_dim, value_dim)):
