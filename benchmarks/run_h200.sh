@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|attention|moe|moe-focus|decode|train|e2e|kvquant).
+# tests|attention-decode|attention-prefill|moe|moe-focus|decode|train|e2e|kvquant).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -10,9 +10,10 @@ part=${1:-tests}
 case $part in
   tests)      # kernels on the GPU vs references, engine with kernels vs the reference path
     timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
-  attention)  # MLA decode sweep, then prefill sweep (results/attention_h200_decode.json, attention_h200.json)
-    timeout 280 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20
-    timeout 280 python benchmarks/kernels_attention.py --only prefill --out "$OUT/attention_h200_prefill.json" | tail -12 ;;
+  attention-decode)   # MLA decode sweep, every row profiled (about 4 minutes; results/attention_h200_decode.json)
+    timeout 560 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20 ;;
+  attention-prefill)  # MLA prefill sweep (results/attention_h200_prefill.json); attention_h200.json joins the halves
+    timeout 560 python benchmarks/kernels_attention.py --only prefill --out "$OUT/attention_h200_prefill.json" | tail -12 ;;
   moe)        # routing, grouped SwiGLU, down projection, whole layer, dense SwiGLU (results/moe_h200.json)
     timeout 560 python benchmarks/kernels_moe.py --out "$OUT/moe_h200" | tail -40 ;;
   moe-focus)  # MoE targets only: grouped kernels, whole layer at V2-Lite T=256 and T=8192 (about a minute)
@@ -34,5 +35,5 @@ case $part in
     timeout 580 python -m dsjax.bench all --out-dir "$OUT" | tail -30 ;;
   kvquant)    # 8-bit KV caches: capacity, accuracy, V2-Lite logit error, kernel bandwidth, memory wall
     timeout 580 python -m benchmarks.kvquant --gpu-parts --out "$OUT/kvquant" | grep -v WARNING | tail -45 ;;
-  *) echo "usage: $0 tests|attention|moe|moe-focus|decode|train|e2e|kvquant" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|attention-decode|attention-prefill|moe|moe-focus|decode|train|e2e|kvquant" >&2; exit 2 ;;
 esac

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import json
+
 from benchmarks import kernels_attention, kernels_moe
 
 
 def test_attention_benchmark_quick(capsys):
     kernels_attention.main(["--quick"])
     assert "mla_decode" in capsys.readouterr().out
+
+
+def test_attention_benchmark_halves_join(tmp_path):
+    decode, prefill, joined = tmp_path / "d.json", tmp_path / "p.json", tmp_path / "joined.json"
+    kernels_attention.main(["--quick", "--only", "decode", "--out", str(decode)])
+    kernels_attention.main(["--quick", "--only", "prefill", "--out", str(prefill)])
+    payload = kernels_attention.main(["--join", str(decode), str(prefill), "--out", str(joined)])
+    assert payload["decode"] and payload["prefill"] and set(payload["sources"]) == {"decode", "prefill"}
+    assert payload["best_decode"] and payload["best_prefill"]
+    assert json.loads(joined.read_text())["decode"] == payload["decode"]
 
 
 def test_moe_benchmark_quick(capsys):
