@@ -106,7 +106,8 @@ def mixed_section(p: dict) -> list[str]:
             f"Batch efficiency = useful tokens / tokens computed once padded to a bucket. Templated: each prompt is the "
             f"head of one of {w['templates']} shared templates plus {w['template_unique_fraction']:.0%} of its own "
             f"(template share: the prompt tokens taken from templates, the most a prefix cache can serve; it also "
-            f"loses the partial block before each prompt's own tail and each template's first sighting); prefix hit "
+            f"loses each template's first sighting, and the part of the block before a prompt's own tail that no "
+            f"earlier prompt cached: partial-block reuse serves the rest); prefix hit "
             f"rate target > {p['prefix_hit_target']:.0%}: {met}. Engine: {e['num_compiled_shapes']} "
             f"compiled shapes (buckets {e['buckets']}), compiled in {e['compile_s']:.1f}s; warm-up (runner start, "
             f"compiles included) {e['warmup_s']:.1f}s; weights + warm-up {e['init_s']:.1f}s. {w['arrivals']}."]

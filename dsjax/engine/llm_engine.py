@@ -230,6 +230,10 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, in_flight) -> StepHandle:
         try:
+            # Partial prefix-cache hits copy their cached block into the request's own first.
+            copies = self.block_manager.take_block_copies()
+            if copies:
+                self.runner.copy_blocks(copies)
             # Block moves decided since the last forward (window or memory pressure) land first: the
             # tables of this step already point at their compressed copies.
             pending = self.block_manager.take_pending_copies()

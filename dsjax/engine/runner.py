@@ -122,6 +122,7 @@ class ModelRunner:
                                     check_vma=checks_vma(model.kernel_backend))
         self._jitted = jax.jit(forward, donate_argnums=(1,))
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
+        self._copy_blocks = jax.jit(PagedKVCache.copy_blocks, donate_argnums=(0,))
         self.last_tokens = self._zero_last_tokens()
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, filtered, logprobs)
@@ -350,15 +351,23 @@ class ModelRunner:
 
     def compress(self, pairs: list[tuple[int, int]]) -> None:
         """Copies full-precision blocks into compressed ones (quantizing), (src, dst) global ids, before
-        the next step reads the tables that now point at dst. Pads to a power of two (>= 8) so a few
-        shapes compile; padding targets a block past both pools (dropped)."""
-        if not pairs:
-            return
+        the next step reads the tables that now point at dst."""
+        if pairs:
+            self.cache = self._compress(self.cache, *self._padded_pairs(pairs))
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies whole full-precision blocks (src, dst) before the next step (partial prefix hits)."""
+        if pairs:
+            self.cache = self._copy_blocks(self.cache, *self._padded_pairs(pairs))
+
+    def _padded_pairs(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(src, dst) i32 arrays padded to a power of two (>= 8) so a few shapes compile; padding
+        targets a block past both pools (dropped)."""
         size = max(8, 1 << (len(pairs) - 1).bit_length())
         src = np.zeros(size, np.int32)
         dst = np.full(size, self.num_blocks + self.num_compressed_blocks, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
-        self.cache = self._compress(self.cache, src, dst)
+        return src, dst
 
     def _recover_cache(self):
         """A call that failed after donation leaves the cache deleted: start from a zeroed one, so

@@ -27,12 +27,16 @@ class ShardedBlockManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         return []
 
+    # Partial-block reuse is off here: its device copy would have to run inside one rank's cache shard.
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return []
+
     def __init__(self, num_shards: int, num_blocks_per_shard: int, block_size: int,
                  enable_prefix_caching: bool = True):
         if num_shards < 1:
             raise ValueError(f"num_shards={num_shards}: accepted an int >= 1")
-        self.shards = [BlockManager(num_blocks_per_shard, block_size, enable_prefix_caching)
-                       for _ in range(num_shards)]
+        self.shards = [BlockManager(num_blocks_per_shard, block_size, enable_prefix_caching,
+                                    partial_block_reuse=False) for _ in range(num_shards)]
         self.num_shards = num_shards
         self.num_blocks_per_shard = num_blocks_per_shard
         self.block_size = block_size

@@ -94,6 +94,12 @@ class PagedKVCache(NamedTuple):
 
         return make() if sharding is None else jax.jit(make, out_shardings=sharding)()
 
+    def copy_blocks(self, src, dst) -> "PagedKVCache":
+        """Copies whole full-precision blocks src i32[P] to dst i32[P] in every layer (latent, its scales,
+        rope key); a dst out of range (padding) is dropped. Every source is read before any write."""
+        put = lambda pool: None if pool is None else pool.at[:, dst].set(pool[:, src], mode="drop")
+        return self._replace(c_kv=put(self.c_kv), c_kv_scale=put(self.c_kv_scale), k_pe=put(self.k_pe))
+
     def compress_blocks(self, src, dst) -> "PagedKVCache":
         """Moves full-precision blocks src i32[P] into compressed blocks dst i32[P] (global ids, >=
         num_blocks), quantizing their latents per token; a dst out of range (padding) is dropped."""

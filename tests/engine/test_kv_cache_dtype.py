@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -78,3 +79,24 @@ def test_bad_kv_cache_settings_are_refused_by_name():
         LLM("default", dtype="float32", kv_cache_dtype="int8", kv_cache_group_size=256, **ENGINE)
     config = config_from_args(["--kv-cache-dtype", "fp8", "--kv-cache-group-size", "128"])
     assert (config.engine_config().kv_cache_dtype, config.engine_config().kv_cache_group_size) == ("fp8", 128)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_copy_blocks_moves_latents_scales_and_rope_keys(kv_cache_dtype):
+    """Partial prefix hits copy a cached block into a fresh one: every array of every layer, and a
+    padded pair (destination past the pool) is dropped."""
+    config = dsjax.load_config("tiny")
+    cache = PagedKVCache.zeros(config, 6, 4, "float32", kv_cache_dtype=kv_cache_dtype)
+    rng = np.random.default_rng(0)
+    fill = lambda a: None if a is None else jnp.asarray(rng.standard_normal(a.shape) * 10, a.dtype)
+    cache = PagedKVCache(*(fill(a) for a in cache))
+    copied = cache.copy_blocks(np.array([1, 4, 0], np.int32), np.array([3, 1, 6], np.int32))
+    for before, after in zip(cache, copied):
+        if before is None:
+            continue
+        before, after = np.asarray(before), np.asarray(after)
+        # Sources are read before any write: block 1's old content lands in 3, block 4's in 1.
+        np.testing.assert_array_equal(after[:, 3], before[:, 1])
+        np.testing.assert_array_equal(after[:, 1], before[:, 4])
+        np.testing.assert_array_equal(after[:, [0, 2, 4, 5]], before[:, [0, 2, 4, 5]])
+    assert (copied.c_kv_scale is None) == (kv_cache_dtype == "auto")

@@ -80,6 +80,24 @@ def test_prefix_cache_second_pass(llm):
     assert second == first
 
 
+def test_partial_block_prefix_hits_match_the_uncached_forward(llm):
+    """A template that ends mid-block (30 tokens, blocks of 4): later prompts reuse 7 whole blocks and
+    2 tokens of the 8th through a device copy, and still decode exactly like a cache-free forward."""
+    rng = np.random.default_rng(5)
+    template = rng.integers(3, 259, size=30).tolist()
+    first = template + rng.integers(3, 259, size=10).tolist()
+    later = [template + rng.integers(3, 259, size=n).tolist() for n in (3, 6, 9)]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    llm.engine.block_manager.reset_prefix_cache()
+    partial_before = llm.engine.block_manager.num_partial_hits
+    outs = llm.generate([first], params) + llm.generate(later, params)
+    assert [o.num_cached_tokens for o in outs] == [0, 30, 30, 30]
+    assert llm.engine.block_manager.num_partial_hits - partial_before == 3
+    expected = reference_greedy(llm.model, [first, *later], 5)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.stats()["num_blocks_used"] == 0
+
+
 def test_seed_reproduces_samples_regardless_of_batch(llm):
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate(["the quick brown fox"], params)[0].outputs[0].token_ids

@@ -73,7 +73,7 @@ def test_prefix_hit_shares_two_blocks():
 
 
 def test_last_prompt_token_is_never_served_from_cache():
-    bm = BlockManager(num_blocks=8, block_size=BS)
+    bm = BlockManager(num_blocks=8, block_size=BS, partial_block_reuse=False)
     a = Sequence("a", PREFIX + [50])
     admit(bm, a)
     c = Sequence("c", PREFIX)  # exactly the two cached blocks
@@ -85,6 +85,60 @@ def test_last_prompt_token_is_never_served_from_cache():
     assert (bm.num_blocks_free, bm.ref_count(3)) == (5, 0)  # "a" still holds 0, 1, 2
     assert bm.num_blocks_cached == 0  # block 0 is still held by "a"
     bm.check_invariants([a])
+
+
+def test_partial_block_hit_copies_the_cached_block_and_pins_it_until_taken():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = Sequence("a", PREFIX + [50])
+    admit(bm, a)
+    bm.free(a)  # blocks 0, 1 cached and evictable, 2 (never full) free
+    # The same prefix but the last token: block 0 whole, then 3 of block 1's 4 tokens.
+    c = Sequence("c", PREFIX)
+    assert bm.get_num_cached_tokens(c) == 7
+    assert bm.allocate(c, 1) == 7
+    fresh = c.block_table[1]
+    assert c.block_table[0] == 0 and fresh not in (0, 1)
+    assert bm.ref_count(1) == 1  # pinned: no allocation may recycle the source before the copy
+    bm.check_invariants([c])
+    # Allocations before the copy is handed over cannot evict the pinned source.
+    d = Sequence("d", list(range(2000, 2024)))
+    assert not bm.can_allocate(d, 24)  # 6 blocks: 5 free (2 .. 7 but the fresh one), block 1 pinned
+    assert bm.take_block_copies() == [(1, fresh)]
+    assert bm.take_block_copies() == []
+    assert bm.ref_count(1) == 0 and bm.num_blocks_cached == 1  # back to evictable
+    assert bm.can_allocate(d, 24)
+    assert bm.num_partial_hits == 1
+    bm.check_invariants([c])
+    # Full now, the copy holds block 1's tokens again: block 1 stays the cached one.
+    c.num_computed_tokens = 7
+    compute(bm, c, 1)
+    bm.free(c)
+    bm.check_invariants([])
+    assert (bm.num_blocks_cached, bm.ref_count(fresh)) == (2, 0)
+
+
+def test_partial_block_hit_picks_the_longest_match_and_frees_cleanly():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    for name, tail in (("a", [1, 2, 9, 9]), ("b", [1, 2, 3, 9])):
+        seq = Sequence(name, PREFIX + tail + [0])
+        admit(bm, seq)
+        bm.free(seq)
+    c = Sequence("c", PREFIX + [1, 2, 3, 4, 5])
+    assert bm.get_num_cached_tokens(c) == 8 + 3  # b's third block matches 3 tokens, a's only 2
+    bm.allocate(c, 2)
+    (src, dst), = bm._pending_block_copies
+    assert bm._block_tokens[src].tolist() == [1, 2, 3, 9]
+    # A request freed before its copy reaches the device drops the copy and unpins the source.
+    bm.free(c)
+    assert bm.take_block_copies() == [] and bm.ref_count(src) == 0
+    bm.check_invariants([])
+    # The first token must match: nothing is reused for a different one.
+    e = Sequence("e", PREFIX + [7, 1, 2, 3, 4])
+    assert bm.get_num_cached_tokens(e) == 8
+    # Eviction drops a block from the partial-match index with its hash.
+    bm.reset_prefix_cache()
+    assert bm.get_num_cached_tokens(c) == 0
+    bm.check_invariants([])
 
 
 def test_free_in_reverse_order_and_lru_eviction():

@@ -20,11 +20,13 @@ def test_blocks_leave_the_window_into_the_compressed_pool_in_order():
     assert bm.compress_outside_window(a, 8) == []  # nothing new left the window
     bm.check_invariants([a])
     # Decoding on: freed full block 0 is handed out again first (FIFO), compressed ids never are.
+    a.output_token_ids += [5, 6, 7, 8]
     bm.append(a, 4)
     compute(bm, a, 4)  # 21 tokens: blocks 0..2 (tokens 0..11) now outside a window of 8
     assert a.block_table == [6, 7, 2, 3, 4, 5]
     assert bm.compress_outside_window(a, 8) == [(2, 8)]
     # Pool full: block 3 (tokens 12..15) left the window too late for room; it stays full.
+    a.output_token_ids += [9, 10, 11, 12]
     bm.append(a, 4)
     compute(bm, a, 4)
     assert bm.compress_outside_window(a, 8) == []
