@@ -23,6 +23,8 @@ from pallas_kernels.mla_prefill import mla_prefill_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
+from pallas_kernels.stacked_gemv import MAX_ROWS as MAX_GEMV_ROWS
+from pallas_kernels.stacked_gemv import stacked_gemv, stacked_gemv_reference
 from pallas_kernels.swiglu import swiglu as swiglu_kernel
 from pallas_kernels.swiglu import swiglu_reference
 
@@ -69,6 +71,18 @@ def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
     ones, zeros = jnp.ones((x.shape[0], 1), jnp.float32), jnp.zeros((x.shape[0], 1), jnp.int32)
     return moe_experts_kernel(x, ones, zeros, w_gate[:, None], w_up[:, None], w_down[:, None], layer=layer,
                               interpret=backend == "interpret")
+
+
+# Steps of up to this many tokens run the attention projections through the stacked GEMV kernel
+# (pallas_kernels/stacked_gemv.py), reading the layer's weights in place.
+STACKED_GEMV_MAX_TOKENS = MAX_GEMV_ROWS
+
+
+def stacked_matmul(x, w, layer, backend: str):
+    """x [T, K] @ w[layer] for a stacked w [L, K, N] -> f32[T, N], the layer's slice read in place."""
+    if backend == "reference":
+        return stacked_gemv_reference(x, w, layer)
+    return stacked_gemv(x, w, layer, interpret=backend == "interpret")
 
 
 def moe_route(logits, bias, spec: RoutingSpec, backend: str):

@@ -50,26 +50,49 @@ class MLAttention(nnx.Module):
         return apply_rope(x, positions, jnp.asarray(self.inv_freq, jnp.float32), self.cos_sin_scale,
                           self.interleave)
 
-    def queries(self, x, positions):
+    def stacked_projections(self, index) -> dict:
+        """Inside a layer scan over stacked layers: every layer's projection weights (each [L, K, ...]) and
+        this layer's index, for the decode kernels that read one layer's slice in place."""
+        names = ("q_proj", "q_a", "q_b", "kv_a", "o_proj")
+        return {"index": index, **{n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}}
+
+    @staticmethod
+    def _stacked_fits(x, stacked) -> bool:
+        """A step of few tokens with the layer stack at hand: the stacked decode kernel's case."""
+        return stacked is not None and x.ndim == 2 and x.shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS
+
+    def _project(self, x, name, spec, stacked, backend, num_in_dims=1):
+        """x [..., K] times projection ``name``: through the stacked decode kernel, which reads this
+        layer's slice of the stack in place (``_stacked_fits``; the weight's first ``num_in_dims`` axes
+        make K), else the einsum ``spec`` over this layer's weight (XLA)."""
+        if self._stacked_fits(x, stacked):
+            w = stacked[name]  # [L, *in, *out]
+            out = dispatch.stacked_matmul(x, w.reshape(w.shape[0], x.shape[-1], -1), stacked["index"], backend)
+            return out.astype(x.dtype).reshape(x.shape[0], *w.shape[1 + num_in_dims:])
+        w = getattr(self, name)[...]
+        return jnp.einsum(spec, x, w.reshape(x.shape[-1], *w.shape[num_in_dims:]))
+
+    def queries(self, x, positions, stacked=None, backend="reference"):
         """x [..., D] -> q_nope [..., H, Dn], q_pe [..., H, R] (rotated)."""
         if self.q_proj is not None:
-            q = jnp.einsum("...d,dhk->...hk", x, self.q_proj[...])
+            q = self._project(x, "q_proj", "...d,dhk->...hk", stacked, backend)
         else:
-            q = self.q_a_norm(jnp.einsum("...d,dq->...q", x, self.q_a[...]))
-            q = jnp.einsum("...q,qhk->...hk", q, self.q_b[...])
+            q = self.q_a_norm(self._project(x, "q_a", "...d,dq->...q", stacked, backend))
+            q = self._project(q, "q_b", "...q,qhk->...hk", stacked, backend)
         return q[..., :self.nope_dim], self._rope(q[..., self.nope_dim:], positions)
 
-    def latents(self, x, positions):
+    def latents(self, x, positions, stacked=None, backend="reference"):
         """x [..., D] -> c_kv [..., C] (normed latent), k_pe [..., R] (rotated): what the cache stores."""
-        kv = jnp.einsum("...d,dc->...c", x, self.kv_a[...])
+        kv = self._project(x, "kv_a", "...d,dc->...c", stacked, backend)
         return self.kv_a_norm(kv[..., :self.latent_dim]), self._rope(kv[..., self.latent_dim:], positions)
 
     def absorb_query(self, q_nope):
         return jnp.einsum("...hn,chn->...hc", q_nope, self.w_uk[...])  # [..., H, C]
 
-    def output(self, latent_ctx):
+    def output(self, latent_ctx, stacked=None, backend="reference"):
         v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
-        return jnp.einsum("...hv,hvd->...d", v_ctx, self.o_proj[...])
+        flat = v_ctx.reshape(*v_ctx.shape[:-2], -1)  # [..., H * V] against o_proj [H, V, D]: one K axis
+        return self._project(flat, "o_proj", "...k,kd->...d", stacked, backend, num_in_dims=2)
 
     def __call__(self, x, positions, *, mode: str, backend: str):
         """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D], a
@@ -93,12 +116,12 @@ class MLAttention(nnx.Module):
             positions.reshape(-1), self.scale, backend)
         return self.output(ctx.reshape(batch, seq_len, num_heads, -1))
 
-    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str):
+    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked=None):
         """Packed tokens x [T, D] of one engine step: write their latents into ``cache`` at layer
         ``layer``, then attend (absorbed) over each token's sequence. -> ([T, D] partial over tensor
-        ranks, updated cache)."""
-        q_nope, q_pe = self.queries(x, batch.positions)
-        c_kv, k_pe = self.latents(x, batch.positions)
+        ranks, updated cache). ``stacked``: ``stacked_projections`` of the layer scan, or None."""
+        q_nope, q_pe = self.queries(x, batch.positions, stacked, backend)
+        c_kv, k_pe = self.latents(x, batch.positions, stacked, backend)
         num_blocks, block_size = cache.c_kv.shape[1:3]
         blocks, offsets = batch.slot_mapping // block_size, batch.slot_mapping % block_size
         write = lambda pool, rows: pool.at[layer, blocks, offsets].set(rows.astype(pool.dtype), mode="drop")
@@ -125,4 +148,4 @@ class MLAttention(nnx.Module):
                 self.absorb_query(q_nope), q_pe, flat(cache.c_kv), flat(cache.k_pe),
                 batch.block_tables + layer * num_blocks, batch.seq_ids, batch.positions, self.scale, backend,
                 c_kv_scale=flat(cache.c_kv_scale))
-        return self.output(ctx), cache
+        return self.output(ctx, stacked, backend), cache

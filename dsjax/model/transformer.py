@@ -44,7 +44,7 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(config, dtype, rngs, expert_dispatch) if moe else MLP(d, config.intermediate_size, dtype, rngs)
 
     def _mlp(self, x, backend, stacked):
-        experts, mlp = stacked or (None, None)
+        experts, mlp, _ = stacked or (None, None, None)
         if isinstance(self.mlp, MoE):
             return self.mlp(x, backend=backend, stacked_experts=experts, stacked_shared=mlp)
         return self.mlp(x, backend=backend, stacked=mlp)
@@ -57,7 +57,8 @@ class DecoderLayer(nnx.Module):
 
     def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked=None):
         """x [T, D] -> ([T, D], cache)."""
-        attn_out, cache = self.attn.paged(self.attn_norm(x), cache, layer, batch, backend=backend)
+        attn_out, cache = self.attn.paged(self.attn_norm(x), cache, layer, batch, backend=backend,
+                                          stacked=stacked[2] if stacked else None)
         h = x + psum_tensor(attn_out)
         return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked)), cache
 
@@ -124,14 +125,16 @@ class DeepseekForCausalLM(nnx.Module):
     def _stacked(self, stack, index):
         """Every layer's weights of ``stack`` plus this layer's index, for kernels that read the stack
         in place (a slice taken inside the layer scan would be copied for them): (routed experts
-        [L, E, ...], the dense MLP or shared experts [L, ...]), each (w_gate, w_up, w_down, index) or None."""
+        [L, E, ...], the dense MLP or shared experts [L, ...]), each (w_gate, w_up, w_down, index) or None,
+        and the attention projections (``MLAttention.stacked_projections``)."""
         if stack is None or self.kernel_backend == "reference":
             return None
         mlp, experts = stack.mlp, None
         if isinstance(mlp, MoE):
             experts = (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index)
             mlp = mlp.shared
-        return experts, None if mlp is None else (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index)
+        return (experts, None if mlp is None else (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index),
+                stack.attn.stacked_projections(index))
 
     def forward_paged(self, tokens, cache: PagedKVCache, batch: PagedBatch):
         """One engine step over packed tokens i32[T]: writes their latents into the paged cache and

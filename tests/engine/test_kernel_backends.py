@@ -18,7 +18,9 @@ def test_model_forward_interpret_matches_reference(mode):
 
 
 def test_engine_generation_interpret_matches_reference():
-    engine = dict(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, block_size=4, buckets=(4, 16),
+    # The 25-token prefill step (bucket 32) takes XLA's projections, the decode steps (bucket 4) the
+    # stacked GEMV kernel's.
+    engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4, buckets=(4, 32),
                   progress=False)
     prompts = [[5, 6, 7], list(range(10, 31)), [9]]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

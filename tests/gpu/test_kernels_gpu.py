@@ -243,3 +243,16 @@ def test_every_kernel_at_tiny_preset_dims(dtype):
     print(dtype.__name__, errors)
     assert errors["route_ids_mismatch"] == 0
     assert all(v < tol for k, v in errors.items() if k != "route_ids_mismatch"), errors
+
+
+@pytest.mark.parametrize("rows, depth, width", [(1, 2048, 3072), (16, 2048, 576), (4, 2048, 2048), (2, 1536, 24576)])
+def test_stacked_gemv_gpu(rows, depth, width):
+    """V2-Lite q_proj, kv_a_proj and o_proj, V3 q_b: one layer of the stack, read in place."""
+    from pallas_kernels.stacked_gemv import stacked_gemv, stacked_gemv_reference
+
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, depth)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((3, depth, width)) * 0.02, jnp.bfloat16)
+    got = stacked_gemv(x, w, jnp.int32(1))
+    want = stacked_gemv_reference(x.astype(jnp.float32), w.astype(jnp.float32), 1)
+    assert _rel(got, want) < 1e-2
