@@ -70,10 +70,11 @@ def test_paged_forward_matches_full_forward():
     assert np.abs(got - full).max() <= 1e-4 * np.abs(full).max()
 
 
-@pytest.mark.parametrize("num_tokens", [1, 7])
+@pytest.mark.parametrize("num_tokens", [1, 7, 20])
 def test_stacked_mlp_kernels_read_their_layer(num_tokens):
     """The dense / shared-expert MLP of one layer, taken from every layer's stacked weights by the
-    grouped kernels (interpret mode), equals that layer's SwiGLU MLP; 96 columns leave a partial tile."""
+    kernels (interpret mode: the stacked GEMV up to 16 tokens, the grouped kernels above), equals that
+    layer's SwiGLU MLP; 96 columns leave a partial tile."""
     from dsjax.model import dispatch
 
     layers, hidden, inter = 3, 64, 96
