@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|attention-decode|attention-prefill|moe|moe-focus|decode|train|e2e|kvquant).
+# tests|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -18,6 +18,8 @@ case $part in
     timeout 560 python benchmarks/kernels_moe.py --out "$OUT/moe_h200" | tail -40 ;;
   moe-focus)  # MoE targets only: grouped kernels, whole layer at V2-Lite T=256 and T=8192 (about a minute)
     timeout 300 python benchmarks/kernels_moe.py --focus --out "$OUT/moe_h200_focus" | tail -30 ;;
+  gemv)       # stacked decode GEMV tile sweep, shared-expert MLP both ways (results/gemv_h200.json)
+    timeout 300 python benchmarks/kernels_gemv.py --out "$OUT/gemv_h200" | tail -12 ;;
   decode)     # engine decode throughput and a device-op profile on the V2-Lite preset
     timeout 200 python -m benchmarks.decode_probe --preset deepseek-v2-lite --batches 1 32 64 --prompt 128 \
       --steps 24 --out decode_probe_v2lite | grep -E "^\||setup"
@@ -35,5 +37,5 @@ case $part in
     timeout 580 python -m dsjax.bench all --out-dir "$OUT" | tail -30 ;;
   kvquant)    # 8-bit KV caches: capacity, accuracy, V2-Lite logit error, kernel bandwidth, memory wall
     timeout 580 python -m benchmarks.kvquant --gpu-parts --out "$OUT/kvquant" | grep -v WARNING | tail -45 ;;
-  *) echo "usage: $0 tests|attention-decode|attention-prefill|moe|moe-focus|decode|train|e2e|kvquant" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant" >&2; exit 2 ;;
 esac

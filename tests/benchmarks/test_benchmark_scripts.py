@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import kernels_attention, kernels_moe
+from benchmarks import kernels_attention, kernels_gemv, kernels_moe
 
 
 def test_attention_benchmark_quick(capsys):
@@ -20,6 +20,12 @@ def test_attention_benchmark_halves_join(tmp_path):
     assert payload["decode"] and payload["prefill"] and set(payload["sources"]) == {"decode", "prefill"}
     assert payload["best_decode"] and payload["best_prefill"]
     assert json.loads(joined.read_text())["decode"] == payload["decode"]
+
+
+def test_gemv_benchmark_quick():
+    payload = kernels_gemv.main(["--quick"])
+    assert {r["shape"] for r in payload["sweep"]} == {"quick"}
+    assert [r["impl"] for r in payload["shared_mlp"]] == ["grouped kernels", "three GEMVs"]
 
 
 def test_moe_benchmark_quick(capsys):

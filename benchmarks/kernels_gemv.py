@@ -1,0 +1,118 @@
+"""The stacked decode GEMV on one GPU: a tile sweep at V2-Lite's decode projections, and the shared-expert
+MLP at one token through three GEMVs against the grouped kernels (what ``dispatch.stacked_mlp`` picks).
+
+Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
+2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
+Each config runs at its default K splits, half and twice them. Times are the kernels' own device time
+per call from a profiler trace (``benchmarks.common.kernel_time_us``: the GEMV plus XLA's sum of its
+K-split partials); TB/s counts the layer's weight bytes.
+
+    python benchmarks/kernels_gemv.py           # GPU: table + benchmarks/results/gemv_h200.json
+    python benchmarks/kernels_gemv.py --quick   # tiny shapes in interpret mode (CPU smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import environment, kernel_time_us, markdown_table, write_result  # noqa: E402
+from dsjax.model import dispatch  # noqa: E402
+from pallas_kernels.moe_experts import moe_experts  # noqa: E402
+from pallas_kernels.stacked_gemv import default_splits, stacked_gemv  # noqa: E402
+
+SHAPES = {"q_proj": (2048, 3072), "o_proj": (2048, 2048), "kv_a": (2048, 576), "shared_gate": (2048, 2816),
+          "shared_down": (2816, 2048)}
+QUICK_SHAPES = {"quick": (64, 96)}
+# (block_n, block_k, num_warps, num_stages); the kernel's default first
+CONFIGS = [(64, 128, 4, 3), (128, 128, 4, 3), (32, 128, 4, 3), (64, 256, 4, 2), (64, 64, 4, 4), (128, 64, 4, 4),
+           (64, 128, 8, 3), (128, 256, 8, 2), (32, 256, 4, 3)]
+QUICK_CONFIGS = [(32, 32, 4, 2)]
+LAYERS, LAYER = 26, 3
+
+
+def _time(fn, args, *, quick: bool) -> tuple[float, dict]:
+    if quick:  # interpret mode on CPU: no device trace, just that it runs
+        jax.block_until_ready(jax.jit(fn)(*args))
+        return float("nan"), {}
+    kernels = kernel_time_us(fn, args)
+    return kernels.pop("total"), kernels
+
+
+def sweep(shapes: dict, configs: list, *, quick: bool) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (depth, width) in shapes.items():
+        w = jnp.asarray(rng.standard_normal((2 if quick else LAYERS, depth, width)) * 0.02, jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((1, depth)), jnp.bfloat16)
+        for block_n, block_k, num_warps, num_stages in configs:
+            auto = default_splits(depth, width, block_n, block_k)
+            for splits in sorted({auto, max(1, auto // 2), min(auto * 2, max(1, depth // block_k))}):
+                fn = lambda x, w, layer, s=splits, c=(block_n, block_k, num_warps, num_stages): stacked_gemv(
+                    x, w, layer, num_splits=s, block_n=c[0], block_k=c[1], num_warps=c[2], num_stages=c[3],
+                    interpret=quick)
+                us, kernels = _time(fn, (x, w, jnp.int32(1 if quick else LAYER)), quick=quick)
+                rows.append(dict(shape=name, K=depth, N=width, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                                 num_stages=num_stages, num_splits=splits, default_splits=splits == auto, us=us,
+                                 tb_per_s=depth * width * 2 / us / 1e6, kernels_us=kernels))
+                print(f"  {name:<12} {block_n:>4} x {block_k:<4} w{num_warps} s{num_stages} splits {splits:>3}"
+                      f"{'*' if splits == auto else ' '} {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
+    return rows
+
+
+def shared_mlp(*, quick: bool) -> list[dict]:
+    """One token through one layer's shared experts (V2-Lite: 2 x 1408 = 2816 wide) both ways."""
+    rng = np.random.default_rng(1)
+    hidden, inter, layers = (64, 96, 2) if quick else (2048, 2816, LAYERS)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.02, jnp.bfloat16)
+    args = (w(1, hidden), w(layers, hidden, inter), w(layers, hidden, inter), w(layers, inter, hidden),
+            jnp.int32(1 if quick else LAYER))
+    backend = "interpret" if quick else "pallas"
+
+    def grouped(x, wg, wu, wd, layer):  # the kernels dispatch.stacked_mlp runs above 16 tokens
+        ones, zeros = jnp.ones((1, 1), jnp.float32), jnp.zeros((1, 1), jnp.int32)
+        return moe_experts(x, ones, zeros, wg[:, None], wu[:, None], wd[:, None], layer=layer, interpret=quick)
+
+    rows = []
+    for impl, fn in (("grouped kernels", grouped),
+                     ("three GEMVs", lambda *a: dispatch.stacked_mlp(*a, backend=backend))):
+        us, kernels = _time(fn, args, quick=quick)
+        rows.append(dict(impl=impl, us=us, tb_per_s=3 * hidden * inter * 2 / us / 1e6, kernels_us=kernels))
+        print(f"  shared MLP, one token, {impl:<16} {us:8.2f} us", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU, CI)")
+    parser.add_argument("--out", default="gemv_h200", help="results name under benchmarks/results (not with --quick)")
+    args = parser.parse_args(argv)
+    rows = sweep(QUICK_SHAPES if args.quick else SHAPES, QUICK_CONFIGS if args.quick else CONFIGS, quick=args.quick)
+    mlp = shared_mlp(quick=args.quick)
+    best = {}
+    for row in rows:
+        if row["shape"] not in best or row["us"] < best[row["shape"]]["us"]:
+            best[row["shape"]] = row
+    default = {r["shape"]: r for r in rows if r["default_splits"] and (r["block_n"], r["block_k"], r["num_warps"],
+                                                                       r["num_stages"]) == CONFIGS[0]}
+    table_rows = [dict(shape=s, K=b["K"], N=b["N"], default_us=default[s]["us"] if s in default else None,
+                       best_us=b["us"], best_tb_per_s=b["tb_per_s"],
+                       best_config=f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']} "
+                                   f"splits {b['num_splits']}") for s, b in best.items()]
+    table = markdown_table(table_rows, list(table_rows[0])) + "\n\n" + markdown_table(mlp, ["impl", "us", "tb_per_s"])
+    print(table)
+    payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "table": table}
+    if not args.quick:
+        print("wrote", write_result(args.out, payload))
+    return payload
+
+
+if __name__ == "__main__":
+    main()
