@@ -30,6 +30,7 @@ class FakeRunner:
         self.model_config = types.SimpleNamespace(vocab_size=VOCAB_SIZE)
         self.buckets = Buckets.pow2(1, config.max_num_batched_tokens)
         self.num_useful_tokens = self.num_padded_tokens = 0
+        self.num_block_copies = 0
         self.cache_was_reset = False
         self.num_compiled_shapes = len(self.buckets)
         self.compile_seconds = 0.0
@@ -53,6 +54,10 @@ class FakeRunner:
 
     def fetch(self, handle: StepResult) -> StepResult:
         return handle
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Partial prefix-cache hits: the fake device holds no KV, it only counts the copies."""
+        self.num_block_copies += len(pairs)
 
     @property
     def padding_ratio(self) -> float:
