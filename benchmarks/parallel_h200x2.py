@@ -3,6 +3,7 @@ deepseek-v2-lite preset (random bf16 weights), TP=2 and EP=2 against one GPU.
 
     python -m benchmarks.parallel_h200x2                        # all three runs, ~6 min on 2x H200
     python -m benchmarks.parallel_h200x2 --runs ep2 --batches 256 512
+    python -m benchmarks.parallel_h200x2 --runs 1gpu ep2 --batches 256 --profile-batch 256  # + op profile
 
 Each run is its own subprocess (a clean device, its own peak-memory counter, a timeout); results are
 merged into benchmarks/results/parallel_h200x2.json, so runs can also be done one at a time. Per
@@ -29,7 +30,8 @@ def child(run: str, args) -> dict:
     import jax
     import numpy as np
 
-    from benchmarks.decode_probe import decode_len, measure
+    from benchmarks.decode_probe import decode_len, measure, start_decode_batch
+    from benchmarks.step_profile import profile_compiled_step
     from dsjax import LLM
 
     top = max(args.batches)
@@ -52,11 +54,24 @@ def child(run: str, args) -> dict:
     probe = np.random.default_rng(0).integers(3, llm.model.config.vocab_size, (4, 32)).astype(np.int32)
     logits = np.asarray(jax.device_get(llm.model.logits(probe)))[:, -1].astype(np.float32)
     rows = [measure(llm, b, args.prompt, args.steps, device_repeats=20) for b in args.batches]
+    profile = None
+    if args.profile_batch:  # where a decode step of this run goes, op by op (summed over its GPUs)
+        engine = llm.engine
+        ids = start_decode_batch(engine, args.profile_batch, args.prompt, f"profile-{run}")
+        try:
+            for _ in range(3):
+                engine.step()
+            profile = {"batch": args.profile_batch, **profile_compiled_step(engine, f"/tmp/dsjax_trace_{run}")}
+        finally:
+            for rid in ids:
+                engine.abort_request(rid)
+            while engine.has_unfinished_requests():
+                engine.step()
     memory = [{"device": str(d), "weights_gib": weights[str(d)] / 2**30,
                **{k + "_gib": d.memory_stats()[k] / 2**30 for k in ("bytes_in_use", "peak_bytes_in_use")
                   if k in (d.memory_stats() or {})}} for d in devices]
     return {"run": run, "parallel": RUNS[run], "setup_s": setup_s, "rows": rows, "memory": memory,
-            "kv_blocks": llm.engine.num_blocks, "kernel_backend": llm.model.kernel_backend,
+            "kv_blocks": llm.engine.num_blocks, "kernel_backend": llm.model.kernel_backend, "profile": profile,
             "probe_argmax": logits.argmax(-1).tolist(), "probe_logits": logits[:, :64].tolist()}
 
 
@@ -74,6 +89,8 @@ def main(argv=None):
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="overlap the host's work with the device step, as dsjax.bench does")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per run")
+    parser.add_argument("--profile-batch", type=int, default=None,
+                        help="also profile one decode step at this batch (top device ops, all GPUs summed)")
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

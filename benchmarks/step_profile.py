@@ -48,7 +48,7 @@ def main(argv=None):
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
               max_num_batched_tokens=max(b, 16), max_model_len=256, block_size=64, buckets=(b, max(b, 16)) if b < 16 else (b,),
               num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False, progress=False)
-    engine, runner = llm.engine, llm.engine.runner
+    engine = llm.engine
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     for i in range(b):
         engine.add_request(str(i), None, params, prompt_token_ids=[5 + i, 6, 7, 8])
@@ -59,7 +59,21 @@ def main(argv=None):
         start = time.perf_counter()
         engine.step()
         host.append(time.perf_counter() - start)
-    out = engine.scheduler.schedule()  # a decode step, run by hand below (then discarded)
+    profile = profile_compiled_step(engine, args.trace_dir)
+    print(f"batch {b}: engine.step {np.median(host) * 1e3:.2f} ms, compiled step alone "
+          f"{profile['device_ms']:.2f} ms, prepare {profile['prepare_ms']:.3f} ms")
+    if profile["ops"]:
+        print(f"top device ops over {profile['steps']} steps ({profile['trace']}):")
+        for op in profile["ops"]:
+            print(f"  {op['us_per_step']:10.1f} us/step  x{op['count_per_step']:5.0f}  {op['name'][:110]}")
+
+
+def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: int = 20, limit: int = 25) -> dict:
+    """The engine's next step (a steady decode, once the batch is decoding), prepared once and launched
+    by hand: its device time alone (mean of ``repeats``) and the top device ops of a profiler trace
+    of ``steps`` launches, summed over every device of the mesh. The step is discarded afterwards."""
+    runner = engine.runner
+    out = engine.scheduler.schedule()
     rows = [engine._row(item.seq) for item in out.scheduled]
     start = time.perf_counter()
     t, inputs, _ = runner.prepare(out, rows, engine._pending_rows)
@@ -68,22 +82,19 @@ def main(argv=None):
         res = runner.launch(t, inputs)
     jax.block_until_ready(res)
     start = time.perf_counter()
-    n = 20
-    for _ in range(n):
+    for _ in range(repeats):
         res = runner.launch(t, inputs)
     jax.block_until_ready((runner.cache, res))
-    device_s = (time.perf_counter() - start) / n
-    with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
-        for _ in range(3):
+    device_s = (time.perf_counter() - start) / repeats
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(steps):
             res = runner.launch(t, inputs)
         jax.block_until_ready((runner.cache, res))
-    print(f"batch {b}: engine.step {np.median(host) * 1e3:.2f} ms, compiled step alone {device_s * 1e3:.2f} ms, "
-          f"prepare {prepare_s * 1e3:.3f} ms")
-    files = glob.glob(f"{args.trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-    if files:
-        print(f"top device ops over 3 steps ({files[0]}):")
-        for name, us, count in top_ops(files[0]):
-            print(f"  {us / 3:10.1f} us/step  x{count / 3:5.0f}  {name[:110]}")
+    files = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+    ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps}
+           for name, us, count in (top_ops(files[0], limit) if files else [])]
+    return {"device_ms": device_s * 1e3, "prepare_ms": prepare_s * 1e3, "steps": steps,
+            "trace": files[0] if files else None, "ops": ops}
 
 
 if __name__ == "__main__":

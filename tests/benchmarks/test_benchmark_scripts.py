@@ -39,3 +39,18 @@ def test_moe_benchmark_focus_quick(capsys):
     assert "grouped_matmul_scatter" in out and "xla_dense_reference" in out
     assert {row["section"] for row in payload["rows"]} == {"grouped", "layer"}
     assert all("us" in row for row in payload["rows"]), payload["rows"]
+
+
+def test_parallel_benchmark_runs_one_device_with_a_profile(tmp_path):
+    """The two-GPU benchmark's plumbing on CPU: its one-device run in a child process, the decode
+    measurement and the op profile (no GPU ops on CPU: the list is empty, the timings are not)."""
+    from benchmarks import parallel_h200x2
+
+    out = tmp_path / "parallel"
+    parallel_h200x2.main(["--preset", "tiny", "--runs", "1gpu", "--batches", "2", "--steps", "3", "--prompt", "8",
+                          "--prefill-chunk", "16", "--kv-cache-gib", "0.01", "--profile-batch", "2",
+                          "--out", str(out)])
+    (run,) = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert "error" not in run, run.get("error")
+    assert run["rows"][0]["batch"] == 2 and run["rows"][0]["tok_per_s"] > 0
+    assert run["profile"]["batch"] == 2 and run["profile"]["device_ms"] > 0
