@@ -7,6 +7,11 @@ Two transports with one meaning:
   ragged  lax.ragged_all_to_all (GPU): only the rows in use travel; the receive buffer still has the
           static worst-case size.
 
+Each row travels with its routing weight and local expert id bit-packed into trailing columns (all of
+it viewed as unsigned integers of the row dtype's width, so no float rule touches the bits), so a
+layer's dispatch is one collective (and its return one more), not one per array: on GPU each NCCL
+collective costs its launch and latency, whatever it carries.
+
 Capacity C bounds the rows one rank sends to one other per layer. Drop-free (the default) is the
 worst case T * min(k, experts per rank): every assignment of every local token lands on one rank.
 A factor f gives C = ceil(f * T * k / ep) instead: buffers and padded traffic shrink by
@@ -77,22 +82,46 @@ def moe_expert_parallel(x, weights, ids, num_local_experts: int, expert_fn: Expe
     return jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1).astype(x.dtype)
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _pack(rows, row_weights, row_ids):
+    """rows [R, D], f32[R], i32[R] -> one uint[R, D + 2w] array, uint of the rows' itemsize: the rows'
+    bits, then each 32-bit value's bits in w = 4 / itemsize columns."""
+    uint = _UINT[rows.dtype.itemsize]
+    as_columns = lambda a: jax.lax.bitcast_convert_type(a, uint).reshape(rows.shape[0], -1)
+    return jnp.concatenate([as_columns(rows), as_columns(row_weights), as_columns(row_ids)], axis=1)
+
+
+def _unpack(packed, hidden: int, dtype):
+    """_pack's inverse for rows of ``dtype``: -> (rows [R, D], f32[R], i32[R])."""
+    width = 4 // packed.dtype.itemsize
+    scalar = lambda a, to: jax.lax.bitcast_convert_type(a if width > 1 else a[:, 0], to)
+    return (jax.lax.bitcast_convert_type(packed[:, :hidden], dtype),
+            scalar(packed[:, hidden:hidden + width], jnp.float32), scalar(packed[:, hidden + width:], jnp.int32))
+
+
+def _empty_rows(num_rows: int, hidden: int, dtype, num_local_experts: int):
+    """num_rows packed rows that carry nothing: zero rows and weights, local id num_local_experts."""
+    return _pack(jnp.zeros((num_rows, hidden), dtype), jnp.zeros((num_rows,), jnp.float32),
+                 jnp.full((num_rows,), num_local_experts, jnp.int32))
+
+
 def _scatter_rows(send, slot, num_rows: int, num_local_experts: int):
-    """The assignments' (row, weight, local id) at ``slot`` of [num_rows] buffers; other rows empty."""
-    rows, row_weights, row_ids = send
-    put = lambda buffer, values: buffer.at[slot].set(values, mode="drop")
-    return (put(jnp.zeros((num_rows, rows.shape[1]), rows.dtype), rows),
-            put(jnp.zeros((num_rows,), jnp.float32), row_weights),
-            put(jnp.full((num_rows,), num_local_experts, jnp.int32), row_ids))
+    """The assignments' (row, weight, local id), packed, at ``slot`` of a [num_rows] buffer; other rows
+    empty."""
+    rows = send[0]
+    empty = _empty_rows(num_rows, rows.shape[1], rows.dtype, num_local_experts)
+    return empty.at[slot].set(_pack(*send), mode="drop")
 
 
 def _padded(send, dest, rank_in_dest, keep, counts, cap, num_local_experts, expert_fn):
     num_ranks = counts.shape[0]
     slot = jnp.where(keep, dest * cap + rank_in_dest, num_ranks * cap)  # [A]; past the end: dropped
-    buffers = _scatter_rows(send, slot, num_ranks * cap, num_local_experts)
+    packed = _scatter_rows(send, slot, num_ranks * cap, num_local_experts)
     exchange = lambda a: jax.lax.all_to_all(a.reshape(num_ranks, cap, *a.shape[1:]), EXPERT, 0, 0
                                             ).reshape(a.shape)  # block r goes to rank r, comes from r
-    rows, row_weights, row_ids = (exchange(b) for b in buffers)
+    rows, row_weights, row_ids = _unpack(exchange(packed), *send[0].shape[1:], send[0].dtype)
     out = exchange(expert_fn(rows, row_weights[:, None], row_ids[:, None]))
     return out[jnp.minimum(slot, num_ranks * cap - 1)]
 
@@ -103,7 +132,7 @@ def _ragged(send, dest, rank_in_dest, keep, counts, cap, num_local_experts, expe
     send_sizes = jnp.minimum(counts, cap).astype(jnp.int32)  # [ep]
     input_offsets = jnp.cumsum(send_sizes) - send_sizes
     pos = jnp.where(keep, input_offsets[dest] + rank_in_dest, num_assignments)  # destination-sorted row
-    buffers = _scatter_rows(send, pos, num_assignments, num_local_experts)
+    packed = _scatter_rows(send, pos, num_assignments, num_local_experts)
     sizes = jax.lax.all_gather(send_sizes, EXPERT)  # [src, dst] rows each rank sends each other
     me = jax.lax.axis_index(EXPERT)
     earlier = jnp.arange(num_ranks) < me
@@ -111,12 +140,10 @@ def _ragged(send, dest, rank_in_dest, keep, counts, cap, num_local_experts, expe
     recv_sizes = sizes[:, me]
     num_recv = num_ranks * cap  # static bound: every source sends at most cap rows here
 
-    def forward(buffer, fill):
-        out = jnp.full((num_recv,) + buffer.shape[1:], fill, buffer.dtype)
-        return ragged_all_to_all(buffer, out, input_offsets, send_sizes, output_offsets, recv_sizes,
-                                 axis_name=EXPERT)
-
-    rows, row_weights, row_ids = (forward(b, f) for b, f in zip(buffers, (0, 0, num_local_experts)))
+    hidden = send[0].shape[1]
+    received = ragged_all_to_all(packed, _empty_rows(num_recv, hidden, send[0].dtype, num_local_experts),
+                                 input_offsets, send_sizes, output_offsets, recv_sizes, axis_name=EXPERT)
+    rows, row_weights, row_ids = _unpack(received, hidden, send[0].dtype)
     out = expert_fn(rows, row_weights[:, None], row_ids[:, None])  # rows grouped by source rank
     recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
     # Each source's rows go back to where it sent them from: its input offset for this rank.

@@ -125,6 +125,9 @@ def check_dispatch() -> dict:
     results["ragged_emulated"] = rel_err(run(ExpertDispatch(ragged=True))(*args), reference)
     capped = run(ExpertDispatch(capacity_factor=1.0))(*args)  # drops rows past the mean: must differ
     results["capped_differs"] = rel_err(capped, reference) > 1e-3
+    # bf16 rows: weights and ids travel bit-packed in two 16-bit columns each
+    as_bf16 = (jnp.asarray(x, jnp.bfloat16), *args[1:])
+    results["ragged_emulated_bf16"] = rel_err(run(ExpertDispatch(ragged=True))(*as_bf16), reference)
     return results
 
 
