@@ -1,5 +1,7 @@
-"""The stacked decode GEMV on one GPU: a tile sweep at V2-Lite's decode projections, and the shared-expert
-MLP at one token through three GEMVs against the grouped kernels (what ``dispatch.stacked_mlp`` picks).
+"""The stacked decode GEMV on one GPU: a tile sweep at V2-Lite's decode projections, the shared-expert
+MLP at one token through three GEMVs against the grouped kernels (what ``dispatch.stacked_mlp`` picks),
+and the kernel against XLA's GEMM on the layer's slice at 1-64 token rows (where
+``dispatch.STACKED_GEMV_MAX_TOKENS`` should sit).
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
 2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
@@ -89,6 +91,29 @@ def shared_mlp(*, quick: bool) -> list[dict]:
     return rows
 
 
+ROW_COUNTS, QUICK_ROW_COUNTS = (1, 16, 32, 64), (1, 20)
+
+
+def rows_vs_xla(shapes: dict, row_counts, *, quick: bool) -> list[dict]:
+    """The kernel (default tiles) against ``jnp.dot(x, w[layer])`` with a traced layer index (XLA
+    slices the stack, as inside the engine's layer scan) at several row counts."""
+    rng = np.random.default_rng(2)
+    rows = []
+    for name, (depth, width) in shapes.items():
+        w = jnp.asarray(rng.standard_normal((2 if quick else LAYERS, depth, width)) * 0.02, jnp.bfloat16)
+        for num_rows in row_counts:
+            x = jnp.asarray(rng.standard_normal((num_rows, depth)), jnp.bfloat16)
+            row = dict(shape=name, rows=num_rows)
+            for impl, fn in (("stacked_gemv", lambda x, w, layer: stacked_gemv(x, w, layer, interpret=quick)),
+                             ("xla_slice_dot", lambda x, w, layer: jnp.dot(x, w[layer],
+                                                                           preferred_element_type=jnp.float32))):
+                row[f"{impl}_us"], _ = _time(fn, (x, w, jnp.int32(1 if quick else LAYER)), quick=quick)
+            rows.append(row)
+            print(f"  {name:<12} {num_rows:>3} rows: stacked_gemv {row['stacked_gemv_us']:8.2f} us, "
+                  f"XLA slice + dot {row['xla_slice_dot_us']:8.2f} us", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU, CI)")
@@ -96,6 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     rows = sweep(QUICK_SHAPES if args.quick else SHAPES, QUICK_CONFIGS if args.quick else CONFIGS, quick=args.quick)
     mlp = shared_mlp(quick=args.quick)
+    by_rows = rows_vs_xla(QUICK_SHAPES if args.quick else {k: SHAPES[k] for k in ("q_proj", "shared_down")},
+                          QUICK_ROW_COUNTS if args.quick else ROW_COUNTS, quick=args.quick)
     best = {}
     for row in rows:
         if row["shape"] not in best or row["us"] < best[row["shape"]]["us"]:
@@ -106,9 +133,10 @@ def main(argv: list[str] | None = None) -> dict:
                        best_us=b["us"], best_tb_per_s=b["tb_per_s"],
                        best_config=f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']} "
                                    f"splits {b['num_splits']}") for s, b in best.items()]
-    table = markdown_table(table_rows, list(table_rows[0])) + "\n\n" + markdown_table(mlp, ["impl", "us", "tb_per_s"])
+    table = "\n\n".join([markdown_table(table_rows, list(table_rows[0])), markdown_table(mlp, ["impl", "us", "tb_per_s"]),
+                          markdown_table(by_rows, list(by_rows[0]))])
     print(table)
-    payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "table": table}
+    payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "table": table}
     if not args.quick:
         print("wrote", write_result(args.out, payload))
     return payload

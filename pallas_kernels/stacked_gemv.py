@@ -1,15 +1,15 @@
 """Skinny products of a decode step: a few token rows times one layer's weight of a stacked [L, K, N]
 array, read in place.
 
-At decode sizes (M <= 16 rows) an attention projection is a weight stream. XLA lowers such a product
+At decode sizes (a few rows) an attention projection is a weight stream. XLA lowers such a product
 inside the layer scan as a reduction: for ``q_proj`` it transposes the whole stacked weight once a
 step so the reduced axis is minor (327 MB written at V2-Lite, batch 1), for ``o_proj`` it
 materializes the [H, V, D] elementwise product before reducing it, and ``kv_a_proj`` (576 outputs)
 reduces at 0.5 TB/s on the H200 (``benchmarks/results/decode_profile.md``, round 4).
 
 This kernel reads layer ``layer``'s [K, N] slice row-major where it lies. A program owns one N tile
-and one K split: it streams block_k x block_n weight tiles, multiplies the (up to 16, zero-padded)
-token rows into an f32 accumulator, and stores its partial sum for the real rows; the K splits'
+and one K split: it streams block_k x block_n weight tiles, multiplies all token rows (up to 64,
+zero-padded to a power of two of at least 16, Triton's smallest dot) into an f32 accumulator, and stores its partial sum for the real rows; the K splits'
 partials are added outside (XLA fuses that small sum into its consumer). Splits grow until the grid
 holds about ``TARGET_WAVES`` programs per SM, so even one token keeps every SM streaming.
 """
@@ -25,7 +25,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import dot_precision
 
-MAX_ROWS = 16  # Triton's smallest dot: the token rows are padded to it inside the kernel
+MAX_ROWS = 64  # token rows a call takes (the engine uses it up to dispatch.STACKED_GEMV_MAX_TOKENS)
 NUM_SMS = 132  # H100 / H200 SXM
 TARGET_WAVES = 2
 # H200 sweep (2026-12-01, one token, V2-Lite q_proj / o_proj / kv_a / shared-expert shapes, nine tile
@@ -36,18 +36,18 @@ TARGET_WAVES = 2
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
 
 
-def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k, block_n, k_per_split, num_rows):
+def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_m, block_k, block_n, k_per_split, num_rows):
     # layer_ref i32[1]; x_ref [M, K]; w_ref [L, K, N]; o_ref f32[S * M, N]: split s's partial at rows s*M..
     n_tile, split = pl.program_id(0), pl.program_id(1)
     depth, width = w_ref.shape[1:]
     layer = layer_ref[0]
     n0 = n_tile * block_n
     cols = n0 + jnp.arange(block_n)
-    rows = jnp.arange(MAX_ROWS)
+    rows = jnp.arange(block_m)
     row_ok = rows < num_rows
     k_start = split * k_per_split
 
-    def body(i, acc):  # acc f32[MAX_ROWS, block_n]
+    def body(i, acc):  # acc f32[block_m, block_n]
         k0 = pl.multiple_of(k_start + i * block_k, block_k)
         ks = k0 + jnp.arange(block_k)
         k_ok = ks < depth
@@ -58,7 +58,7 @@ def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_k, block_n, k_per_spli
         return acc + jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32,
                              precision=dot_precision(w.dtype))
 
-    acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((MAX_ROWS, block_n), jnp.float32))
+    acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
     # Padding rows point past this split's rows (into the next split's, or past the array): masked off.
     plgpu.store(o_ref.at[(split * num_rows + rows)[:, None], cols[None, :]], acc,
                 mask=row_ok[:, None] & (cols < width)[None, :])
@@ -79,10 +79,8 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
                                              "interpret"))
 def stacked_gemv(x, w, layer, *, num_splits=None, block_n=BLOCK_N, block_k=BLOCK_K, num_warps=NUM_WARPS,
                  num_stages=NUM_STAGES, interpret=False):
-    """x [M, K] (M <= 16) @ w[layer] for a stacked w [L, K, N] and a traced layer index -> f32[M, N].
-
-    The layer's weights are read in place (no slice copy); M must be at most ``MAX_ROWS``.
-    """
+    """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for a stacked w [L, K, N] and a traced layer index ->
+    f32[M, N]. The layer's weights are read in place (no slice copy), once for all M rows."""
     num_rows, depth = x.shape
     if w.ndim != 3 or w.shape[1] != depth:
         raise ValueError(f"stacked_gemv: w has shape {w.shape}; expected [L, K={depth}, N]")
@@ -91,8 +89,8 @@ def stacked_gemv(x, w, layer, *, num_splits=None, block_n=BLOCK_N, block_k=BLOCK
     width = w.shape[2]
     num_splits = num_splits or default_splits(depth, width, block_n, block_k)
     k_per_split = pl.cdiv(pl.cdiv(depth, num_splits), block_k) * block_k
-    kernel = functools.partial(_gemv_kernel, block_k=block_k, block_n=block_n, k_per_split=k_per_split,
-                               num_rows=num_rows)
+    kernel = functools.partial(_gemv_kernel, block_m=max(16, pl.next_power_of_2(num_rows)), block_k=block_k,
+                               block_n=block_n, k_per_split=k_per_split, num_rows=num_rows)
     partials = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(width, block_n), num_splits),

@@ -23,7 +23,6 @@ from pallas_kernels.mla_prefill import mla_prefill_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
-from pallas_kernels.stacked_gemv import MAX_ROWS as MAX_GEMV_ROWS
 from pallas_kernels.stacked_gemv import stacked_gemv, stacked_gemv_reference
 from pallas_kernels.swiglu import swiglu as swiglu_kernel
 from pallas_kernels.swiglu import swiglu_reference
@@ -59,17 +58,22 @@ def swiglu(x, w_gate, w_up, backend: str):
 # (benchmarks/results/e2e_decode_curve_h200*.json): the kernels save 0.9 ms a step at batch 1 and 0.15
 # at 32, but cost 0.1-0.7 ms from 64 on, where each of their row tiles re-reads the weights.
 STACKED_MLP_MAX_TOKENS = 32
+# Steps of up to this many tokens run the attention projections and a stacked MLP through the stacked
+# GEMV kernel (pallas_kernels/stacked_gemv.py), reading the layer's weights in place: measured on the
+# H200 at batch 1 and 16 (benchmarks/results/decode_profile.md, round 4). The kernel takes up to 64
+# rows; `benchmarks/kernels_gemv.py` compares it with XLA's sliced GEMM at 16-64 rows.
+STACKED_GEMV_MAX_TOKENS = 16
 
 
 def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
     """x [T, D] through layer ``layer``'s SwiGLU MLP, given every layer's w_gate/w_up [L, D, I] and
-    w_down [L, I, D] -> [T, D]: up to ``MAX_GEMV_ROWS`` tokens the stacked GEMV kernel, three times,
+    w_down [L, I, D] -> [T, D]: up to ``STACKED_GEMV_MAX_TOKENS`` tokens the stacked GEMV kernel, three times,
     else the routed-expert kernels with one expert, taken by every token at weight 1. In a layer scan
     XLA would copy the layer's slice for cuBLAS (about 60 MB a V2-Lite layer at decode sizes); the
     kernels read it in place and stay weight-bandwidth bound."""
     if backend == "reference":
         return jnp.dot(swiglu_reference(x, w_gate[layer], w_up[layer]), w_down[layer])
-    if x.shape[0] <= MAX_GEMV_ROWS:  # three split-K GEMVs: 14.5 µs against 21.2 for the grouped pair
+    if x.shape[0] <= STACKED_GEMV_MAX_TOKENS:  # three split-K GEMVs: 14.5 µs against 21.2 for the grouped pair
         # (H200, V2-Lite shared experts, one token: the grouped kernels run too few programs)
         gemv = partial(stacked_gemv, layer=layer, interpret=backend == "interpret")
         h = jax.nn.silu(gemv(x, w_gate)) * gemv(x, w_up)
@@ -79,9 +83,6 @@ def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
                               interpret=backend == "interpret")
 
 
-# Steps of up to this many tokens run the attention projections through the stacked GEMV kernel
-# (pallas_kernels/stacked_gemv.py), reading the layer's weights in place.
-STACKED_GEMV_MAX_TOKENS = MAX_GEMV_ROWS
 
 
 def stacked_matmul(x, w, layer, backend: str):

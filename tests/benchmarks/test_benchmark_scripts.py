@@ -26,6 +26,7 @@ def test_gemv_benchmark_quick():
     payload = kernels_gemv.main(["--quick"])
     assert {r["shape"] for r in payload["sweep"]} == {"quick"}
     assert [r["impl"] for r in payload["shared_mlp"]] == ["grouped kernels", "three GEMVs"]
+    assert [r["rows"] for r in payload["rows_vs_xla"]] == [1, 20]
 
 
 def test_moe_benchmark_quick(capsys):

@@ -13,7 +13,8 @@ from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 @pytest.mark.parametrize("rows, depth, width, splits, dtype, tol", [
     (1, 256, 192, None, jnp.float32, 1e-5),  # default splits: every K block its own program
     (3, 200, 100, 2, jnp.float32, 1e-5),  # K and N not multiples of the blocks
-    (16, 128, 64, 4, jnp.float32, 1e-5),  # the most rows; more splits than K blocks (empty splits)
+    (16, 128, 64, 4, jnp.float32, 1e-5),  # more splits than K blocks (empty splits)
+    (40, 96, 64, 2, jnp.float32, 1e-5),  # rows padded to 64
     (5, 96, 576, None, jnp.bfloat16, 2e-2),
 ])
 def test_stacked_gemv_matches_reference(rows, depth, width, splits, dtype, tol):
@@ -30,7 +31,7 @@ def test_stacked_gemv_matches_reference(rows, depth, width, splits, dtype, tol):
 
 def test_stacked_gemv_refuses_bad_shapes():
     w = jnp.zeros((2, 64, 32))
-    with pytest.raises(ValueError, match="rows; accepted 1 to 16"):
+    with pytest.raises(ValueError, match="rows; accepted 1 to 64"):
         stacked_gemv(jnp.zeros((MAX_ROWS + 1, 64)), w, 0, interpret=True)
     with pytest.raises(ValueError, match=r"expected \[L, K=48, N\]"):
         stacked_gemv(jnp.zeros((1, 48)), w, 0, interpret=True)
@@ -43,8 +44,9 @@ def test_default_splits_fill_the_gpu():
     assert default_splits(128, 8192, 64, 128) == 1
 
 
-def test_stacked_gemv_lowers_to_triton_for_h200():
+@pytest.mark.parametrize("rows", [1, 64])
+def test_stacked_gemv_lowers_to_triton_for_h200(rows):
     shape = jax.ShapeDtypeStruct
-    hlo = lower_for_h200(stacked_gemv, shape((1, 2048), jnp.bfloat16), shape((26, 2048, 3072), jnp.bfloat16),
+    hlo = lower_for_h200(stacked_gemv, shape((rows, 2048), jnp.bfloat16), shape((26, 2048, 3072), jnp.bfloat16),
                          shape((), jnp.int32))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
