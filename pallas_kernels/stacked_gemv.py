@@ -9,9 +9,10 @@ reduces at 0.5 TB/s on the H200 (``benchmarks/results/decode_profile.md``, round
 
 This kernel reads layer ``layer``'s [K, N] slice row-major where it lies. A program owns one N tile
 and one K split: it streams block_k x block_n weight tiles, multiplies all token rows (up to 64,
-zero-padded to a power of two of at least 16, Triton's smallest dot) into an f32 accumulator, and stores its partial sum for the real rows; the K splits'
-partials are added outside (XLA fuses that small sum into its consumer). Splits grow until the grid
-holds about ``TARGET_WAVES`` programs per SM, so even one token keeps every SM streaming.
+zero-padded to a power of two of at least 16, Triton's smallest dot) into an f32 accumulator, and
+stores its partial sum for the real rows; the K splits' partials are added outside (XLA fuses that
+small sum into its consumer). Splits grow until the grid holds about ``TARGET_WAVES`` programs per
+SM, so even one token keeps every SM streaming.
 """
 
 from __future__ import annotations
