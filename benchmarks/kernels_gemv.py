@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> dict:
                        best_us=b["us"], best_tb_per_s=b["tb_per_s"],
                        best_config=f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']} "
                                    f"splits {b['num_splits']}") for s, b in best.items()]
-    table = "\n\n".join([markdown_table(table_rows, list(table_rows[0])), markdown_table(mlp, ["impl", "us", "tb_per_s"]),
-                          markdown_table(by_rows, list(by_rows[0]))])
+    table = "\n\n".join([markdown_table(table_rows, list(table_rows[0])),
+                          markdown_table(mlp, ["impl", "us", "tb_per_s"]), markdown_table(by_rows, list(by_rows[0]))])
     print(table)
     payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "table": table}
     if not args.quick:
