@@ -122,7 +122,11 @@ class ModelRunner:
                                     check_vma=checks_vma(model.kernel_backend))
         self._jitted = jax.jit(forward, donate_argnums=(1,))
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
-        self._copy_blocks = jax.jit(PagedKVCache.copy_blocks, donate_argnums=(0,))
+        copy_blocks = PagedKVCache.copy_blocks
+        if self.mesh is not None:  # each rank copies within its own cache slice (local block ids)
+            copy_blocks = jax.shard_map(copy_blocks, mesh=self.mesh, in_specs=(CACHE_SPEC, batch_spec(1), batch_spec(1)),
+                                        out_specs=CACHE_SPEC)
+        self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
         self.last_tokens = self._zero_last_tokens()
         self._compiled: dict[int, jax.stages.Compiled] = {}
         self._samplers: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, filtered, logprobs)
@@ -356,9 +360,27 @@ class ModelRunner:
             self.cache = self._compress(self.cache, *self._padded_pairs(pairs))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies whole full-precision blocks (src, dst) before the next step (partial prefix hits)."""
-        if pairs:
-            self.cache = self._copy_blocks(self.cache, *self._padded_pairs(pairs))
+        """Copies whole full-precision blocks (src, dst) before the next step (partial prefix hits).
+        Under a mesh the ids are global, rank r's pool holding [r * P, (r + 1) * P) for P blocks a rank,
+        and every pair stays within one rank's pool."""
+        if not pairs:
+            return
+        per = self.num_blocks_per_shard
+        by_rank = [[] for _ in range(self.num_shards)]
+        for src, dst in pairs:
+            if src // per != dst // per:
+                raise ValueError(f"copy of block {src} to {dst} crosses data-parallel pools of {per} blocks")
+            by_rank[src // per].append((src % per, dst % per))
+        size = max(8, 1 << (max(map(len, by_rank)) - 1).bit_length())
+        src = np.zeros((self.num_shards, size), np.int32)
+        dst = np.full((self.num_shards, size), per + self.num_compressed_blocks, np.int32)  # padding: dropped
+        for rank, rank_pairs in enumerate(by_rank):
+            if rank_pairs:
+                src[rank, :len(rank_pairs)], dst[rank, :len(rank_pairs)] = zip(*rank_pairs)
+        src, dst = src.reshape(-1), dst.reshape(-1)  # rank-major: each rank's slice of the split axis
+        if self.mesh is not None:
+            src, dst = (jax.device_put(a, NamedSharding(self.mesh, batch_spec(1))) for a in (src, dst))
+        self.cache = self._copy_blocks(self.cache, src, dst)
 
     def _padded_pairs(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """(src, dst) i32 arrays padded to a power of two (>= 8) so a few shapes compile; padding

@@ -27,16 +27,19 @@ class ShardedBlockManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         return []
 
-    # Partial-block reuse is off here: its device copy would have to run inside one rank's cache shard.
     def take_block_copies(self) -> list[tuple[int, int]]:
-        return []
+        """Every pool's partial-prefix-hit copies as (src, dst) in global block ids, pool p's local id b
+        being p * num_blocks_per_shard + b: the runner copies each inside its rank's cache slice."""
+        per = self.num_blocks_per_shard
+        return [(p * per + src, p * per + dst) for p, shard in enumerate(self.shards)
+                for src, dst in shard.take_block_copies()]
 
     def __init__(self, num_shards: int, num_blocks_per_shard: int, block_size: int,
                  enable_prefix_caching: bool = True):
         if num_shards < 1:
             raise ValueError(f"num_shards={num_shards}: accepted an int >= 1")
-        self.shards = [BlockManager(num_blocks_per_shard, block_size, enable_prefix_caching,
-                                    partial_block_reuse=False) for _ in range(num_shards)]
+        self.shards = [BlockManager(num_blocks_per_shard, block_size, enable_prefix_caching)
+                       for _ in range(num_shards)]
         self.num_shards = num_shards
         self.num_blocks_per_shard = num_blocks_per_shard
         self.block_size = block_size
@@ -56,6 +59,7 @@ class ShardedBlockManager:
     num_evictions = property(lambda self: self._sum("num_evictions"))
     num_prefix_query_tokens = property(lambda self: self._sum("num_prefix_query_tokens"))
     num_prefix_hit_tokens = property(lambda self: self._sum("num_prefix_hit_tokens"))
+    num_partial_hits = property(lambda self: self._sum("num_partial_hits"))
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -57,6 +57,8 @@ def test_meshes_match_one_device():
         assert r["expert_shard_shape"] == [layers, experts // ep, hidden, inter // tp], name
         if dp > 1:
             assert r["int8_tokens_equal"], name  # the 8-bit cache and its scales split like the latents
+            # partial prefix hits copy blocks inside a rank's cache slice
+            assert r["partial_prefix"] == {"tokens_equal": True, "partial_hits": 3, "blocks_used": 0}, name
         if tp > 1 and ep > 1:  # checkpoints load straight into the same shards
             for kind in ("hf", "orbax"):
                 assert r[f"{kind}_logits_rel_err"] < 1e-4, (name, kind)

@@ -56,6 +56,25 @@ def check_meshes(specs: list[tuple[int, int, int]]) -> dict:
                                           int8_reference) for tp, ep, dp in specs}
 
 
+def partial_prefix_hits(llm) -> dict:
+    """A 13-token template over 8-token blocks, then prompts that share it, one at a time (each lands
+    in the pool that caches it): the second block is reused in part through a copy inside that rank's
+    cache slice. Tokens must equal the one-device engine's for the same calls."""
+    template = list(range(200, 213))
+    calls = [template + [7, 8, 9, 10, 11, 12, 13, 14]] + [template + [20 + i, 30 + i] for i in range(3)]
+
+    def run(engine_llm):
+        engine_llm.engine.block_manager.reset_prefix_cache()
+        before = engine_llm.engine.block_manager.num_partial_hits
+        tokens = [engine_llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in calls]
+        return tokens, engine_llm.engine.block_manager.num_partial_hits - before
+
+    tokens, hits = run(llm)
+    ref_tokens, _ = run(LLM("tiny", **ENGINE))
+    return {"tokens_equal": tokens == ref_tokens, "partial_hits": hits,
+            "blocks_used": llm.engine.block_manager.num_blocks_used}
+
+
 def check_mesh(tp, ep, dp, one_device, reference, ref_tokens, ref_logprobs, int8_reference) -> dict:
     parallel = ParallelConfig(tensor_parallel_size=tp, expert_parallel_size=ep, data_parallel_size=dp)
     model = dsjax.load_model("tiny", parallel=parallel)
@@ -78,6 +97,7 @@ def check_mesh(tp, ep, dp, one_device, reference, ref_tokens, ref_logprobs, int8
     if dp > 1:  # an 8-bit cache (latents + scales) split over data-parallel ranks
         _, int8_tokens, _ = generate(kv_cache_dtype="int8", parallel=parallel)
         checkpoints["int8_tokens_equal"] = int8_tokens == int8_reference()
+        checkpoints["partial_prefix"] = partial_prefix_hits(llm)
     on_mesh = dsjax.load_model("tiny", mesh=model.mesh)  # a ready mesh instead of a ParallelConfig
     return {
         **checkpoints,
