@@ -356,8 +356,12 @@ class ModelRunner:
     def compress(self, pairs: list[tuple[int, int]]) -> None:
         """Copies full-precision blocks into compressed ones (quantizing), (src, dst) global ids, before
         the next step reads the tables that now point at dst."""
-        if pairs:
-            self.cache = self._compress(self.cache, *self._padded_pairs(pairs))
+        if not pairs:
+            return
+        src = np.zeros(_padded_count(len(pairs)), np.int32)
+        dst = np.full(src.shape, self.num_blocks + self.num_compressed_blocks, np.int32)  # padding: dropped
+        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        self.cache = self._compress(self.cache, src, dst)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies whole full-precision blocks (src, dst) before the next step (partial prefix hits).
@@ -371,7 +375,7 @@ class ModelRunner:
             if src // per != dst // per:
                 raise ValueError(f"copy of block {src} to {dst} crosses data-parallel pools of {per} blocks")
             by_rank[src // per].append((src % per, dst % per))
-        size = max(8, 1 << (max(map(len, by_rank)) - 1).bit_length())
+        size = _padded_count(max(map(len, by_rank)))
         src = np.zeros((self.num_shards, size), np.int32)
         dst = np.full((self.num_shards, size), per + self.num_compressed_blocks, np.int32)  # padding: dropped
         for rank, rank_pairs in enumerate(by_rank):
@@ -381,15 +385,6 @@ class ModelRunner:
         if self.mesh is not None:
             src, dst = (jax.device_put(a, NamedSharding(self.mesh, batch_spec(1))) for a in (src, dst))
         self.cache = self._copy_blocks(self.cache, src, dst)
-
-    def _padded_pairs(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(src, dst) i32 arrays padded to a power of two (>= 8) so a few shapes compile; padding
-        targets a block past both pools (dropped)."""
-        size = max(8, 1 << (len(pairs) - 1).bit_length())
-        src = np.zeros(size, np.int32)
-        dst = np.full(size, self.num_blocks + self.num_compressed_blocks, np.int32)
-        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
-        return src, dst
 
     def _recover_cache(self):
         """A call that failed after donation leaves the cache deleted: start from a zeroed one, so
@@ -406,3 +401,8 @@ class ModelRunner:
     def padding_ratio(self) -> float:
         padded = self.num_padded_tokens
         return (padded - self.num_useful_tokens) / padded if padded else 0.0
+
+
+def _padded_count(num_pairs: int) -> int:
+    """Block-copy lists are padded to a power of two (>= 8) so only a few shapes compile."""
+    return max(8, 1 << (num_pairs - 1).bit_length())

@@ -348,7 +348,7 @@ class BlockManager:
                     f"ref_count={self._ref_counts[block]}"
                 )
             self._release(block)
-        released = set(seq.block_table)
+        released = set(seq.block_table) if self._pending_copies or self._pending_block_copies else ()
         if self._pending_copies:  # moves into blocks just freed are moot, and the blocks may be reused
             self._pending_copies = [(src, dst) for src, dst in self._pending_copies if dst not in released]
         if self._pending_block_copies:  # likewise partial-block copies: their sources are unpinned

@@ -121,7 +121,7 @@ def _padded(send, dest, rank_in_dest, keep, counts, cap, num_local_experts, expe
     packed = _scatter_rows(send, slot, num_ranks * cap, num_local_experts)
     exchange = lambda a: jax.lax.all_to_all(a.reshape(num_ranks, cap, *a.shape[1:]), EXPERT, 0, 0
                                             ).reshape(a.shape)  # block r goes to rank r, comes from r
-    rows, row_weights, row_ids = _unpack(exchange(packed), *send[0].shape[1:], send[0].dtype)
+    rows, row_weights, row_ids = _unpack(exchange(packed), send[0].shape[1], send[0].dtype)
     out = exchange(expert_fn(rows, row_weights[:, None], row_ids[:, None]))
     return out[jnp.minimum(slot, num_ranks * cap - 1)]
 
