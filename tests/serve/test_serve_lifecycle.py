@@ -45,7 +45,9 @@ def test_queue_full_is_503_with_retry_after_then_recovers(server):
 def test_sigterm_drains_in_flight_streams_then_exits_cleanly(server):
     async def stream(http, i, started):
         text, finish, done = "", None, False
-        body = {"prompt": f"drain {i}", "max_tokens": 96, "stream": True, **NEVER_STOP}
+        # 400 tokens: ~1.2 s of tiny-model decode on CPU for four streams (96 took 0.3 s, as long as the
+        # wait below for the signal: the streams could finish, and the server exit, before the late request)
+        body = {"prompt": f"drain {i}", "max_tokens": 400, "stream": True, **NEVER_STOP}
         async with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200, (await response.aread())
             async for line in response.aiter_lines():
@@ -68,7 +70,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_cleanly(server):
                 assert time.monotonic() < deadline and not failed, (started, failed)
                 await asyncio.sleep(0.02)
             server.signal(signal.SIGTERM)
-            await asyncio.sleep(0.3)  # the signal is handled between two ticks of the event loop
+            await asyncio.sleep(0.1)  # the signal is handled between two ticks of the event loop
             refused = await http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
             health = await http.get("/health")
             return await asyncio.gather(*tasks), refused, health
