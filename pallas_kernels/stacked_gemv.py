@@ -12,19 +12,22 @@ and one K split: it streams block_k x block_n weight tiles, multiplies all token
 zero-padded to a power of two of at least 16, Triton's smallest dot) into an f32 accumulator, and
 stores its partial sum for the real rows; the K splits' partials are added outside (XLA fuses that
 small sum into its consumer). Splits grow until the grid holds about ``TARGET_WAVES`` programs per
-SM, so even one token keeps every SM streaming.
+SM, so even one token keeps every SM streaming. Several weights that take the same rows (a layer's
+q and kv_a projections; its router and shared experts' gate and up) share one launch, and the
+sublayer's RMSNorm rides along (``stacked_gemvs``).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_precision
+from pallas_kernels.common import dot_precision, shrink_for_itemsize
 
 MAX_ROWS = 64  # token rows a call takes (the engine uses it up to dispatch.STACKED_GEMV_MAX_TOKENS)
 NUM_SMS = 132  # H100 / H200 SXM
@@ -37,37 +40,80 @@ TARGET_WAVES = 2
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
 
 
-def _gemv_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_m, block_k, block_n, k_per_split, num_rows):
-    # layer_ref i32[1]; x_ref [M, K]; w_ref [L, K, N]; o_ref f32[S * M, N]: split s's partial at rows s*M..
-    n_tile, split = pl.program_id(0), pl.program_id(1)
-    depth, width = w_ref.shape[1:]
-    layer = layer_ref[0]
-    n0 = n_tile * block_n
-    cols = n0 + jnp.arange(block_n)
+class _Weight(NamedTuple):
+    """One weight's share of a ``stacked_gemvs`` grid: programs [start, start + tiles * splits)."""
+    start: int
+    tiles: int
+    width: int
+    block_k: int
+    k_per_split: int
+
+
+def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled):
+    # layer_ref i32[1]; x_ref [M, K]; then (every layer's norm weights g [L, K]) when scaled; one stacked
+    # w_ref [L, K, N_i] per weight; outputs: f32[S * M, N_i] per weight (split s's partial at rows
+    # s*M..), then (f32[S * M]: split s's sum of x*x per row) when scaled. Scaled, the products are of
+    # x * g: the caller applies each row's 1 / rms once the splits are summed.
+    refs = list(refs)
+    norm_ref = refs.pop(0) if scaled else None
+    w_refs, o_refs = refs[:len(weights)], refs[len(weights):2 * len(weights)]
+    pid, layer = pl.program_id(0), layer_ref[0]
     rows = jnp.arange(block_m)
     row_ok = rows < num_rows
-    k_start = split * k_per_split
+    safe_rows = jnp.where(row_ok, rows, 0)[:, None]
 
-    def body(i, acc):  # acc f32[block_m, block_n]
-        k0 = pl.multiple_of(k_start + i * block_k, block_k)
-        ks = k0 + jnp.arange(block_k)
-        k_ok = ks < depth
-        x = plgpu.load(x_ref.at[jnp.where(row_ok, rows, 0)[:, None], ks[None, :]],
-                       mask=row_ok[:, None] & k_ok[None, :], other=0)
-        mask = k_ok[:, None] if width % block_n == 0 else k_ok[:, None] & (cols < width)[None, :]
-        w = plgpu.load(w_ref.at[layer, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=mask, other=0)
-        return acc + jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32,
-                             precision=dot_precision(w.dtype))
+    for w_ref, o_ref, weight in zip(w_refs, o_refs, weights):
+        @pl.when((pid >= weight.start) & (pid < weight.start + weight.tiles * splits))
+        def _(w_ref=w_ref, o_ref=o_ref, weight=weight):
+            local = pid - weight.start
+            n_tile, split = local // splits, local % splits
+            n0 = n_tile * block_n
+            cols = n0 + jnp.arange(block_n)
+            k_start = split * weight.k_per_split
+            block_k = weight.block_k
 
-    acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-    # Padding rows point past this split's rows (into the next split's, or past the array): masked off.
-    plgpu.store(o_ref.at[(split * num_rows + rows)[:, None], cols[None, :]], acc,
-                mask=row_ok[:, None] & (cols < width)[None, :])
+            def body(i, carry):  # acc f32[block_m, block_n], sum of squares f32[block_m]
+                acc, squares = carry
+                k0 = pl.multiple_of(k_start + i * block_k, block_k)
+                ks = k0 + jnp.arange(block_k)
+                k_ok = ks < depth
+                x = plgpu.load(x_ref.at[safe_rows, ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
+                if scaled:
+                    x32 = x.astype(jnp.float32)
+                    squares = squares + jnp.sum(x32 * x32, axis=1)
+                    x = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)[None, :] * x
+                mask = k_ok[:, None] if weight.width % block_n == 0 else k_ok[:, None] & (cols < weight.width)[None, :]
+                w = plgpu.load(w_ref.at[layer, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=mask, other=0)
+                return acc + _dot(x, w), squares
+
+            acc, squares = jax.lax.fori_loop(
+                0, weight.k_per_split // block_k, body,
+                (jnp.zeros((block_m, block_n), jnp.float32), jnp.zeros((block_m,), jnp.float32)))
+            # Padding rows point past this split's rows (into the next split's, or past the array): masked
+            # off. (Aliasing them onto row 0 would let interpret mode's masked scatter write row 0 back.)
+            out_rows = split * num_rows + rows
+            plgpu.store(o_ref.at[out_rows[:, None], cols[None, :]], acc,
+                        mask=row_ok[:, None] & (cols < weight.width)[None, :])
+            if scaled and weight.start == 0:  # the first weight's first column tile reports the squares
+                plgpu.store(refs[-1].at[out_rows], squares, mask=row_ok & (n_tile == 0))
+
+
+def _dot(x, w):
+    """f32 products of a [block_m, block_k] row tile and a [block_k, block_n] weight tile."""
+    if w.dtype == jnp.float32 and x.dtype == jnp.bfloat16:
+        # A f32 weight (the router) against bf16 rows, which are exact in bf16: w = hi + lo, both bf16,
+        # keeps ~16 of w's 24 mantissa bits on the tensor cores. IEEE f32 products run on the CUDA
+        # cores, and the router's few programs then became the launch's tail at 64 rows.
+        hi = w.astype(jnp.bfloat16)
+        lo = (w - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        return (jnp.dot(x, hi, preferred_element_type=jnp.float32)
+                + jnp.dot(x, lo, preferred_element_type=jnp.float32))
+    return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32, precision=dot_precision(w.dtype))
 
 
 def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
     """Smallest power of two of K splits that gives the grid TARGET_WAVES programs an SM, but never a
-    split shorter than one block_k step."""
+    split shorter than one block_k step. ``width``: the summed output columns of every weight."""
     n_tiles = pl.cdiv(width, block_n)
     max_splits = max(1, depth // block_k)
     splits = 1
@@ -76,31 +122,62 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
     return splits
 
 
-@functools.partial(jax.jit, static_argnames=("num_splits", "block_n", "block_k", "num_warps", "num_stages",
+@functools.partial(jax.jit, static_argnames=("eps", "num_splits", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def stacked_gemv(x, w, layer, *, num_splits=None, block_n=BLOCK_N, block_k=BLOCK_K, num_warps=NUM_WARPS,
-                 num_stages=NUM_STAGES, interpret=False):
-    """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for a stacked w [L, K, N] and a traced layer index ->
-    f32[M, N]. The layer's weights are read in place (no slice copy), once for all M rows."""
+def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=BLOCK_N, block_k=BLOCK_K,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False):
+    """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for each stacked w [L, K, N_i] of ``ws`` (any float
+    dtypes), one launch for all -> tuple of f32[M, N_i]. The layer's weights are read in place (no slice
+    copy), once for all M rows.
+
+    With ``norm`` (every layer's RMSNorm weights g [L, K]) and ``eps``, the products are of
+    RMSNorm(x) (``dsjax.model.norms.RMSNorm``), and the normed rows [M, K] come back as a last element:
+    the kernel streams x * g and each row's sum of squares (no pass over x before the weights), and the
+    1 / rms scale multiplies the summed products; equal to norm-then-product up to the rounding of x's
+    dtype. Tiles of 4-byte weights are half as deep (the same bytes in shared memory)."""
+    ws = tuple(ws)
     num_rows, depth = x.shape
-    if w.ndim != 3 or w.shape[1] != depth:
-        raise ValueError(f"stacked_gemv: w has shape {w.shape}; expected [L, K={depth}, N]")
+    for w in ws:
+        if w.ndim != 3 or w.shape[1] != depth or w.shape[0] != ws[0].shape[0]:
+            raise ValueError(f"stacked_gemvs: w has shape {w.shape}; expected [L={ws[0].shape[0]}, K={depth}, N]")
     if not 1 <= num_rows <= MAX_ROWS:
-        raise ValueError(f"stacked_gemv: x has {num_rows} rows; accepted 1 to {MAX_ROWS} (decode sizes)")
-    width = w.shape[2]
-    num_splits = num_splits or default_splits(depth, width, block_n, block_k)
-    k_per_split = pl.cdiv(pl.cdiv(depth, num_splits), block_k) * block_k
-    kernel = functools.partial(_gemv_kernel, block_m=max(16, pl.next_power_of_2(num_rows)), block_k=block_k,
-                               block_n=block_n, k_per_split=k_per_split, num_rows=num_rows)
-    partials = pl.pallas_call(
+        raise ValueError(f"stacked_gemvs: x has {num_rows} rows; accepted 1 to {MAX_ROWS} (decode sizes)")
+    if (norm is None) != (eps is None) or (norm is not None and norm.shape != (ws[0].shape[0], depth)):
+        raise ValueError(f"stacked_gemvs: norm needs eps and shape [L, K={depth}]; got "
+                         f"{None if norm is None else norm.shape}, eps={eps}")
+    blocks_k = [shrink_for_itemsize(block_k, num_stages, w.dtype.itemsize)[0] for w in ws]
+    splits = num_splits or default_splits(depth, sum(w.shape[2] for w in ws), block_n, max(blocks_k))
+    weights, start = [], 0
+    for w, bk in zip(ws, blocks_k):
+        tiles = pl.cdiv(w.shape[2], block_n)
+        weights.append(_Weight(start, tiles, w.shape[2], bk, pl.cdiv(pl.cdiv(depth, splits), bk) * bk))
+        start += tiles * splits
+    kernel = functools.partial(_gemvs_kernel, weights=tuple(weights), splits=splits,
+                               block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, num_rows=num_rows,
+                               depth=depth, scaled=norm is not None)
+    out_shape = [jax.ShapeDtypeStruct((splits * num_rows, w.shape[2]), jnp.float32) for w in ws]
+    if norm is not None:
+        out_shape.append(jax.ShapeDtypeStruct((splits * num_rows,), jnp.float32))
+    outs = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(width, block_n), num_splits),
-        out_shape=jax.ShapeDtypeStruct((num_splits * num_rows, width), jnp.float32),
+        grid=(start,),
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"stacked_gemv_s{num_splits}",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), x, w)
-    return partials.reshape(num_splits, num_rows, width).sum(axis=0)
+        name=f"stacked_gemv{len(ws) if len(ws) > 1 else ''}{'_norm' if norm is not None else ''}_s{splits}",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x, *([norm] if norm is not None else []), *ws)
+    products = tuple(p.reshape(splits, num_rows, -1).sum(axis=0) for p in outs[:len(ws)])
+    if norm is None:
+        return products
+    # RMSNorm(x) @ w = (1 / rms) * ((x * g) @ w): each row's scale, once the splits' squares are summed.
+    inv_rms = jax.lax.rsqrt(outs[-1].reshape(splits, num_rows).sum(axis=0) / depth + eps)[:, None]
+    g = jax.lax.dynamic_index_in_dim(norm, layer, keepdims=False)
+    return tuple(inv_rms * p for p in products) + (g * (x.astype(jnp.float32) * inv_rms).astype(x.dtype),)
+
+
+def stacked_gemv(x, w, layer, **options):
+    """x [M, K] @ w[layer] for one stacked w [L, K, N] -> f32[M, N] (``stacked_gemvs`` with one weight)."""
+    return stacked_gemvs(x, (w,), layer, **options)[0]
 
 
 def stacked_gemv_reference(x, w, layer):

@@ -14,6 +14,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from dsjax.model.norms import rms_norm
 from dsjax.parallel.collectives import axis_size
 from dsjax.parallel.expert import ExpertDispatch, moe_expert_parallel
 from dsjax.parallel.mesh import EXPERT
@@ -23,7 +24,7 @@ from pallas_kernels.mla_prefill import mla_prefill_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
-from pallas_kernels.stacked_gemv import stacked_gemv, stacked_gemv_reference
+from pallas_kernels.stacked_gemv import stacked_gemv_reference, stacked_gemvs
 from pallas_kernels.swiglu import swiglu as swiglu_kernel
 from pallas_kernels.swiglu import swiglu_reference
 
@@ -53,43 +54,39 @@ def swiglu(x, w_gate, w_up, backend: str):
     return swiglu_kernel(x, w_gate, w_up, interpret=backend == "interpret")
 
 
-# Batches up to this many tokens run a stacked MLP (dense layers, shared experts) through the grouped
-# kernels, reading the layer's weights in place; larger ones through XLA's GEMMs. H200, V2-Lite decode
-# (benchmarks/results/e2e_decode_curve_h200*.json): the kernels save 0.9 ms a step at batch 1 and 0.15
-# at 32, but cost 0.1-0.7 ms from 64 on, where each of their row tiles re-reads the weights.
-STACKED_MLP_MAX_TOKENS = 32
-# Steps of up to this many tokens run the attention projections and a stacked MLP through the stacked
-# GEMV kernel (pallas_kernels/stacked_gemv.py), reading the layer's weights in place: measured on the
-# H200 at batch 1 and 16 (benchmarks/results/decode_profile.md, round 4). The kernel takes up to 64
-# rows; `benchmarks/kernels_gemv.py` compares it with XLA's sliced GEMM at 16-64 rows.
-STACKED_GEMV_MAX_TOKENS = 16
+# Steps of up to this many tokens run the attention projections and a stacked MLP (dense layers, shared
+# experts) through the stacked GEMV kernel (pallas_kernels/stacked_gemv.py), reading the layer's weights
+# in place; larger ones through XLA's GEMMs, which copy the layer's slice for cuBLAS. H200, V2-Lite shapes
+# (benchmarks/results/gemv_h200.json, `benchmarks/kernels_gemv.py`): q_proj 5.0/6.9/10.0 µs at 1/32/64
+# rows against 12.1/14.4/15.3 for XLA's sliced GEMM; the kernel takes at most 64 rows.
+STACKED_GEMV_MAX_TOKENS = 64
 
 
 def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
-    """x [T, D] through layer ``layer``'s SwiGLU MLP, given every layer's w_gate/w_up [L, D, I] and
-    w_down [L, I, D] -> [T, D]: up to ``STACKED_GEMV_MAX_TOKENS`` tokens the stacked GEMV kernel, three times,
-    else the routed-expert kernels with one expert, taken by every token at weight 1. In a layer scan
-    XLA would copy the layer's slice for cuBLAS (about 60 MB a V2-Lite layer at decode sizes); the
-    kernels read it in place and stay weight-bandwidth bound."""
+    """x [T, D] (T <= ``STACKED_GEMV_MAX_TOKENS``) through layer ``layer``'s SwiGLU MLP, given every
+    layer's w_gate/w_up [L, D, I] and w_down [L, I, D] -> [T, D]: split-K GEMVs on the stack in place,
+    gate and up in one launch (V2-Lite shared experts at one token: 14.4 µs against 21.2 for the
+    grouped expert kernels with one expert, which run too few programs)."""
+    gate, up = stacked_matmuls(x, (w_gate, w_up), layer, backend)
+    return stacked_swiglu_down(gate, up, w_down, layer, backend, x.dtype)
+
+
+def stacked_swiglu_down(gate, up, w_down, layer, backend: str, dtype):
+    """silu(gate) * up (f32 [T, I] products) through layer ``layer``'s stacked w_down [L, I, D] -> [T, D]."""
+    h = (jax.nn.silu(gate) * up).astype(dtype)
+    return stacked_matmuls(h, (w_down,), layer, backend)[0].astype(dtype)
+
+
+def stacked_matmuls(x, ws, layer, backend: str, norm=None):
+    """x [T, K] @ w[layer] for each stacked w [L, K, N_i] of ``ws`` -> tuple of f32[T, N_i], each layer's
+    slice read in place, one kernel launch for all. ``norm`` = (every layer's RMSNorm weights [L, K], eps):
+    x is normalized first (inside the kernel) and the normed rows [T, K] come back last."""
     if backend == "reference":
-        return jnp.dot(swiglu_reference(x, w_gate[layer], w_up[layer]), w_down[layer])
-    if x.shape[0] <= STACKED_GEMV_MAX_TOKENS:  # three split-K GEMVs: 14.5 µs against 21.2 for the grouped pair
-        # (H200, V2-Lite shared experts, one token: the grouped kernels run too few programs)
-        gemv = partial(stacked_gemv, layer=layer, interpret=backend == "interpret")
-        h = jax.nn.silu(gemv(x, w_gate)) * gemv(x, w_up)
-        return gemv(h.astype(x.dtype), w_down).astype(x.dtype)
-    ones, zeros = jnp.ones((x.shape[0], 1), jnp.float32), jnp.zeros((x.shape[0], 1), jnp.int32)
-    return moe_experts_kernel(x, ones, zeros, w_gate[:, None], w_up[:, None], w_down[:, None], layer=layer,
-                              interpret=backend == "interpret")
-
-
-
-
-def stacked_matmul(x, w, layer, backend: str):
-    """x [T, K] @ w[layer] for a stacked w [L, K, N] -> f32[T, N], the layer's slice read in place."""
-    if backend == "reference":
-        return stacked_gemv_reference(x, w, layer)
-    return stacked_gemv(x, w, layer, interpret=backend == "interpret")
+        if norm is not None:
+            x = rms_norm(x, norm[0][layer], norm[1])
+        return tuple(stacked_gemv_reference(x, w, layer) for w in ws) + ((x,) if norm is not None else ())
+    weights, eps = norm if norm is not None else (None, None)
+    return stacked_gemvs(x, ws, layer, weights, eps=eps, interpret=backend == "interpret")
 
 
 def moe_route(logits, bias, spec: RoutingSpec, backend: str):

@@ -51,10 +51,14 @@ class MLAttention(nnx.Module):
                           self.interleave)
 
     def stacked_projections(self, index) -> dict:
-        """Inside a layer scan over stacked layers: every layer's projection weights (each [L, K, ...]) and
-        this layer's index, for the decode kernels that read one layer's slice in place."""
+        """Inside a layer scan over stacked layers: every layer's projection weights (each [L, K, ...]),
+        the q LoRA's norm weights [L, Q] and this layer's index, for the decode kernels that read one
+        layer's slice in place."""
         names = ("q_proj", "q_a", "q_b", "kv_a", "o_proj")
-        return {"index": index, **{n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}}
+        stacked = {"index": index, **{n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}}
+        if self.q_a_norm is not None:
+            stacked["q_a_norm"] = self.q_a_norm.weight[...]
+        return stacked
 
     @staticmethod
     def _stacked_fits(x, stacked) -> bool:
@@ -67,24 +71,43 @@ class MLAttention(nnx.Module):
         make K), else the einsum ``spec`` over this layer's weight (XLA)."""
         if self._stacked_fits(x, stacked):
             w = stacked[name]  # [L, *in, *out]
-            out = dispatch.stacked_matmul(x, w.reshape(w.shape[0], x.shape[-1], -1), stacked["index"], backend)
+            out, = dispatch.stacked_matmuls(x, (w.reshape(w.shape[0], x.shape[-1], -1),), stacked["index"], backend)
             return out.astype(x.dtype).reshape(x.shape[0], *w.shape[1 + num_in_dims:])
         w = getattr(self, name)[...]
         return jnp.einsum(spec, x, w.reshape(x.shape[-1], *w.shape[num_in_dims:]))
 
-    def queries(self, x, positions, stacked=None, backend="reference"):
+    def queries(self, x, positions):
         """x [..., D] -> q_nope [..., H, Dn], q_pe [..., H, R] (rotated)."""
         if self.q_proj is not None:
-            q = self._project(x, "q_proj", "...d,dhk->...hk", stacked, backend)
+            q = jnp.einsum("...d,dhk->...hk", x, self.q_proj[...])
         else:
-            q = self.q_a_norm(self._project(x, "q_a", "...d,dq->...q", stacked, backend))
-            q = self._project(q, "q_b", "...q,qhk->...hk", stacked, backend)
+            q = jnp.einsum("...q,qhk->...hk", self.q_a_norm(x @ self.q_a[...]), self.q_b[...])
+        return self._split_queries(q, positions)
+
+    def latents(self, x, positions):
+        """x [..., D] -> c_kv [..., C] (normed latent), k_pe [..., R] (rotated): what the cache stores."""
+        return self._split_latents(x @ self.kv_a[...], positions)
+
+    def _split_queries(self, q, positions):
         return q[..., :self.nope_dim], self._rope(q[..., self.nope_dim:], positions)
 
-    def latents(self, x, positions, stacked=None, backend="reference"):
-        """x [..., D] -> c_kv [..., C] (normed latent), k_pe [..., R] (rotated): what the cache stores."""
-        kv = self._project(x, "kv_a", "...d,dc->...c", stacked, backend)
+    def _split_latents(self, kv, positions):
         return self.kv_a_norm(kv[..., :self.latent_dim]), self._rope(kv[..., self.latent_dim:], positions)
+
+    def _decode_projections(self, x, positions, stacked, norm, backend):
+        """The queries and latents of a few raw tokens x [T, D] from the layer stack: the attention's
+        RMSNorm (``norm``'s eps, the stack's weights ``stacked["norm"]``) and the q (or q_a) and kv_a
+        products in one stacked-GEMV launch; with a q LoRA, q_b in a second with q_a_norm fused in."""
+        flat = lambda w: w.reshape(w.shape[0], w.shape[1], -1)
+        index, first = stacked["index"], "q_proj" if self.q_proj is not None else "q_a"
+        q, kv, _ = dispatch.stacked_matmuls(x, (flat(stacked[first]), stacked["kv_a"]), index, backend,
+                                            norm=(stacked["norm"], norm.eps))
+        if self.q_proj is None:
+            q, _ = dispatch.stacked_matmuls(q.astype(x.dtype), (flat(stacked["q_b"]),), index, backend,
+                                            norm=(stacked["q_a_norm"], self.q_a_norm.eps))
+        # [T, heads, qk_head] of this rank's heads (a tensor rank holds some)
+        q = q.astype(x.dtype).reshape(x.shape[0], *stacked["q_proj" if self.q_proj is not None else "q_b"].shape[-2:])
+        return self._split_queries(q, positions), self._split_latents(kv.astype(x.dtype), positions)
 
     def absorb_query(self, q_nope):
         return jnp.einsum("...hn,chn->...hc", q_nope, self.w_uk[...])  # [..., H, C]
@@ -116,12 +139,17 @@ class MLAttention(nnx.Module):
             positions.reshape(-1), self.scale, backend)
         return self.output(ctx.reshape(batch, seq_len, num_heads, -1))
 
-    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked=None):
-        """Packed tokens x [T, D] of one engine step: write their latents into ``cache`` at layer
-        ``layer``, then attend (absorbed) over each token's sequence. -> ([T, D] partial over tensor
-        ranks, updated cache). ``stacked``: ``stacked_projections`` of the layer scan, or None."""
-        q_nope, q_pe = self.queries(x, batch.positions, stacked, backend)
-        c_kv, k_pe = self.latents(x, batch.positions, stacked, backend)
+    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, norm: RMSNorm, backend: str,
+              stacked=None):
+        """Packed tokens x [T, D] of one engine step, before the attention's RMSNorm ``norm``: write their
+        latents into ``cache`` at layer ``layer``, then attend (absorbed) over each token's sequence. ->
+        ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
+        layer scan plus every layer's ``norm`` weights under "norm", or None."""
+        if self._stacked_fits(x, stacked):
+            (q_nope, q_pe), (c_kv, k_pe) = self._decode_projections(x, batch.positions, stacked, norm, backend)
+        else:
+            x = norm(x)
+            (q_nope, q_pe), (c_kv, k_pe) = self.queries(x, batch.positions), self.latents(x, batch.positions)
         num_blocks, block_size = cache.c_kv.shape[1:3]
         blocks, offsets = batch.slot_mapping // block_size, batch.slot_mapping % block_size
         write = lambda pool, rows: pool.at[layer, blocks, offsets].set(rows.astype(pool.dtype), mode="drop")

@@ -24,10 +24,18 @@ class MLP(nnx.Module):
         """x [T, D] -> [T, D] (a partial sum over tensor ranks: each holds some columns). ``stacked`` =
         (w_gate, w_up, w_down of every layer [L, ...], this layer's index): small batches then run the
         kernels on the stack in place."""
-        if stacked is not None and x.shape[0] <= dispatch.STACKED_MLP_MAX_TOKENS:
+        if stacked is not None and x.shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS:
             return dispatch.stacked_mlp(x, *stacked, backend)
         h = dispatch.swiglu(x, self.w_gate[...], self.w_up[...], backend)
         return jnp.dot(h, self.w_down[...])
+
+    def decode(self, x, stack, eps: float, backend: str):
+        """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
+        RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
+        the norm and the gate and up products in one stacked-GEMV launch, then the down GEMV."""
+        w_gate, w_up, w_down = stack.mlp
+        gate, up, normed = dispatch.stacked_matmuls(x, (w_gate, w_up), stack.index, backend, norm=(stack.mlp_norm, eps))
+        return dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype)
 
 
 def routing_spec(config: ModelConfig) -> RoutingSpec:
@@ -57,7 +65,9 @@ class MoE(nnx.Module):
 
     def route(self, x, *, backend: str):
         """x [T, D] -> (weights f32[T, k], expert ids i32[T, k])."""
-        logits = jnp.dot(x.astype(jnp.float32), self.router[...])
+        return self._route_logits(jnp.dot(x.astype(jnp.float32), self.router[...]), backend)
+
+    def _route_logits(self, logits, backend: str):
         bias = None if self.score_bias is None else self.score_bias[...]
         return dispatch.moe_route(logits, bias, self.spec, backend)
 
@@ -74,4 +84,19 @@ class MoE(nnx.Module):
                                    expert_dispatch=self.expert_dispatch)
         if self.shared is not None:
             out = out + self.shared(x, backend=backend, stacked=stacked_shared)
+        return out
+
+    def decode(self, x, stack, eps: float, backend: str):
+        """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
+        RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
+        one stacked-GEMV launch normalizes x and computes the f32 router logits and the shared experts'
+        gate and up products; the routed experts then take the normed rows."""
+        shared = stack.mlp[:2] if self.shared is not None else ()
+        logits, *gate_up, normed = dispatch.stacked_matmuls(x, (stack.router, *shared), stack.index, backend,
+                                                            norm=(stack.mlp_norm, eps))
+        weights, ids = self._route_logits(logits, backend)
+        out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
+                                   expert_dispatch=self.expert_dispatch)
+        if self.shared is not None:
+            out = out + dispatch.stacked_swiglu_down(*gate_up, stack.mlp[2], stack.index, backend, normed.dtype)
         return out

@@ -15,6 +15,11 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * x32.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+def rms_norm(x, weight, eps: float):
+    """x [..., D] over its last axis, times weight [D] (the decode kernels fuse the same arithmetic)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)

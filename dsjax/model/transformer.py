@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from dsjax.config import ModelConfig
+from dsjax.model import dispatch
 from dsjax.model.dispatch import resolve_backend
 from dsjax.model.mla import MLAttention
 from dsjax.model.moe import MLP, MoE
@@ -30,6 +32,18 @@ from dsjax.parallel.collectives import embed_lookup, gather_vocab, psum_tensor
 from dsjax.parallel.expert import ExpertDispatch
 from dsjax.parallel.mesh import num_batch_shards
 from dsjax.parallel.sharding import batch_spec, checks_vma, logical_to_spec, param_shardings, param_specs
+
+
+class LayerStack(NamedTuple):
+    """Inside the layer scan: every layer's weights of the stack being scanned plus this layer's index,
+    for the kernels that read one layer's slice in place (a slice taken inside the scan would be copied
+    for them)."""
+    index: jax.Array
+    attn: dict  # MLAttention.stacked_projections, plus the attention's RMSNorm weights [L, D] as "norm"
+    mlp: tuple | None  # (w_gate, w_up, w_down) of the dense MLP or the shared experts [L, ...]
+    experts: tuple | None  # the routed experts' (w_gate, w_up, w_down) [L, E, ...]
+    mlp_norm: jax.Array  # the MLP's RMSNorm weights [L, D]
+    router: jax.Array | None  # [L, D, E], f32
 
 
 class DecoderLayer(nnx.Module):
@@ -43,10 +57,11 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(d, eps, "embed", dtype)
         self.mlp = MoE(config, dtype, rngs, expert_dispatch) if moe else MLP(d, config.intermediate_size, dtype, rngs)
 
-    def _mlp(self, x, backend, stacked):
-        experts, mlp, _ = stacked or (None, None, None)
+    def _mlp(self, x, backend, stack: LayerStack | None):
+        with_index = lambda ws: None if stack is None or ws is None else (*ws, stack.index)
+        mlp = with_index(stack and stack.mlp)
         if isinstance(self.mlp, MoE):
-            return self.mlp(x, backend=backend, stacked_experts=experts, stacked_shared=mlp)
+            return self.mlp(x, backend=backend, stacked_experts=with_index(stack and stack.experts), stacked_shared=mlp)
         return self.mlp(x, backend=backend, stacked=mlp)
 
     def __call__(self, x, positions, *, mode: str, backend: str, stacked=None):
@@ -55,11 +70,14 @@ class DecoderLayer(nnx.Module):
         flat = h.reshape(-1, h.shape[-1])
         return h + psum_tensor(self._mlp(self.mlp_norm(flat), backend, stacked)).reshape(h.shape)
 
-    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked=None):
-        """x [T, D] -> ([T, D], cache)."""
-        attn_out, cache = self.attn.paged(self.attn_norm(x), cache, layer, batch, backend=backend,
-                                          stacked=stacked[2] if stacked else None)
+    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked: LayerStack = None):
+        """x [T, D] -> ([T, D], cache). Steps of few tokens with the layer stack at hand fuse each
+        sublayer's RMSNorm into its first stacked-GEMV launch (``MLAttention.paged``, ``MoE.decode``)."""
+        attn_out, cache = self.attn.paged(x, cache, layer, batch, norm=self.attn_norm, backend=backend,
+                                          stacked=stacked and stacked.attn)
         h = x + psum_tensor(attn_out)
+        if stacked is not None and h.shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS:
+            return h + psum_tensor(self.mlp.decode(h, stacked, self.mlp_norm.eps, backend)), cache
         return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked)), cache
 
 
@@ -122,19 +140,18 @@ class DeepseekForCausalLM(nnx.Module):
         x = _scan_layers(self.moe_layers, x, self.config.num_dense_layers, step(self.moe_layers))
         return self.compute_logits(self.norm(x))
 
-    def _stacked(self, stack, index):
-        """Every layer's weights of ``stack`` plus this layer's index, for kernels that read the stack
-        in place (a slice taken inside the layer scan would be copied for them): (routed experts
-        [L, E, ...], the dense MLP or shared experts [L, ...]), each (w_gate, w_up, w_down, index) or None,
-        and the attention projections (``MLAttention.stacked_projections``)."""
+    def _stacked(self, stack, index) -> LayerStack | None:
+        """``stack``'s weights for the kernels that read one layer in place (``LayerStack``); None with
+        the reference backend."""
         if stack is None or self.kernel_backend == "reference":
             return None
-        mlp, experts = stack.mlp, None
+        mlp, experts, router = stack.mlp, None, None
         if isinstance(mlp, MoE):
-            experts = (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index)
+            experts, router = (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...]), mlp.router[...]
             mlp = mlp.shared
-        return (experts, None if mlp is None else (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...], index),
-                stack.attn.stacked_projections(index))
+        return LayerStack(index=index, attn={**stack.attn.stacked_projections(index), "norm": stack.attn_norm.weight[...]},
+                          mlp=None if mlp is None else (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...]),
+                          experts=experts, mlp_norm=stack.mlp_norm.weight[...], router=router)
 
     def forward_paged(self, tokens, cache: PagedKVCache, batch: PagedBatch):
         """One engine step over packed tokens i32[T]: writes their latents into the paged cache and

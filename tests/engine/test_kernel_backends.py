@@ -18,8 +18,8 @@ def test_model_forward_interpret_matches_reference(mode):
 
 
 def test_engine_generation_interpret_matches_reference():
-    # The 25-token prefill step (bucket 32) takes XLA's projections, the decode steps (bucket 4) the
-    # stacked GEMV kernel's.
+    # Both buckets (the 25-token prefill in 32, the decode steps in 4) are within STACKED_GEMV_MAX_TOKENS:
+    # the stacked GEMV launches with fused norms (tests/model: XLA's projections above it).
     engine = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=4, buckets=(4, 32),
                   progress=False)
     prompts = [[5, 6, 7], list(range(10, 31)), [9]]

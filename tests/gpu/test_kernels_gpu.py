@@ -256,3 +256,22 @@ def test_stacked_gemv_gpu(rows, depth, width):
     got = stacked_gemv(x, w, jnp.int32(1))
     want = stacked_gemv_reference(x.astype(jnp.float32), w.astype(jnp.float32), 1)
     assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_stacked_gemvs_fused_norm_gpu(rows):
+    """V2-Lite's MoE decode launch: RMSNorm fused, the f32 router beside the shared experts' gate and
+    up (different tile depths in one grid), and the normed rows handed on."""
+    from dsjax.model.norms import rms_norm
+    from pallas_kernels.stacked_gemv import stacked_gemv_reference, stacked_gemvs
+
+    rng = np.random.default_rng(rows)
+    x = jnp.asarray(rng.standard_normal((rows, 2048)) * 4, jnp.bfloat16)
+    ws = (jnp.asarray(rng.standard_normal((3, 2048, 64)) * 0.02, jnp.float32),
+          *(jnp.asarray(rng.standard_normal((3, 2048, 2816)) * 0.02, jnp.bfloat16) for _ in range(2)))
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal((3, 2048)), jnp.bfloat16)
+    *got, normed = stacked_gemvs(x, ws, jnp.int32(2), norm, eps=1e-6)
+    want = rms_norm(x, norm[2], 1e-6)
+    assert _rel(normed, want) < 1e-2
+    for g, w in zip(got, ws):
+        assert _rel(g, stacked_gemv_reference(want.astype(jnp.float32), w.astype(jnp.float32), 2)) < 1e-2

@@ -41,16 +41,11 @@ def test_backend_resolution():
         resolve_backend("cuda")
 
 
-def test_paged_forward_matches_full_forward():
-    """Prefill a prompt in two chunks into a shuffled paged cache, then decode: every position's
-    logits equal the no-cache forward."""
-    model = dsjax.load_model("tiny")
-    config = model.config
-    tokens = np.random.default_rng(0).integers(3, 259, size=21).astype(np.int32)
-    full = np.asarray(model.logits(tokens[None]))[0]
-    block_size, num_blocks = 4, 16
-    table = np.random.default_rng(1).permutation(num_blocks)[:8].astype(np.int32)
-    cache = PagedKVCache.zeros(config, num_blocks, block_size, jnp.float32)
+def _paged_logits(model, tokens, chunks, block_size=4, num_blocks=32):
+    """Logits of ``tokens`` fed through forward_paged in the given (start, stop) chunks, into a shuffled
+    paged cache."""
+    table = np.random.default_rng(1).permutation(num_blocks)[:-(-len(tokens) // block_size)].astype(np.int32)
+    cache = PagedKVCache.zeros(model.config, num_blocks, block_size, jnp.float32)
     graphdef, state = nnx.split(model)
 
     @jax.jit
@@ -62,19 +57,48 @@ def test_paged_forward_matches_full_forward():
         return m.compute_logits(hidden), cache
 
     got = []
-    for start, stop in [(0, 9), (9, 17)] + [(i, i + 1) for i in range(17, 21)]:
-        positions = jnp.arange(start, stop, dtype=jnp.int32)
-        logits, cache = step(state, cache, jnp.asarray(tokens[start:stop]), positions)
+    for start, stop in chunks:
+        logits, cache = step(state, cache, jnp.asarray(tokens[start:stop]), jnp.arange(start, stop, dtype=jnp.int32))
         got.append(np.asarray(logits))
-    got = np.concatenate(got)
+    return np.concatenate(got)
+
+
+def test_paged_forward_matches_full_forward():
+    """Prefill a prompt in two chunks into a shuffled paged cache, then decode: every position's
+    logits equal the no-cache forward."""
+    model = dsjax.load_model("tiny")
+    tokens = np.random.default_rng(0).integers(3, 259, size=21).astype(np.int32)
+    full = np.asarray(model.logits(tokens[None]))[0]
+    got = _paged_logits(model, tokens, [(0, 9), (9, 17)] + [(i, i + 1) for i in range(17, 21)])
     assert np.abs(got - full).max() <= 1e-4 * np.abs(full).max()
 
 
-@pytest.mark.parametrize("num_tokens", [1, 7, 20])
+@pytest.mark.parametrize("q_lora_rank", [None, 96])
+def test_paged_decode_kernels_match_reference(q_lora_rank):
+    """The kernels' paged forward (interpret mode) equals the reference backend's: a 70-token chunk
+    (XLA's projections, over STACKED_GEMV_MAX_TOKENS) and steps of 3 and 1 tokens (each sublayer's
+    RMSNorm fused into one stacked-GEMV launch with q / q_a and kv_a, or with the router and the
+    shared experts' gate and up), with a q LoRA (q_b's launch fuses q_a_norm) and without (q_proj)."""
+    import dataclasses
+
+    from dsjax.config import ModelConfig
+    from dsjax.model.transformer import DeepseekForCausalLM
+
+    config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
+    tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
+    chunks = [(0, 70), (70, 73), (73, 74)]
+    logits = {backend: _paged_logits(DeepseekForCausalLM(config, kernel_backend=backend, rngs=nnx.Rngs(0)), tokens,
+                                     chunks)
+              for backend in ("reference", "interpret")}
+    scale = np.abs(logits["reference"]).max()
+    assert np.abs(logits["interpret"] - logits["reference"]).max() <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 64])
 def test_stacked_mlp_kernels_read_their_layer(num_tokens):
     """The dense / shared-expert MLP of one layer, taken from every layer's stacked weights by the
-    kernels (interpret mode: the stacked GEMV up to 16 tokens, the grouped kernels above), equals that
-    layer's SwiGLU MLP; 96 columns leave a partial tile."""
+    stacked GEMV (interpret mode; up to its 64 rows), equals that layer's SwiGLU MLP; 96 columns leave a
+    partial tile."""
     from dsjax.model import dispatch
 
     layers, hidden, inter = 3, 64, 96

@@ -1,12 +1,14 @@
 """Stacked decode GEMV (interpret mode) against its reference: one layer of a stacked weight, read in
-place, for 1..16 token rows, ragged K and N, several K splits."""
+place, for 1..64 token rows, ragged K and N, several K splits; several weights of mixed dtypes in one
+launch, with the RMSNorm of the rows fused in."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.stacked_gemv import MAX_ROWS, default_splits, stacked_gemv, stacked_gemv_reference
+from dsjax.model.norms import RMSNorm
+from pallas_kernels.stacked_gemv import MAX_ROWS, default_splits, stacked_gemv, stacked_gemv_reference, stacked_gemvs
 from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 
@@ -33,8 +35,39 @@ def test_stacked_gemv_refuses_bad_shapes():
     w = jnp.zeros((2, 64, 32))
     with pytest.raises(ValueError, match="rows; accepted 1 to 64"):
         stacked_gemv(jnp.zeros((MAX_ROWS + 1, 64)), w, 0, interpret=True)
-    with pytest.raises(ValueError, match=r"expected \[L, K=48, N\]"):
+    with pytest.raises(ValueError, match=r"expected \[L=2, K=48, N\]"):
         stacked_gemv(jnp.zeros((1, 48)), w, 0, interpret=True)
+    with pytest.raises(ValueError, match=r"norm needs eps and shape \[L, K=64\]"):
+        stacked_gemvs(jnp.zeros((1, 64)), (w,), 0, jnp.ones((2, 32)), eps=1e-6, interpret=True)
+
+
+@pytest.mark.parametrize("rows, dtype, tol", [(1, jnp.float32, 1e-5), (5, jnp.bfloat16, 2e-2)])
+def test_stacked_gemvs_several_weights_and_fused_norm(rows, dtype, tol):
+    """A decode step's shapes in small: one launch for the attention's q and kv_a projections, or the
+    MoE's f32 router beside the shared experts' gate and up; rows RMS-normalized inside the kernel
+    (with a layer's own norm weights) equal RMSNorm then three separate products, and the normed rows
+    come back."""
+    rng = np.random.default_rng(rows)
+    layers, depth = 3, 96
+    x = jnp.asarray(rng.standard_normal((rows, depth)) * 3, dtype)
+    ws = (jnp.asarray(rng.standard_normal((layers, depth, 8)), jnp.float32),  # the router stays f32
+          jnp.asarray(rng.standard_normal((layers, depth, 100)) / np.sqrt(depth), dtype),
+          jnp.asarray(rng.standard_normal((layers, depth, 64)) / np.sqrt(depth), dtype))
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal((layers, depth)), dtype)
+    rms = RMSNorm(depth, 1e-6, "embed", dtype)
+    for layer in (0, 2):
+        *products, normed = stacked_gemvs(x, ws, jnp.int32(layer), norm, eps=1e-6, block_k=32, interpret=True)
+        rms.weight[...] = norm[layer]
+        want = rms(x)
+        np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+        for got, w in zip(products, ws):
+            assert got.dtype == jnp.float32
+            np.testing.assert_allclose(np.asarray(got), np.asarray(stacked_gemv_reference(want.astype(w.dtype), w, layer)),
+                                       rtol=tol, atol=tol * np.sqrt(depth))
+    plain = stacked_gemvs(x, ws[1:], jnp.int32(1), block_k=32, interpret=True)  # without the norm: products only
+    assert len(plain) == 2
+    np.testing.assert_allclose(np.asarray(plain[1]), np.asarray(stacked_gemv_reference(x, ws[2], 1), np.float32),
+                               rtol=tol, atol=tol * np.sqrt(depth))
 
 
 def test_default_splits_fill_the_gpu():
@@ -49,4 +82,14 @@ def test_stacked_gemv_lowers_to_triton_for_h200(rows):
     shape = jax.ShapeDtypeStruct
     hlo = lower_for_h200(stacked_gemv, shape((rows, 2048), jnp.bfloat16), shape((26, 2048, 3072), jnp.bfloat16),
                          shape((), jnp.int32))
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_stacked_gemvs_with_norm_lowers_to_triton_for_h200():
+    """The MoE decode launch at V2-Lite shapes: f32 router beside bf16 gate and up, norm fused."""
+    shape = jax.ShapeDtypeStruct
+    ws = (shape((26, 2048, 64), jnp.float32), shape((26, 2048, 2816), jnp.bfloat16),
+          shape((26, 2048, 2816), jnp.bfloat16))
+    fn = lambda x, ws, layer, norm: stacked_gemvs(x, ws, layer, norm, eps=1e-6)
+    hlo = lower_for_h200(fn, shape((1, 2048), jnp.bfloat16), ws, shape((), jnp.int32), shape((26, 2048), jnp.bfloat16))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
