@@ -1,7 +1,8 @@
 """The stacked decode GEMV on one GPU: a tile sweep at V2-Lite's decode projections, the shared-expert
-MLP at one token through three GEMVs against the grouped kernels (what ``dispatch.stacked_mlp`` picks),
-and the kernel against XLA's GEMM on the layer's slice at 1-64 token rows (where
-``dispatch.STACKED_GEMV_MAX_TOKENS`` should sit).
+MLP at one token through the stacked GEMVs against the grouped kernels (what ``dispatch.stacked_mlp``
+picks), the kernel against XLA's GEMM on the layer's slice at 1-64 token rows (where
+``dispatch.STACKED_GEMV_MAX_TOKENS`` should sit), and MLA's absorbed per-head products (w_uk, w_uv)
+through ``stacked_head_gemv`` against XLA's einsum on the layer's slice.
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
 2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
@@ -28,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import environment, kernel_time_us, markdown_table, write_result  # noqa: E402
 from dsjax.model import dispatch  # noqa: E402
 from pallas_kernels.moe_experts import moe_experts  # noqa: E402
-from pallas_kernels.stacked_gemv import default_splits, stacked_gemv  # noqa: E402
+from pallas_kernels.stacked_gemv import default_splits, stacked_gemv, stacked_head_gemv  # noqa: E402
 
 SHAPES = {"q_proj": (2048, 3072), "o_proj": (2048, 2048), "kv_a": (2048, 576), "shared_gate": (2048, 2816),
           "shared_down": (2816, 2048)}
@@ -84,7 +85,7 @@ def shared_mlp(*, quick: bool) -> list[dict]:
 
     rows = []
     for impl, fn in (("grouped kernels", grouped),
-                     ("three GEMVs", lambda *a: dispatch.stacked_mlp(*a, backend=backend))):
+                     ("stacked GEMVs", lambda *a: dispatch.stacked_mlp(*a, backend=backend))):
         us, kernels = _time(fn, args, quick=quick)
         rows.append(dict(impl=impl, us=us, tb_per_s=3 * hidden * inter * 2 / us / 1e6, kernels_us=kernels))
         print(f"  shared MLP, one token, {impl:<16} {us:8.2f} us", flush=True)
@@ -114,6 +115,36 @@ def rows_vs_xla(shapes: dict, row_counts, *, quick: bool) -> list[dict]:
     return rows
 
 
+HEAD_CONFIGS, QUICK_HEAD_CONFIGS = [(64, 64), (32, 64), (64, 128), (128, 64), (32, 128)], [(16, 16)]
+
+
+def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
+    """MLA's absorbed products at V2-Lite shapes (16 heads, latent 512, head dims 128): w_uk takes each
+    head's nope query into the latent space (contracting the weight's head columns), w_uv the attended
+    latent to the head's values (contracting its rows). ``stacked_head_gemv`` (a tile sweep at one row,
+    default tiles above) against ``jnp.einsum`` on ``w[layer]`` (XLA transposes the stack for it)."""
+    rng = np.random.default_rng(3)
+    heads, latent, head_dim = (4, 40, 24) if quick else (16, 512, 128)
+    w = jnp.asarray(rng.standard_normal((2 if quick else LAYERS, latent, heads, head_dim)) * 0.05, jnp.bfloat16)
+    layer = jnp.int32(1 if quick else LAYER)
+    rows = []
+    for name, contract_rows, spec in (("w_uk", False, "mhn,chn->mhc"), ("w_uv", True, "mhc,chv->mhv")):
+        for num_rows in row_counts:
+            x = jnp.asarray(rng.standard_normal((num_rows, heads, latent if contract_rows else head_dim)), jnp.bfloat16)
+            for block_n, block_k in configs if num_rows == 1 else configs[:1]:
+                fn = lambda x, w, layer, c=(block_n, block_k), r=contract_rows: stacked_head_gemv(
+                    x, w, layer, contract_rows=r, block_n=c[0], block_k=c[1], interpret=quick)
+                row = dict(weight=name, rows=num_rows, block_n=block_n, block_k=block_k)
+                row["kernel_us"], _ = _time(fn, (x, w, layer), quick=quick)
+                if (block_n, block_k) == configs[0]:
+                    xla = lambda x, w, layer, spec=spec: jnp.einsum(spec, x, w[layer], preferred_element_type=jnp.float32)
+                    row["xla_einsum_us"], _ = _time(xla, (x, w, layer), quick=quick)
+                rows.append(row)
+                print(f"  {name} {num_rows:>3} rows {block_n:>3} x {block_k:<3}: {row['kernel_us']:8.2f} us"
+                      f" (XLA einsum {row.get('xla_einsum_us', float('nan')):8.2f} us)", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU, CI)")
@@ -123,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     mlp = shared_mlp(quick=args.quick)
     by_rows = rows_vs_xla(QUICK_SHAPES if args.quick else {k: SHAPES[k] for k in ("q_proj", "shared_down")},
                           QUICK_ROW_COUNTS if args.quick else ROW_COUNTS, quick=args.quick)
+    heads = head_products(QUICK_ROW_COUNTS if args.quick else ROW_COUNTS,
+                          QUICK_HEAD_CONFIGS if args.quick else HEAD_CONFIGS, quick=args.quick)
     best = {}
     for row in rows:
         if row["shape"] not in best or row["us"] < best[row["shape"]]["us"]:
@@ -134,9 +167,11 @@ def main(argv: list[str] | None = None) -> dict:
                        best_config=f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']} "
                                    f"splits {b['num_splits']}") for s, b in best.items()]
     table = "\n\n".join([markdown_table(table_rows, list(table_rows[0])),
-                          markdown_table(mlp, ["impl", "us", "tb_per_s"]), markdown_table(by_rows, list(by_rows[0]))])
+                          markdown_table(mlp, ["impl", "us", "tb_per_s"]), markdown_table(by_rows, list(by_rows[0])),
+                          markdown_table(heads, ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"])])
     print(table)
-    payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "table": table}
+    payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "head_products": heads,
+               "table": table}
     if not args.quick:
         print("wrote", write_result(args.out, payload))
     return payload

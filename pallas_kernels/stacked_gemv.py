@@ -182,3 +182,72 @@ def stacked_gemv(x, w, layer, **options):
 
 def stacked_gemv_reference(x, w, layer):
     return jnp.dot(x, w[layer], preferred_element_type=jnp.float32)
+
+
+def _head_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, k_per_split, num_rows, depth,
+                 width, contract_rows):
+    # x_ref [M, H * K] (head h's K inputs at columns h*K..); w_ref [L, R, H * C]; o_ref f32[S * M, H * N].
+    # contract_rows: K = R, N = C (w's rows against the inputs); else K = C, N = R (w's head columns).
+    head, n_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer = layer_ref[0]
+    rows = jnp.arange(block_m)
+    row_ok = rows < num_rows
+    cols = n_tile * block_n + jnp.arange(block_n)
+    col_ok = cols < width
+    k_start = split * k_per_split
+
+    def body(i, acc):
+        ks = k_start + i * block_k + jnp.arange(block_k)
+        k_ok = ks < depth
+        x = plgpu.load(x_ref.at[jnp.where(row_ok, rows, 0)[:, None], (head * depth + ks)[None, :]],
+                       mask=row_ok[:, None] & k_ok[None, :], other=0)
+        if contract_rows:  # tile [block_k, block_n] of w[layer, ks, head's columns]
+            w = plgpu.load(w_ref.at[layer, ks[:, None], (head * width + cols)[None, :]],
+                           mask=k_ok[:, None] & col_ok[None, :], other=0)
+        else:  # tile [block_n, block_k] of w[layer, cols, head's columns ks], used transposed
+            w = plgpu.load(w_ref.at[layer, cols[:, None], (head * depth + ks)[None, :]],
+                           mask=col_ok[:, None] & k_ok[None, :], other=0).T
+        return acc + _dot(x, w)
+
+    acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+    plgpu.store(o_ref.at[(split * num_rows + rows)[:, None], (head * width + cols)[None, :]], acc,
+                mask=row_ok[:, None] & col_ok[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("contract_rows", "num_splits", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, block_n=BLOCK_N, block_k=64,
+                      num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False):
+    """Per-head products of a few token rows with one layer of a stacked per-head weight w [L, R, H, C],
+    read in place: x [M, H, R] -> f32[M, H, C] contracting w's rows (``contract_rows``; MLA's w_uv: the
+    attended latent to each head's values), else x [M, H, C] -> f32[M, H, R] contracting each head's C
+    columns (w_uk: a head's nope query into the latent space). One program per (head, output tile, K
+    split); the splits' partials are summed outside."""
+    num_rows, num_heads = x.shape[:2]
+    if w.ndim != 4 or w.shape[2] != num_heads or x.ndim != 3 or x.shape[2] != w.shape[1 if contract_rows else 3]:
+        raise ValueError(f"stacked_head_gemv: x {x.shape} and w {w.shape} do not match; expected x [M, H, "
+                         f"{'R' if contract_rows else 'C'}] and w [L, R, H, C]")
+    if not 1 <= num_rows <= MAX_ROWS:
+        raise ValueError(f"stacked_head_gemv: x has {num_rows} rows; accepted 1 to {MAX_ROWS} (decode sizes)")
+    depth = x.shape[2]
+    width = w.shape[3] if contract_rows else w.shape[1]
+    n_tiles = pl.cdiv(width, block_n)
+    splits = num_splits or default_splits(depth, num_heads * width, block_n, block_k)
+    k_per_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
+    kernel = functools.partial(_head_kernel, block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n,
+                               block_k=block_k, k_per_split=k_per_split, num_rows=num_rows, depth=depth, width=width,
+                               contract_rows=contract_rows)
+    partials = pl.pallas_call(
+        kernel,
+        grid=(num_heads, n_tiles, splits),
+        out_shape=jax.ShapeDtypeStruct((splits * num_rows, num_heads * width), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"stacked_head_gemv_s{splits}",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x.reshape(num_rows, -1), w.reshape(*w.shape[:2], -1))
+    return partials.reshape(splits, num_rows, num_heads, width).sum(axis=0)
+
+
+def stacked_head_gemv_reference(x, w, layer, *, contract_rows: bool):
+    spec = "mhr,rhc->mhc" if contract_rows else "mhc,rhc->mhr"
+    return jnp.einsum(spec, x, w[layer], preferred_element_type=jnp.float32)

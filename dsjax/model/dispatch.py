@@ -24,7 +24,8 @@ from pallas_kernels.mla_prefill import mla_prefill_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
-from pallas_kernels.stacked_gemv import stacked_gemv_reference, stacked_gemvs
+from pallas_kernels.stacked_gemv import (stacked_gemv_reference, stacked_gemvs, stacked_head_gemv,
+                                         stacked_head_gemv_reference)
 from pallas_kernels.swiglu import swiglu as swiglu_kernel
 from pallas_kernels.swiglu import swiglu_reference
 
@@ -87,6 +88,14 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None):
         return tuple(stacked_gemv_reference(x, w, layer) for w in ws) + ((x,) if norm is not None else ())
     weights, eps = norm if norm is not None else (None, None)
     return stacked_gemvs(x, ws, layer, weights, eps=eps, interpret=backend == "interpret")
+
+
+def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool):
+    """Per-head products with layer ``layer`` of a stacked per-head w [L, R, H, C], read in place (MLA's
+    absorbed w_uk / w_uv at decode sizes); see ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
+    if backend == "reference":
+        return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows)
+    return stacked_head_gemv(x, w, layer, contract_rows=contract_rows, interpret=backend == "interpret")
 
 
 def moe_route(logits, bias, spec: RoutingSpec, backend: str):

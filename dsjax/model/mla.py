@@ -54,22 +54,23 @@ class MLAttention(nnx.Module):
         """Inside a layer scan over stacked layers: every layer's projection weights (each [L, K, ...]),
         the q LoRA's norm weights [L, Q] and this layer's index, for the decode kernels that read one
         layer's slice in place."""
-        names = ("q_proj", "q_a", "q_b", "kv_a", "o_proj")
+        names = ("q_proj", "q_a", "q_b", "kv_a", "w_uk", "w_uv", "o_proj")
         stacked = {"index": index, **{n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}}
         if self.q_a_norm is not None:
             stacked["q_a_norm"] = self.q_a_norm.weight[...]
         return stacked
 
     @staticmethod
-    def _stacked_fits(x, stacked) -> bool:
-        """A step of few tokens with the layer stack at hand: the stacked decode kernel's case."""
-        return stacked is not None and x.ndim == 2 and x.shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS
+    def _stacked_fits(token_shape, stacked) -> bool:
+        """A step of few tokens (``token_shape``: the leading [T] of an operand) with the layer stack at
+        hand: the stacked decode kernels' case."""
+        return stacked is not None and len(token_shape) == 1 and token_shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS
 
     def _project(self, x, name, spec, stacked, backend, num_in_dims=1):
         """x [..., K] times projection ``name``: through the stacked decode kernel, which reads this
         layer's slice of the stack in place (``_stacked_fits``; the weight's first ``num_in_dims`` axes
         make K), else the einsum ``spec`` over this layer's weight (XLA)."""
-        if self._stacked_fits(x, stacked):
+        if self._stacked_fits(x.shape[:-1], stacked):
             w = stacked[name]  # [L, *in, *out]
             out, = dispatch.stacked_matmuls(x, (w.reshape(w.shape[0], x.shape[-1], -1),), stacked["index"], backend)
             return out.astype(x.dtype).reshape(x.shape[0], *w.shape[1 + num_in_dims:])
@@ -109,11 +110,20 @@ class MLAttention(nnx.Module):
         q = q.astype(x.dtype).reshape(x.shape[0], *stacked["q_proj" if self.q_proj is not None else "q_b"].shape[-2:])
         return self._split_queries(q, positions), self._split_latents(kv.astype(x.dtype), positions)
 
-    def absorb_query(self, q_nope):
-        return jnp.einsum("...hn,chn->...hc", q_nope, self.w_uk[...])  # [..., H, C]
+    def absorb_query(self, q_nope, stacked=None, backend="reference"):
+        """q_nope [..., H, Dn] -> [..., H, C]: each head's query in the latent space (W_UK folded in)."""
+        if self._stacked_fits(q_nope.shape[:-2], stacked):
+            out = dispatch.stacked_head_matmul(q_nope, stacked["w_uk"], stacked["index"], backend, contract_rows=False)
+            return out.astype(q_nope.dtype)
+        return jnp.einsum("...hn,chn->...hc", q_nope, self.w_uk[...])
 
     def output(self, latent_ctx, stacked=None, backend="reference"):
-        v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
+        """latent_ctx [..., H, C] -> [..., D]: W_UV, then o_proj over every head."""
+        if self._stacked_fits(latent_ctx.shape[:-2], stacked):
+            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], stacked["index"], backend,
+                                                 contract_rows=True).astype(latent_ctx.dtype)
+        else:
+            v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
         flat = v_ctx.reshape(*v_ctx.shape[:-2], -1)  # [..., H * V] against o_proj [H, V, D]: one K axis
         return self._project(flat, "o_proj", "...k,kd->...d", stacked, backend, num_in_dims=2)
 
@@ -145,7 +155,7 @@ class MLAttention(nnx.Module):
         latents into ``cache`` at layer ``layer``, then attend (absorbed) over each token's sequence. ->
         ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
         layer scan plus every layer's ``norm`` weights under "norm", or None."""
-        if self._stacked_fits(x, stacked):
+        if self._stacked_fits(x.shape[:-1], stacked):
             (q_nope, q_pe), (c_kv, k_pe) = self._decode_projections(x, batch.positions, stacked, norm, backend)
         else:
             x = norm(x)
@@ -166,14 +176,15 @@ class MLAttention(nnx.Module):
             cache = jax.lax.optimization_barrier(cache)
         # Flattening [L, N] is free; shifting the block ids selects this layer without a copy.
         flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
+        q_latent = self.absorb_query(q_nope, stacked, backend)
         if cache.pools:  # two pools: the kernel finds the layer and each block's pool itself
             ctx = dispatch.mla_paged_attention(
-                self.absorb_query(q_nope), q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables,
+                q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables,
                 batch.seq_ids, batch.positions, self.scale, backend, pools=cache.pools,
                 compressed=(flat(cache.c_kv_compressed), flat(cache.compressed_scale), layer))
         else:
             ctx = dispatch.mla_paged_attention(
-                self.absorb_query(q_nope), q_pe, flat(cache.c_kv), flat(cache.k_pe),
+                q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe),
                 batch.block_tables + layer * num_blocks, batch.seq_ids, batch.positions, self.scale, backend,
                 c_kv_scale=flat(cache.c_kv_scale))
         return self.output(ctx, stacked, backend), cache

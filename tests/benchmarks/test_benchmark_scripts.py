@@ -25,8 +25,10 @@ def test_attention_benchmark_halves_join(tmp_path):
 def test_gemv_benchmark_quick():
     payload = kernels_gemv.main(["--quick"])
     assert {r["shape"] for r in payload["sweep"]} == {"quick"}
-    assert [r["impl"] for r in payload["shared_mlp"]] == ["grouped kernels", "three GEMVs"]
+    assert [r["impl"] for r in payload["shared_mlp"]] == ["grouped kernels", "stacked GEMVs"]
     assert [r["rows"] for r in payload["rows_vs_xla"]] == [1, 20]
+    assert [(r["weight"], r["rows"]) for r in payload["head_products"]] == [("w_uk", 1), ("w_uk", 20), ("w_uv", 1),
+                                                                              ("w_uv", 20)]
 
 
 def test_moe_benchmark_quick(capsys):

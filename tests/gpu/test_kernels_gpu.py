@@ -275,3 +275,17 @@ def test_stacked_gemvs_fused_norm_gpu(rows):
     assert _rel(normed, want) < 1e-2
     for g, w in zip(got, ws):
         assert _rel(g, stacked_gemv_reference(want.astype(jnp.float32), w.astype(jnp.float32), 2)) < 1e-2
+
+
+@pytest.mark.parametrize("rows, heads", [(1, 16), (64, 16), (4, 128)])
+@pytest.mark.parametrize("contract_rows", [True, False])
+def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
+    """MLA's absorbed w_uv / w_uk at V2-Lite (16 heads) and V3 (128) shapes, one layer read in place."""
+    from pallas_kernels.stacked_gemv import stacked_head_gemv, stacked_head_gemv_reference
+
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((3, 512, heads, 128)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((rows, heads, 512 if contract_rows else 128)), jnp.bfloat16)
+    got = stacked_head_gemv(x, w, jnp.int32(1), contract_rows=contract_rows)
+    want = stacked_head_gemv_reference(x.astype(jnp.float32), w.astype(jnp.float32), 1, contract_rows=contract_rows)
+    assert _rel(got, want) < 1e-2

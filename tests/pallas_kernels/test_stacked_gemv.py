@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dsjax.model.norms import RMSNorm
-from pallas_kernels.stacked_gemv import MAX_ROWS, default_splits, stacked_gemv, stacked_gemv_reference, stacked_gemvs
+from pallas_kernels.stacked_gemv import (MAX_ROWS, default_splits, stacked_gemv, stacked_gemv_reference, stacked_gemvs,
+                                         stacked_head_gemv, stacked_head_gemv_reference)
 from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 
@@ -92,4 +93,31 @@ def test_stacked_gemvs_with_norm_lowers_to_triton_for_h200():
           shape((26, 2048, 2816), jnp.bfloat16))
     fn = lambda x, ws, layer, norm: stacked_gemvs(x, ws, layer, norm, eps=1e-6)
     hlo = lower_for_h200(fn, shape((1, 2048), jnp.bfloat16), ws, shape((), jnp.int32), shape((26, 2048), jnp.bfloat16))
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("contract_rows", [True, False])
+@pytest.mark.parametrize("rows, splits", [(1, None), (5, 2), (64, 1)])
+def test_stacked_head_gemv_matches_reference(contract_rows, rows, splits):
+    """MLA's absorbed per-head products (w_uv contracts the weight's rows, w_uk each head's columns),
+    one layer of a stacked [L, R, H, C] read in place; R and C not multiples of the 16-wide tiles."""
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((3, 40, 4, 24)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, 4, 40 if contract_rows else 24)), jnp.float32)
+    for layer in (0, 2):
+        got = stacked_head_gemv(x, w, jnp.int32(layer), contract_rows=contract_rows, num_splits=splits, block_k=16,
+                                block_n=16, interpret=True)
+        want = stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows)
+        assert got.shape == want.shape == (rows, 4, 24 if contract_rows else 40)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not match; expected x"):
+        stacked_head_gemv(x[..., :7], w, 0, contract_rows=contract_rows, interpret=True)
+
+
+@pytest.mark.parametrize("contract_rows", [True, False])
+def test_stacked_head_gemv_lowers_to_triton_for_h200(contract_rows):
+    shape = jax.ShapeDtypeStruct
+    fn = lambda x, w, layer: stacked_head_gemv(x, w, layer, contract_rows=contract_rows)
+    hlo = lower_for_h200(fn, shape((1, 16, 512 if contract_rows else 128), jnp.bfloat16),
+                         shape((26, 512, 16, 128), jnp.bfloat16), shape((), jnp.int32))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
