@@ -75,6 +75,10 @@ class BlockManager:
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU first
         # request_id -> (number of leading blocks already hashed, hash of the last of them).
         self._hash_progress: dict[str, tuple[int, bytes]] = {}
+        # The prefix index (_cached, _children) changes version on every edit; admission asks for a
+        # sequence's lookup up to three times (cached tokens, can_allocate, allocate): the last is kept.
+        self._index_version = 0
+        self._last_lookup: tuple[tuple, tuple] | None = None
         self.num_evictions = 0
         self.num_prefix_query_tokens = 0  # tokens to prefill, summed over admissions
         self.num_prefix_hit_tokens = 0  # of those, tokens served from the prefix cache
@@ -131,6 +135,12 @@ class BlockManager:
         after it: (cached block, how many of its leading tokens continue the prefix) or None."""
         if not self.enable_prefix_caching:
             return [], None
+        key = (seq.request_id, seq.num_tokens, self._index_version)
+        if self._last_lookup is None or self._last_lookup[0] != key:
+            self._last_lookup = key, self._search(seq)
+        return self._last_lookup[1]
+
+    def _search(self, seq: Sequence) -> tuple[list[int], tuple[int, int] | None]:
         token_ids = seq.all_token_ids
         bs = self.block_size
         # Leave the last token out: the step that ends the prefill must compute it to have logits.
@@ -258,6 +268,7 @@ class BlockManager:
         self._hash_progress[seq.request_id] = (num_full_blocks, parent)
 
     def _register(self, block: int, parent: bytes, block_hash: bytes, token_ids: list[int]) -> None:
+        self._index_version += 1
         self._block_hashes[block] = block_hash
         self._cached[block_hash] = block
         if self.partial_block_reuse:
@@ -267,6 +278,7 @@ class BlockManager:
 
     def _forget(self, block: int) -> None:
         """Drop block's hash: its content is about to change or leave the full pool."""
+        self._index_version += 1
         del self._cached[self._block_hashes[block]]
         self._block_hashes[block] = None
         if self.partial_block_reuse:
@@ -390,6 +402,7 @@ class BlockManager:
         num_released = len(self._evictable)
         self._free.extend(self._evictable)
         self._evictable.clear()
+        self._index_version += 1
         self._cached.clear()
         self._children.clear()
         self._block_hashes = [None] * len(self._ref_counts)

@@ -72,6 +72,28 @@ def test_prefix_hit_shares_two_blocks():
     assert bm.num_blocks_used == 0
 
 
+def test_admission_hashes_the_prompt_once(monkeypatch):
+    """The scheduler asks get_num_cached_tokens, can_allocate and allocate in turn: the prefix lookup
+    (a hash per full block) runs once; a change to the index (blocks registered since) is seen."""
+    from dsjax.kv import block_manager
+
+    calls = []
+    real = block_manager.hash_block
+    monkeypatch.setattr(block_manager, "hash_block", lambda *a: calls.append(1) or real(*a))
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = Sequence("a", PREFIX + [50, 51])  # 10 tokens: 2 full blocks to look up (the last token is left out)
+    num_cached = bm.get_num_cached_tokens(a)
+    assert bm.can_allocate(a, 10 - num_cached)
+    bm.allocate(a, 10 - num_cached)
+    assert len(calls) == 1  # a miss at the first block ends the walk; once, not three times
+    compute(bm, a, 10)
+    b = Sequence("b", PREFIX + [60, 61, 62])
+    calls.clear()
+    assert bm.get_num_cached_tokens(b) == 8 and bm.can_allocate(b, 3) and bm.allocate(b, 3) == 8
+    assert len(calls) == 2  # both prefix blocks, hashed once for the three questions
+    bm.check_invariants([a, b])
+
+
 def test_last_prompt_token_is_never_served_from_cache():
     bm = BlockManager(num_blocks=8, block_size=BS, partial_block_reuse=False)
     a = Sequence("a", PREFIX + [50])
