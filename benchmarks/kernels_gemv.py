@@ -2,7 +2,9 @@
 MLP at one token through the stacked GEMVs against the grouped kernels (what ``dispatch.stacked_mlp``
 picks), the kernel against XLA's GEMM on the layer's slice at 1-64 token rows (where
 ``dispatch.STACKED_GEMV_MAX_TOKENS`` should sit), and MLA's absorbed per-head products (w_uk, w_uv)
-through ``stacked_head_gemv`` against XLA's einsum on the layer's slice.
+through ``stacked_head_gemv`` against XLA's einsum on the layer's slice; and a MoE layer at one and
+two tokens (V2-Lite: top-6 of 64 routed experts plus the shared ones) through the grouped path against
+``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit).
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
 2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, kernel_time_us, markdown_table, write_result  # noqa: E402
 from dsjax.model import dispatch  # noqa: E402
+from pallas_kernels.moe_decode import DecodeTiles, moe_decode  # noqa: E402
 from pallas_kernels.moe_experts import moe_experts  # noqa: E402
 from pallas_kernels.stacked_gemv import default_splits, stacked_gemv, stacked_head_gemv  # noqa: E402
 
@@ -145,6 +148,50 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
     return rows
 
 
+DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128), DecodeTiles(block_k=64),
+                DecodeTiles(block_d=128), DecodeTiles(block_i=32, block_k=256, num_stages=2),
+                DecodeTiles(num_warps=8)]
+QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
+
+
+def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
+    """One MoE layer's experts at decode sizes, stacks of 2 layers read at layer 1: the grouped path
+    (sort, grouped SwiGLU, grouped down, combine; shared experts through ``dispatch.stacked_mlp``)
+    against ``moe_decode`` (routed and shared experts in one launch) at each tile config."""
+    experts, hidden, inter, shared_inter, top_k = (8, 64, 48, 96, 2) if quick else (64, 2048, 1408, 2816, 6)
+    keys = jax.random.split(jax.random.key(4), 7)
+    normal = lambda key, *shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    stacks = (normal(keys[0], 2, experts, hidden, inter), normal(keys[1], 2, experts, hidden, inter),
+              normal(keys[2], 2, experts, inter, hidden))
+    shared = (normal(keys[3], 2, hidden, shared_inter), normal(keys[4], 2, hidden, shared_inter),
+              normal(keys[5], 2, shared_inter, hidden))
+    backend = "interpret" if quick else "pallas"
+    layer = jnp.int32(1)
+    rows = []
+    for num_tokens in token_counts:
+        x = normal(keys[6], num_tokens, hidden) * 50
+        ids = jnp.asarray(np.stack([np.random.default_rng(t).permutation(experts)[:top_k] for t in range(num_tokens)]),
+                          jnp.int32)
+        weights = jnp.full((num_tokens, top_k), 1.0 / top_k, jnp.float32)
+
+        def grouped(x, weights, ids, stacks, shared, layer):
+            routed = moe_experts(x, weights, ids, *stacks, layer=layer, interpret=quick)
+            return routed + dispatch.stacked_mlp(x, *shared, layer, backend)
+
+        args = (x, weights, ids, stacks, shared, layer)
+        distinct = len(set(np.asarray(ids).reshape(-1).tolist()))
+        weight_bytes = (distinct * 3 * hidden * inter + 3 * hidden * shared_inter) * 2
+        for name, fn in [("grouped", grouped)] + [
+                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}",
+                 lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick))
+                for c in configs]:
+            us, _ = _time(fn, args, quick=quick)
+            rows.append(dict(tokens=num_tokens, impl=name, us=us, tb_per_s=weight_bytes / us / 1e6))
+            print(f"  MoE layer, {num_tokens} token(s), {name:<32} {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s",
+                  flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU, CI)")
@@ -156,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                           QUICK_ROW_COUNTS if args.quick else ROW_COUNTS, quick=args.quick)
     heads = head_products(QUICK_ROW_COUNTS if args.quick else ROW_COUNTS,
                           QUICK_HEAD_CONFIGS if args.quick else HEAD_CONFIGS, quick=args.quick)
+    moe = moe_one_launch((1, 2), QUICK_DECODE_TILES if args.quick else DECODE_TILES, quick=args.quick)
     best = {}
     for row in rows:
         if row["shape"] not in best or row["us"] < best[row["shape"]]["us"]:
@@ -168,10 +216,11 @@ def main(argv: list[str] | None = None) -> dict:
                                    f"splits {b['num_splits']}") for s, b in best.items()]
     table = "\n\n".join([markdown_table(table_rows, list(table_rows[0])),
                           markdown_table(mlp, ["impl", "us", "tb_per_s"]), markdown_table(by_rows, list(by_rows[0])),
-                          markdown_table(heads, ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"])])
+                          markdown_table(heads, ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"]),
+                          markdown_table(moe, ["tokens", "impl", "us", "tb_per_s"])])
     print(table)
     payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "head_products": heads,
-               "table": table}
+               "moe_one_launch": moe, "table": table}
     if not args.quick:
         print("wrote", write_result(args.out, payload))
     return payload

@@ -22,6 +22,8 @@ from pallas_kernels.mla_decode import mla_paged, mla_paged_pools_reference, mla_
 from pallas_kernels.mla_prefill import mla_prefill as mla_prefill_kernel
 from pallas_kernels.mla_prefill import mla_prefill_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
+from pallas_kernels.moe_decode import moe_decode as moe_decode_kernel
+from pallas_kernels.moe_decode import moe_decode_reference
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
 from pallas_kernels.stacked_gemv import (stacked_gemv_reference, stacked_gemvs, stacked_head_gemv,
@@ -96,6 +98,22 @@ def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool):
     if backend == "reference":
         return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows)
     return stacked_head_gemv(x, w, layer, contract_rows=contract_rows, interpret=backend == "interpret")
+
+
+# Steps of up to this many tokens run a MoE layer's routed and shared experts in one launch
+# (pallas_kernels/moe_decode.py) when the experts are local (no expert axis): at batch 1 the grouped
+# path's sort, grouped SwiGLU, down projection, weighting and shared-expert GEMVs cost a launch each. A
+# second token would re-stream the shared experts (35 MB a V2-Lite layer), so it starts at one.
+MOE_DECODE_MAX_TOKENS = 1
+
+
+def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
+    """x [T, D] (T <= ``MOE_DECODE_MAX_TOKENS``) through its routed experts (weights / ids [T, k]) and
+    the shared experts, one layer of the stacks ``experts`` (w_gate, w_up [L, E, D, I], w_down [L, E, I, D])
+    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]."""
+    if backend == "reference":
+        return moe_decode_reference(x, weights, ids, *experts, layer, shared)
+    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, interpret=backend == "interpret")
 
 
 def moe_route(logits, bias, spec: RoutingSpec, backend: str):

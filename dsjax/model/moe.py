@@ -8,7 +8,9 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model import dispatch
 from dsjax.model.params import param
+from dsjax.parallel.collectives import axis_size
 from dsjax.parallel.expert import ExpertDispatch
+from dsjax.parallel.mesh import EXPERT
 from pallas_kernels.moe_routing import RoutingSpec
 
 
@@ -90,11 +92,16 @@ class MoE(nnx.Module):
         """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
         one stacked-GEMV launch normalizes x and computes the f32 router logits and the shared experts'
-        gate and up products; the routed experts then take the normed rows."""
-        shared = stack.mlp[:2] if self.shared is not None else ()
+        gate and up products; the routed experts then take the normed rows. At the smallest steps
+        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch."""
+        one_launch = x.shape[0] <= dispatch.MOE_DECODE_MAX_TOKENS and axis_size(EXPERT) == 1
+        shared = stack.mlp[:2] if self.shared is not None and not one_launch else ()
         logits, *gate_up, normed = dispatch.stacked_matmuls(x, (stack.router, *shared), stack.index, backend,
                                                             norm=(stack.mlp_norm, eps))
         weights, ids = self._route_logits(logits, backend)
+        if one_launch:  # routed and shared experts together (pallas_kernels/moe_decode.py)
+            return dispatch.moe_decode(normed, weights, ids, stack.experts, stack.mlp if self.shared else None,
+                                       stack.index, backend)
         out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
                                    expert_dispatch=self.expert_dispatch)
         if self.shared is not None:

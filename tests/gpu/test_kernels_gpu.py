@@ -289,3 +289,21 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
     got = stacked_head_gemv(x, w, jnp.int32(1), contract_rows=contract_rows)
     want = stacked_head_gemv_reference(x.astype(jnp.float32), w.astype(jnp.float32), 1, contract_rows=contract_rows)
     assert _rel(got, want) < 1e-2
+
+
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_moe_decode_gpu(tokens):
+    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place."""
+    from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
+
+    rng = np.random.default_rng(tokens)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
+    experts = (mk(2, 64, 2048, 1408), mk(2, 64, 2048, 1408), mk(2, 64, 1408, 2048))
+    shared = (mk(2, 2048, 2816), mk(2, 2048, 2816), mk(2, 2816, 2048))
+    x = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
+    weights = jnp.asarray(rng.random((tokens, 6)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(64)[:6] for _ in range(tokens)]), jnp.int32)
+    got = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared)
+    up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
+    want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
+    assert _rel(got, want) < 2e-2

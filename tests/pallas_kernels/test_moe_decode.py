@@ -1,0 +1,55 @@
+"""The one-launch MoE decode kernel (interpret mode) against its reference: routed experts read in place
+from a layer stack, with and without the shared experts, an empty slot, intermediate sizes that leave
+partial tiles, several tokens."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe_decode import MAX_TOKENS, DecodeTiles, moe_decode, moe_decode_reference
+from tests.pallas_kernels.kernel_utils import lower_for_h200
+
+TILES = DecodeTiles(block_i=16, block_k=16, block_d=32, num_warps=4, num_stages=2)
+
+
+def _weights(rng, dtype, layers=3, experts=8, hidden=64, inter=40, shared=48):
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.2, dtype)
+    return (mk(layers, experts, hidden, inter), mk(layers, experts, hidden, inter), mk(layers, experts, inter, hidden),
+            (mk(layers, hidden, shared), mk(layers, hidden, shared), mk(layers, shared, hidden)))
+
+
+@pytest.mark.parametrize("tokens, dtype, tol", [(1, jnp.float32, 1e-5), (3, jnp.float32, 1e-5), (2, jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("with_shared", [True, False])
+def test_moe_decode_matches_reference(tokens, dtype, tol, with_shared):
+    rng = np.random.default_rng(tokens)
+    w_gate, w_up, w_down, shared = _weights(rng, dtype)
+    x = jnp.asarray(rng.standard_normal((tokens, 64)), dtype)
+    weights = jnp.asarray(rng.random((tokens, 2)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 8, (tokens, 2)), jnp.int32).at[0, 1].set(8)  # an empty slot
+    shared = shared if with_shared else None
+    for layer in (0, 2):
+        got = moe_decode(x, weights, ids, w_gate, w_up, w_down, jnp.int32(layer), shared, tiles=TILES, interpret=True)
+        want = moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared)
+        assert got.shape == (tokens, 64) and got.dtype == dtype
+        scale = float(jnp.abs(want.astype(jnp.float32)).max())
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol * scale)
+
+
+def test_moe_decode_refuses_bad_shapes():
+    w_gate, w_up, w_down, _ = _weights(np.random.default_rng(0), jnp.float32)
+    ids, weights = jnp.zeros((MAX_TOKENS + 1, 2), jnp.int32), jnp.zeros((MAX_TOKENS + 1, 2))
+    with pytest.raises(ValueError, match="tokens; accepted 1 to"):
+        moe_decode(jnp.zeros((MAX_TOKENS + 1, 64)), weights, ids, w_gate, w_up, w_down, 0, interpret=True)
+    with pytest.raises(ValueError, match=r"expected x \[T, D\]"):
+        moe_decode(jnp.zeros((1, 32)), weights[:1], ids[:1], w_gate, w_up, w_down, 0, interpret=True)
+
+
+def test_moe_decode_lowers_to_triton_for_h200():
+    """V2-Lite's layer at one token: 64 routed experts (top-6) of 1408 and 2 x 1408 shared, stacked over 26 layers."""
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    shared = (shape((26, 2048, 2816), bf16), shape((26, 2048, 2816), bf16), shape((26, 2816, 2048), bf16))
+    hlo = lower_for_h200(moe_decode, shape((1, 2048), bf16), shape((1, 6), jnp.float32), shape((1, 6), jnp.int32),
+                         shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16),
+                         shape((26, 64, 1408, 2048), bf16), shape((), jnp.int32), shared)
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
