@@ -140,7 +140,8 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
                 row = dict(weight=name, rows=num_rows, block_n=block_n, block_k=block_k)
                 row["kernel_us"], _ = _time(fn, (x, w, layer), quick=quick)
                 if (block_n, block_k) == configs[0]:
-                    xla = lambda x, w, layer, spec=spec: jnp.einsum(spec, x, w[layer], preferred_element_type=jnp.float32)
+                    xla = lambda x, w, layer, spec=spec: jnp.einsum(spec, x, w[layer],
+                                                                    preferred_element_type=jnp.float32)
                     row["xla_einsum_us"], _ = _time(xla, (x, w, layer), quick=quick)
                 rows.append(row)
                 print(f"  {name} {num_rows:>3} rows {block_n:>3} x {block_k:<3}: {row['kernel_us']:8.2f} us"

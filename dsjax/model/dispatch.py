@@ -21,9 +21,9 @@ from dsjax.parallel.mesh import EXPERT
 from pallas_kernels.mla_decode import mla_paged, mla_paged_pools_reference, mla_paged_reference
 from pallas_kernels.mla_prefill import mla_prefill as mla_prefill_kernel
 from pallas_kernels.mla_prefill import mla_prefill_reference
-from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_decode import moe_decode as moe_decode_kernel
 from pallas_kernels.moe_decode import moe_decode_reference
+from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
 from pallas_kernels.stacked_gemv import (stacked_gemv_reference, stacked_gemvs, stacked_head_gemv,

@@ -100,14 +100,13 @@ class MLAttention(nnx.Module):
         RMSNorm (``norm``'s eps, the stack's weights ``stacked["norm"]``) and the q (or q_a) and kv_a
         products in one stacked-GEMV launch; with a q LoRA, q_b in a second with q_a_norm fused in."""
         flat = lambda w: w.reshape(w.shape[0], w.shape[1], -1)
-        index, first = stacked["index"], "q_proj" if self.q_proj is not None else "q_a"
-        q, kv, _ = dispatch.stacked_matmuls(x, (flat(stacked[first]), stacked["kv_a"]), index, backend,
-                                            norm=(stacked["norm"], norm.eps))
+        index, heads = stacked["index"], stacked["q_proj" if self.q_proj is not None else "q_b"]  # [L, K, H, Dqk]
+        q, kv, _ = dispatch.stacked_matmuls(x, (flat(stacked["q_proj" if self.q_proj is not None else "q_a"]),
+                                                stacked["kv_a"]), index, backend, norm=(stacked["norm"], norm.eps))
         if self.q_proj is None:
-            q, _ = dispatch.stacked_matmuls(q.astype(x.dtype), (flat(stacked["q_b"]),), index, backend,
+            q, _ = dispatch.stacked_matmuls(q.astype(x.dtype), (flat(heads),), index, backend,
                                             norm=(stacked["q_a_norm"], self.q_a_norm.eps))
-        # [T, heads, qk_head] of this rank's heads (a tensor rank holds some)
-        q = q.astype(x.dtype).reshape(x.shape[0], *stacked["q_proj" if self.q_proj is not None else "q_b"].shape[-2:])
+        q = q.astype(x.dtype).reshape(x.shape[0], *heads.shape[-2:])  # this rank's heads (tensor ranks hold some)
         return self._split_queries(q, positions), self._split_latents(kv.astype(x.dtype), positions)
 
     def absorb_query(self, q_nope, stacked=None, backend="reference"):

@@ -100,8 +100,8 @@ class MoE(nnx.Module):
                                                             norm=(stack.mlp_norm, eps))
         weights, ids = self._route_logits(logits, backend)
         if one_launch:  # routed and shared experts together (pallas_kernels/moe_decode.py)
-            return dispatch.moe_decode(normed, weights, ids, stack.experts, stack.mlp if self.shared else None,
-                                       stack.index, backend)
+            shared_experts = stack.mlp if self.shared is not None else None
+            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend)
         out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
                                    expert_dispatch=self.expert_dispatch)
         if self.shared is not None:

@@ -149,7 +149,8 @@ class DeepseekForCausalLM(nnx.Module):
         if isinstance(mlp, MoE):
             experts, router = (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...]), mlp.router[...]
             mlp = mlp.shared
-        return LayerStack(index=index, attn={**stack.attn.stacked_projections(index), "norm": stack.attn_norm.weight[...]},
+        attn = {**stack.attn.stacked_projections(index), "norm": stack.attn_norm.weight[...]}
+        return LayerStack(index=index, attn=attn,
                           mlp=None if mlp is None else (mlp.w_gate[...], mlp.w_up[...], mlp.w_down[...]),
                           experts=experts, mlp_norm=stack.mlp_norm.weight[...], router=router)
 

@@ -19,7 +19,8 @@ def _weights(rng, dtype, layers=3, experts=8, hidden=64, inter=40, shared=48):
             (mk(layers, hidden, shared), mk(layers, hidden, shared), mk(layers, shared, hidden)))
 
 
-@pytest.mark.parametrize("tokens, dtype, tol", [(1, jnp.float32, 1e-5), (3, jnp.float32, 1e-5), (2, jnp.bfloat16, 3e-2)])
+@pytest.mark.parametrize("tokens, dtype, tol", [(1, jnp.float32, 1e-5), (3, jnp.float32, 1e-5),
+                                               (2, jnp.bfloat16, 3e-2)])
 @pytest.mark.parametrize("with_shared", [True, False])
 def test_moe_decode_matches_reference(tokens, dtype, tol, with_shared):
     rng = np.random.default_rng(tokens)

@@ -63,8 +63,8 @@ def test_stacked_gemvs_several_weights_and_fused_norm(rows, dtype, tol):
         np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
         for got, w in zip(products, ws):
             assert got.dtype == jnp.float32
-            np.testing.assert_allclose(np.asarray(got), np.asarray(stacked_gemv_reference(want.astype(w.dtype), w, layer)),
-                                       rtol=tol, atol=tol * np.sqrt(depth))
+            want_product = stacked_gemv_reference(want.astype(w.dtype), w, layer)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want_product), rtol=tol, atol=tol * np.sqrt(depth))
     plain = stacked_gemvs(x, ws[1:], jnp.int32(1), block_k=32, interpret=True)  # without the norm: products only
     assert len(plain) == 2
     np.testing.assert_allclose(np.asarray(plain[1]), np.asarray(stacked_gemv_reference(x, ws[2], 1), np.float32),
