@@ -18,6 +18,8 @@ from dsjax.model.norms import rms_norm
 from dsjax.parallel.collectives import axis_size
 from dsjax.parallel.expert import ExpertDispatch, moe_expert_parallel
 from dsjax.parallel.mesh import EXPERT
+from pallas_kernels.latent_write import write_latents as write_latents_kernel
+from pallas_kernels.latent_write import write_latents_reference
 from pallas_kernels.mla_decode import mla_paged, mla_paged_pools_reference, mla_paged_reference
 from pallas_kernels.mla_prefill import mla_prefill as mla_prefill_kernel
 from pallas_kernels.mla_prefill import mla_prefill_reference
@@ -146,6 +148,16 @@ def _local_experts(x, weights, ids, *, w_gate, w_up, w_down, backend: str, layer
         return moe_experts_reference(x, weights, ids, w_gate, w_up, w_down)
     return moe_experts_kernel(x, weights, ids, w_gate, w_up, w_down, layer=layer,
                               interpret=backend == "interpret")
+
+
+def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, backend: str, **rope_and_norm):
+    """kv_a_proj's output f32[T, C + R] into the unquantized cache pools c_kv [L, N, bs, C] / k_pe
+    [L, N, bs, R] at layer ``layer``: kv_a_norm (weights norm[norm_index]) and rope applied, padding
+    slots dropped; see ``pallas_kernels.latent_write.write_latents``. -> (c_kv, k_pe)."""
+    if backend == "reference":
+        return write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, **rope_and_norm)
+    return write_latents_kernel(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index,
+                                interpret=backend == "interpret", **rope_and_norm)
 
 
 def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str,

@@ -52,10 +52,11 @@ class MLAttention(nnx.Module):
 
     def stacked_projections(self, index) -> dict:
         """Inside a layer scan over stacked layers: every layer's projection weights (each [L, K, ...]),
-        the q LoRA's norm weights [L, Q] and this layer's index, for the decode kernels that read one
+        the kv_a and q LoRA norms' weights [L, C] / [L, Q] and this layer's index, for the decode kernels that read one
         layer's slice in place."""
         names = ("q_proj", "q_a", "q_b", "kv_a", "w_uk", "w_uv", "o_proj")
-        stacked = {"index": index, **{n: getattr(self, n)[...] for n in names if getattr(self, n) is not None}}
+        stacked = {"index": index, **{n: getattr(self, n)[...] for n in names if getattr(self, n) is not None},
+                   "kv_a_norm": self.kv_a_norm.weight[...]}
         if self.q_a_norm is not None:
             stacked["q_a_norm"] = self.q_a_norm.weight[...]
         return stacked
@@ -96,9 +97,10 @@ class MLAttention(nnx.Module):
         return self.kv_a_norm(kv[..., :self.latent_dim]), self._rope(kv[..., self.latent_dim:], positions)
 
     def _decode_projections(self, x, positions, stacked, norm, backend):
-        """The queries and latents of a few raw tokens x [T, D] from the layer stack: the attention's
-        RMSNorm (``norm``'s eps, the stack's weights ``stacked["norm"]``) and the q (or q_a) and kv_a
-        products in one stacked-GEMV launch; with a q LoRA, q_b in a second with q_a_norm fused in."""
+        """The queries (q_nope, q_pe) and kv_a's output f32[T, C + R] of a few raw tokens x [T, D] from the
+        layer stack: the attention's RMSNorm (``norm``'s eps, the stack's weights ``stacked["norm"]``) and
+        the q (or q_a) and kv_a products in one stacked-GEMV launch; with a q LoRA, q_b in a second with
+        q_a_norm fused in."""
         flat = lambda w: w.reshape(w.shape[0], w.shape[1], -1)
         index, heads = stacked["index"], stacked["q_proj" if self.q_proj is not None else "q_b"]  # [L, K, H, Dqk]
         q, kv, _ = dispatch.stacked_matmuls(x, (flat(stacked["q_proj" if self.q_proj is not None else "q_a"]),
@@ -107,7 +109,7 @@ class MLAttention(nnx.Module):
             q, _ = dispatch.stacked_matmuls(q.astype(x.dtype), (flat(heads),), index, backend,
                                             norm=(stacked["q_a_norm"], self.q_a_norm.eps))
         q = q.astype(x.dtype).reshape(x.shape[0], *heads.shape[-2:])  # this rank's heads (tensor ranks hold some)
-        return self._split_queries(q, positions), self._split_latents(kv.astype(x.dtype), positions)
+        return self._split_queries(q, positions), kv
 
     def absorb_query(self, q_nope, stacked=None, backend="reference"):
         """q_nope [..., H, Dn] -> [..., H, C]: each head's query in the latent space (W_UK folded in)."""
@@ -148,18 +150,10 @@ class MLAttention(nnx.Module):
             positions.reshape(-1), self.scale, backend)
         return self.output(ctx.reshape(batch, seq_len, num_heads, -1))
 
-    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, norm: RMSNorm, backend: str,
-              stacked=None):
-        """Packed tokens x [T, D] of one engine step, before the attention's RMSNorm ``norm``: write their
-        latents into ``cache`` at layer ``layer``, then attend (absorbed) over each token's sequence. ->
-        ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
-        layer scan plus every layer's ``norm`` weights under "norm", or None."""
-        if self._stacked_fits(x.shape[:-1], stacked):
-            (q_nope, q_pe), (c_kv, k_pe) = self._decode_projections(x, batch.positions, stacked, norm, backend)
-        else:
-            x = norm(x)
-            (q_nope, q_pe), (c_kv, k_pe) = self.queries(x, batch.positions), self.latents(x, batch.positions)
-        num_blocks, block_size = cache.c_kv.shape[1:3]
+    @staticmethod
+    def _write(cache: PagedKVCache, layer, batch: PagedBatch, c_kv, k_pe) -> PagedKVCache:
+        """The step's latents c_kv [T, C] and k_pe [T, R] into the cache at their slots (padding: dropped)."""
+        block_size = cache.c_kv.shape[2]
         blocks, offsets = batch.slot_mapping // block_size, batch.slot_mapping % block_size
         write = lambda pool, rows: pool.at[layer, blocks, offsets].set(rows.astype(pool.dtype), mode="drop")
         c_kv_scale = cache.c_kv_scale
@@ -173,6 +167,29 @@ class MLAttention(nnx.Module):
             # CPU fuses a one-token write into each reader separately and copies the whole pool for
             # each (decode cost grew with the pool). XLA GPU writes in place already; it is left as is.
             cache = jax.lax.optimization_barrier(cache)
+        return cache
+
+    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, norm: RMSNorm, backend: str,
+              stacked=None):
+        """Packed tokens x [T, D] of one engine step, before the attention's RMSNorm ``norm``: write their
+        latents into ``cache`` at layer ``layer``, then attend (absorbed) over each token's sequence. ->
+        ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
+        layer scan plus every layer's ``norm`` weights under "norm", or None."""
+        if self._stacked_fits(x.shape[:-1], stacked):
+            (q_nope, q_pe), kv = self._decode_projections(x, batch.positions, stacked, norm, backend)
+            if cache.c_kv_scale is None and cache.pools is None:  # kv_a_norm, rope and both writes: one launch
+                c_kv, k_pe = dispatch.write_latents(
+                    cache.c_kv, cache.k_pe, kv, batch.slot_mapping, batch.positions, layer, stacked["kv_a_norm"],
+                    stacked["index"], backend, eps=self.kv_a_norm.eps, inv_freq=self.inv_freq, cos_sin_scale=self.cos_sin_scale,
+                    interleave=self.interleave)
+                cache = cache._replace(c_kv=c_kv, k_pe=k_pe)
+            else:
+                cache = self._write(cache, layer, batch, *self._split_latents(kv.astype(x.dtype), batch.positions))
+        else:
+            x = norm(x)
+            q_nope, q_pe = self.queries(x, batch.positions)
+            cache = self._write(cache, layer, batch, *self.latents(x, batch.positions))
+        num_blocks, block_size = cache.c_kv.shape[1:3]
         # Flattening [L, N] is free; shifting the block ids selects this layer without a copy.
         flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
         q_latent = self.absorb_query(q_nope, stacked, backend)
