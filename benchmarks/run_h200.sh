@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant).
+# tests|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -10,6 +10,13 @@ part=${1:-tests}
 case $part in
   tests)      # kernels on the GPU vs references, engine with kernels vs the reference path
     timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+  decode-round)  # after a change to the decode path: its GPU tests, a batch-1 step profile, the small-batch curve
+    timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "stacked or moe_decode or write_latents or engine_pallas" 2>&1 | tee "$OUT/gpu_tests_decode.log" | tail -4
+    timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --top 60 \
+      --trace-dir /tmp/trace_b1 | grep -vi warn | tee "$OUT/profile_b1.txt" | head -30
+    timeout 150 python -m dsjax.bench decode-curve --batches 1 2 4 8 16 32 64 --prompts 128 --out-dir "$OUT" \
+      | grep "decode-curve b" ;;
   attention-decode)   # MLA decode sweep, every row profiled (about 4 minutes; results/attention_h200_decode.json)
     timeout 560 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20 ;;
   attention-prefill)  # MLA prefill sweep (results/attention_h200_prefill.json); attention_h200.json joins the halves
@@ -37,5 +44,6 @@ case $part in
     timeout 580 python -m dsjax.bench all --out-dir "$OUT" | tail -30 ;;
   kvquant)    # 8-bit KV caches: capacity, accuracy, V2-Lite logit error, kernel bandwidth, memory wall
     timeout 580 python -m benchmarks.kvquant --gpu-parts --out "$OUT/kvquant" | grep -v WARNING | tail -45 ;;
-  *) echo "usage: $0 tests|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant" >&2
+     exit 2 ;;
 esac

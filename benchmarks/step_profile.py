@@ -43,6 +43,7 @@ def main(argv=None):
     parser.add_argument("--kernel-backend", default="auto")
     parser.add_argument("--trace-dir", default="/tmp/dsjax_trace")
     parser.add_argument("--num-kv-blocks", type=int, default=4096)
+    parser.add_argument("--top", type=int, default=25, help="device ops to list")
     args = parser.parse_args(argv)
     b = args.batch
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
@@ -59,7 +60,7 @@ def main(argv=None):
         start = time.perf_counter()
         engine.step()
         host.append(time.perf_counter() - start)
-    profile = profile_compiled_step(engine, args.trace_dir)
+    profile = profile_compiled_step(engine, args.trace_dir, limit=args.top)
     print(f"batch {b}: engine.step {np.median(host) * 1e3:.2f} ms, compiled step alone "
           f"{profile['device_ms']:.2f} ms, prepare {profile['prepare_ms']:.3f} ms")
     if profile["ops"]:
