@@ -2,7 +2,9 @@
 MLP at one token through the stacked GEMVs against the grouped kernels (what ``dispatch.stacked_mlp``
 picks), the kernel against XLA's GEMM on the layer's slice at 1-64 token rows (where
 ``dispatch.STACKED_GEMV_MAX_TOKENS`` should sit), and MLA's absorbed per-head products (w_uk, w_uv)
-through ``stacked_head_gemv`` against XLA's einsum on the layer's slice; and a MoE layer at one and
+through ``stacked_head_gemv`` against XLA's einsum on the layer's slice; the fused launches the
+engine makes at one token (norm + q + kv_a; norm + f32 router + shared gate and up) over their splits
+and column tiles; and a MoE layer at one and
 two tokens (V2-Lite: top-6 of 64 routed experts plus the shared ones) through the grouped path against
 ``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit).
 
@@ -32,7 +34,7 @@ from benchmarks.common import environment, kernel_time_us, markdown_table, write
 from dsjax.model import dispatch  # noqa: E402
 from pallas_kernels.moe_decode import DecodeTiles, moe_decode  # noqa: E402
 from pallas_kernels.moe_experts import moe_experts  # noqa: E402
-from pallas_kernels.stacked_gemv import default_splits, stacked_gemv, stacked_head_gemv  # noqa: E402
+from pallas_kernels.stacked_gemv import default_splits, stacked_gemv, stacked_gemvs, stacked_head_gemv  # noqa: E402
 
 SHAPES = {"q_proj": (2048, 3072), "o_proj": (2048, 2048), "kv_a": (2048, 576), "shared_gate": (2048, 2816),
           "shared_down": (2816, 2048)}
@@ -115,6 +117,40 @@ def rows_vs_xla(shapes: dict, row_counts, *, quick: bool) -> list[dict]:
             rows.append(row)
             print(f"  {name:<12} {num_rows:>3} rows: stacked_gemv {row['stacked_gemv_us']:8.2f} us, "
                   f"XLA slice + dot {row['xla_slice_dot_us']:8.2f} us", flush=True)
+    return rows
+
+
+# (name, [(K, N, dtype) of each weight]): the launches MLAttention / MoE.decode make at one token
+FUSED_LAUNCHES = {"norm+q+kv_a": [(2048, 3072, jnp.bfloat16), (2048, 576, jnp.bfloat16)],
+                  "norm+router+gate+up": [(2048, 64, jnp.float32), (2048, 2816, jnp.bfloat16),
+                                          (2048, 2816, jnp.bfloat16)],
+                  "norm+router": [(2048, 64, jnp.float32)]}
+QUICK_FUSED_LAUNCHES = {"quick": [(64, 8, jnp.float32), (64, 96, jnp.bfloat16)]}
+
+
+def fused_launches(launches: dict, *, quick: bool) -> list[dict]:
+    """Each fused launch at one row with the RMSNorm folded in: default splits, half and twice them,
+    and 64- or 128-column tiles; TB/s counts the weights' bytes."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for name, shapes in launches.items():
+        depth = shapes[0][0]
+        ws = tuple(jnp.asarray(rng.standard_normal((2 if quick else LAYERS, k, n)) * 0.02, dtype)
+                   for k, n, dtype in shapes)
+        x = jnp.asarray(rng.standard_normal((1, depth)), jnp.bfloat16)
+        norm = jnp.ones((ws[0].shape[0], depth), jnp.bfloat16)
+        weight_bytes = sum(w.size // w.shape[0] * w.dtype.itemsize for w in ws)
+        for block_n in (32,) if quick else (64, 128):
+            block_k = 32 if quick else 128
+            auto = default_splits(depth, sum(n for _, n, _ in shapes), block_n, block_k)
+            for splits in sorted({auto, max(1, auto // 2), min(2 * auto, max(1, depth // block_k))}):
+                fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k): stacked_gemvs(
+                    x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], interpret=quick)
+                us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
+                rows.append(dict(launch=name, block_n=block_n, num_splits=splits, default=splits == auto, us=us,
+                                 tb_per_s=weight_bytes / us / 1e6))
+                print(f"  {name:<20} {block_n:>4} cols, {splits:>3} splits{'*' if splits == auto else ' '}"
+                      f" {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
     return rows
 
 
@@ -202,6 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     mlp = shared_mlp(quick=args.quick)
     by_rows = rows_vs_xla(QUICK_SHAPES if args.quick else {k: SHAPES[k] for k in ("q_proj", "shared_down")},
                           QUICK_ROW_COUNTS if args.quick else ROW_COUNTS, quick=args.quick)
+    fused = fused_launches(QUICK_FUSED_LAUNCHES if args.quick else FUSED_LAUNCHES, quick=args.quick)
     heads = head_products(QUICK_ROW_COUNTS if args.quick else ROW_COUNTS,
                           QUICK_HEAD_CONFIGS if args.quick else HEAD_CONFIGS, quick=args.quick)
     moe = moe_one_launch((1, 2), QUICK_DECODE_TILES if args.quick else DECODE_TILES, quick=args.quick)
@@ -217,11 +254,12 @@ def main(argv: list[str] | None = None) -> dict:
                                    f"splits {b['num_splits']}") for s, b in best.items()]
     table = "\n\n".join([markdown_table(table_rows, list(table_rows[0])),
                           markdown_table(mlp, ["impl", "us", "tb_per_s"]), markdown_table(by_rows, list(by_rows[0])),
+                          markdown_table(fused, ["launch", "block_n", "num_splits", "default", "us", "tb_per_s"]),
                           markdown_table(heads, ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"]),
                           markdown_table(moe, ["tokens", "impl", "us", "tb_per_s"])])
     print(table)
-    payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "head_products": heads,
-               "moe_one_launch": moe, "table": table}
+    payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "fused_launches": fused,
+               "head_products": heads, "moe_one_launch": moe, "table": table}
     if not args.quick:
         print("wrote", write_result(args.out, payload))
     return payload

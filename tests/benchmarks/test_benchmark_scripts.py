@@ -29,6 +29,8 @@ def test_gemv_benchmark_quick():
     assert [r["rows"] for r in payload["rows_vs_xla"]] == [1, 20]
     assert [(r["weight"], r["rows"]) for r in payload["head_products"]] == [("w_uk", 1), ("w_uk", 20), ("w_uv", 1),
                                                                               ("w_uv", 20)]
+    fused = payload["fused_launches"]
+    assert {r["launch"] for r in fused} == {"quick"} and any(r["default"] for r in fused)
     assert [(r["tokens"], r["impl"].split()[0]) for r in payload["moe_one_launch"]] == [
         (1, "grouped"), (1, "moe_decode"), (2, "grouped"), (2, "moe_decode")]
 
