@@ -26,7 +26,7 @@ case $part in
   moe-focus)  # MoE targets only: grouped kernels, whole layer at V2-Lite T=256 and T=8192 (about a minute)
     timeout 300 python benchmarks/kernels_moe.py --focus --out "$OUT/moe_h200_focus" | tail -30 ;;
   gemv)       # decode-step kernels: stacked GEMV tiles, shared MLP, per-head w_uk/w_uv, one-launch MoE (results/gemv_h200.json)
-    timeout 300 python benchmarks/kernels_gemv.py --out "$OUT/gemv_h200" | tail -12 ;;
+    timeout 480 python benchmarks/kernels_gemv.py --out "$OUT/gemv_h200" | tail -60 ;;
   decode)     # engine decode throughput and a device-op profile on the V2-Lite preset
     timeout 200 python -m benchmarks.decode_probe --preset deepseek-v2-lite --batches 1 32 64 --prompt 128 \
       --steps 24 --out decode_probe_v2lite | grep -E "^\||setup"
