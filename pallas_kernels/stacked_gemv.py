@@ -111,6 +111,11 @@ def _dot(x, w):
     return jnp.dot(x.astype(w.dtype), w, preferred_element_type=jnp.float32, precision=dot_precision(w.dtype))
 
 
+def _k_per_split(depth: int, splits: int, block_k: int) -> int:
+    """K rows each of ``splits`` programs covers: a whole number of block_k steps."""
+    return pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
+
+
 def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
     """Smallest power of two of K splits that gives the grid TARGET_WAVES programs an SM, but never a
     split shorter than one block_k step. ``width``: the summed output columns of every weight."""
@@ -150,7 +155,7 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
     weights, start = [], 0
     for w, bk in zip(ws, blocks_k):
         tiles = pl.cdiv(w.shape[2], block_n)
-        weights.append(_Weight(start, tiles, w.shape[2], bk, pl.cdiv(pl.cdiv(depth, splits), bk) * bk))
+        weights.append(_Weight(start, tiles, w.shape[2], bk, _k_per_split(depth, splits, bk)))
         start += tiles * splits
     kernel = functools.partial(_gemvs_kernel, weights=tuple(weights), splits=splits,
                                block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, num_rows=num_rows,
@@ -233,7 +238,7 @@ def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, bloc
     width = w.shape[3] if contract_rows else w.shape[1]
     n_tiles = pl.cdiv(width, block_n)
     splits = num_splits or default_splits(depth, num_heads * width, block_n, block_k)
-    k_per_split = pl.cdiv(pl.cdiv(depth, splits), block_k) * block_k
+    k_per_split = _k_per_split(depth, splits, block_k)
     kernel = functools.partial(_head_kernel, block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n,
                                block_k=block_k, k_per_split=k_per_split, num_rows=num_rows, depth=depth, width=width,
                                contract_rows=contract_rows)

@@ -67,17 +67,6 @@ class MLAttention(nnx.Module):
         hand: the stacked decode kernels' case."""
         return stacked is not None and len(token_shape) == 1 and token_shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS
 
-    def _project(self, x, name, spec, stacked, backend, num_in_dims=1):
-        """x [..., K] times projection ``name``: through the stacked decode kernel, which reads this
-        layer's slice of the stack in place (``_stacked_fits``; the weight's first ``num_in_dims`` axes
-        make K), else the einsum ``spec`` over this layer's weight (XLA)."""
-        if self._stacked_fits(x.shape[:-1], stacked):
-            w = stacked[name]  # [L, *in, *out]
-            out, = dispatch.stacked_matmuls(x, (w.reshape(w.shape[0], x.shape[-1], -1),), stacked["index"], backend)
-            return out.astype(x.dtype).reshape(x.shape[0], *w.shape[1 + num_in_dims:])
-        w = getattr(self, name)[...]
-        return jnp.einsum(spec, x, w.reshape(x.shape[-1], *w.shape[num_in_dims:]))
-
     def queries(self, x, positions):
         """x [..., D] -> q_nope [..., H, Dn], q_pe [..., H, R] (rotated)."""
         if self.q_proj is not None:
@@ -119,14 +108,18 @@ class MLAttention(nnx.Module):
         return jnp.einsum("...hn,chn->...hc", q_nope, self.w_uk[...])
 
     def output(self, latent_ctx, stacked=None, backend="reference"):
-        """latent_ctx [..., H, C] -> [..., D]: W_UV, then o_proj over every head."""
+        """latent_ctx [..., H, C] -> [..., D]: W_UV, then o_proj over every head (a few tokens with the
+        layer stack at hand: both through the stacked decode kernels, the layer's weights read in place)."""
         if self._stacked_fits(latent_ctx.shape[:-2], stacked):
-            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], stacked["index"], backend,
-                                                 contract_rows=True).astype(latent_ctx.dtype)
-        else:
-            v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
+            index = stacked["index"]
+            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend, contract_rows=True)
+            o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
+            out, = dispatch.stacked_matmuls(v_ctx.astype(latent_ctx.dtype).reshape(latent_ctx.shape[0], -1),
+                                            (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),), index, backend)
+            return out.astype(latent_ctx.dtype)
+        v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
         flat = v_ctx.reshape(*v_ctx.shape[:-2], -1)  # [..., H * V] against o_proj [H, V, D]: one K axis
-        return self._project(flat, "o_proj", "...k,kd->...d", stacked, backend, num_in_dims=2)
+        return jnp.einsum("...k,kd->...d", flat, self.o_proj[...].reshape(flat.shape[-1], -1))
 
     def __call__(self, x, positions, *, mode: str, backend: str):
         """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D], a
