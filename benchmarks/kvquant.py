@@ -3,6 +3,7 @@
     python -m benchmarks.kvquant                 # CPU: capacity + default-model accuracy (minutes)
     python -m benchmarks.kvquant --gpu-parts     # one H200: + V2-Lite logit error, kernel bandwidth,
                                                  #   decode throughput at the memory wall (~5 min)
+    python -m benchmarks.kvquant --decode-sweep  # one H200: the decode kernel's tiles x dot operand dtypes
 
 - capacity: concurrent sequences a fixed KV budget holds, computed from bytes per token and measured by
   running that many requests through the engine (the most that ran at once, and any preemptions).
@@ -264,6 +265,40 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
     return rows
 
 
+# (block_k, num_stages, num_warps) of the 8-bit decode sweep; block_h 16 (V2-Lite's heads)
+SWEEP_TILES = [(32, 3, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (64, 4, 4)]
+
+
+def decode_sweep(config, batch: int, context: int, block_size: int = 64) -> list[dict]:
+    """The Triton decode kernel over one cache per format (bf16, int8, fp8 per token) at each tile of
+    ``SWEEP_TILES`` and each dot operand dtype (the query's bf16, or float16) for the 8-bit rows: where
+    the 8-bit kernel's time goes. TB/s on each format's own bytes; loop time (``device_time_us``)."""
+    heads, latent, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    pages = batch * (context // block_size)
+    key = jax.random.PRNGKey(0)
+    c_kv = jax.random.normal(key, (pages, block_size, latent), jnp.float32)
+    k_pe = jax.random.normal(key, (pages, block_size, rope), jnp.bfloat16)
+    q = jax.random.normal(key, (batch, heads, latent), jnp.bfloat16)
+    q_pe = jax.random.normal(key, (batch, heads, rope), jnp.bfloat16)
+    tables = jax.random.permutation(key, pages).reshape(batch, -1).astype(jnp.int32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    rows = []
+    for kind in ("auto", "int8", "fp8"):
+        cache, scale = (c_kv.astype(jnp.bfloat16), None) if kind == "auto" else quantize_latent(c_kv, kind, 1)
+        nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", kind) // config.num_hidden_layers)
+        for dot_dtype in ("bfloat16",) if kind == "auto" else ("bfloat16", "float16"):
+            for block_k, stages, warps in SWEEP_TILES:
+                fn = lambda q, qp, c, kp, t, n, s, cfg=(dot_dtype, block_k, stages, warps): mla_decode(
+                    q, qp, c, kp, t, n, 0.1, c_kv_scale=s, dot_dtype=cfg[0], block_h=16, block_k=cfg[1],
+                    num_stages=cfg[2], num_warps=cfg[3])
+                us = device_time_us(fn, (q, q_pe, cache, k_pe, tables, lengths, scale), estimate_s=nbytes / 3e12)
+                rows.append({"kv_cache_dtype": kind, "dot_dtype": dot_dtype, "block_k": block_k, "num_stages": stages,
+                             "num_warps": warps, "us": us, "TB/s": nbytes / us / 1e6})
+                print(f"  {kind:5} {dot_dtype:9} {block_k:3} keys {stages} stages {warps} warps: {us:7.1f} us "
+                      f"{rows[-1]['TB/s']:5.2f} TB/s", flush=True)
+    return rows
+
+
 def memory_wall_throughput(model, budget_bytes: int, prompt: int, steps: int) -> list[dict]:
     from benchmarks.decode_probe import measure
 
@@ -305,14 +340,25 @@ def main(argv=None):
     parser.add_argument("--prompts", type=int, default=4, help="greedy-agreement prompts")
     parser.add_argument("--capacity-requests", type=int, default=48)
     parser.add_argument("--kernels-only", action="store_true", help="only the GPU kernel bandwidth table")
+    parser.add_argument("--decode-sweep", action="store_true",
+                        help="only the GPU decode kernel's tiles x dot operand dtypes per cache format")
     parser.add_argument("--kinds", nargs="+", default=["auto", "int8", "fp8"], choices=["auto", "int8", "fp8"],
                         help="cache dtypes of the default-model measurements (auto is the baseline: keep it first)")
     parser.add_argument("--out", default="kvquant", help="results name under benchmarks/results (or a path)")
     args = parser.parse_args(argv)
+    if (args.kernels_only or args.decode_sweep) and jax.default_backend() != "gpu":
+        parser.error("--kernels-only and --decode-sweep time the Triton kernels: they need a GPU")
     start = time.perf_counter()
     from dsjax import load_config
 
     budget = int(args.budget_gib * 2**30)
+    if args.decode_sweep:
+        rows = decode_sweep(load_config("deepseek-v2-lite"), 64, 4096)
+        table = markdown_table(rows, ["kv_cache_dtype", "dot_dtype", "block_k", "num_stages", "num_warps", "us", "TB/s"])
+        print(table)
+        print("wrote", write_result(args.out, {**environment(), "batch": 64, "context": 4096, "decode_sweep": rows,
+                                               "table": table}))
+        return
     if args.kernels_only:
         rows = kernel_bandwidth(load_config("deepseek-v2-lite"), 64, 4096)
         table = markdown_table(rows, ["kv_cache_dtype", "batch", "context", "heads", "us", "TB/s", "tokens_per_us"])

@@ -15,9 +15,15 @@ compute-bound and needs the tensor cores at full width. ``impl`` picks ("auto", 
 
 An 8-bit latent cache (int8 or fp8, ``pallas_kernels/kv_quant.py``) comes with f32 scales
 c_kv_scale [N, bs, G], one per C/G latent elements of a token. The kernel reads the 8-bit rows and
-their scales, converts the rows to the query's dtype on the way into the dot (exact), and applies
-the scales to the scores and to the probabilities (dot(p * scale, rows)): no dequantized cache is
-ever written, so the bytes read per token are the compressed ones.
+their scales, converts the rows to the dot's operand dtype on the way into the dot (exact), and
+applies the scales to the scores and to the probabilities (dot(p * scale, rows)): no dequantized
+cache is ever written, so the bytes read per token are the compressed ones. The operand dtype
+(``dot_dtype``) is the query's, except for bf16 queries over an fp8 cache in one pool: float16,
+which Hopper converts e4m3 to in one instruction (bf16 takes two): 137 against 163 µs at V2-Lite
+B64 ctx4096 (H200, ``python -m benchmarks.kvquant --decode-sweep``). Its 10-bit mantissa holds the
+bf16 queries' values exactly within f16's range (|q| < 65504). The int8 rows gain nothing from it
+(139 µs either way, 1.2 TB/s on the compressed bytes against 3.0 for bf16 rows): where the 8-bit
+kernel's time goes is not the conversion's instruction count.
 """
 
 from __future__ import annotations
@@ -101,13 +107,14 @@ def default_num_splits(batch: int, num_heads: int, max_context: int, block_h: in
 def _decode_kernel(
     tables_ref,  # i32[S * W]: every block table row, flattened
     seq_ids_ref,  # i32[B]: block-table row of each query
-    lengths_ref,  # i32[B]: keys 0..length-1 are attended
+    lengths_ref,  # i32[B]: keys 0..length-1 are attended, length = lengths_ref[b] + length_offset
     q_latent_ref,  # [block_h, C]
     q_pe_ref,  # [block_h, R]
     c_kv_ref,  # [N * bs, C]: the whole latent cache, one row per token slot (8-bit when quantized)
     k_pe_ref,  # [N * bs, R]
-    *refs,  # (scale f32[N * bs * G] when quantized); (layer i32[1], compressed [L * Nc * bs, C] 8-bit,
-    #         its scales f32[L * Nc * bs * G] when two pools); then the outputs: one split:
+    *refs,  # (scale f32[N * bs * G] when quantized); (layer i32[1] with two pools or layer_pages);
+    #         (compressed [L * Nc * bs, C] 8-bit, its scales f32[L * Nc * bs * G] when two pools); then
+    #         the outputs: one split:
     #         o [block_h, C]; else m f32[block_h], l f32[block_h], acc f32[block_h, C]
     block_size: int,
     table_width: int,
@@ -117,26 +124,30 @@ def _decode_kernel(
     num_groups: int,
     quantized: bool,
     pools: tuple[int, int] | None,
+    dot_dtype,
+    length_offset: int,
+    layer_pages: int | None,
 ):
     refs = list(refs)
     kscale_ref = refs.pop(0) if quantized else None
-    layer_ref, comp_ref, comp_scale_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if pools else (None,) * 3
+    layer_ref = refs.pop(0) if pools or layer_pages else None
+    comp_ref, comp_scale_ref = (refs.pop(0), refs.pop(0)) if pools else (None,) * 2
     out_refs = refs
     split, b = pl.program_id(1), pl.program_id(2)
     seq_id = seq_ids_ref[b]
-    length = lengths_ref[b]
+    length = lengths_ref[b] + length_offset
     start = split * tokens_per_split
     end = jnp.minimum(start + tokens_per_split, length)
     num_iters = pl.cdiv(jnp.maximum(end - start, 0), block_k)
 
     # The latent splits into num_groups column groups of one scale each (one group unquantized).
-    q_pe = q_pe_ref[...]
+    compute_dtype = jnp.dtype(dot_dtype or q_pe_ref.dtype)
+    q_pe = q_pe_ref[...].astype(compute_dtype)
     block_h, latent_dim = q_latent_ref.shape
+    rope_dim = q_pe_ref.shape[1]
     group = latent_dim // num_groups
     group_cols = lambda g: pl.ds(g * group, group)
-    q_groups = [q_latent_ref[:, group_cols(g)] for g in range(num_groups)]  # [block_h, C/G] each
-    compute_dtype = q_pe.dtype
-    rope_dim = q_pe.shape[1]
+    q_groups = [q_latent_ref[:, group_cols(g)].astype(compute_dtype) for g in range(num_groups)]  # [block_h, C/G]
     latent_cols = jnp.arange(group)[None, :]
     rope_cols = jnp.arange(rope_dim)[None, :]
     contract_last = (((1,), (1,)), ((), ()))
@@ -167,12 +178,15 @@ def _decode_kernel(
             comp_slots = (layer * num_compressed + jnp.where(is_full, 0, page - num_full)) * block_size + offset
             pe_slots = (layer * (num_full + num_compressed) + page) * block_size + offset
         else:
+            if layer_pages:  # layer-local page ids into every layer's pages
+                page = page + layer_ref[0] * layer_pages
             slots = pe_slots = page * block_size + offset  # [block_k]
         keys_pe = plgpu.load(k_pe_ref.at[pe_slots[:, None], rope_cols], mask=valid[:, None],
                              other=0).astype(compute_dtype)
         precision = dot_precision(compute_dtype)
-        s = jax.lax.dot_general(q_pe, keys_pe, contract_last, preferred_element_type=jnp.float32,
-                                precision=precision)  # [block_h, block_k]
+        scores = lambda q, keys: jax.lax.dot_general(q, keys, contract_last, preferred_element_type=jnp.float32,
+                                                     precision=precision)  # [block_h, block_k]
+        s = scores(q_pe, keys_pe)
         keys, kscales = [], []
         for g in range(num_groups):
             if pools:  # each lane reads one pool (masked); the other load of a lane is masked off or,
@@ -187,8 +201,7 @@ def _decode_kernel(
                 k_g = load_latent(slots, g, valid, c_kv_ref).astype(compute_dtype)  # [block_k, C/G]; exact
                 if quantized:
                     kscale = plgpu.load(kscale_ref.at[slots * num_groups + g], mask=valid, other=0.0)  # f32[bk]
-            s_g = jax.lax.dot_general(q_groups[g], k_g, contract_last, preferred_element_type=jnp.float32,
-                                      precision=precision)
+            s_g = scores(q_groups[g], k_g)
             if quantized or pools:
                 s_g = s_g * kscale[None, :]
                 kscales.append(kscale)
@@ -242,14 +255,20 @@ def _is_pow2(n: int) -> bool:
 
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
                    c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret,
-                   compressed=None, pools=None, impl="auto"):
-    """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]-1 of table row
-    seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype.
+                   compressed=None, pools=None, impl="auto", dot_dtype=None, length_offset=0,
+                   layer=None, layer_pages=None):
+    """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]+length_offset-1 of
+    table row seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype. With
+    ``layer_pages`` the tables hold layer ``layer``'s page ids and c_kv / k_pe every layer's pages, layer
+    l's page p at row l * layer_pages + p (added inside the kernel, as the lengths' offset is).
 
     Two pools (``pools`` = (Nf, Nc) static, ``compressed`` = (c_kv 8-bit [L * Nc, bs, C], scales
     f32[L * Nc, bs, G], layer i32)): c_kv is the full-precision pool [L * Nf, bs, C], k_pe spans both
     [L * (Nf + Nc), bs, R], and the tables hold global block ids (no layer offset)."""
     batch, num_heads, latent_dim = q_latent.shape
+    if (dot_dtype is None and jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not pools
+            and q_latent.dtype == jnp.bfloat16):
+        dot_dtype = "float16"  # see the module docstring
     if pools:
         comp_c_kv, comp_scale, layer = compressed
         num_groups = comp_scale.shape[-1]
@@ -274,6 +293,9 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     if impl == "mosaic" and why_not:
         raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
     if impl == "mosaic" or (impl == "auto" and not why_not and not (block_h or block_k)):
+        if layer_pages:
+            block_tables = block_tables + layer * layer_pages
+        lengths = lengths + length_offset
         return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
                                      num_splits=num_splits)
     blocks = decode_blocks(num_heads, jnp.dtype(c_kv.dtype).itemsize, batch)
@@ -304,7 +326,8 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, table_width=table_width, block_k=block_k,
         tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_groups=num_groups,
-        quantized=quantized, pools=pools)
+        quantized=quantized, pools=pools, dot_dtype=dot_dtype, length_offset=length_offset,
+        layer_pages=None if pools else layer_pages)
     whole = pl.BlockSpec()  # indexed by hand inside the kernel
     f32 = jnp.float32
     if num_splits == 1:
@@ -325,7 +348,8 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         in_specs=[whole, whole, whole,
                   pl.BlockSpec((None, block_h, latent_dim), lambda h, s, b: (b, h, 0)),
                   pl.BlockSpec((None, block_h, rope_dim), lambda h, s, b: (b, h, 0)),
-                  whole, whole, *([whole] if quantized else []), *([whole] * 3 if pools else [])],
+                  whole, whole, *([whole] if quantized else []), *([whole] if pools or layer_pages else []),
+                  *([whole] * 2 if pools else [])],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -336,8 +360,8 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
       c_kv.reshape(num_pages * block_size, latent_dim),
       k_pe.reshape(-1, rope_dim),  # free reshapes: contiguous rows
       *([c_kv_scale.reshape(-1).astype(jnp.float32)] if quantized else []),
-      *([jnp.asarray(layer, jnp.int32).reshape(1), comp_c_kv.reshape(-1, latent_dim),
-         comp_scale.reshape(-1).astype(jnp.float32)] if pools else []))
+      *([jnp.asarray(layer, jnp.int32).reshape(1)] if pools or layer_pages else []),
+      *([comp_c_kv.reshape(-1, latent_dim), comp_scale.reshape(-1).astype(jnp.float32)] if pools else []))
     if num_splits == 1:
         return partials[:, :num_heads]
 
@@ -394,16 +418,17 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
     )(m, l, acc)
 
 
-_STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl")
+_STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl", "dot_dtype")
 # "auto": the Mosaic GPU kernel where it runs (Hopper, bf16 cache, heads a multiple of 64, pages a multiple
 # of 64 tokens; mla_decode_mgpu.supports), else the Triton one. "triton" / "mosaic" force one.
 IMPLS = ("auto", "triton", "mosaic")
-_STATIC_PAGED = (*_STATIC, "pools")
+_STATIC_PAGED = (*_STATIC, "pools", "layer_pages")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv_scale=None, num_splits=None,
-               block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False, impl="auto"):
+               block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False, impl="auto",
+               dot_dtype=None):
     """One query token per sequence; the semantics of ``mla_decode_reference``.
 
     q_latent [B, H, C], q_pe [B, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[B, W],
@@ -416,13 +441,14 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables,
                           jnp.arange(batch, dtype=jnp.int32), lengths.astype(jnp.int32), scale,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
-                          num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl)
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl,
+                          dot_dtype=dot_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_PAGED)
 def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
-              compressed=None, pools=None, num_splits=None, block_h=None, block_k=None, num_warps=None,
-              num_stages=None, interpret=False, impl="auto"):
+              compressed=None, pools=None, layer=None, layer_pages=None, num_splits=None, block_h=None, block_k=None,
+              num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None):
     """The engine's entry; the semantics of ``mla_paged_reference``.
 
     q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
@@ -431,12 +457,15 @@ def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scal
     is cheap next to the prefill's own FLOPs. A negative position (padding) gives zeros, not NaN.
     An 8-bit c_kv comes with c_kv_scale f32[N, bs, G]. Two pools (distance-aware precision): see
     ``mla_paged_pools_reference``; ``compressed`` = (c_kv_compressed, compressed_scale, layer),
-    ``pools`` = (Nf, Nc).
+    ``pools`` = (Nf, Nc). With ``layer_pages`` (one pool), c_kv / k_pe hold every layer's pages
+    [L * layer_pages, bs, ...] and the tables layer ``layer``'s page ids (the kernel adds the offset).
     """
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids.astype(jnp.int32),
-                          positions.astype(jnp.int32) + 1, scale, compressed=compressed, pools=pools,
+                          positions.astype(jnp.int32), scale, compressed=compressed, pools=pools, length_offset=1,
+                          layer=layer, layer_pages=layer_pages,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
-                          num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl)
+                          num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl,
+                          dot_dtype=dot_dtype)
 
 
 def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=None):

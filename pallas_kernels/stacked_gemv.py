@@ -38,6 +38,10 @@ TARGET_WAVES = 2
 # GPU tests and the engine numbers ran with. The kernel alone streams ~3.4 TB/s at q_proj's 12.6 MB;
 # summing the partials adds ~1 µs.
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
+# A launch with the RMSNorm folded in and at least this many output columns in all takes 128-column
+# tiles: H200, one token (2026-12-01, kernels_gemv.fused_launches): norm + q + kv_a 9.4 µs against 12.2
+# at 64 columns, norm + router + shared gate / up 13.6 against 15.9.
+WIDE_BLOCK_N, WIDE_MIN_WIDTH = 128, 2048
 
 
 class _Weight(NamedTuple):
@@ -129,7 +133,7 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_splits", "block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
-def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=BLOCK_N, block_k=BLOCK_K,
+def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=BLOCK_K,
                   num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False):
     """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for each stacked w [L, K, N_i] of ``ws`` (any float
     dtypes), one launch for all -> tuple of f32[M, N_i]. The layer's weights are read in place (no slice
@@ -139,7 +143,8 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
     RMSNorm(x) (``dsjax.model.norms.RMSNorm``), and the normed rows [M, K] come back as a last element:
     the kernel streams x * g and each row's sum of squares (no pass over x before the weights), and the
     1 / rms scale multiplies the summed products; equal to norm-then-product up to the rounding of x's
-    dtype. Tiles of 4-byte weights are half as deep (the same bytes in shared memory)."""
+    dtype. Tiles of 4-byte weights are half as deep (the same bytes in shared memory). Unset, block_n
+    is ``WIDE_BLOCK_N`` for a normed launch of ``WIDE_MIN_WIDTH`` columns or more, else ``BLOCK_N``."""
     ws = tuple(ws)
     num_rows, depth = x.shape
     for w in ws:
@@ -151,7 +156,9 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
         raise ValueError(f"stacked_gemvs: norm needs eps and shape [L, K={depth}]; got "
                          f"{None if norm is None else norm.shape}, eps={eps}")
     blocks_k = [shrink_for_itemsize(block_k, num_stages, w.dtype.itemsize)[0] for w in ws]
-    splits = num_splits or default_splits(depth, sum(w.shape[2] for w in ws), block_n, max(blocks_k))
+    width = sum(w.shape[2] for w in ws)
+    block_n = block_n or (WIDE_BLOCK_N if norm is not None and width >= WIDE_MIN_WIDTH else BLOCK_N)
+    splits = num_splits or default_splits(depth, width, block_n, max(blocks_k))
     weights, start = [], 0
     for w, bk in zip(ws, blocks_k):
         tiles = pl.cdiv(w.shape[2], block_n)
@@ -215,19 +222,26 @@ def _head_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, k
         return acc + _dot(x, w)
 
     acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-    plgpu.store(o_ref.at[(split * num_rows + rows)[:, None], (head * width + cols)[None, :]], acc,
+    plgpu.store(o_ref.at[(split * num_rows + rows)[:, None], (head * width + cols)[None, :]], acc.astype(o_ref.dtype),
                 mask=row_ok[:, None] & col_ok[None, :])
 
 
+# K rows a head-product step streams, by direction (contract_rows): H200, one token, V2-Lite
+# (2026-12-01, kernels_gemv.head_products): w_uk 1.84 µs at 128 (one split of its 128-deep heads) against
+# 2.87 at 64; w_uv 3.0 at 64.
+HEAD_BLOCK_K = {False: 128, True: 64}
+
+
 @functools.partial(jax.jit, static_argnames=("contract_rows", "num_splits", "block_n", "block_k", "num_warps",
-                                             "num_stages", "interpret"))
-def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, block_n=BLOCK_N, block_k=64,
-                      num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False):
+                                             "num_stages", "out_dtype", "interpret"))
+def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, block_n=BLOCK_N, block_k=None,
+                      num_warps=NUM_WARPS, num_stages=NUM_STAGES, out_dtype=jnp.float32, interpret=False):
     """Per-head products of a few token rows with one layer of a stacked per-head weight w [L, R, H, C],
     read in place: x [M, H, R] -> f32[M, H, C] contracting w's rows (``contract_rows``; MLA's w_uv: the
     attended latent to each head's values), else x [M, H, C] -> f32[M, H, R] contracting each head's C
     columns (w_uk: a head's nope query into the latent space). One program per (head, output tile, K
-    split); the splits' partials are summed outside."""
+    split); the splits' partials are summed outside, or with one split the kernel stores ``out_dtype``
+    itself. block_k unset: ``HEAD_BLOCK_K`` of the direction."""
     num_rows, num_heads = x.shape[:2]
     if w.ndim != 4 or w.shape[2] != num_heads or x.ndim != 3 or x.shape[2] != w.shape[1 if contract_rows else 3]:
         raise ValueError(f"stacked_head_gemv: x {x.shape} and w {w.shape} do not match; expected x [M, H, "
@@ -236,6 +250,7 @@ def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, bloc
         raise ValueError(f"stacked_head_gemv: x has {num_rows} rows; accepted 1 to {MAX_ROWS} (decode sizes)")
     depth = x.shape[2]
     width = w.shape[3] if contract_rows else w.shape[1]
+    block_k = block_k or HEAD_BLOCK_K[contract_rows]
     n_tiles = pl.cdiv(width, block_n)
     splits = num_splits or default_splits(depth, num_heads * width, block_n, block_k)
     k_per_split = _k_per_split(depth, splits, block_k)
@@ -245,12 +260,14 @@ def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, bloc
     partials = pl.pallas_call(
         kernel,
         grid=(num_heads, n_tiles, splits),
-        out_shape=jax.ShapeDtypeStruct((splits * num_rows, num_heads * width), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((splits * num_rows, num_heads * width), jnp.float32 if splits > 1 else out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"stacked_head_gemv_s{splits}",
     )(jnp.asarray(layer, jnp.int32).reshape(1), x.reshape(num_rows, -1), w.reshape(*w.shape[:2], -1))
-    return partials.reshape(splits, num_rows, num_heads, width).sum(axis=0)
+    if splits == 1:
+        return partials.reshape(num_rows, num_heads, width)
+    return partials.reshape(splits, num_rows, num_heads, width).sum(axis=0).astype(out_dtype)
 
 
 def stacked_head_gemv_reference(x, w, layer, *, contract_rows: bool):

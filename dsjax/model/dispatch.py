@@ -94,19 +94,22 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None):
     return stacked_gemvs(x, ws, layer, weights, eps=eps, interpret=backend == "interpret")
 
 
-def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool):
+def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32):
     """Per-head products with layer ``layer`` of a stacked per-head w [L, R, H, C], read in place (MLA's
-    absorbed w_uk / w_uv at decode sizes); see ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
+    absorbed w_uk / w_uv at decode sizes), in ``out_dtype``; see
+    ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
     if backend == "reference":
-        return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows)
-    return stacked_head_gemv(x, w, layer, contract_rows=contract_rows, interpret=backend == "interpret")
+        return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows).astype(out_dtype)
+    return stacked_head_gemv(x, w, layer, contract_rows=contract_rows, out_dtype=jnp.dtype(out_dtype),
+                             interpret=backend == "interpret")
 
 
 # Steps of up to this many tokens run a MoE layer's routed and shared experts in one launch
 # (pallas_kernels/moe_decode.py) when the experts are local (no expert axis): at batch 1 the grouped
-# path's sort, grouped SwiGLU, down projection, weighting and shared-expert GEMVs cost a launch each. A
-# second token would re-stream the shared experts (35 MB a V2-Lite layer), so it starts at one.
-MOE_DECODE_MAX_TOKENS = 1
+# path's sort, grouped SwiGLU, down projection, weighting and shared-expert GEMVs cost a launch each.
+# H200, V2-Lite layer (benchmarks/kernels_gemv.py, moe_one_launch): 41.1 µs against 51.1 for the grouped
+# path at one token, 63.6 against 76.3 at two (the second token's weights come from L2 or are its own).
+MOE_DECODE_MAX_TOKENS = 2
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
@@ -161,17 +164,21 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, bac
 
 
 def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str,
-                        c_kv_scale=None, compressed=None, pools=None):
+                        c_kv_scale=None, compressed=None, pools=None, layer=None, layer_pages=None):
     """Absorbed MLA over the paged latent cache (8-bit c_kv with its c_kv_scale; or two pools, see
-    ``mla_paged_pools_reference``); see ``mla_paged_reference`` for shapes."""
+    ``mla_paged_pools_reference``); see ``mla_paged_reference`` for shapes. With ``layer_pages`` (one
+    pool) c_kv / k_pe hold every layer's pages and the tables layer ``layer``'s page ids."""
     if backend == "reference":
         if pools:
             return mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
                                              compressed, pools)
+        if layer_pages:
+            block_tables = block_tables + layer * layer_pages
         return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
                                    c_kv_scale)
     return mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=c_kv_scale,
-                     compressed=compressed, pools=pools, interpret=backend == "interpret")
+                     compressed=compressed, pools=pools, layer=layer, layer_pages=layer_pages,
+                     interpret=backend == "interpret")
 
 
 def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, scale, backend: str):

@@ -103,8 +103,8 @@ class MLAttention(nnx.Module):
     def absorb_query(self, q_nope, stacked=None, backend="reference"):
         """q_nope [..., H, Dn] -> [..., H, C]: each head's query in the latent space (W_UK folded in)."""
         if self._stacked_fits(q_nope.shape[:-2], stacked):
-            out = dispatch.stacked_head_matmul(q_nope, stacked["w_uk"], stacked["index"], backend, contract_rows=False)
-            return out.astype(q_nope.dtype)
+            return dispatch.stacked_head_matmul(q_nope, stacked["w_uk"], stacked["index"], backend, contract_rows=False,
+                                                out_dtype=q_nope.dtype)
         return jnp.einsum("...hn,chn->...hc", q_nope, self.w_uk[...])
 
     def output(self, latent_ctx, stacked=None, backend="reference"):
@@ -183,7 +183,7 @@ class MLAttention(nnx.Module):
             q_nope, q_pe = self.queries(x, batch.positions)
             cache = self._write(cache, layer, batch, *self.latents(x, batch.positions))
         num_blocks, block_size = cache.c_kv.shape[1:3]
-        # Flattening [L, N] is free; shifting the block ids selects this layer without a copy.
+        # Flattening [L, N] is free; the kernel shifts the block ids to this layer's (no copy).
         flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
         q_latent = self.absorb_query(q_nope, stacked, backend)
         if cache.pools:  # two pools: the kernel finds the layer and each block's pool itself
@@ -193,7 +193,7 @@ class MLAttention(nnx.Module):
                 compressed=(flat(cache.c_kv_compressed), flat(cache.compressed_scale), layer))
         else:
             ctx = dispatch.mla_paged_attention(
-                q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe),
-                batch.block_tables + layer * num_blocks, batch.seq_ids, batch.positions, self.scale, backend,
-                c_kv_scale=flat(cache.c_kv_scale))
+                q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables, batch.seq_ids,
+                batch.positions, self.scale, backend, c_kv_scale=flat(cache.c_kv_scale), layer=layer,
+                layer_pages=num_blocks)
         return self.output(ctx, stacked, backend), cache

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import jax
+import pytest
+
 from benchmarks import kvquant
 
 
@@ -22,3 +25,12 @@ def test_kvquant_cpu_run_records_capacity_and_accuracy(tmp_path):
     assert 1.3 < v2["int8 + window 512"]["capacity_x"] < v2["int8"]["capacity_x"]
     assert abs(rows["int8"]["perplexity_change_pct"]) < 5 and rows["int8"]["top1_agreement"] > 0.9
     assert "v2lite_logit_error" not in result  # GPU parts only with --gpu-parts on a GPU
+
+
+def test_gpu_only_parts_refuse_cleanly_on_cpu(capsys):
+    if jax.default_backend() == "gpu":
+        pytest.skip("the GPU parts run here")
+    for flag in ("--decode-sweep", "--kernels-only"):
+        with pytest.raises(SystemExit):
+            kvquant.main([flag])
+        assert "they need a GPU" in capsys.readouterr().err

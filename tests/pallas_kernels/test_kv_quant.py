@@ -76,6 +76,28 @@ def test_mla_decode_reads_quantized_cache_like_the_reference(kind, num_groups, k
     np.testing.assert_allclose(np.asarray(ref), np.asarray(dense), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_bf16_queries_take_their_dot_dtype(kind):
+    """bf16 queries over an 8-bit cache: fp8 rows go into float16 dots by default (one conversion
+    instruction on Hopper), int8 rows into bf16 ones; either way within bf16 rounding of the reference,
+    and the default equals the explicit choice."""
+    rng = np.random.default_rng(11)
+    num_heads, latent_dim, rope_dim, block_size, width = 16, 64, 16, 4, 4
+    stored, scale, k_pe = quantized_cache(rng, 2 * width, block_size, latent_dim, rope_dim, kind, 1)
+    k_pe = k_pe.astype(jnp.bfloat16)
+    tables = shuffled_tables(rng, 2, width, 2 * width)
+    q_latent = jnp.asarray(rng.standard_normal((2, num_heads, latent_dim)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((2, num_heads, rope_dim)), jnp.bfloat16)
+    lengths = jnp.asarray([16, 9], jnp.int32)
+    run = lambda **kw: mla_decode(q_latent, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, block_k=8,
+                                  interpret=True, **kw)
+    out = run()
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(run(dot_dtype="float16" if kind == "fp8" else "bfloat16"), np.float32))
+    ref = mla_decode_reference(q_latent, q_pe, stored, k_pe, tables, lengths, 0.1, scale)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), rtol=2e-2, atol=2e-2)
+
+
 def test_mla_paged_quantized_mixed_batch_and_padding():
     rng = np.random.default_rng(3)
     num_heads, latent_dim, rope_dim, block_size, width = 4, 64, 16, 4, 6

@@ -93,6 +93,24 @@ def test_mla_paged_mixed_batch():
     np.testing.assert_allclose(np.asarray(empty[:-1]), np.asarray(ref[:-1]), rtol=1e-5, atol=1e-5)
 
 
+def test_mla_paged_layer_local_tables():
+    """Tables of one layer's page ids over every layer's pages (``layer_pages``): the kernel shifts the
+    ids to layer 1's, matching the reference on that layer's slice."""
+    rng = np.random.default_rng(8)
+    num_heads, latent_dim, rope_dim, block_size, width, layers = 4, 64, 16, 4, 3, 2
+    num_pages = 2 * width
+    c_kv, k_pe = make_cache(rng, layers * num_pages, block_size, latent_dim, rope_dim, jnp.float32)
+    tables = shuffled_tables(rng, 2, width, num_pages)
+    seq_ids, positions = jnp.asarray([0, 1], jnp.int32), jnp.asarray([9, 4], jnp.int32)
+    q_latent = jnp.asarray(rng.standard_normal((2, num_heads, latent_dim)), jnp.float32)
+    q_pe = jnp.asarray(rng.standard_normal((2, num_heads, rope_dim)), jnp.float32)
+
+    out = mla_paged(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1, layer=jnp.int32(1),
+                    layer_pages=num_pages, block_k=8, interpret=True)
+    ref = mla_paged_reference(q_latent, q_pe, c_kv[num_pages:], k_pe[num_pages:], tables, seq_ids, positions, 0.1)
+    assert_close(out, ref, jnp.float32)
+
+
 def test_default_num_splits_fills_the_gpu():
     # V2-Lite batch 64: 4 splits -> 256 programs; V3 batch 128 already has 1024 head-tile programs.
     assert default_num_splits(64, 16, 4096, block_h=16, block_k=64) == 4

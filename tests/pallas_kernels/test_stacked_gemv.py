@@ -114,6 +114,24 @@ def test_stacked_head_gemv_matches_reference(contract_rows, rows, splits):
         stacked_head_gemv(x[..., :7], w, 0, contract_rows=contract_rows, interpret=True)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_stacked_head_gemv_stores_out_dtype(splits):
+    """out_dtype: stored by the kernel itself with one split (no sum, no cast after it), else the splits'
+    f32 sum rounded once."""
+    rng = np.random.default_rng(9)
+    w = jnp.asarray(rng.standard_normal((2, 40, 4, 24)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((3, 4, 24)), jnp.bfloat16)
+    got = stacked_head_gemv(x, w, jnp.int32(1), contract_rows=False, num_splits=splits, block_k=16, block_n=16,
+                            out_dtype=jnp.bfloat16, interpret=True)
+    want = stacked_head_gemv_reference(x, w, 1, contract_rows=False)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+    jaxpr = jax.make_jaxpr(lambda x, w: stacked_head_gemv(x, w, jnp.int32(1), contract_rows=False, num_splits=splits,
+                                                          block_k=16, block_n=16, out_dtype=jnp.bfloat16,
+                                                          interpret=True))(x, w)
+    assert ("reduce_sum" in str(jaxpr)) == (splits > 1)
+
+
 @pytest.mark.parametrize("contract_rows", [True, False])
 def test_stacked_head_gemv_lowers_to_triton_for_h200(contract_rows):
     shape = jax.ShapeDtypeStruct
