@@ -6,6 +6,13 @@ a rope fusion and, per pool, a bounds-checked scatter (a read of the old row, th
 layer at batch 1 for a few KB (benchmarks/results/decode_profile.md, round 5). Here one program per
 token normalizes, rotates and stores both rows at its slot; the pools are aliased in and out (no
 copy), and padding tokens (slots past the pool) store nothing.
+
+It can also take kv_a's (and q's) products as ``stacked_gemvs``'s unsummed split-K partials of the
+attention's RMSNorm-scaled rows, with each row's sums of squares: it then adds the partials and applies
+the norm's 1 / rms itself, and with q it also returns the queries (the nope part, and the rope part
+rotated), one more program per head. That replaces four small XLA fusions a layer (the squares' sum,
+the kv and q epilogues, the q rope) with no launch of its own: on the H200 at batch 1 (V2-Lite), 140
+µs a step of fusions gone for 28 µs more in this kernel (benchmarks/results/decode_profile.md, round 6).
 """
 
 from __future__ import annotations
@@ -19,84 +26,161 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-
-def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, norm_ref, inv_freq_ref, c_kv_in, k_pe_in, c_kv_ref,
-                  k_pe_ref, *, latent_dim, rope_dim, eps, cos_sin_scale, interleave, block_size, num_slots):
-    # layer, norm_index i32[1]; slots, positions i32[T]; kv f32[T, C + R] (kv_a_proj's output); norm [Ln, C]; inv_freq
-    # f32[R / 2]; c_kv_ref [L, N, bs, C] and k_pe_ref [L, N, bs, R], aliased to c_kv_in / k_pe_in.
-    del c_kv_in, k_pe_in  # the same buffers as the outputs
-    token, layer = pl.program_id(0), layer_ref[0]
-    slot = slots_ref[token]
+def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, norm_ref, inv_freq_ref, *refs,
+                  latent_dim, rope_dim, eps, cos_sin_scale, interleave, block_size, num_slots, num_tokens, splits,
+                  rms, q_heads):
+    # layer, norm_index i32[1]; slots, positions i32[T]; kv f32[S * T, C + R] (kv_a_proj's output: S partial
+    # sums, split s's rows at s*T..); norm [Ln, C]; inv_freq f32[R / 2]; then (squares f32[S * T] when rms),
+    # (q f32[S * T, H * Dqk] when q_heads), c_kv_in, k_pe_in, and the outputs c_kv_ref [L, N, bs, C], k_pe_ref
+    # [L, N, bs, R] (aliased to c_kv_in / k_pe_in), (q_nope [T, H, Dn], q_pe [T, H, R] when q_heads).
+    refs = list(refs)
+    squares_ref = refs.pop(0) if rms else None
+    q_ref = refs.pop(0) if q_heads else None
+    del refs[:2]  # c_kv_in, k_pe_in: the same buffers as the outputs
+    c_kv_ref, k_pe_ref, *q_out = refs
+    token, part = pl.program_id(0), pl.program_id(1)
+    layer, position = layer_ref[0], positions_ref[token].astype(jnp.float32)
     dtype = c_kv_ref.dtype
-    width_c, half = pl.next_power_of_2(latent_dim), rope_dim // 2
-    width_r = pl.next_power_of_2(half)
+    half = rope_dim // 2
+    if rms:
+        depth, rms_eps = rms
+        squares = sum(squares_ref[s * num_tokens + token] for s in range(splits))
+        inv_rms = jax.lax.rsqrt(squares / depth + rms_eps)
 
-    @pl.when(slot < num_slots)  # padding tokens point past the pool
+    def load(ref, cols, ok):
+        """This token's row of ref at cols: the partials added (and 1 / rms applied), rounded to the model
+        dtype as the unfused path rounds a projection's output, in f32."""
+        row = sum(plgpu.load(ref.at[s * num_tokens + token, cols], mask=ok, other=0) for s in range(splits))
+        return (row * inv_rms if rms else row).astype(dtype).astype(jnp.float32)
+
+    def store_rotated(load_at, store_at):
+        """rope of the R values load_at(idx, ok) at this token's position -> store_at(idx, value, ok), in
+        the layout apply_rope keeps for q and k alike: [rotated evens | rotated odds]."""
+        pairs = jnp.arange(pl.next_power_of_2(half))
+        ok = pairs < half
+        x1, x2 = (load_at(2 * pairs, ok), load_at(2 * pairs + 1, ok)) if interleave else \
+            (load_at(pairs, ok), load_at(pairs + half, ok))
+        freqs = position * plgpu.load(inv_freq_ref.at[pairs], mask=ok, other=0)
+        cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
+        store_at(pairs, (x1 * cos - x2 * sin).astype(dtype), ok)
+        store_at(half + pairs, (x2 * cos + x1 * sin).astype(dtype), ok)
+
+    slot = slots_ref[token]
+    num_heads = q_heads[0] if q_heads else 0
+
+    @pl.when((part == num_heads) & (slot < num_slots))  # the latents; padding tokens point past the pool
     def _():
         block, offset = slot // block_size, slot % block_size
-        cols = jnp.arange(width_c)
+        cols = jnp.arange(pl.next_power_of_2(latent_dim))
         c_ok = cols < latent_dim
-        # kv_a_proj's output in the model dtype, as the reference path rounds it, then RMSNorm in f32
-        c = plgpu.load(kv_ref.at[token, cols], mask=c_ok, other=0).astype(dtype).astype(jnp.float32)
-        inv_rms = jax.lax.rsqrt(jnp.sum(c * c) / latent_dim + eps)
+        c = load(kv_ref, cols, c_ok)  # then kv_a_norm in f32
+        inv_c = jax.lax.rsqrt(jnp.sum(c * c) / latent_dim + eps)
         g = plgpu.load(norm_ref.at[norm_index_ref[0], cols], mask=c_ok, other=0)
-        plgpu.store(c_kv_ref.at[layer, block, offset, cols], (g * (c * inv_rms).astype(dtype)).astype(dtype),
+        plgpu.store(c_kv_ref.at[layer, block, offset, cols], (g * (c * inv_c).astype(dtype)).astype(dtype),
                     mask=c_ok)
+        store_rotated(lambda idx, ok: load(kv_ref, latent_dim + idx, ok),
+                      lambda idx, value, ok: plgpu.store(k_pe_ref.at[layer, block, offset, idx], value, mask=ok))
 
-        pairs = jnp.arange(width_r)
-        r_ok = pairs < half
-        first, second = (2 * pairs, 2 * pairs + 1) if interleave else (pairs, pairs + half)
-        load_r = lambda idx: plgpu.load(kv_ref.at[token, latent_dim + idx], mask=r_ok, other=0
-                                        ).astype(dtype).astype(jnp.float32)
-        x1, x2 = load_r(first), load_r(second)
-        freqs = positions_ref[token].astype(jnp.float32) * plgpu.load(inv_freq_ref.at[pairs], mask=r_ok, other=0)
-        cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
-        # [rotated evens | rotated odds], the layout apply_rope keeps for q and k alike
-        plgpu.store(k_pe_ref.at[layer, block, offset, pairs], (x1 * cos - x2 * sin).astype(dtype), mask=r_ok)
-        plgpu.store(k_pe_ref.at[layer, block, offset, half + pairs], (x2 * cos + x1 * sin).astype(dtype), mask=r_ok)
+    if q_heads:
+        nope = q_heads[1]
+        q_nope_ref, q_pe_ref = q_out
+
+        @pl.when(part < num_heads)  # head ``part``'s query
+        def _():
+            base = part * (nope + rope_dim)
+            cols = jnp.arange(pl.next_power_of_2(nope))
+            n_ok = cols < nope
+            plgpu.store(q_nope_ref.at[token, part, cols], load(q_ref, base + cols, n_ok).astype(dtype), mask=n_ok)
+            store_rotated(lambda idx, ok: load(q_ref, base + nope + idx, ok),
+                          lambda idx, value, ok: plgpu.store(q_pe_ref.at[token, part, idx], value, mask=ok))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "inv_freq", "cos_sin_scale", "interleave", "interpret"),
-                   donate_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnames=("eps", "inv_freq", "cos_sin_scale", "interleave", "row_rms", "q_heads",
+                                             "interpret"), donate_argnums=(0, 1))
 def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, eps: float, inv_freq: tuple[float, ...],
-                  cos_sin_scale: float, interleave: bool, interpret: bool = False):
+                  cos_sin_scale: float, interleave: bool, squares=None, row_rms: tuple[int, float] | None = None,
+                  q=None, q_heads: tuple[int, int] | None = None, interpret: bool = False):
     """c_kv [L, N, bs, C], k_pe [L, N, bs, R] (donated: updated in place) <- the step's tokens at layer
     ``layer``: kv f32[T, C + R] (kv_a_proj's output), slots i32[T] (block * bs + offset; >= N * bs:
     padding, not stored), positions i32[T], kv_a_norm's weights ``norm[norm_index]`` (``norm``: a layer
     stack's [Ln, C]; ``layer`` counts all the cache's layers, ``norm_index`` the stack's). Stores
-    RMSNorm(kv[:, :C]) and rope(kv[:, C:]) as ``write_latents_reference`` -> (c_kv, k_pe)."""
+    RMSNorm(kv[:, :C]) and rope(kv[:, C:]) as ``write_latents_reference`` -> (c_kv, k_pe).
+
+    Split-K partials (``stacked_gemvs(..., partials=True)``): kv holds S partial sums [S * T, C + R] of
+    products with RMSNorm-scaled rows, ``squares`` f32[S * T] the rows' partial sums of squares and
+    ``row_rms`` = (the norm's depth, its eps): the partials are added and scaled by 1 / rms here. ``q``
+    [S * T, H * (Dn + R)] with ``q_heads`` = (H, Dn): the same partials of the queries; then -> (c_kv,
+    k_pe, q_nope [T, H, Dn], q_pe [T, H, R] rotated), in the pools' dtype."""
     num_blocks, block_size, latent_dim = c_kv.shape[1:]
     rope_dim = k_pe.shape[-1]
-    if k_pe.shape[:3] != c_kv.shape[:3] or kv.shape[-1] != latent_dim + rope_dim or norm.shape[-1] != latent_dim:
+    num_tokens = slots.shape[0]
+    splits = kv.shape[0] // num_tokens
+    if (k_pe.shape[:3] != c_kv.shape[:3] or kv.shape[-1] != latent_dim + rope_dim or norm.shape[-1] != latent_dim
+            or kv.shape[0] != splits * num_tokens or (splits > 1 and row_rms is None)
+            or (squares is None) != (row_rms is None)):
         raise ValueError(f"write_latents: c_kv {c_kv.shape}, k_pe {k_pe.shape}, kv {kv.shape}, norm {norm.shape} "
-                         "do not match; expected [L, N, bs, C], [L, N, bs, R], [T, C + R], [Ln, C]")
+                         f"do not match; expected [L, N, bs, C], [L, N, bs, R], [T, C + R] (or [S * T, C + R] "
+                         f"with squares and row_rms) for T={num_tokens} tokens, [Ln, C]")
+    if (q is None) != (q_heads is None) or (q is not None and (
+            q.shape != (kv.shape[0], q_heads[0] * (q_heads[1] + rope_dim)) or row_rms is None)):
+        raise ValueError(f"write_latents: q {None if q is None else q.shape} with q_heads={q_heads}; expected "
+                         f"[{kv.shape[0]}, H * (Dn + {rope_dim})] with q_heads (H, Dn), and squares / row_rms")
     kernel = functools.partial(_write_kernel, latent_dim=latent_dim, rope_dim=rope_dim, eps=eps,
                                cos_sin_scale=cos_sin_scale, interleave=interleave, block_size=block_size,
-                               num_slots=num_blocks * block_size)
-    return pl.pallas_call(
+                               num_slots=num_blocks * block_size, num_tokens=num_tokens, splits=splits,
+                               rms=row_rms, q_heads=q_heads)
+    extra = ([squares.astype(jnp.float32)] if row_rms is not None else []) + \
+        ([q.astype(jnp.float32)] if q is not None else [])
+    out_shape = [jax.ShapeDtypeStruct(c_kv.shape, c_kv.dtype), jax.ShapeDtypeStruct(k_pe.shape, k_pe.dtype)]
+    if q is not None:
+        out_shape += [jax.ShapeDtypeStruct((num_tokens, q_heads[0], q_heads[1]), c_kv.dtype),
+                      jax.ShapeDtypeStruct((num_tokens, q_heads[0], rope_dim), c_kv.dtype)]
+    first_pool = 7 + len(extra)
+    return tuple(pl.pallas_call(
         kernel,
-        grid=(kv.shape[0],),
-        out_shape=(jax.ShapeDtypeStruct(c_kv.shape, c_kv.dtype), jax.ShapeDtypeStruct(k_pe.shape, k_pe.dtype)),
-        input_output_aliases={7: 0, 8: 1},
+        grid=(num_tokens, 1 + (q_heads[0] if q is not None else 0)),
+        out_shape=out_shape,
+        input_output_aliases={first_pool: 0, first_pool + 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="write_latents",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(norm_index, jnp.int32).reshape(1), slots.astype(jnp.int32), positions.astype(jnp.int32),
-      kv.astype(jnp.float32), norm, jnp.asarray(np.asarray(inv_freq, np.float32)), c_kv, k_pe)
+        name="write_latents" + ("_q" if q is not None else ""),
+    )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(norm_index, jnp.int32).reshape(1), slots.astype(jnp.int32),
+      positions.astype(jnp.int32), kv.astype(jnp.float32), norm, jnp.asarray(np.asarray(inv_freq, np.float32)), *extra,
+      c_kv, k_pe))
+
+
+def _rope_halves(r, positions, inv_freq, cos_sin_scale, interleave):
+    """f32 r [T, ..., R] rotated at positions i32[T] (dsjax.model.rope.apply_rope's math)."""
+    x1, x2 = (r[..., 0::2], r[..., 1::2]) if interleave else jnp.split(r, 2, axis=-1)
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(np.asarray(inv_freq, np.float32))
+    freqs = freqs.reshape(freqs.shape[:1] + (1,) * (r.ndim - 2) + freqs.shape[1:])
+    cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, eps: float, inv_freq, cos_sin_scale,
-                            interleave: bool):
+                            interleave: bool, squares=None, row_rms=None, q=None, q_heads=None):
     """``write_latents`` in plain jnp (dsjax.model.norms.RMSNorm and dsjax.model.rope.apply_rope's math)."""
     dtype, latent_dim, block_size = c_kv.dtype, c_kv.shape[-1], c_kv.shape[2]
-    kv = kv.astype(dtype).astype(jnp.float32)
+    num_tokens = slots.shape[0]
+
+    def finish(rows):  # partials added, 1 / rms, rounded to the model dtype, in f32
+        rows = rows.reshape(-1, num_tokens, rows.shape[-1]).sum(axis=0)
+        if row_rms is not None:
+            depth, rms_eps = row_rms
+            rows = rows * jax.lax.rsqrt(squares.reshape(-1, num_tokens).sum(axis=0) / depth + rms_eps)[:, None]
+        return rows.astype(dtype).astype(jnp.float32)
+
+    kv = finish(kv)
     c = kv[:, :latent_dim]
     c = norm[norm_index] * (c * jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + eps)).astype(dtype)
-    r = kv[:, latent_dim:]
-    x1, x2 = (r[:, 0::2], r[:, 1::2]) if interleave else jnp.split(r, 2, axis=-1)
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(np.asarray(inv_freq, np.float32))
-    cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
-    r = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    r = _rope_halves(kv[:, latent_dim:], positions, inv_freq, cos_sin_scale, interleave)
     blocks, offsets = slots // block_size, slots % block_size
-    return (c_kv.at[layer, blocks, offsets].set(c.astype(dtype), mode="drop"),
-            k_pe.at[layer, blocks, offsets].set(r.astype(dtype), mode="drop"))
+    pools = (c_kv.at[layer, blocks, offsets].set(c.astype(dtype), mode="drop"),
+             k_pe.at[layer, blocks, offsets].set(r.astype(dtype), mode="drop"))
+    if q is None:
+        return pools
+    num_heads, nope = q_heads
+    q = finish(q).reshape(num_tokens, num_heads, -1)
+    q_pe = _rope_halves(q[..., nope:], positions, inv_freq, cos_sin_scale, interleave)
+    return pools + (q[..., :nope].astype(dtype), q_pe.astype(dtype))

@@ -132,9 +132,9 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_splits", "block_n", "block_k", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "partials", "interpret"))
 def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=BLOCK_K,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False):
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, interpret=False):
     """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for each stacked w [L, K, N_i] of ``ws`` (any float
     dtypes), one launch for all -> tuple of f32[M, N_i]. The layer's weights are read in place (no slice
     copy), once for all M rows.
@@ -144,7 +144,11 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
     the kernel streams x * g and each row's sum of squares (no pass over x before the weights), and the
     1 / rms scale multiplies the summed products; equal to norm-then-product up to the rounding of x's
     dtype. Tiles of 4-byte weights are half as deep (the same bytes in shared memory). Unset, block_n
-    is ``WIDE_BLOCK_N`` for a normed launch of ``WIDE_MIN_WIDTH`` columns or more, else ``BLOCK_N``."""
+    is ``WIDE_BLOCK_N`` for a normed launch of ``WIDE_MIN_WIDTH`` columns or more, else ``BLOCK_N``.
+
+    ``partials``: the unsummed split-K partials come back instead, f32[S * M, N_i] per weight (split s's
+    rows at s * M), then with ``norm`` the rows' partial sums of squares f32[S * M] (of x, not x * g),
+    for a consumer that adds them itself (``latent_write.write_latents``)."""
     ws = tuple(ws)
     num_rows, depth = x.shape
     for w in ws:
@@ -178,6 +182,8 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
         interpret=interpret,
         name=f"stacked_gemv{len(ws) if len(ws) > 1 else ''}{'_norm' if norm is not None else ''}_s{splits}",
     )(jnp.asarray(layer, jnp.int32).reshape(1), x, *([norm] if norm is not None else []), *ws)
+    if partials:
+        return tuple(outs)
     products = tuple(p.reshape(splits, num_rows, -1).sum(axis=0) for p in outs[:len(ws)])
     if norm is None:
         return products

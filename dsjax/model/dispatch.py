@@ -82,16 +82,24 @@ def stacked_swiglu_down(gate, up, w_down, layer, backend: str, dtype):
     return stacked_matmuls(h, (w_down,), layer, backend)[0].astype(dtype)
 
 
-def stacked_matmuls(x, ws, layer, backend: str, norm=None):
+def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = False):
     """x [T, K] @ w[layer] for each stacked w [L, K, N_i] of ``ws`` -> tuple of f32[T, N_i], each layer's
     slice read in place, one kernel launch for all. ``norm`` = (every layer's RMSNorm weights [L, K], eps):
-    x is normalized first (inside the kernel) and the normed rows [T, K] come back last."""
+    x is normalized first (inside the kernel) and the normed rows [T, K] come back last.
+
+    ``partials`` (with ``norm``): the products of x * g unsummed over the kernel's S K-splits, f32[S * T,
+    N_i] each, then the rows' partial sums of squares f32[S * T]: for ``write_latents`` to finish (the
+    reference: one split)."""
     if backend == "reference":
+        if partials:
+            scaled = (x * norm[0][layer]).astype(x.dtype)
+            x32 = x.astype(jnp.float32)
+            return tuple(stacked_gemv_reference(scaled, w, layer) for w in ws) + (jnp.sum(x32 * x32, axis=-1),)
         if norm is not None:
             x = rms_norm(x, norm[0][layer], norm[1])
         return tuple(stacked_gemv_reference(x, w, layer) for w in ws) + ((x,) if norm is not None else ())
     weights, eps = norm if norm is not None else (None, None)
-    return stacked_gemvs(x, ws, layer, weights, eps=eps, interpret=backend == "interpret")
+    return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials, interpret=backend == "interpret")
 
 
 def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32):
@@ -156,7 +164,9 @@ def _local_experts(x, weights, ids, *, w_gate, w_up, w_down, backend: str, layer
 def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, backend: str, **rope_and_norm):
     """kv_a_proj's output f32[T, C + R] into the unquantized cache pools c_kv [L, N, bs, C] / k_pe
     [L, N, bs, R] at layer ``layer``: kv_a_norm (weights norm[norm_index]) and rope applied, padding
-    slots dropped; see ``pallas_kernels.latent_write.write_latents``. -> (c_kv, k_pe)."""
+    slots dropped; see ``pallas_kernels.latent_write.write_latents``. -> (c_kv, k_pe). Given split-K
+    partials (``stacked_matmuls(..., partials=True)``: squares, row_rms) it adds them itself, and with
+    q / q_heads also returns the queries (q_nope, q_pe rotated)."""
     if backend == "reference":
         return write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, **rope_and_norm)
     return write_latents_kernel(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index,

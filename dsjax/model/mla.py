@@ -100,6 +100,27 @@ class MLAttention(nnx.Module):
         q = q.astype(x.dtype).reshape(x.shape[0], *heads.shape[-2:])  # this rank's heads (tensor ranks hold some)
         return self._split_queries(q, positions), kv
 
+    def _decode_write(self, x, cache: PagedKVCache, layer, batch: PagedBatch, stacked, norm, backend):
+        """``_decode_projections`` and the cache write of a few raw tokens x [T, D] into one unquantized
+        pool -> (q_nope, q_pe, cache): kv_a_norm, rope and both writes in one launch (write_latents).
+        Without a q LoRA that launch also takes the first launch's split-K partials as they are (the
+        attention's RMSNorm scale, the q epilogue and the q rope with them: four XLA fusions fewer)."""
+        write = lambda kv, **more: dispatch.write_latents(
+            cache.c_kv, cache.k_pe, kv, batch.slot_mapping, batch.positions, layer, stacked["kv_a_norm"],
+            stacked["index"], backend, eps=self.kv_a_norm.eps, inv_freq=self.inv_freq,
+            cos_sin_scale=self.cos_sin_scale, interleave=self.interleave, **more)
+        if self.q_proj is None:
+            (q_nope, q_pe), kv = self._decode_projections(x, batch.positions, stacked, norm, backend)
+            c_kv, k_pe = write(kv)
+        else:
+            heads = stacked["q_proj"]  # [L, D, H, Dqk]: this rank's heads
+            q, kv, squares = dispatch.stacked_matmuls(
+                x, (heads.reshape(*heads.shape[:2], -1), stacked["kv_a"]), stacked["index"], backend,
+                norm=(stacked["norm"], norm.eps), partials=True)
+            c_kv, k_pe, q_nope, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
+                                             q_heads=(heads.shape[2], self.nope_dim))
+        return q_nope, q_pe, cache._replace(c_kv=c_kv, k_pe=k_pe)
+
     def absorb_query(self, q_nope, stacked=None, backend="reference"):
         """q_nope [..., H, Dn] -> [..., H, C]: each head's query in the latent space (W_UK folded in)."""
         if self._stacked_fits(q_nope.shape[:-2], stacked):
@@ -169,14 +190,10 @@ class MLAttention(nnx.Module):
         ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
         layer scan plus every layer's ``norm`` weights under "norm", or None."""
         if self._stacked_fits(x.shape[:-1], stacked):
-            (q_nope, q_pe), kv = self._decode_projections(x, batch.positions, stacked, norm, backend)
-            if cache.c_kv_scale is None and cache.pools is None:  # kv_a_norm, rope and both writes: one launch
-                c_kv, k_pe = dispatch.write_latents(
-                    cache.c_kv, cache.k_pe, kv, batch.slot_mapping, batch.positions, layer, stacked["kv_a_norm"],
-                    stacked["index"], backend, eps=self.kv_a_norm.eps, inv_freq=self.inv_freq, cos_sin_scale=self.cos_sin_scale,
-                    interleave=self.interleave)
-                cache = cache._replace(c_kv=c_kv, k_pe=k_pe)
+            if cache.c_kv_scale is None and cache.pools is None:
+                q_nope, q_pe, cache = self._decode_write(x, cache, layer, batch, stacked, norm, backend)
             else:
+                (q_nope, q_pe), kv = self._decode_projections(x, batch.positions, stacked, norm, backend)
                 cache = self._write(cache, layer, batch, *self._split_latents(kv.astype(x.dtype), batch.positions))
         else:
             x = norm(x)

@@ -128,6 +128,27 @@ def test_engine_pallas_matches_reference_f32(kv_cache_dtype):
     assert outs["pallas"] == outs["reference"]
 
 
+@pytest.mark.parametrize("q_lora_rank", [None, 96])
+def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank):
+    """The paged forward with the decode kernels (f32, steps of 3 and 1 tokens after a 70-token chunk)
+    against the reference backend, with a q LoRA and without (q_proj's split-K partials then go to
+    write_latents unsummed, which finishes the queries too)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from dsjax.config import ModelConfig
+    from dsjax.model.transformer import DeepseekForCausalLM
+    from tests.model.test_model import _paged_logits
+
+    config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
+    tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
+    logits = {backend: _paged_logits(DeepseekForCausalLM(config, kernel_backend=backend, rngs=nnx.Rngs(0)), tokens,
+                                     [(0, 70), (70, 73), (73, 74)])
+              for backend in ("reference", "pallas")}
+    assert np.abs(logits["pallas"] - logits["reference"]).max() <= 1e-3 * np.abs(logits["reference"]).max()
+
+
 def test_model_bf16_logits_pallas_vs_reference():
     import dsjax
 
@@ -329,3 +350,27 @@ def test_write_latents_gpu():
     for g, w in zip(got, want):
         assert _rel(g[1, blocks, offsets], w[1, blocks, offsets]) < 1e-2  # the written rows
         assert _rel(g, w) < 1e-4  # and nothing else moved
+
+
+def test_write_latents_with_query_partials_gpu():
+    """V2-Lite's first attention launch's output as it leaves stacked_gemvs (16 split-K partials of
+    q: 16 heads x 192, and of kv_a: 576, with the rows' sums of squares) finished by write_latents:
+    the latents written, q_nope and the rotated q_pe returned."""
+    from pallas_kernels.latent_write import write_latents, write_latents_reference
+
+    rng = np.random.default_rng(1)
+    splits, tokens = 16, 2
+    c_kv = jnp.asarray(rng.standard_normal((3, 8, 64, 512)), jnp.bfloat16)
+    k_pe = jnp.asarray(rng.standard_normal((3, 8, 64, 64)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((splits * tokens, 576)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((splits * tokens, 16 * 192)), jnp.float32)
+    squares = jnp.asarray(rng.uniform(10, 100, splits * tokens), jnp.float32)
+    slots, positions = jnp.asarray([3, 300], jnp.int32), jnp.asarray([3, 900], jnp.int32)
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal((2, 512)), jnp.bfloat16)
+    options = dict(eps=1e-6, inv_freq=tuple(float(f) for f in 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)),
+                   cos_sin_scale=1.0, interleave=True, squares=squares, row_rms=(2048, 1e-6), q=q, q_heads=(16, 128))
+    want = write_latents_reference(c_kv, k_pe, kv, slots, positions, 1, norm, 1, **options)
+    got = write_latents(c_kv, k_pe, kv, slots, positions, jnp.int32(1), norm, jnp.int32(1), **options)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-2
+

@@ -55,3 +55,66 @@ def test_write_latents_lowers_to_triton_for_h200_in_place():
                          shape((), jnp.int32), shape((26, 512), bf16))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
     assert hlo.count("stablehlo.output_operand_alias<output_tuple_indices") == 2
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_write_latents_finishes_split_partials_and_queries(interleave):
+    """kv_a's and q's products as stacked_gemvs's unsummed split-K partials of the attention's
+    RMSNorm-scaled rows (3 splits): the kernel adds them, applies 1 / rms, writes the latents and
+    returns q_nope and the rotated q_pe, as norm-then-project through the references does."""
+    from pallas_kernels.stacked_gemv import stacked_gemvs
+
+    rng = np.random.default_rng(4)
+    depth, heads, nope, rope, latent, tokens = 48, 3, 16, 32, 64, 2
+    x = jnp.asarray(rng.standard_normal((tokens, depth)) * 2, jnp.float32)
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal((2, depth)), jnp.float32)
+    w_q = jnp.asarray(rng.standard_normal((2, depth, heads * (nope + rope))) * 0.2, jnp.float32)
+    w_kv = jnp.asarray(rng.standard_normal((2, depth, latent + rope)) * 0.2, jnp.float32)
+    q_parts, kv_parts, squares = stacked_gemvs(x, (w_q, w_kv), jnp.int32(1), g, eps=1e-5, num_splits=3, block_n=16,
+                                               block_k=16, partials=True, interpret=True)
+    assert q_parts.shape == (3 * tokens, heads * (nope + rope)) and squares.shape == (3 * tokens,)
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal((2, latent)), jnp.float32)
+    slots, positions = jnp.asarray([6, 13], jnp.int32), jnp.asarray([9, 300], jnp.int32)
+    options = dict(eps=1e-6, inv_freq=INV_FREQ, cos_sin_scale=0.7, interleave=interleave)
+    got = write_latents(*_pools(np.random.default_rng(1), jnp.float32), kv_parts, slots, positions, jnp.int32(2),
+                        norm, jnp.int32(1), squares=squares, row_rms=(depth, 1e-5), q=q_parts, q_heads=(heads, nope),
+                        interpret=True, **options)
+
+    normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5) * g[1]
+    want = write_latents_reference(*_pools(np.random.default_rng(1), jnp.float32), normed @ w_kv[1], slots, positions,
+                                   2, norm, 1, **options)
+    q = (normed @ w_q[1]).reshape(tokens, heads, nope + rope)
+    x1, x2 = (q[..., nope::2], q[..., nope + 1::2]) if interleave else (q[..., nope:nope + 16], q[..., nope + 16:])
+    freqs = positions[:, None, None].astype(jnp.float32) * jnp.asarray(INV_FREQ, jnp.float32)
+    cos, sin = jnp.cos(freqs) * 0.7, jnp.sin(freqs) * 0.7
+    want = want + (q[..., :nope], jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1))
+    assert len(got) == 4
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    # the reference reads the same partials the same way
+    ref = write_latents_reference(*_pools(np.random.default_rng(1), jnp.float32), kv_parts, slots, positions, 2, norm,
+                                  1, squares=squares, row_rms=(depth, 1e-5), q=q_parts, q_heads=(heads, nope), **options)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_write_latents_with_queries_lowers_to_triton_for_h200_in_place():
+    """V2-Lite's shapes with 16 splits of q (16 heads x 192) and kv_a partials: still one Triton call, both
+    pools aliased, the queries two more outputs."""
+    shape, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    fn = lambda c, k, kv, s, p, layer, norm, sq, q: write_latents(
+        c, k, kv, s, p, layer, norm, 0, eps=1e-6, inv_freq=tuple(float(f) for f in 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)),
+        cos_sin_scale=1.0, interleave=True, squares=sq, row_rms=(2048, 1e-6), q=q, q_heads=(16, 128))
+    hlo = lower_for_h200(fn, shape((27, 2048, 64, 512), bf16), shape((27, 2048, 64, 64), bf16),
+                         shape((16, 576), f32), shape((1,), jnp.int32), shape((1,), jnp.int32),
+                         shape((), jnp.int32), shape((26, 512), bf16), shape((16,), f32), shape((16, 3072), f32))
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
+    assert hlo.count("stablehlo.output_operand_alias<output_tuple_indices") == 2
+
+
+def test_write_latents_refuses_queries_without_their_norm():
+    c_kv, k_pe = _pools(np.random.default_rng(0), jnp.float32)
+    with pytest.raises(ValueError, match=r"q_heads \(H, Dn\), and squares / row_rms"):
+        write_latents(c_kv, k_pe, jnp.zeros((1, 96)), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), 0,
+                      jnp.ones((1, 64)), 0, eps=1e-6, inv_freq=INV_FREQ, cos_sin_scale=1.0, interleave=True,
+                      q=jnp.zeros((1, 2 * 48)), q_heads=(2, 16), interpret=True)
