@@ -24,6 +24,27 @@ def _compute_capability() -> str:
     return str(getattr(jax.devices()[0], "compute_capability", ""))
 
 
+def rms_norm(x, weight, eps: float):
+    """x [..., D] over its last axis, in f32 and scaled in x's dtype (as transformers does), times weight
+    [D]: the model's RMSNorm (``dsjax.model.norms``) and the references of the kernels that fuse it."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def rotate(x32, freqs, cos_sin_scale: float, interleave: bool):
+    """Rotary embedding of f32 x [..., R] by angles freqs [..., R / 2] (broadcast against x's leading
+    axes) -> f32 [..., R] in the halves layout [rotated evens | rotated odds], whether x's pairs are
+    interleaved (x0, x1), (x2, x3), ... (DeepSeek's checkpoints) or (x_i, x_{i+R/2}). q and k share the
+    layout, so q·k is unchanged. ``dsjax.model.rope.apply_rope`` and the kernels' references use it."""
+    cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
+    if interleave:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    else:
+        x1, x2 = jnp.split(x32, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
 def dot_precision(dtype):
     """f32 operands get IEEE products: the Triton lowering otherwise runs f32 dots as TF32, which
     would make f32 runs disagree with the references. bf16/fp16 keep the tensor cores' native path."""

@@ -25,6 +25,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import rms_norm, rotate
+
 
 def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, norm_ref, inv_freq_ref, *refs,
                   latent_dim, rope_dim, eps, cos_sin_scale, interleave, block_size, num_slots, num_tokens, splits,
@@ -149,18 +151,15 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, 
       c_kv, k_pe))
 
 
-def _rope_halves(r, positions, inv_freq, cos_sin_scale, interleave):
-    """f32 r [T, ..., R] rotated at positions i32[T] (dsjax.model.rope.apply_rope's math)."""
-    x1, x2 = (r[..., 0::2], r[..., 1::2]) if interleave else jnp.split(r, 2, axis=-1)
+def _rope_at(r, positions, inv_freq, cos_sin_scale, interleave):
+    """f32 r [T, ..., R] rotated at positions i32[T]."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(np.asarray(inv_freq, np.float32))
-    freqs = freqs.reshape(freqs.shape[:1] + (1,) * (r.ndim - 2) + freqs.shape[1:])
-    cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotate(r, freqs.reshape(freqs.shape[:1] + (1,) * (r.ndim - 2) + freqs.shape[1:]), cos_sin_scale, interleave)
 
 
 def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, eps: float, inv_freq, cos_sin_scale,
                             interleave: bool, squares=None, row_rms=None, q=None, q_heads=None):
-    """``write_latents`` in plain jnp (dsjax.model.norms.RMSNorm and dsjax.model.rope.apply_rope's math)."""
+    """``write_latents`` in plain jnp (the model's RMSNorm and rope: pallas_kernels.common)."""
     dtype, latent_dim, block_size = c_kv.dtype, c_kv.shape[-1], c_kv.shape[2]
     num_tokens = slots.shape[0]
 
@@ -172,9 +171,8 @@ def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_
         return rows.astype(dtype).astype(jnp.float32)
 
     kv = finish(kv)
-    c = kv[:, :latent_dim]
-    c = norm[norm_index] * (c * jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + eps)).astype(dtype)
-    r = _rope_halves(kv[:, latent_dim:], positions, inv_freq, cos_sin_scale, interleave)
+    c = rms_norm(kv[:, :latent_dim].astype(dtype), norm[norm_index], eps)  # kv is already dtype-rounded
+    r = _rope_at(kv[:, latent_dim:], positions, inv_freq, cos_sin_scale, interleave)
     blocks, offsets = slots // block_size, slots % block_size
     pools = (c_kv.at[layer, blocks, offsets].set(c.astype(dtype), mode="drop"),
              k_pe.at[layer, blocks, offsets].set(r.astype(dtype), mode="drop"))
@@ -182,5 +180,5 @@ def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_
         return pools
     num_heads, nope = q_heads
     q = finish(q).reshape(num_tokens, num_heads, -1)
-    q_pe = _rope_halves(q[..., nope:], positions, inv_freq, cos_sin_scale, interleave)
+    q_pe = _rope_at(q[..., nope:], positions, inv_freq, cos_sin_scale, interleave)
     return pools + (q[..., :nope].astype(dtype), q_pe.astype(dtype))

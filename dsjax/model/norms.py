@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.model.params import param
+from pallas_kernels.common import rms_norm  # the arithmetic the decode kernels fuse; re-exported here
+
+__all__ = ["RMSNorm", "rms_norm"]
 
 
 class RMSNorm(nnx.Module):
@@ -16,10 +17,3 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         return rms_norm(x, self.weight[...], self.eps)
-
-
-def rms_norm(x, weight, eps: float):
-    """x [..., D] over its last axis, times weight [D] (the decode kernels fuse the same arithmetic)."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig
+from pallas_kernels.common import rotate
 
 
 def _yarn_inv_freq(dim: int, base: float, scaling) -> np.ndarray:
@@ -47,11 +48,4 @@ def apply_rope(x, positions, inv_freq: np.ndarray, cos_sin_scale: float, interle
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., R/2]
     while freqs.ndim < x.ndim:  # broadcast over the heads axis of q
         freqs = freqs[..., None, :]
-    cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
-    x32 = x.astype(jnp.float32)
-    if interleave:
-        x1, x2 = x32[..., 0::2], x32[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x32[..., :half], x32[..., half:]
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return rotate(x.astype(jnp.float32), freqs, cos_sin_scale, interleave).astype(x.dtype)
