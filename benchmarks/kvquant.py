@@ -271,8 +271,9 @@ SWEEP_TILES = [(32, 3, 4), (64, 2, 4), (64, 3, 4), (64, 3, 8), (64, 4, 4)]
 
 def decode_sweep(config, batch: int, context: int, block_size: int = 64) -> list[dict]:
     """The Triton decode kernel over one cache per format (bf16, int8, fp8 per token) at each tile of
-    ``SWEEP_TILES`` and each dot operand dtype (the query's bf16, or float16) for the 8-bit rows: where
-    the 8-bit kernel's time goes. TB/s on each format's own bytes; loop time (``device_time_us``)."""
+    ``SWEEP_TILES``, for the 8-bit rows in each dot operand dtype (the query's bf16, or float16) and read
+    as 16-bit byte pairs (``paired``): where the 8-bit kernel's time goes. TB/s on each format's own
+    bytes; loop time (``device_time_us``)."""
     heads, latent, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
     pages = batch * (context // block_size)
     key = jax.random.PRNGKey(0)
@@ -286,16 +287,20 @@ def decode_sweep(config, batch: int, context: int, block_size: int = 64) -> list
     for kind in ("auto", "int8", "fp8"):
         cache, scale = (c_kv.astype(jnp.bfloat16), None) if kind == "auto" else quantize_latent(c_kv, kind, 1)
         nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", kind) // config.num_hidden_layers)
-        for dot_dtype in ("bfloat16",) if kind == "auto" else ("bfloat16", "float16"):
+        # (dot operand dtype, byte pairs): 8-bit rows as they are in either dtype, or read as 16-bit pairs
+        # (paired=True) in the kernel's default dtype (bf16 for int8, float16 for fp8)
+        variants = [("bfloat16", False)] if kind == "auto" else [("bfloat16", False), ("float16", False), (None, True)]
+        for dot_dtype, paired in variants:
             for block_k, stages, warps in SWEEP_TILES:
-                fn = lambda q, qp, c, kp, t, n, s, cfg=(dot_dtype, block_k, stages, warps): mla_decode(
-                    q, qp, c, kp, t, n, 0.1, c_kv_scale=s, dot_dtype=cfg[0], block_h=16, block_k=cfg[1],
-                    num_stages=cfg[2], num_warps=cfg[3])
+                fn = lambda q, qp, c, kp, t, n, s, cfg=(dot_dtype, paired, block_k, stages, warps): mla_decode(
+                    q, qp, c, kp, t, n, 0.1, c_kv_scale=s, dot_dtype=cfg[0], paired=cfg[1], block_h=16,
+                    block_k=cfg[2], num_stages=cfg[3], num_warps=cfg[4])
                 us = device_time_us(fn, (q, q_pe, cache, k_pe, tables, lengths, scale), estimate_s=nbytes / 3e12)
-                rows.append({"kv_cache_dtype": kind, "dot_dtype": dot_dtype, "block_k": block_k, "num_stages": stages,
-                             "num_warps": warps, "us": us, "TB/s": nbytes / us / 1e6})
-                print(f"  {kind:5} {dot_dtype:9} {block_k:3} keys {stages} stages {warps} warps: {us:7.1f} us "
-                      f"{rows[-1]['TB/s']:5.2f} TB/s", flush=True)
+                rows.append({"kv_cache_dtype": kind, "dot_dtype": dot_dtype or "default", "paired": paired,
+                             "block_k": block_k, "num_stages": stages, "num_warps": warps, "us": us,
+                             "TB/s": nbytes / us / 1e6})
+                print(f"  {kind:5} {dot_dtype or 'default':9} {'pairs' if paired else 'bytes'} {block_k:3} keys "
+                      f"{stages} stages {warps} warps: {us:7.1f} us {rows[-1]['TB/s']:5.2f} TB/s", flush=True)
     return rows
 
 
@@ -354,7 +359,8 @@ def main(argv=None):
     budget = int(args.budget_gib * 2**30)
     if args.decode_sweep:
         rows = decode_sweep(load_config("deepseek-v2-lite"), 64, 4096)
-        table = markdown_table(rows, ["kv_cache_dtype", "dot_dtype", "block_k", "num_stages", "num_warps", "us", "TB/s"])
+        table = markdown_table(rows, ["kv_cache_dtype", "dot_dtype", "paired", "block_k", "num_stages", "num_warps", "us",
+                                      "TB/s"])
         print(table)
         print("wrote", write_result(args.out, {**environment(), "batch": 64, "context": 4096, "decode_sweep": rows,
                                                "table": table}))

@@ -23,7 +23,12 @@ which Hopper converts e4m3 to in one instruction (bf16 takes two): 137 against 1
 B64 ctx4096 (H200, ``python -m benchmarks.kvquant --decode-sweep``). Its 10-bit mantissa holds the
 bf16 queries' values exactly within f16's range (|q| < 65504). The int8 rows gain nothing from it
 (139 µs either way, 1.2 TB/s on the compressed bytes against 3.0 for bf16 rows): where the 8-bit
-kernel's time goes is not the conversion's instruction count.
+kernel's time goes is not the conversion's instruction count. A suspect is the operands' layout: 8-bit
+tiles have no transposing shared-memory load into the tensor cores' layout, which 16-bit ones do.
+``paired=True`` tests that: the rows are read as 16-bit byte pairs and the kernel works on each
+group's even and odd columns apart (the query split the same way, the output stored back
+interleaved), unpacking the bytes with shifts (int8) or moving e4m3 bits into f16 (fp8) on the loaded
+tile. Exact in interpret mode; not yet timed on the H200 (``kvquant --decode-sweep`` has it).
 """
 
 from __future__ import annotations
@@ -127,6 +132,7 @@ def _decode_kernel(
     dot_dtype,
     length_offset: int,
     layer_pages: int | None,
+    paired: str | None,
 ):
     refs = list(refs)
     kscale_ref = refs.pop(0) if quantized else None
@@ -147,8 +153,14 @@ def _decode_kernel(
     rope_dim = q_pe_ref.shape[1]
     group = latent_dim // num_groups
     group_cols = lambda g: pl.ds(g * group, group)
-    q_groups = [q_latent_ref[:, group_cols(g)].astype(compute_dtype) for g in range(num_groups)]  # [block_h, C/G]
-    latent_cols = jnp.arange(group)[None, :]
+    if paired:  # c_kv_ref holds byte pairs [N * bs, C / 2] i16: each group is two parts, its even and
+        # its odd columns (the pairs' low and high bytes), so the keys need no byte shuffle
+        heads = jnp.arange(block_h)[:, None]
+        part_cols = [g * group + 2 * jnp.arange(group // 2) + half for g in range(num_groups) for half in (0, 1)]
+        q_groups = [plgpu.load(q_latent_ref.at[heads, cols[None, :]]).astype(compute_dtype) for cols in part_cols]
+    else:
+        q_groups = [q_latent_ref[:, group_cols(g)].astype(compute_dtype) for g in range(num_groups)]  # [block_h, C/G]
+    latent_cols = jnp.arange(group // 2 if paired else group)[None, :]
     rope_cols = jnp.arange(rope_dim)[None, :]
     contract_last = (((1,), (1,)), ((), ()))
     if pools:  # two pools: global block ids [0, Nf) full precision, [Nf, Nf + Nc) compressed; this layer's
@@ -157,7 +169,8 @@ def _decode_kernel(
         layer = layer_ref[0]
 
     def load_latent(slots_or_rows, g, valid, ref):
-        window = ref.at[slots_or_rows[:, None], g * group + latent_cols]
+        width = latent_cols.shape[1]  # a group's columns, or its byte pairs
+        window = ref.at[slots_or_rows[:, None], g * width + latent_cols]
         if jnp.dtype(ref.dtype) == jnp.float8_e4m3fn:
             # Triton cannot splat a fill value into fp8: masked lanes read a valid slot instead
             # (page 0's, or this layer's first compressed block's), finite, and get weight 0
@@ -197,6 +210,14 @@ def _decode_kernel(
                 kscale = plgpu.load(comp_scale_ref.at[comp_slots * num_groups + g], mask=valid & ~is_full,
                                     other=0.0)
                 kscale = jnp.where(is_full, 1.0, kscale)
+            elif paired:  # [block_k, C/G/2] pairs -> the group's even and odd columns, exact
+                kscale = plgpu.load(kscale_ref.at[slots * num_groups + g], mask=valid, other=0.0)  # f32[bk]
+                halves, kscale = _unpack_pairs(load_latent(slots, g, valid, c_kv_ref), paired, kscale)
+                s_g = sum(scores(q_groups[2 * g + h], halves[h].astype(compute_dtype)) for h in (0, 1))
+                s = s + s_g * kscale[None, :]
+                keys += [k.astype(compute_dtype) for k in halves]
+                kscales += [kscale, kscale]
+                continue
             else:
                 k_g = load_latent(slots, g, valid, c_kv_ref).astype(compute_dtype)  # [block_k, C/G]; exact
                 if quantized:
@@ -220,20 +241,41 @@ def _decode_kernel(
         return m_new, l, accs
 
     init = (jnp.full((block_h,), _M_INIT, jnp.float32), jnp.zeros((block_h,), jnp.float32),
-            tuple(jnp.zeros((block_h, group), jnp.float32) for _ in range(num_groups)))
+            tuple(jnp.zeros(q.shape, jnp.float32) for q in q_groups))
     m, l, accs = jax.lax.fori_loop(0, num_iters, body, init)
+
+    def store(ref, part, value):  # part ``part``'s columns of a [block_h, C] output
+        if paired:
+            plgpu.store(ref.at[heads, part_cols[part][None, :]], value.astype(ref.dtype))
+        else:
+            ref[:, group_cols(part)] = value.astype(ref.dtype)
+
     if len(out_refs) == 1:
         (o_ref,) = out_refs
         # l == 0 only for an empty context (length 0, e.g. a padding token): output zeros.
         denom = jnp.where(l == 0, 1.0, l)[:, None]
-        for g, acc in enumerate(accs):
-            o_ref[:, group_cols(g)] = (acc / denom).astype(o_ref.dtype)
+        for part, acc in enumerate(accs):
+            store(o_ref, part, acc / denom)
     else:
         m_ref, l_ref, acc_ref = out_refs
         m_ref[...] = m
         l_ref[...] = l
-        for g, acc in enumerate(accs):
-            acc_ref[:, group_cols(g)] = acc
+        for part, acc in enumerate(accs):
+            store(acc_ref, part, acc)
+
+
+def _unpack_pairs(pairs, stored: str, kscale):
+    """i16 byte pairs [bk, n] of an 8-bit cache -> ((low bytes, high bytes) as [bk, n] values, kscale):
+    int8 bytes sign-extended by shifts; fp8 e4m3 bytes moved bit for bit into f16 (sign, then exponent and
+    mantissa shifted 7 places: the f16 reads 2^-8 of the e4m3 value, subnormals included, which kscale
+    takes back). Both are elementwise on the loaded tile, so the dot operands need no byte shuffle."""
+    shift = lambda x, n: jax.lax.shift_right_arithmetic(x, jnp.int16(n))
+    low, high = shift(pairs << jnp.int16(8), 8), shift(pairs, 8)  # sign-extended bytes
+    if stored == "int8":
+        return (low, high), kscale
+    to_f16 = lambda b: jax.lax.bitcast_convert_type(((b & jnp.int16(0x80)) << jnp.int16(8))
+                                                    | ((b & jnp.int16(0x7F)) << jnp.int16(7)), jnp.float16)
+    return (to_f16(low), to_f16(high)), kscale * 256.0
 
 
 def _combine_kernel(
@@ -256,11 +298,13 @@ def _is_pow2(n: int) -> bool:
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
                    c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret,
                    compressed=None, pools=None, impl="auto", dot_dtype=None, length_offset=0,
-                   layer=None, layer_pages=None):
+                   layer=None, layer_pages=None, paired=False):
     """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]+length_offset-1 of
     table row seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype. With
     ``layer_pages`` the tables hold layer ``layer``'s page ids and c_kv / k_pe every layer's pages, layer
     l's page p at row l * layer_pages + p (added inside the kernel, as the lengths' offset is).
+    ``paired`` (an 8-bit cache in one pool): the kernel reads the latent rows as 16-bit byte pairs and
+    works on their even and odd columns apart (``_unpack_pairs``).
 
     Two pools (``pools`` = (Nf, Nc) static, ``compressed`` = (c_kv 8-bit [L * Nc, bs, C], scales
     f32[L * Nc, bs, G], layer i32)): c_kv is the full-precision pool [L * Nf, bs, C], k_pe spans both
@@ -323,11 +367,18 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         pad = ((0, 0), (0, padded_heads - num_heads), (0, 0))
         q_latent, q_pe = jnp.pad(q_latent, pad), jnp.pad(q_pe, pad)
 
+    stored = None
+    latent_rows = c_kv.reshape(num_pages * block_size, latent_dim)
+    if paired:
+        if not quantized or pools:
+            raise ValueError("paired=True reads an 8-bit cache in one pool (with c_kv_scale) as byte pairs")
+        stored = "fp8" if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn else "int8"
+        latent_rows = jax.lax.bitcast_convert_type(latent_rows.reshape(-1, latent_dim // 2, 2), jnp.int16)
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, table_width=table_width, block_k=block_k,
         tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_groups=num_groups,
         quantized=quantized, pools=pools, dot_dtype=dot_dtype, length_offset=length_offset,
-        layer_pages=None if pools else layer_pages)
+        layer_pages=None if pools else layer_pages, paired=stored)
     whole = pl.BlockSpec()  # indexed by hand inside the kernel
     f32 = jnp.float32
     if num_splits == 1:
@@ -355,9 +406,8 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"mla_decode_h{block_h}_k{block_k}_s{num_splits}" + (f"_q{num_groups}" if quantized else "")
-        + (f"_pools{num_groups}" if pools else ""),
-    )(block_tables.reshape(-1), seq_ids, lengths, q_latent, q_pe,
-      c_kv.reshape(num_pages * block_size, latent_dim),
+        + (f"_pools{num_groups}" if pools else "") + ("_paired" if paired else ""),
+    )(block_tables.reshape(-1), seq_ids, lengths, q_latent, q_pe, latent_rows,
       k_pe.reshape(-1, rope_dim),  # free reshapes: contiguous rows
       *([c_kv_scale.reshape(-1).astype(jnp.float32)] if quantized else []),
       *([jnp.asarray(layer, jnp.int32).reshape(1)] if pools or layer_pages else []),
@@ -418,7 +468,8 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
     )(m, l, acc)
 
 
-_STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl", "dot_dtype")
+_STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl", "dot_dtype",
+           "paired")
 # "auto": the Mosaic GPU kernel where it runs (Hopper, bf16 cache, heads a multiple of 64, pages a multiple
 # of 64 tokens; mla_decode_mgpu.supports), else the Triton one. "triton" / "mosaic" force one.
 IMPLS = ("auto", "triton", "mosaic")
@@ -428,7 +479,7 @@ _STATIC_PAGED = (*_STATIC, "pools", "layer_pages")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv_scale=None, num_splits=None,
                block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False, impl="auto",
-               dot_dtype=None):
+               dot_dtype=None, paired=False):
     """One query token per sequence; the semantics of ``mla_decode_reference``.
 
     q_latent [B, H, C], q_pe [B, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[B, W],
@@ -442,13 +493,13 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
                           jnp.arange(batch, dtype=jnp.int32), lengths.astype(jnp.int32), scale,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl,
-                          dot_dtype=dot_dtype)
+                          dot_dtype=dot_dtype, paired=paired)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC_PAGED)
 def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
               compressed=None, pools=None, layer=None, layer_pages=None, num_splits=None, block_h=None, block_k=None,
-              num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None):
+              num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None, paired=False):
     """The engine's entry; the semantics of ``mla_paged_reference``.
 
     q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
@@ -465,7 +516,7 @@ def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scal
                           layer=layer, layer_pages=layer_pages,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl,
-                          dot_dtype=dot_dtype)
+                          dot_dtype=dot_dtype, paired=paired)
 
 
 def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=None):

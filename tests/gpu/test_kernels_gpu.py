@@ -59,16 +59,17 @@ def test_mla_paged_mosaic_several_queries_per_sequence_gpu():
     assert _rel(np.asarray(got)[keep], np.asarray(want)[keep]) < 2e-2
 
 
-@pytest.mark.parametrize("kind, groups", [("int8", 1), ("fp8", 1), ("fp8", 4)])
+@pytest.mark.parametrize("kind, groups, paired", [("int8", 1, False), ("fp8", 1, False), ("fp8", 4, False),
+                                                  ("int8", 1, True), ("fp8", 4, True)])
 @pytest.mark.parametrize("heads", [16, 128])
-def test_mla_decode_quantized_cache_gpu(kind, groups, heads):
+def test_mla_decode_quantized_cache_gpu(kind, groups, paired, heads):
     from pallas_kernels.kv_quant import quantize_latent
     from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
 
     rng = np.random.default_rng(heads + groups)
     q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048])
     stored, scale = quantize_latent(c_kv, kind, groups)
-    got = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale)
+    got = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, paired=paired)
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     assert _rel(got, want) < 2e-2

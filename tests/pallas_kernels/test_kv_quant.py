@@ -56,6 +56,10 @@ def quantized_cache(rng, num_pages, block_size, latent_dim, rope_dim, kind, num_
     ("int8", 1, dict(num_splits=2, block_k=8)),
     ("fp8", 2, dict(num_splits=1, block_k=8)),
     ("int8", 4, dict(num_splits=4, block_k=4, block_h=8)),
+    # byte pairs: the rows read as 16-bit pairs, even and odd columns apart
+    ("int8", 1, dict(num_splits=2, block_k=8, paired=True)),
+    ("fp8", 2, dict(num_splits=1, block_k=8, paired=True)),
+    ("int8", 4, dict(num_splits=4, block_k=4, block_h=8, paired=True)),
 ])
 def test_mla_decode_reads_quantized_cache_like_the_reference(kind, num_groups, kwargs):
     rng = np.random.default_rng(num_groups)
@@ -77,7 +81,8 @@ def test_mla_decode_reads_quantized_cache_like_the_reference(kind, num_groups, k
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_bf16_queries_take_their_dot_dtype(kind):
+@pytest.mark.parametrize("paired", [False, True])
+def test_bf16_queries_take_their_dot_dtype(kind, paired):
     """bf16 queries over an 8-bit cache: fp8 rows go into float16 dots by default (one conversion
     instruction on Hopper), int8 rows into bf16 ones; either way within bf16 rounding of the reference,
     and the default equals the explicit choice."""
@@ -90,7 +95,7 @@ def test_bf16_queries_take_their_dot_dtype(kind):
     q_pe = jnp.asarray(rng.standard_normal((2, num_heads, rope_dim)), jnp.bfloat16)
     lengths = jnp.asarray([16, 9], jnp.int32)
     run = lambda **kw: mla_decode(q_latent, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, block_k=8,
-                                  interpret=True, **kw)
+                                  paired=paired, interpret=True, **kw)
     out = run()
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.asarray(run(dot_dtype="float16" if kind == "fp8" else "bfloat16"), np.float32))
@@ -115,6 +120,13 @@ def test_mla_paged_quantized_mixed_batch_and_padding():
     np.testing.assert_array_equal(np.asarray(out[-1]), 0.0)
 
 
+def test_paired_reads_need_one_8bit_pool():
+    q, c_kv = jnp.zeros((1, 4, 64)), jnp.zeros((4, 4, 64))
+    with pytest.raises(ValueError, match="paired=True reads an 8-bit cache in one pool"):
+        mla_decode(q, jnp.zeros((1, 4, 16)), c_kv, jnp.zeros((4, 4, 16)), jnp.zeros((1, 2), jnp.int32),
+                   jnp.ones((1,), jnp.int32), 0.1, paired=True, interpret=True)
+
+
 def test_an_8bit_cache_without_scales_is_refused():
     c_kv = jnp.zeros((4, 4, 64), jnp.int8)
     with pytest.raises(ValueError, match="needs its c_kv_scale"):
@@ -122,8 +134,9 @@ def test_an_8bit_cache_without_scales_is_refused():
                    jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), 0.1, interpret=True)
 
 
-@pytest.mark.parametrize("kind, num_groups", [("int8", 1), ("fp8", 4)])
-def test_quantized_decode_lowers_to_triton_for_h200(kind, num_groups):
+@pytest.mark.parametrize("kind, num_groups, paired", [("int8", 1, False), ("fp8", 4, False), ("int8", 1, True),
+                                                      ("fp8", 1, True)])
+def test_quantized_decode_lowers_to_triton_for_h200(kind, num_groups, paired):
     batch, num_heads, latent_dim, rope_dim, block_size, width = 8, 16, 512, 64, 64, 16
     shape = jax.ShapeDtypeStruct
     args = (shape((batch, num_heads, latent_dim), jnp.bfloat16), shape((batch, num_heads, rope_dim), jnp.bfloat16),
@@ -132,7 +145,7 @@ def test_quantized_decode_lowers_to_triton_for_h200(kind, num_groups):
             shape((batch, width), jnp.int32), shape((batch,), jnp.int32),
             shape((100, block_size, num_groups), jnp.float32))
     hlo = lower_for_h200(lambda q, qp, c, kp, t, n, s: mla_decode(q, qp, c, kp, t, n, 0.07, c_kv_scale=s,
-                                                                   num_splits=4), *args)
+                                                                   num_splits=4, paired=paired), *args)
     assert hlo.count("__gpu$xla.gpu.triton") == 2
 
 
