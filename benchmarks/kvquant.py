@@ -238,12 +238,16 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
             cache, scale = quantize_latent(c_kv, kind, latent // (group or latent))
         nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", kind, group)
                                     // config.num_hidden_layers)
-        fn = lambda q, qp, c, kp, t, n, s: mla_decode(q, qp, c, kp, t, n, 0.1, c_kv_scale=s)
-        us = device_time_us(fn, (q, q_pe, cache, k_pe, tables, lengths, scale), estimate_s=nbytes / 3e12)
-        rows.append({"kv_cache_dtype": label(kind, group), "batch": batch, "context": context, "heads": heads,
-                     "us": us, "bytes": nbytes, "TB/s": nbytes / us / 1e6, "tokens_per_us": batch * context / us})
-    # Two pools (full_precision_window = context / 4): each sequence's last quarter of pages full precision.
-    for kind in ("int8", "fp8"):
+        # 8-bit rows also read as 16-bit byte pairs (mla_decode paired=True)
+        for paired in (False, True) if kind != "auto" else (False,):
+            fn = lambda q, qp, c, kp, t, n, s, p=paired: mla_decode(q, qp, c, kp, t, n, 0.1, c_kv_scale=s, paired=p)
+            us = device_time_us(fn, (q, q_pe, cache, k_pe, tables, lengths, scale), estimate_s=nbytes / 3e12)
+            rows.append({"kv_cache_dtype": label(kind, group) + (", byte pairs" if paired else ""), "batch": batch,
+                         "context": context, "heads": heads, "us": us, "bytes": nbytes, "TB/s": nbytes / us / 1e6,
+                         "tokens_per_us": batch * context / us})
+    # Two pools (full_precision_window = context / 4): each sequence's last quarter of pages full precision;
+    # each lane reading its page's pool, and (uniform_pages) each 64-key iteration its one page's pool.
+    for kind, uniform_pages in (("int8", False), ("fp8", False), ("int8", True), ("fp8", True)):
         recent = pages_per_seq // 4
         full_pages = batch * recent
         comp_pages = num_pages - full_pages
@@ -254,12 +258,13 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
         pool_tables = jnp.concatenate([old, new], axis=1).astype(jnp.int32)
         per_layer = lambda k: PagedKVCache.bytes_per_token(config, "bfloat16", k) // config.num_hidden_layers
         nbytes = batch * block_size * (full_pages // batch * per_layer("auto") + comp_pages // batch * per_layer(kind))
-        fn = lambda q, qp, f, kp, t, pos, c, s: mla_paged(q, qp, f, kp, t, jnp.arange(batch, dtype=jnp.int32), pos,
-                                                         0.1, compressed=(c, s, jnp.int32(0)),
-                                                         pools=(full_pages, comp_pages))
+        fn = lambda q, qp, f, kp, t, pos, c, s, u=uniform_pages: mla_paged(
+            q, qp, f, kp, t, jnp.arange(batch, dtype=jnp.int32), pos, 0.1, compressed=(c, s, jnp.int32(0)),
+            pools=(full_pages, comp_pages), uniform_pages=u)
         us = device_time_us(fn, (q, q_pe, full, k_pe, pool_tables, lengths - 1, comp, comp_scale),
                             estimate_s=nbytes / 3e12)
-        rows.append({"kv_cache_dtype": label(kind, None, context // 4), "batch": batch, "context": context,
+        rows.append({"kv_cache_dtype": label(kind, None, context // 4) + (", pool per page" if uniform_pages else ""),
+                     "batch": batch, "context": context,
                      "heads": heads, "us": us, "bytes": nbytes, "TB/s": nbytes / us / 1e6,
                      "tokens_per_us": batch * context / us})
     return rows

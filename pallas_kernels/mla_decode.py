@@ -133,6 +133,7 @@ def _decode_kernel(
     length_offset: int,
     layer_pages: int | None,
     paired: str | None,
+    uniform_pages: bool,
 ):
     refs = list(refs)
     kscale_ref = refs.pop(0) if quantized else None
@@ -201,8 +202,21 @@ def _decode_kernel(
                                                      precision=precision)  # [block_h, block_k]
         s = scores(q_pe, keys_pe)
         keys, kscales = [], []
+        if uniform_pages:  # the iteration's keys lie in one page, so in one pool: read only that one
+            first_page = tables_ref[seq_id * table_width + (start + i * block_k) // block_size]
+
+            def read(ref, rows, scales):
+                return (tuple(load_latent(rows, g, valid, ref).astype(compute_dtype) for g in range(num_groups)),
+                        tuple(jnp.ones((block_k,), jnp.float32) if scales is None else
+                              plgpu.load(scales.at[rows * num_groups + g], mask=valid, other=0.0)
+                              for g in range(num_groups)))
+
+            pool_keys, pool_scales = jax.lax.cond(first_page < num_full, lambda: read(c_kv_ref, slots, None),
+                                                  lambda: read(comp_ref, comp_slots, comp_scale_ref))
         for g in range(num_groups):
-            if pools:  # each lane reads one pool (masked); the other load of a lane is masked off or,
+            if uniform_pages:
+                k_g, kscale = pool_keys[g], pool_scales[g]
+            elif pools:  # each lane reads one pool (masked); the other load of a lane is masked off or,
                 # for fp8, a re-read of one L2-resident row
                 k_full = load_latent(slots, g, valid & is_full, c_kv_ref).astype(compute_dtype)
                 k_comp = load_latent(comp_slots, g, valid & ~is_full, comp_ref).astype(compute_dtype)
@@ -298,13 +312,15 @@ def _is_pow2(n: int) -> bool:
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
                    c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret,
                    compressed=None, pools=None, impl="auto", dot_dtype=None, length_offset=0,
-                   layer=None, layer_pages=None, paired=False):
+                   layer=None, layer_pages=None, paired=False, uniform_pages=False):
     """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]+length_offset-1 of
     table row seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype. With
     ``layer_pages`` the tables hold layer ``layer``'s page ids and c_kv / k_pe every layer's pages, layer
     l's page p at row l * layer_pages + p (added inside the kernel, as the lengths' offset is).
     ``paired`` (an 8-bit cache in one pool): the kernel reads the latent rows as 16-bit byte pairs and
-    works on their even and odd columns apart (``_unpack_pairs``).
+    works on their even and odd columns apart (``_unpack_pairs``). ``uniform_pages`` (two pools, pages a
+    multiple of block_k tokens): each iteration reads only the pool its page lies in (a branch), not
+    both pools masked.
 
     Two pools (``pools`` = (Nf, Nc) static, ``compressed`` = (c_kv 8-bit [L * Nc, bs, C], scales
     f32[L * Nc, bs, G], layer i32)): c_kv is the full-precision pool [L * Nf, bs, C], k_pe spans both
@@ -367,6 +383,9 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         pad = ((0, 0), (0, padded_heads - num_heads), (0, 0))
         q_latent, q_pe = jnp.pad(q_latent, pad), jnp.pad(q_pe, pad)
 
+    if uniform_pages and (not pools or block_size % block_k):
+        raise ValueError(f"uniform_pages=True reads two pools with pages a multiple of block_k; got pools={pools}, "
+                         f"page size {block_size}, block_k={block_k}")
     stored = None
     latent_rows = c_kv.reshape(num_pages * block_size, latent_dim)
     if paired:
@@ -378,7 +397,7 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         _decode_kernel, block_size=block_size, table_width=table_width, block_k=block_k,
         tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_groups=num_groups,
         quantized=quantized, pools=pools, dot_dtype=dot_dtype, length_offset=length_offset,
-        layer_pages=None if pools else layer_pages, paired=stored)
+        layer_pages=None if pools else layer_pages, paired=stored, uniform_pages=uniform_pages)
     whole = pl.BlockSpec()  # indexed by hand inside the kernel
     f32 = jnp.float32
     if num_splits == 1:
@@ -473,7 +492,7 @@ _STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages
 # "auto": the Mosaic GPU kernel where it runs (Hopper, bf16 cache, heads a multiple of 64, pages a multiple
 # of 64 tokens; mla_decode_mgpu.supports), else the Triton one. "triton" / "mosaic" force one.
 IMPLS = ("auto", "triton", "mosaic")
-_STATIC_PAGED = (*_STATIC, "pools", "layer_pages")
+_STATIC_PAGED = (*_STATIC, "pools", "layer_pages", "uniform_pages")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -499,7 +518,8 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
 @functools.partial(jax.jit, static_argnames=_STATIC_PAGED)
 def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
               compressed=None, pools=None, layer=None, layer_pages=None, num_splits=None, block_h=None, block_k=None,
-              num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None, paired=False):
+              num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None, paired=False,
+              uniform_pages=False):
     """The engine's entry; the semantics of ``mla_paged_reference``.
 
     q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
@@ -516,7 +536,7 @@ def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scal
                           layer=layer, layer_pages=layer_pages,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl,
-                          dot_dtype=dot_dtype, paired=paired)
+                          dot_dtype=dot_dtype, paired=paired, uniform_pages=uniform_pages)
 
 
 def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=None):

@@ -76,7 +76,8 @@ def test_mla_decode_quantized_cache_gpu(kind, groups, paired, heads):
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_mla_paged_two_pools_gpu(kind):
+@pytest.mark.parametrize("uniform_pages", [False, True])
+def test_mla_paged_two_pools_gpu(kind, uniform_pages):
     from pallas_kernels.kv_quant import quantize_latent
     from pallas_kernels.mla_decode import mla_paged, mla_paged_pools_reference
 
@@ -91,7 +92,8 @@ def test_mla_paged_two_pools_gpu(kind):
     positions = jnp.asarray([511, 400, 300, 450], jnp.int32)
     q, q_pe = mk(4, heads, 512), mk(4, heads, 64)
     compressed = (comp, comp_scale, jnp.int32(1))
-    got = mla_paged(q, q_pe, full, k_pe, tables, seq_ids, positions, 0.1, compressed=compressed, pools=(nf, nc))
+    got = mla_paged(q, q_pe, full, k_pe, tables, seq_ids, positions, 0.1, compressed=compressed, pools=(nf, nc),
+                    uniform_pages=uniform_pages)
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_paged_pools_reference(f32(q), f32(q_pe), f32(full), f32(k_pe), tables, seq_ids, positions, 0.1,
                                      compressed, (nf, nc))

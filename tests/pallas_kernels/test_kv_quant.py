@@ -168,18 +168,25 @@ def test_mla_paged_two_pools_matches_reference(kind, num_groups):
     q = jnp.asarray(rng.standard_normal((5, heads, latent)), jnp.float32)
     q_pe = jnp.asarray(rng.standard_normal((5, heads, rope)), jnp.float32)
     compressed = (comp, comp_scale, jnp.int32(1))
-    out = mla_paged(q, q_pe, full, k_pe, tables, seq_ids, positions, 0.2, compressed=compressed,
-                    pools=(num_full, num_comp), block_k=4, num_splits=2, interpret=True)
     ref = mla_paged_pools_reference(q, q_pe, full, k_pe, tables, seq_ids, positions, 0.2, compressed,
                                     (num_full, num_comp))
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # each lane reading its own page's pool, or (uniform_pages) each 4-key iteration its one page's pool
+    for uniform_pages in (False, True):
+        out = mla_paged(q, q_pe, full, k_pe, tables, seq_ids, positions, 0.2, compressed=compressed,
+                        pools=(num_full, num_comp), block_k=4, num_splits=2, uniform_pages=uniform_pages,
+                        interpret=True)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="uniform_pages=True reads two pools with pages a multiple of block_k"):
+        mla_paged(q, q_pe, full, k_pe, tables, seq_ids, positions, 0.2, compressed=compressed,
+                  pools=(num_full, num_comp), block_k=8, uniform_pages=True, interpret=True)
     # Layer 1 really is read: layer 0's pools give something else.
     other = mla_paged_pools_reference(q, q_pe, full, k_pe, tables, seq_ids, positions, 0.2,
                                       (comp, comp_scale, jnp.int32(0)), (num_full, num_comp))
     assert np.abs(np.asarray(other) - np.asarray(ref)).max() > 1e-2
 
 
-def test_two_pool_decode_lowers_to_triton_for_h200():
+@pytest.mark.parametrize("uniform_pages", [False, True])
+def test_two_pool_decode_lowers_to_triton_for_h200(uniform_pages):
     shape = jax.ShapeDtypeStruct
     L, nf, nc, bs, heads = 2, 40, 60, 64, 16
     args = (shape((8, heads, 512), jnp.bfloat16), shape((8, heads, 64), jnp.bfloat16),
@@ -187,5 +194,6 @@ def test_two_pool_decode_lowers_to_triton_for_h200():
             shape((8, 16), jnp.int32), shape((8,), jnp.int32), shape((8,), jnp.int32),
             shape((L * nc, bs, 512), jnp.float8_e4m3fn), shape((L * nc, bs, 1), jnp.float32), shape((), jnp.int32))
     fn = lambda q, qp, c, kp, t, sid, pos, cc, cs, layer: mla_paged(
-        q, qp, c, kp, t, sid, pos, 0.07, compressed=(cc, cs, layer), pools=(nf, nc), num_splits=4)
+        q, qp, c, kp, t, sid, pos, 0.07, compressed=(cc, cs, layer), pools=(nf, nc), num_splits=4,
+        uniform_pages=uniform_pages)
     assert lower_for_h200(fn, *args).count("__gpu$xla.gpu.triton") == 2
