@@ -5,8 +5,9 @@ k_pe [rope_dim] of each token. Queries arrive already absorbed: q_latent = q_nop
 
 The kernel is flash-decoding on the Triton lowering. A program owns (head tile, context split,
 sequence): it reads each cache token of its split once for all ``block_h`` heads of the tile and keeps
-an f32 online softmax (m, l, acc). With one split the program writes the output directly; otherwise a
-second small kernel merges the per-split partials. Each iteration gathers ``block_k`` cache rows
+an f32 online softmax (m, l, acc). Splits cut each query's own context (not the longest possible one)
+into equal runs of whole iterations. With one split the program writes the output directly; otherwise
+a second small kernel merges the per-split partials. Each iteration gathers ``block_k`` cache rows
 through the block table, one row per token, so any page size works (4 … 64, or a whole sequence).
 
 On Hopper, with a bf16 cache and a head count that is a multiple of 64 (DeepSeek-V3's 128), the
@@ -124,7 +125,7 @@ def _decode_kernel(
     block_size: int,
     table_width: int,
     block_k: int,
-    tokens_per_split: int,
+    num_splits: int,
     scale_log2e: float,
     num_groups: int,
     quantized: bool,
@@ -143,6 +144,10 @@ def _decode_kernel(
     split, b = pl.program_id(1), pl.program_id(2)
     seq_id = seq_ids_ref[b]
     length = lengths_ref[b] + length_offset
+    # Each query's own context is cut into num_splits equal runs of whole block_k iterations, so a short
+    # context spreads over the splits as a long one does (with splits sized by the longest possible
+    # context, a 128-token context at batch 1 ran 4 iterations in one program, 7 programs idle).
+    tokens_per_split = pl.cdiv(pl.cdiv(jnp.maximum(length, 1), num_splits), block_k) * block_k
     start = split * tokens_per_split
     end = jnp.minimum(start + tokens_per_split, length)
     num_iters = pl.cdiv(jnp.maximum(end - start, 0), block_k)
@@ -374,8 +379,6 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     if num_splits > 1 and not _is_pow2(num_splits):
         raise ValueError(f"num_splits must be a power of two (the combine loads all splits at "
                          f"once), got {num_splits}")
-    # Each split is a whole number of block_k iterations; trailing splits may be empty.
-    tokens_per_split = pl.cdiv(pl.cdiv(max_context, num_splits), block_k) * block_k
 
     head_tiles = pl.cdiv(num_heads, block_h)
     padded_heads = head_tiles * block_h
@@ -395,7 +398,7 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         latent_rows = jax.lax.bitcast_convert_type(latent_rows.reshape(-1, latent_dim // 2, 2), jnp.int16)
     kernel = functools.partial(
         _decode_kernel, block_size=block_size, table_width=table_width, block_k=block_k,
-        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_groups=num_groups,
+        num_splits=num_splits, scale_log2e=scale * _LOG2E, num_groups=num_groups,
         quantized=quantized, pools=pools, dot_dtype=dot_dtype, length_offset=length_offset,
         layer_pages=None if pools else layer_pages, paired=stored, uniform_pages=uniform_pages)
     whole = pl.BlockSpec()  # indexed by hand inside the kernel
