@@ -90,6 +90,8 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = Fals
     ``partials`` (with ``norm``): the products of x * g unsummed over the kernel's S K-splits, f32[S * T,
     N_i] each, then the rows' partial sums of squares f32[S * T]: for ``write_latents`` to finish (the
     reference: one split)."""
+    if partials and norm is None:
+        raise ValueError("stacked_matmuls: partials=True comes with the norm's sums of squares; give norm")
     if backend == "reference":
         if partials:
             scaled = (x * norm[0][layer]).astype(x.dtype)
