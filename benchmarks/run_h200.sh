@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep).
+# tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 part=${1:-tests}
+MODEL_TESTS="engine_pallas or paged_decode_pallas or model_bf16 or every_kernel_at_tiny"
 case $part in
-  tests)      # kernels on the GPU vs references, engine with kernels vs the reference path
-    timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rA 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+  tests)      # kernels on the GPU vs references (the whole-model checks are tests-model: one call each fits)
+    timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "not ($MODEL_TESTS)" 2>&1 \
+      | tee "$OUT/gpu_tests.log" | tail -15 ;;
+  tests-model)  # the engine and the paged forward with kernel_backend="pallas" vs the reference path
+    timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "$MODEL_TESTS" 2>&1 \
+      | tee "$OUT/gpu_tests_model.log" | tail -15 ;;
   decode-round)  # after a change to the decode path: its GPU tests, a batch-1 step profile, the small-batch curve
     timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "stacked or moe_decode or write_latents or engine_pallas" 2>&1 | tee "$OUT/gpu_tests_decode.log" | tail -4
@@ -48,6 +53,6 @@ case $part in
     timeout 200 python -m benchmarks.kvquant --kernels-only --out "$OUT/kvquant_kernels_h200" | grep -v WARNING | tail -16 ;;
   kvquant-sweep)  # the decode kernel over bf16 / int8 / fp8 caches: tiles x dot operand dtypes (about 2 minutes)
     timeout 300 python -m benchmarks.kvquant --decode-sweep --out "$OUT/kvquant_decode_sweep_h200" | grep -v WARNING | tail -30 ;;
-  *) echo "usage: $0 tests|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep" >&2
+  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep" >&2
      exit 2 ;;
 esac
