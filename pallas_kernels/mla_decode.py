@@ -110,6 +110,17 @@ def default_num_splits(batch: int, num_heads: int, max_context: int, block_h: in
     return splits
 
 
+def split_range(length, split, num_splits: int, block_k: int, *, maximum=max, minimum=min):
+    """Keys [start, end) of split ``split`` of a query with ``length`` keys: its own context cut into
+    num_splits equal runs of whole block_k iterations (trailing splits may be empty), so a short
+    context spreads over the splits as a long one does. (Runs sized by the longest possible context
+    left a 128-token context at batch 1 in one program of 4 iterations, 7 programs idle.) Python ints
+    or, inside the kernel, traced ones (with jnp's maximum / minimum)."""
+    per_split = pl.cdiv(pl.cdiv(maximum(length, 1), num_splits), block_k) * block_k
+    start = split * per_split
+    return start, minimum(start + per_split, length)
+
+
 def _decode_kernel(
     tables_ref,  # i32[S * W]: every block table row, flattened
     seq_ids_ref,  # i32[B]: block-table row of each query
@@ -144,12 +155,7 @@ def _decode_kernel(
     split, b = pl.program_id(1), pl.program_id(2)
     seq_id = seq_ids_ref[b]
     length = lengths_ref[b] + length_offset
-    # Each query's own context is cut into num_splits equal runs of whole block_k iterations, so a short
-    # context spreads over the splits as a long one does (with splits sized by the longest possible
-    # context, a 128-token context at batch 1 ran 4 iterations in one program, 7 programs idle).
-    tokens_per_split = pl.cdiv(pl.cdiv(jnp.maximum(length, 1), num_splits), block_k) * block_k
-    start = split * tokens_per_split
-    end = jnp.minimum(start + tokens_per_split, length)
+    start, end = split_range(length, split, num_splits, block_k, maximum=jnp.maximum, minimum=jnp.minimum)
     num_iters = pl.cdiv(jnp.maximum(end - start, 0), block_k)
 
     # The latent splits into num_groups column groups of one scale each (one group unquantized).

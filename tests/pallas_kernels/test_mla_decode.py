@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.mla_decode import (default_num_splits, mla_decode, mla_decode_reference, mla_paged,
-                                       mla_paged_reference)
+                                       mla_paged_reference, split_range)
 from tests.pallas_kernels.kernel_utils import lower_for_h200
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -109,6 +109,20 @@ def test_mla_paged_layer_local_tables():
                     layer_pages=num_pages, block_k=8, interpret=True)
     ref = mla_paged_reference(q_latent, q_pe, c_kv[num_pages:], k_pe[num_pages:], tables, seq_ids, positions, 0.1)
     assert_close(out, ref, jnp.float32)
+
+
+@pytest.mark.parametrize("length", [1, 9, 129, 500, 4096])
+def test_split_ranges_cut_each_context_evenly(length):
+    """The splits tile [0, length) in order, each a whole number of 32-key iterations but the last busy
+    one, and no busy split is longer than the context's fair share rounded up to an iteration."""
+    ranges = [split_range(length, s, 8, 32) for s in range(8)]
+    busy = [(a, b) for a, b in ranges if b > a]
+    assert busy[0][0] == 0 and busy[-1][1] == length
+    assert all(b0 == a1 for (_, b0), (a1, _) in zip(busy, busy[1:]))
+    assert all((b - a) % 32 == 0 for a, b in busy[:-1])
+    assert max(b - a for a, b in busy) == -(-(-(-length // 8)) // 32) * 32 or len(busy) == 1
+    if length == 129:  # batch 1 at a 129-token context: five busy programs of one iteration each
+        assert len(busy) == 5
 
 
 def test_default_num_splits_fills_the_gpu():
