@@ -218,18 +218,26 @@ def v2lite_logit_error(model, num_tokens: int) -> list[dict]:
     return rows
 
 
+def _full_cache(config, batch: int, context: int, block_size: int):
+    """Random decode inputs over a full cache: f32 latents c_kv [P, bs, C] (to store in each format), bf16
+    k_pe, queries q [B, H, C] / q_pe, shuffled block tables [B, context / bs], lengths = context."""
+    heads, latent, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    pages = batch * (context // block_size)
+    key = jax.random.PRNGKey(0)
+    return (jax.random.normal(key, (pages, block_size, latent), jnp.float32),
+            jax.random.normal(key, (pages, block_size, rope), jnp.bfloat16),
+            jax.random.normal(key, (batch, heads, latent), jnp.bfloat16),
+            jax.random.normal(key, (batch, heads, rope), jnp.bfloat16),
+            jax.random.permutation(key, pages).reshape(batch, -1).astype(jnp.int32),
+            jnp.full((batch,), context, jnp.int32))
+
+
 def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> list[dict]:
     """The paged decode kernel on a full cache: effective TB/s = cache bytes read / time."""
-    heads, latent, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    heads, latent = config.num_attention_heads, config.kv_lora_rank
     pages_per_seq = context // block_size
     num_pages = batch * pages_per_seq
-    key = jax.random.PRNGKey(0)
-    c_kv = jax.random.normal(key, (num_pages, block_size, latent), jnp.float32)
-    k_pe = jax.random.normal(key, (num_pages, block_size, rope), jnp.bfloat16)
-    q = jax.random.normal(key, (batch, heads, latent), jnp.bfloat16)
-    q_pe = jax.random.normal(key, (batch, heads, rope), jnp.bfloat16)
-    tables = jax.random.permutation(key, num_pages).reshape(batch, pages_per_seq).astype(jnp.int32)
-    lengths = jnp.full((batch,), context, jnp.int32)
+    c_kv, k_pe, q, q_pe, tables, lengths = _full_cache(config, batch, context, block_size)
     rows = []
     for kind, group in usable_formats(config):
         if kind == "auto":
@@ -279,15 +287,7 @@ def decode_sweep(config, batch: int, context: int, block_size: int = 64) -> list
     ``SWEEP_TILES``, for the 8-bit rows in each dot operand dtype (the query's bf16, or float16) and read
     as 16-bit byte pairs (``paired``): where the 8-bit kernel's time goes. TB/s on each format's own
     bytes; loop time (``device_time_us``)."""
-    heads, latent, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
-    pages = batch * (context // block_size)
-    key = jax.random.PRNGKey(0)
-    c_kv = jax.random.normal(key, (pages, block_size, latent), jnp.float32)
-    k_pe = jax.random.normal(key, (pages, block_size, rope), jnp.bfloat16)
-    q = jax.random.normal(key, (batch, heads, latent), jnp.bfloat16)
-    q_pe = jax.random.normal(key, (batch, heads, rope), jnp.bfloat16)
-    tables = jax.random.permutation(key, pages).reshape(batch, -1).astype(jnp.int32)
-    lengths = jnp.full((batch,), context, jnp.int32)
+    c_kv, k_pe, q, q_pe, tables, lengths = _full_cache(config, batch, context, block_size)
     rows = []
     for kind in ("auto", "int8", "fp8"):
         cache, scale = (c_kv.astype(jnp.bfloat16), None) if kind == "auto" else quantize_latent(c_kv, kind, 1)

@@ -24,12 +24,25 @@ def _compute_capability() -> str:
     return str(getattr(jax.devices()[0], "compute_capability", ""))
 
 
+def inv_rms(sum_of_squares, depth: int, eps: float):
+    """RMSNorm's scale 1 / sqrt(mean(x^2) + eps) from a row's sum of squares over ``depth`` values (the
+    kernels that fold the norm in get the sum from split-K partials)."""
+    return jax.lax.rsqrt(sum_of_squares / depth + eps)
+
+
 def rms_norm(x, weight, eps: float):
     """x [..., D] over its last axis, in f32 and scaled in x's dtype (as transformers does), times weight
     [D]: the model's RMSNorm (``dsjax.model.norms``) and the references of the kernels that fuse it."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * inv_rms(jnp.sum(x32 * x32, axis=-1, keepdims=True), x.shape[-1], eps)
     return weight * x32.astype(x.dtype)
+
+
+def rotate_pair(x1, x2, freqs, cos_sin_scale: float):
+    """One rope rotation of the pairs (x1, x2) by angles freqs -> (x1 cos - x2 sin, x2 cos + x1 sin),
+    cos and sin scaled by ``cos_sin_scale`` (YaRN); kernels that load the two halves apart call it."""
+    cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 def rotate(x32, freqs, cos_sin_scale: float, interleave: bool):
@@ -37,12 +50,11 @@ def rotate(x32, freqs, cos_sin_scale: float, interleave: bool):
     axes) -> f32 [..., R] in the halves layout [rotated evens | rotated odds], whether x's pairs are
     interleaved (x0, x1), (x2, x3), ... (DeepSeek's checkpoints) or (x_i, x_{i+R/2}). q and k share the
     layout, so q·k is unchanged. ``dsjax.model.rope.apply_rope`` and the kernels' references use it."""
-    cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
     if interleave:
         x1, x2 = x32[..., 0::2], x32[..., 1::2]
     else:
         x1, x2 = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return jnp.concatenate(rotate_pair(x1, x2, freqs, cos_sin_scale), axis=-1)
 
 
 def dot_precision(dtype):

@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import rms_norm, rotate
+from pallas_kernels.common import inv_rms, rms_norm, rotate, rotate_pair
 
 
 def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, norm_ref, inv_freq_ref, *refs,
@@ -45,15 +45,13 @@ def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, n
     dtype = c_kv_ref.dtype
     half = rope_dim // 2
     if rms:
-        depth, rms_eps = rms
-        squares = sum(squares_ref[s * num_tokens + token] for s in range(splits))
-        inv_rms = jax.lax.rsqrt(squares / depth + rms_eps)
+        row_scale = inv_rms(sum(squares_ref[s * num_tokens + token] for s in range(splits)), *rms)
 
     def load(ref, cols, ok):
         """This token's row of ref at cols: the partials added (and 1 / rms applied), rounded to the model
         dtype as the unfused path rounds a projection's output, in f32."""
         row = sum(plgpu.load(ref.at[s * num_tokens + token, cols], mask=ok, other=0) for s in range(splits))
-        return (row * inv_rms if rms else row).astype(dtype).astype(jnp.float32)
+        return (row * row_scale if rms else row).astype(dtype).astype(jnp.float32)
 
     def store_rotated(load_at, store_at):
         """rope of the R values load_at(idx, ok) at this token's position -> store_at(idx, value, ok), in
@@ -62,10 +60,10 @@ def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, n
         ok = pairs < half
         x1, x2 = (load_at(2 * pairs, ok), load_at(2 * pairs + 1, ok)) if interleave else \
             (load_at(pairs, ok), load_at(pairs + half, ok))
-        freqs = position * plgpu.load(inv_freq_ref.at[pairs], mask=ok, other=0)
-        cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
-        store_at(pairs, (x1 * cos - x2 * sin).astype(dtype), ok)
-        store_at(half + pairs, (x2 * cos + x1 * sin).astype(dtype), ok)
+        first, second = rotate_pair(x1, x2, position * plgpu.load(inv_freq_ref.at[pairs], mask=ok, other=0),
+                                    cos_sin_scale)
+        store_at(pairs, first.astype(dtype), ok)
+        store_at(half + pairs, second.astype(dtype), ok)
 
     slot = slots_ref[token]
     num_heads = q_heads[0] if q_heads else 0
@@ -76,7 +74,7 @@ def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, n
         cols = jnp.arange(pl.next_power_of_2(latent_dim))
         c_ok = cols < latent_dim
         c = load(kv_ref, cols, c_ok)  # then kv_a_norm in f32
-        inv_c = jax.lax.rsqrt(jnp.sum(c * c) / latent_dim + eps)
+        inv_c = inv_rms(jnp.sum(c * c), latent_dim, eps)
         g = plgpu.load(norm_ref.at[norm_index_ref[0], cols], mask=c_ok, other=0)
         plgpu.store(c_kv_ref.at[layer, block, offset, cols], (g * (c * inv_c).astype(dtype)).astype(dtype),
                     mask=c_ok)
@@ -166,8 +164,7 @@ def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_
     def finish(rows):  # partials added, 1 / rms, rounded to the model dtype, in f32
         rows = rows.reshape(-1, num_tokens, rows.shape[-1]).sum(axis=0)
         if row_rms is not None:
-            depth, rms_eps = row_rms
-            rows = rows * jax.lax.rsqrt(squares.reshape(-1, num_tokens).sum(axis=0) / depth + rms_eps)[:, None]
+            rows = rows * inv_rms(squares.reshape(-1, num_tokens).sum(axis=0), *row_rms)[:, None]
         return rows.astype(dtype).astype(jnp.float32)
 
     kv = finish(kv)

@@ -90,15 +90,21 @@ class MLAttention(nnx.Module):
         layer stack: the attention's RMSNorm (``norm``'s eps, the stack's weights ``stacked["norm"]``) and
         the q (or q_a) and kv_a products in one stacked-GEMV launch; with a q LoRA, q_b in a second with
         q_a_norm fused in."""
-        flat = lambda w: w.reshape(w.shape[0], w.shape[1], -1)
         index, heads = stacked["index"], stacked["q_proj" if self.q_proj is not None else "q_b"]  # [L, K, H, Dqk]
-        q, kv, _ = dispatch.stacked_matmuls(x, (flat(stacked["q_proj" if self.q_proj is not None else "q_a"]),
-                                                stacked["kv_a"]), index, backend, norm=(stacked["norm"], norm.eps))
+        q, kv, _ = self._first_launch(x, stacked, norm, backend)
         if self.q_proj is None:
-            q, _ = dispatch.stacked_matmuls(q.astype(x.dtype), (flat(heads),), index, backend,
+            q, _ = dispatch.stacked_matmuls(q.astype(x.dtype), (_flat_heads(heads),), index, backend,
                                             norm=(stacked["q_a_norm"], self.q_a_norm.eps))
         q = q.astype(x.dtype).reshape(x.shape[0], *heads.shape[-2:])  # this rank's heads (tensor ranks hold some)
         return self._split_queries(q, positions), kv
+
+    def _first_launch(self, x, stacked, norm, backend, partials: bool = False):
+        """The attention's RMSNorm with the q (or q_a) and kv_a products of raw tokens x [T, D]: one
+        stacked-GEMV launch -> (q, kv, normed rows), or with ``partials`` the unsummed split-K partials
+        and the rows' partial sums of squares (``dispatch.stacked_matmuls``)."""
+        q_weight = _flat_heads(stacked["q_proj"]) if self.q_proj is not None else stacked["q_a"]
+        return dispatch.stacked_matmuls(x, (q_weight, stacked["kv_a"]), stacked["index"], backend,
+                                        norm=(stacked["norm"], norm.eps), partials=partials)
 
     def _decode_write(self, x, cache: PagedKVCache, layer, batch: PagedBatch, stacked, norm, backend):
         """``_decode_projections`` and the cache write of a few raw tokens x [T, D] into one unquantized
@@ -113,12 +119,10 @@ class MLAttention(nnx.Module):
             (q_nope, q_pe), kv = self._decode_projections(x, batch.positions, stacked, norm, backend)
             c_kv, k_pe = write(kv)
         else:
-            heads = stacked["q_proj"]  # [L, D, H, Dqk]: this rank's heads
-            q, kv, squares = dispatch.stacked_matmuls(
-                x, (heads.reshape(*heads.shape[:2], -1), stacked["kv_a"]), stacked["index"], backend,
-                norm=(stacked["norm"], norm.eps), partials=True)
+            q, kv, squares = self._first_launch(x, stacked, norm, backend, partials=True)
+            num_heads = stacked["q_proj"].shape[2]  # [L, D, H, Dqk]: this rank's heads
             c_kv, k_pe, q_nope, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
-                                             q_heads=(heads.shape[2], self.nope_dim))
+                                             q_heads=(num_heads, self.nope_dim))
         return q_nope, q_pe, cache._replace(c_kv=c_kv, k_pe=k_pe)
 
     def absorb_query(self, q_nope, stacked=None, backend="reference"):
@@ -214,3 +218,8 @@ class MLAttention(nnx.Module):
                 batch.positions, self.scale, backend, c_kv_scale=flat(cache.c_kv_scale), layer=layer,
                 layer_pages=num_blocks)
         return self.output(ctx, stacked, backend), cache
+
+
+def _flat_heads(w):
+    """A stacked per-head weight [L, K, H, Dh] as the stacked GEMVs take it: [L, K, H * Dh] (free)."""
+    return w.reshape(w.shape[0], w.shape[1], -1)
