@@ -1,8 +1,8 @@
 """Tensor vs expert parallelism on two GPUs: decode throughput and per-GPU memory of the
 deepseek-v2-lite preset (random bf16 weights), TP=2 and EP=2 against one GPU.
 
-    python -m benchmarks.parallel_h200x2                        # all three runs, ~6 min on 2x H200
-    python -m benchmarks.parallel_h200x2 --runs ep2 --batches 256 512
+    python -m benchmarks.parallel_h200x2                        # every run, ~6 min on 2x H200
+    python -m benchmarks.parallel_h200x2 --runs 1gpu tp2 ep2 --batches 256 512 1024
     python -m benchmarks.parallel_h200x2 --runs 1gpu ep2 --batches 256 --profile-batch 256  # + op profile
 
 Each run is its own subprocess (a clean device, its own peak-memory counter, a timeout); results are
@@ -21,7 +21,11 @@ import subprocess
 import sys
 import time
 
-RUNS = {"1gpu": {}, "tp2": {"tensor_parallel_size": 2}, "ep2": {"expert_parallel_size": 2}}
+# ParallelConfig fields of each run. ep2 takes the default token exchange (auto: the all-gather at
+# EP=2, V2-Lite's top-6); the -padded / -ragged runs the two all-to-all transports (docs/parallelism.md).
+RUNS = {"1gpu": {}, "tp2": {"tensor_parallel_size": 2}, "ep2": {"expert_parallel_size": 2},
+        "ep2-padded": {"expert_parallel_size": 2, "expert_all_to_all": "padded"},
+        "ep2-ragged": {"expert_parallel_size": 2, "expert_all_to_all": "ragged"}}
 NAME = "parallel_h200x2"
 
 
@@ -32,7 +36,7 @@ def child(run: str, args) -> dict:
 
     from benchmarks.decode_probe import decode_len, measure, start_decode_batch
     from benchmarks.step_profile import profile_compiled_step
-    from dsjax import LLM
+    from dsjax import LLM, ParallelConfig
 
     top = max(args.batches)
     budget = max(top, args.prefill_chunk)
@@ -44,7 +48,7 @@ def child(run: str, args) -> dict:
     llm = LLM(args.preset, dtype=args.dtype, kernel_backend=args.kernel_backend, max_num_seqs=top,
               max_num_batched_tokens=budget, max_model_len=max_len, block_size=64, buckets=tuple(sorted(buckets)),
               enable_prefix_caching=False, progress=False, kv_cache_memory=int(args.kv_cache_gib * 2**30),
-              async_scheduling=args.async_scheduling, **RUNS[run])
+              async_scheduling=args.async_scheduling, parallel=ParallelConfig(**RUNS[run]))
     setup_s = time.perf_counter() - start
     devices = jax.local_devices()[:max(1, llm.model.mesh.size if llm.model.mesh is not None else 1)]
     weights = {str(d): 0 for d in devices}
@@ -79,7 +83,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="+", default=list(RUNS), choices=list(RUNS))
     parser.add_argument("--preset", default="deepseek-v2-lite")
-    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512, 1024])
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=2048)
@@ -91,6 +95,8 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds per run")
     parser.add_argument("--profile-batch", type=int, default=None,
                         help="also profile one decode step at this batch (top device ops, all GPUs summed)")
+    parser.add_argument("--xla-flags", default="", help="XLA_FLAGS for the runs (e.g. command-buffer types)")
+    parser.add_argument("--tag", default="", help="suffix of the run names in the results (e.g. a flag variant)")
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -104,18 +110,21 @@ def main(argv=None):
     previous = json.loads(path.read_text()) if path.is_file() else {}
     runs = {r["run"]: r for r in previous.get("runs", [])}
     forwarded = list(argv if argv is not None else sys.argv[1:])
-    for run in args.runs:
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    if args.xla_flags:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
+    for base in args.runs:
+        run = base + args.tag
         start = time.perf_counter()
-        print(f"--- {run}: {RUNS[run] or 'one GPU'} (timeout {args.timeout:.0f}s)", flush=True)
+        print(f"--- {run}: {RUNS[base] or 'one GPU'} (timeout {args.timeout:.0f}s)", flush=True)
         try:
-            proc = subprocess.run([sys.executable, "-m", "benchmarks.parallel_h200x2", *forwarded, "--child", run],
-                                  capture_output=True, text=True, timeout=args.timeout,
-                                  env=os.environ | {"PYTHONUNBUFFERED": "1"})
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.parallel_h200x2", *forwarded, "--child", base],
+                                  capture_output=True, text=True, timeout=args.timeout, env=env)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
             if proc.returncode or not lines:
                 runs[run] = {"run": run, "error": f"exit {proc.returncode}: {proc.stderr[-3000:]}"}
             else:
-                runs[run] = json.loads(lines[-1][len("RESULT "):])
+                runs[run] = json.loads(lines[-1][len("RESULT "):]) | {"run": run, "xla_flags": args.xla_flags}
         except subprocess.TimeoutExpired as e:
             runs[run] = {"run": run, "error": f"timed out after {args.timeout:.0f}s: {(e.stderr or b'')[-2000:]!r}"}
         error = f"  ERROR {runs[run]['error'][-1500:]}" if "error" in runs[run] else ""

@@ -19,21 +19,41 @@ import numpy as np
 from dsjax import LLM, SamplingParams
 
 
-def top_ops(trace_file: str, limit: int = 25) -> list[tuple[str, float, int]]:
-    """(name, total µs, count) of the device ops in a perfetto trace, largest first."""
+def _device_events(trace_file: str) -> list[dict]:
+    """The complete ('X') events of a perfetto trace's GPU processes."""
     with gzip.open(trace_file) as f:
         events = json.load(f)
     events = events.get("traceEvents", events)
-    totals, counts = defaultdict(float), defaultdict(int)
     pid_names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        if "gpu" not in pid_names.get(e.get("pid"), "").lower() and "/device" not in pid_names.get(e.get("pid"), ""):
-            continue
+    on_device = lambda pid: "gpu" in pid_names.get(pid, "").lower() or "/device" in pid_names.get(pid, "")
+    return [e for e in events if e.get("ph") == "X" and "dur" in e and on_device(e.get("pid"))]
+
+
+def top_ops(trace_file: str, limit: int = 25) -> list[tuple[str, float, int]]:
+    """(name, total µs, count) of the device ops in a perfetto trace, largest first."""
+    totals, counts = defaultdict(float), defaultdict(int)
+    for e in _device_events(trace_file):
         totals[e["name"]] += e["dur"]
         counts[e["name"]] += 1
     return sorted(((n, totals[n], counts[n]) for n in totals), key=lambda x: -x[1])[:limit]
+
+
+def busy_us(trace_file: str) -> list[float]:
+    """Per GPU of the trace: µs in which at least one of its ops runs (the union of their intervals;
+    against the wall time of the traced steps it shows how long the GPU sat idle, e.g. waiting on the
+    host's launches)."""
+    spans = defaultdict(list)
+    for e in _device_events(trace_file):
+        spans[e["pid"]].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    busy = []
+    for pid in sorted(spans):
+        total, end = 0.0, float("-inf")
+        for start, stop in sorted(spans[pid]):
+            if stop > end:
+                total += stop - max(start, end)
+                end = stop
+        busy.append(total)
+    return busy
 
 
 def main(argv=None):
@@ -71,8 +91,9 @@ def main(argv=None):
 
 def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: int = 20, limit: int = 25) -> dict:
     """The engine's next step (a steady decode, once the batch is decoding), prepared once and launched
-    by hand: its device time alone (mean of ``repeats``) and the top device ops of a profiler trace
-    of ``steps`` launches, summed over every device of the mesh. The step is discarded afterwards."""
+    by hand: its device time alone (mean of ``repeats``), how long each launch call holds the host, and
+    from a profiler trace of ``steps`` launches the top device ops (summed over every device of the
+    mesh) and each GPU's busy time a step. The step is discarded afterwards."""
     runner = engine.runner
     out = engine.scheduler.schedule()
     rows = [engine._row(item.seq) for item in out.scheduled]
@@ -82,9 +103,11 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
     for _ in range(3):
         res = runner.launch(t, inputs)
     jax.block_until_ready(res)
-    start = time.perf_counter()
+    start, launch_s = time.perf_counter(), 0.0
     for _ in range(repeats):
+        call = time.perf_counter()
         res = runner.launch(t, inputs)
+        launch_s += time.perf_counter() - call
     jax.block_until_ready((runner.cache, res))
     device_s = (time.perf_counter() - start) / repeats
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -95,6 +118,9 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
     ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps}
            for name, us, count in (top_ops(files[0], limit) if files else [])]
     return {"device_ms": device_s * 1e3, "prepare_ms": prepare_s * 1e3, "steps": steps,
+            # how long launch() takes to return: near device_ms when the host cannot queue ahead
+            "launch_call_ms": launch_s / repeats * 1e3,
+            "busy_ms_per_gpu": [us / steps / 1e3 for us in busy_us(files[0])] if files else None,
             "trace": files[0] if files else None, "ops": ops}
 
 

@@ -408,7 +408,7 @@ class EngineConfig:
 
 
 PARALLEL_PRESETS_DIR = Path(__file__).resolve().parents[1] / "configs" / "parallel"
-EXPERT_ALL_TO_ALL = ("auto", "padded", "ragged")
+EXPERT_ALL_TO_ALL = ("auto", "allgather", "padded", "ragged")
 # YAML spellings: the design notes' *_degree keys, or our *_size names.
 _PARALLEL_ALIASES = {
     "tensor_parallel_degree": "tensor_parallel_size", "expert_parallel_degree": "expert_parallel_size",
@@ -432,7 +432,7 @@ class ParallelConfig:
     # Rows each rank may send to each other rank per MoE layer, as a multiple of the mean
     # (T*k/expert_parallel_size); None: the worst case, so no token is ever dropped.
     expert_capacity_factor: float | None = None
-    expert_all_to_all: str = "auto"  # auto: ragged_all_to_all on GPU, padded all_to_all elsewhere
+    expert_all_to_all: str = "auto"  # the token exchange; auto: allgather while ep <= top-k, else padded
     coordinator_address: str | None = None  # "host:port" of process 0; None: a single process
     num_processes: int = 1
     process_id: int = 0

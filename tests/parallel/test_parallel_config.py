@@ -37,7 +37,7 @@ def test_design_notes_spelling_maps_to_sizes(tmp_path):
 @pytest.mark.parametrize("settings, field, accepted", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size", "a positive integer"),
     ({"expert_capacity_factor": -1.0}, "expert_capacity_factor", "a positive number"),
-    ({"expert_all_to_all": "nccl"}, "expert_all_to_all", "auto, padded, ragged"),
+    ({"expert_all_to_all": "nccl"}, "expert_all_to_all", "auto, allgather, padded, ragged"),
     ({"num_processes": 2}, "coordinator_address", "'host:port' of process 0"),
     ({"num_processes": 2, "process_id": 2, "coordinator_address": "h:1"}, "process_id", "[0, num_processes=2)"),
     ({"pipeline_parallel_degree": 4}, "pipeline_parallel_degree", "1 (pipeline parallelism is not implemented)"),

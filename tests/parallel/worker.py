@@ -112,8 +112,8 @@ def check_mesh(tp, ep, dp, one_device, reference, ref_tokens, ref_logprobs, int8
 
 
 def check_dispatch() -> dict:
-    """moe_expert_parallel (padded, and ragged with an emulated transport) on 4 expert ranks against
-    the dense reference over all tokens; also lowers the real ragged_all_to_all (GPU-only to run)."""
+    """moe_expert_parallel (all-gather, padded, and ragged with an emulated transport) on 4 expert ranks
+    against the dense reference over all tokens; also lowers the real ragged_all_to_all (GPU-only to run)."""
     from jax.sharding import PartitionSpec as P
 
     from dsjax.parallel import expert as ep_module
@@ -138,16 +138,18 @@ def check_dispatch() -> dict:
         body = jax.shard_map(local, mesh=mesh, in_specs=(P("expert"),) * 6, out_specs=P("expert"))
         return jax.jit(body)
 
-    results = {"padded": rel_err(run(ExpertDispatch())(*args), reference)}
-    lowered = run(ExpertDispatch(ragged=True)).lower(*args).as_text()
+    results = {"padded": rel_err(run(ExpertDispatch(transport="padded"))(*args), reference),
+               "allgather": rel_err(run(ExpertDispatch(transport="allgather"))(*args), reference)}
+    lowered = run(ExpertDispatch(transport="ragged")).lower(*args).as_text()
     results["ragged_lowers"] = "ragged_all_to_all" in lowered or "ragged-all-to-all" in lowered
     ep_module.ragged_all_to_all = _emulated_ragged_all_to_all
-    results["ragged_emulated"] = rel_err(run(ExpertDispatch(ragged=True))(*args), reference)
-    capped = run(ExpertDispatch(capacity_factor=1.0))(*args)  # drops rows past the mean: must differ
+    results["ragged_emulated"] = rel_err(run(ExpertDispatch(transport="ragged"))(*args), reference)
+    capped = run(ExpertDispatch(capacity_factor=1.0, transport="padded"))(*args)  # drops rows: must differ
     results["capped_differs"] = rel_err(capped, reference) > 1e-3
     # bf16 rows: weights and ids travel bit-packed in two 16-bit columns each
     as_bf16 = (jnp.asarray(x, jnp.bfloat16), *args[1:])
-    results["ragged_emulated_bf16"] = rel_err(run(ExpertDispatch(ragged=True))(*as_bf16), reference)
+    results["ragged_emulated_bf16"] = rel_err(run(ExpertDispatch(transport="ragged"))(*as_bf16), reference)
+    results["allgather_bf16"] = rel_err(run(ExpertDispatch(transport="allgather"))(*as_bf16), reference)
     return results
 
 
@@ -169,12 +171,9 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 
 def check_kernels() -> dict:
     """The GPU code path on CPU: Pallas kernels in interpret mode on each rank's shards (local heads,
-    local experts, empty expert rows) and the ragged transport (emulated), DP=2 x EP=2 x TP=2."""
-    from dsjax.parallel import expert as ep_module
-
-    ep_module.ragged_all_to_all = _emulated_ragged_all_to_all
-    parallel = ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, data_parallel_size=2,
-                              expert_all_to_all="ragged")
+    local experts, the other ranks' slots as empty expert rows) and the transport the GPU takes at EP=2
+    (auto: the all-gather, ep <= k), DP=2 x EP=2 x TP=2."""
+    parallel = ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, data_parallel_size=2)
     _, ref_tokens, _ = generate()
     llm = LLM("tiny", kernel_backend="interpret", parallel=parallel, **ENGINE)
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
