@@ -29,7 +29,9 @@ tiles have no transposing shared-memory load into the tensor cores' layout, whic
 ``paired=True`` tests that: the rows are read as 16-bit byte pairs and the kernel works on each
 group's even and odd columns apart (the query split the same way, the output stored back
 interleaved), unpacking the bytes with shifts (int8) or moving e4m3 bits into f16 (fp8) on the loaded
-tile. Exact in interpret mode; not yet timed on the H200 (``kvquant --decode-sweep`` has it).
+tile. On the H200 it helps int8 (133 -> 120 us, 1.41 TB/s) and fp8 with scale groups (158 -> 148),
+not per-token fp8 (139 either way), and is the default for one 8-bit pool: the layout explains some
+of the gap to bf16 rows, not most of it.
 """
 
 from __future__ import annotations
@@ -323,7 +325,7 @@ def _is_pow2(n: int) -> bool:
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
                    c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret,
                    compressed=None, pools=None, impl="auto", dot_dtype=None, length_offset=0,
-                   layer=None, layer_pages=None, paired=False, uniform_pages=False):
+                   layer=None, layer_pages=None, paired=None, uniform_pages=None):
     """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]+length_offset-1 of
     table row seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype. With
     ``layer_pages`` the tables hold layer ``layer``'s page ids and c_kv / k_pe every layer's pages, layer
@@ -331,7 +333,10 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     ``paired`` (an 8-bit cache in one pool): the kernel reads the latent rows as 16-bit byte pairs and
     works on their even and odd columns apart (``_unpack_pairs``). ``uniform_pages`` (two pools, pages a
     multiple of block_k tokens): each iteration reads only the pool its page lies in (a branch), not
-    both pools masked.
+    both pools masked. None (the default) turns each on wherever it applies: on the H200 (V2-Lite,
+    batch 64, 4k context; benchmarks/results/kvquant_kernels_h200.json) byte pairs take int8 from 133
+    to 120 us and fp8 with 128-wide scale groups from 158 to 148 (per-token fp8 even, 139 us); a pool
+    per page takes the two-pool path from 428 to 141 us (int8) and from 510 to 158 (fp8).
 
     Two pools (``pools`` = (Nf, Nc) static, ``compressed`` = (c_kv 8-bit [L * Nc, bs, C], scales
     f32[L * Nc, bs, G], layer i32)): c_kv is the full-precision pool [L * Nf, bs, C], k_pe spans both
@@ -392,6 +397,10 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         pad = ((0, 0), (0, padded_heads - num_heads), (0, 0))
         q_latent, q_pe = jnp.pad(q_latent, pad), jnp.pad(q_pe, pad)
 
+    if paired is None:
+        paired = quantized and not pools
+    if uniform_pages is None:
+        uniform_pages = bool(pools) and block_size % block_k == 0
     if uniform_pages and (not pools or block_size % block_k):
         raise ValueError(f"uniform_pages=True reads two pools with pages a multiple of block_k; got pools={pools}, "
                          f"page size {block_size}, block_k={block_k}")
@@ -507,7 +516,7 @@ _STATIC_PAGED = (*_STATIC, "pools", "layer_pages", "uniform_pages")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv_scale=None, num_splits=None,
                block_h=None, block_k=None, num_warps=None, num_stages=None, interpret=False, impl="auto",
-               dot_dtype=None, paired=False):
+               dot_dtype=None, paired=None):
     """One query token per sequence; the semantics of ``mla_decode_reference``.
 
     q_latent [B, H, C], q_pe [B, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[B, W],
@@ -527,8 +536,8 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
 @functools.partial(jax.jit, static_argnames=_STATIC_PAGED)
 def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
               compressed=None, pools=None, layer=None, layer_pages=None, num_splits=None, block_h=None, block_k=None,
-              num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None, paired=False,
-              uniform_pages=False):
+              num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None, paired=None,
+              uniform_pages=None):
     """The engine's entry; the semantics of ``mla_paged_reference``.
 
     q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
