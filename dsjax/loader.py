@@ -11,7 +11,7 @@ from dsjax.checkpoint.orbax_io import is_orbax_dir, load_orbax
 from dsjax.config import ConfigError, ModelConfig, ParallelConfig, list_presets
 from dsjax.model.transformer import random_model
 from dsjax.parallel.expert import expert_dispatch
-from dsjax.parallel.mesh import check_mesh, initialize_distributed, make_mesh, parallel_config_of
+from dsjax.parallel.mesh import check_mesh, make_mesh, parallel_config_of, prepare_process
 from dsjax.tokenizer import ByteTokenizer, HFTokenizer
 
 DTYPES = ("float32", "bfloat16")
@@ -51,7 +51,7 @@ def load_model(path_or_preset: str | Path, dtype: str = "float32", kernel_backen
         raise ConfigError(f"dtype={dtype!r} is not supported; accepted: {', '.join(DTYPES)}")
     kind, where = _resolve(path_or_preset)
     parallel = parallel or ParallelConfig()
-    initialize_distributed(parallel)
+    prepare_process(parallel)
     if mesh is None:
         mesh = make_mesh(parallel)
     else:

@@ -13,7 +13,7 @@ from dsjax.engine.llm_engine import LLMEngine
 from dsjax.engine.outputs import RequestOutput
 from dsjax.engine.sampling_params import SamplingParams
 from dsjax.loader import DEFAULT_MODEL, load_model, load_tokenizer
-from dsjax.parallel.mesh import initialize_distributed
+from dsjax.parallel.mesh import prepare_process
 
 
 class LLM:
@@ -32,7 +32,7 @@ class LLM:
                  **engine_args):
         parallel = parallel_config(parallel, tensor_parallel_size=tensor_parallel_size,
                                    expert_parallel_size=expert_parallel_size, data_parallel_size=data_parallel_size)
-        initialize_distributed(parallel)  # before anything touches a device
+        prepare_process(parallel)  # before anything touches a device
         if dtype == "auto":
             dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
         self.model = load_model(model, dtype=dtype, kernel_backend=kernel_backend, progress=progress,

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.loader import load_model, load_tokenizer
-from dsjax.parallel.mesh import initialize_distributed
+from dsjax.parallel.mesh import prepare_process
 from dsjax.serve import fault_inject
 from dsjax.serve.app import build_app
 from dsjax.serve.async_engine import AsyncEngine
@@ -33,7 +33,7 @@ _FORCED_SHUTDOWN_S = 5  # after the drain: how long uvicorn waits for responses 
 
 def build_engine(config: ServeConfig) -> LLMEngine:
     parallel = config.parallel()
-    initialize_distributed(parallel)  # before anything touches a device
+    prepare_process(parallel)  # before anything touches a device
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"

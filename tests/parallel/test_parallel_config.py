@@ -84,3 +84,24 @@ def test_every_parameter_axis_has_a_rule_and_the_split_is_the_intended_one():
                           "expert", "moe_mlp", None}
     with pytest.raises(ValueError, match="no sharding rule"):
         logical_to_spec(("heads", "nonsense"))
+
+
+def test_meshes_set_their_xla_flags_before_the_backend_starts(monkeypatch):
+    from dsjax.parallel import mesh
+
+    flag = mesh.MESH_XLA_FLAGS[0]
+    monkeypatch.setattr(mesh.xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    mesh.prepare_process(ParallelConfig())  # one device: nothing to add
+    assert flag not in mesh.os.environ["XLA_FLAGS"]
+    mesh.prepare_process(ParallelConfig(expert_parallel_size=2))
+    assert mesh.os.environ["XLA_FLAGS"] == f"--xla_force_host_platform_device_count=8 {flag}"
+    mesh.prepare_process(ParallelConfig(expert_parallel_size=2))  # added once
+    assert mesh.os.environ["XLA_FLAGS"].count(flag) == 1
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_command_buffer=FUSION")  # the user's own choice stays
+    mesh.prepare_process(ParallelConfig(tensor_parallel_size=2))
+    assert mesh.os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
+    monkeypatch.delenv("XLA_FLAGS")
+    monkeypatch.setattr(mesh.xla_bridge, "backends_are_initialized", lambda: True)  # too late: flags are read
+    mesh.prepare_process(ParallelConfig(tensor_parallel_size=2))
+    assert "XLA_FLAGS" not in mesh.os.environ
