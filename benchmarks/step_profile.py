@@ -118,7 +118,7 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
     ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps}
            for name, us, count in (top_ops(files[0], limit) if files else [])]
     return {"device_ms": device_s * 1e3, "prepare_ms": prepare_s * 1e3, "steps": steps,
-            # how long launch() takes to return: near device_ms when the host cannot queue ahead
+            # host time inside each launch() of the back-to-back loop above (its share of device_ms)
             "launch_call_ms": launch_s / repeats * 1e3,
             "busy_ms_per_gpu": [us / steps / 1e3 for us in busy_us(files[0])] if files else None,
             "trace": files[0] if files else None, "ops": ops}

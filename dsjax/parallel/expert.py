@@ -98,7 +98,7 @@ def moe_expert_parallel(x, weights, ids, num_local_experts: int, expert_fn: Expe
     send = (x[jnp.arange(flat_ids.shape[0]) // top_k], weights.reshape(-1).astype(jnp.float32), local_ids)
     exchange = _ragged if transport == "ragged" else _padded
     rows = exchange(send, dest, rank_in_dest, keep, jnp.sum(onehot, axis=0), cap, num_local_experts,
-                     expert_fn)  # [A, D], weighted
+                    expert_fn)  # [A, D], weighted
     rows = jnp.where(keep[:, None], rows.astype(jnp.float32), 0.0)
     return jnp.sum(rows.reshape(num_tokens, top_k, -1), axis=1).astype(x.dtype)
 

@@ -23,9 +23,9 @@ BATCH_AXES = (DATA, EXPERT)  # sequences, their tokens and their KV blocks are s
 
 
 # NCCL collectives recorded into XLA's command buffers (CUDA graphs) with the kernels around them. On
-# two H200s (benchmarks/results/parallel_h200x2.json, EP=2, the -cbc runs) the device step is 4-6%
-# shorter, and the host no longer waits for each layer's launches: the engine step at batch 256 went
-# from 10-23 ms to 10-11 ms for a 10-11 ms device step. XLA:CPU ignores the option.
+# two H200s (benchmarks/results/parallel_h200x2.json, EP=2 batch 256, the -cbc runs against ep2-nocb)
+# the device step is 4-6% shorter and the host queues ahead again: engine steps of 10.0-10.9 ms for a
+# 10.0 ms device step, against 16-23 ms for 10.6-11.1 without. XLA:CPU accepts and ignores the option.
 MESH_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+COLLECTIVES",)
 
 
