@@ -28,7 +28,7 @@ class ByteTokenizer:
         return ([self.bos_token_id] if add_special_tokens and self.bos_token_id is not None else []) + ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
+        data = bytes([i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET])
         return data.decode("utf-8", errors="replace")
 
 

@@ -252,8 +252,8 @@ class LLMEngine:
             result = self.runner.fetch(handle)
         except Exception as e:
             raise StepFailedError(self._fail_step(out, also_failed), e) from e
-        sampled = {item.seq.request_id: int(result.token_ids[i])
-                   for i, item in enumerate(out.scheduled) if item.do_sample}
+        token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()  # Python numbers, in one pass
+        sampled = {item.seq.request_id: token_ids[i] for i, item in enumerate(out.scheduled) if item.do_sample}
         received = {id(item) for item in self.scheduler.resolve(out, sampled)}
         now = time.time()
         touched: dict[str, _Request] = {}
@@ -263,11 +263,11 @@ class LLMEngine:
             request, index = self._owner[item.seq.request_id]
             token = sampled[item.seq.request_id]
             request.metrics.first_token_time = request.metrics.first_token_time or now
-            request.cumulative_logprob[index] += float(result.logprobs[i])
+            request.cumulative_logprob[index] += logprobs[i]
             if request.params.logprobs is not None:
                 k = request.params.logprobs
                 entry = {int(t): float(lp) for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k])}
-                entry[token] = float(result.logprobs[i])
+                entry[token] = logprobs[i]
                 request.logprobs[index].append(entry)
             detok = request.detokenizers[index]
             detok.append(token)
@@ -286,7 +286,7 @@ class LLMEngine:
                 for seq in request.seqs:
                     self._owner.pop(seq.request_id, None)
             if finished or not request.final_only:
-                outputs.append(self._output(request))
+                outputs.append(self._output(request, finished))
         return outputs
 
     def _compress_old_blocks(self) -> None:
@@ -334,17 +334,21 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         return failed
 
-    def _output(self, request: _Request) -> RequestOutput:
-        request.metrics.num_preemptions = sum(seq.num_preemptions for seq in request.seqs)
+    def _output(self, request: _Request, finished: bool | None = None) -> RequestOutput:
+        """The request's outputs so far; ``finished``: request.finished, when the caller has it."""
+        seqs = request.seqs
+        request.metrics.num_preemptions = (seqs[0].num_preemptions if len(seqs) == 1 else
+                                           sum(seq.num_preemptions for seq in seqs))
         completions = [
             CompletionOutput(
                 index=i, text=request.detokenizers[i].text, token_ids=list(seq.output_token_ids),
                 cumulative_logprob=request.cumulative_logprob[i],
                 logprobs=list(request.logprobs[i]) if request.params.logprobs is not None else None,
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-            for i, seq in enumerate(request.seqs)]
+            for i, seq in enumerate(seqs)]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished, request.metrics, request.seqs[0].num_cached_tokens)
+                             request.finished if finished is None else finished, request.metrics,
+                             seqs[0].num_cached_tokens)
 
     # ----- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -22,7 +22,9 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISH_REASONS
+        # Identity tests rather than a set lookup (an enum member's hash is Python code): this runs for
+        # every running sequence several times a step.
+        return self is not SequenceStatus.RUNNING and self is not SequenceStatus.WAITING
 
 
 # OpenAI API wording for each finished status.

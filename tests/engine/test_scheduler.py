@@ -326,3 +326,15 @@ def test_random_simulation_keeps_invariants_and_leaks_nothing():
     # The run exercised what it is meant to.
     assert s.num_preemptions > 0 and bm.prefix_cache_hit_rate > 0 and bm.num_evictions > 0
     assert s.num_finished == n
+
+
+def test_finished_statuses_are_exactly_those_with_a_finish_reason():
+    from dsjax.engine.sequence import finish_reason_of
+
+    for status in SequenceStatus:
+        if status.is_finished:
+            assert finish_reason_of(status) in ("stop", "length", "abort")
+        else:
+            assert status in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+            with pytest.raises(ValueError, match="accepted a finished status"):
+                finish_reason_of(status)
