@@ -61,3 +61,13 @@ def test_parallel_benchmark_runs_one_device_with_a_profile(tmp_path):
     assert "error" not in run, run.get("error")
     assert run["rows"][0]["batch"] == 2 and run["rows"][0]["tok_per_s"] > 0
     assert run["profile"]["batch"] == 2 and run["profile"]["device_ms"] > 0
+
+
+def test_host_overhead_benchmark_times_the_engine_without_its_device(tmp_path):
+    from benchmarks import host_overhead
+
+    payload = host_overhead.main(["--batches", "8", "--steps", "3", "--profile", "2", "--out", str(tmp_path / "host")])
+    (row,) = payload["rows"]
+    assert row["batch"] == 8 and row["cpu_ms"] > 0 and row["us_per_sequence"] > 0
+    assert row["python_calls_per_step"] > 8 and any("_complete" in e["function"] for e in row["top"])
+    assert json.loads((tmp_path / "host.json").read_text())["rows"][0]["batch"] == 8
