@@ -1,7 +1,7 @@
 """The device mesh: ('data', 'expert', 'tensor') over the devices of every process.
 
 tensor is the innermost axis (neighbouring device ids, the fastest links): it carries two all-reduces
-per layer. expert carries the MoE all-to-all; data only splits the batch.
+per layer. expert carries the MoE token exchange; data only splits the batch.
 """
 
 from __future__ import annotations
@@ -10,10 +10,15 @@ import logging
 import os
 
 import jax
-from jax._src import xla_bridge
 from jax.sharding import AxisType, Mesh
 
 from dsjax.config import ConfigError, ParallelConfig
+
+try:  # JAX has no public way to ask whether its backend has started (and read XLA_FLAGS)
+    from jax._src.xla_bridge import backends_are_initialized
+except ImportError:  # a later JAX: assume not; a flag added too late then has no effect, silently
+    def backends_are_initialized() -> bool:
+        return False
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +47,7 @@ def _add_xla_flags(flags: tuple[str, ...]) -> None:
     missing = [f for f in flags if f.split("=")[0] not in current]
     if not missing:
         return
-    if xla_bridge.backends_are_initialized():
+    if backends_are_initialized():
         if jax.default_backend() == "gpu":
             log.warning("the XLA backend has already started: %s not applied (set XLA_FLAGS before the "
                         "first device use to apply them)", " ".join(missing))

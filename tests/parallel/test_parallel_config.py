@@ -90,7 +90,7 @@ def test_meshes_set_their_xla_flags_before_the_backend_starts(monkeypatch):
     from dsjax.parallel import mesh
 
     flag = mesh.MESH_XLA_FLAGS[0]
-    monkeypatch.setattr(mesh.xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(mesh, "backends_are_initialized", lambda: False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     mesh.prepare_process(ParallelConfig())  # one device: nothing to add
     assert flag not in mesh.os.environ["XLA_FLAGS"]
@@ -102,6 +102,6 @@ def test_meshes_set_their_xla_flags_before_the_backend_starts(monkeypatch):
     mesh.prepare_process(ParallelConfig(tensor_parallel_size=2))
     assert mesh.os.environ["XLA_FLAGS"] == "--xla_gpu_enable_command_buffer=FUSION"
     monkeypatch.delenv("XLA_FLAGS")
-    monkeypatch.setattr(mesh.xla_bridge, "backends_are_initialized", lambda: True)  # too late: flags are read
+    monkeypatch.setattr(mesh, "backends_are_initialized", lambda: True)  # too late: flags are read
     mesh.prepare_process(ParallelConfig(tensor_parallel_size=2))
     assert "XLA_FLAGS" not in mesh.os.environ
