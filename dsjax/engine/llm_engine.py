@@ -334,8 +334,8 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
         return failed
 
-    def _output(self, request: _Request, finished: bool | None = None) -> RequestOutput:
-        """The request's outputs so far; ``finished``: request.finished, when the caller has it."""
+    def _output(self, request: _Request, finished: bool) -> RequestOutput:
+        """The request's outputs so far; ``finished``: request.finished, which the caller has computed."""
         seqs = request.seqs
         request.metrics.num_preemptions = (seqs[0].num_preemptions if len(seqs) == 1 else
                                            sum(seq.num_preemptions for seq in seqs))
@@ -347,8 +347,7 @@ class LLMEngine:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
             for i, seq in enumerate(seqs)]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
-                             request.finished if finished is None else finished, request.metrics,
-                             seqs[0].num_cached_tokens)
+                             finished, request.metrics, seqs[0].num_cached_tokens)
 
     # ----- introspection ---------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dsjax.config import ParallelConfig
+from dsjax.config import EXPERT_ALL_TO_ALL, ParallelConfig
 from dsjax.parallel.collectives import axis_size
 from dsjax.parallel.mesh import EXPERT
 
@@ -44,7 +44,7 @@ ExpertFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 ragged_all_to_all = jax.lax.ragged_all_to_all  # module attribute: CPU tests substitute an emulation
 
 
-TRANSPORTS = ("allgather", "padded", "ragged")
+TRANSPORTS = tuple(t for t in EXPERT_ALL_TO_ALL if t != "auto")  # ParallelConfig.expert_all_to_all's
 
 
 class ExpertDispatch(NamedTuple):
