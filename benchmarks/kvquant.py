@@ -31,6 +31,7 @@ from benchmarks.common import device_time_us, environment, markdown_table, write
 from dsjax import EngineConfig, SamplingParams, load_model, load_tokenizer
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.model.paged import PagedBatch, PagedKVCache
+from pallas_kernels import mla_decode_8bit_mgpu
 from pallas_kernels.kv_quant import quantize_latent
 from pallas_kernels.mla_decode import mla_decode, mla_paged
 
@@ -246,11 +247,19 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
             cache, scale = quantize_latent(c_kv, kind, latent // (group or latent))
         nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", kind, group)
                                     // config.num_hidden_layers)
-        # 8-bit rows also read as 16-bit byte pairs (mla_decode paired=True)
-        for paired in (False, True) if kind != "auto" else (False,):
-            fn = lambda q, qp, c, kp, t, n, s, p=paired: mla_decode(q, qp, c, kp, t, n, 0.1, c_kv_scale=s, paired=p)
+        # The default kernel (8-bit rows: Triton, as 16-bit byte pairs), the Triton kernel reading bytes, and
+        # for a scale a token the Mosaic GPU kernel (impl="mosaic", pallas_kernels/mla_decode_8bit_mgpu.py)
+        variants = [("", {})]
+        if kind != "auto":
+            variants.append((", triton bytes", dict(impl="triton", paired=False)))
+        groups = 1 if group is None else latent // group
+        if kind != "auto" and mla_decode_8bit_mgpu.supports(heads, latent, config.qk_rope_head_dim, block_size,
+                                                            cache.dtype, groups) is None:
+            variants.append((", mosaic", dict(impl="mosaic")))
+        for name, options in variants:
+            fn = lambda q, qp, c, kp, t, n, s, o=options: mla_decode(q, qp, c, kp, t, n, 0.1, c_kv_scale=s, **o)
             us = device_time_us(fn, (q, q_pe, cache, k_pe, tables, lengths, scale), estimate_s=nbytes / 3e12)
-            rows.append({"kv_cache_dtype": label(kind, group) + (", byte pairs" if paired else ""), "batch": batch,
+            rows.append({"kv_cache_dtype": label(kind, group) + name, "batch": batch,
                          "context": context, "heads": heads, "us": us, "bytes": nbytes, "TB/s": nbytes / us / 1e6,
                          "tokens_per_us": batch * context / us})
     # Two pools (full_precision_window = context / 4): each sequence's last quarter of pages full precision;

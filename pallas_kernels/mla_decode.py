@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import mla_decode_mgpu
+from pallas_kernels import mla_decode_8bit_mgpu, mla_decode_mgpu
 from pallas_kernels.common import dot_precision
 from pallas_kernels.kv_quant import dequantize_latent
 
@@ -342,9 +342,7 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     f32[L * Nc, bs, G], layer i32)): c_kv is the full-precision pool [L * Nf, bs, C], k_pe spans both
     [L * (Nf + Nc), bs, R], and the tables hold global block ids (no layer offset)."""
     batch, num_heads, latent_dim = q_latent.shape
-    if (dot_dtype is None and jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not pools
-            and q_latent.dtype == jnp.bfloat16):
-        dot_dtype = "float16"  # see the module docstring
+    triton_options = bool(block_h or block_k or paired or dot_dtype)  # tuning knobs of the Triton kernel
     if pools:
         comp_c_kv, comp_scale, layer = compressed
         num_groups = comp_scale.shape[-1]
@@ -364,16 +362,32 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     table_width = block_tables.shape[1]
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not supported; accepted: {', '.join(IMPLS)}")
-    why_not = "interpret mode" if interpret else "an 8-bit cache or two pools" if quantized or pools else \
-        mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype)
+    if interpret:
+        why_not = "interpret mode"
+    elif pools:
+        why_not = "two pools"
+    elif quantized:
+        why_not = (f"{jnp.dtype(q_latent.dtype).name} queries (its dots take bf16)" if q_latent.dtype != jnp.bfloat16
+                   else mla_decode_8bit_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype,
+                                                      num_groups))
+    else:
+        why_not = mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype)
     if impl == "mosaic" and why_not:
         raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
-    if impl == "mosaic" or (impl == "auto" and not why_not and not (block_h or block_k)):
+    # "auto" takes the Mosaic kernel for bf16 caches only: over 8-bit ones it is not faster than the
+    # Triton kernel yet (mla_decode_8bit_mgpu's docstring), so there it runs when asked for.
+    if impl == "mosaic" or (impl == "auto" and not why_not and not triton_options and not quantized):
         if layer_pages:
             block_tables = block_tables + layer * layer_pages
         lengths = lengths + length_offset
+        if quantized:
+            return _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
+                                              lengths, scale, num_splits=num_splits)
         return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
                                      num_splits=num_splits)
+    if (dot_dtype is None and jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not pools
+            and q_latent.dtype == jnp.bfloat16):
+        dot_dtype = "float16"  # see the module docstring
     blocks = decode_blocks(num_heads, jnp.dtype(c_kv.dtype).itemsize, batch)
     block_h = block_h or blocks.block_h
     block_k = block_k or blocks.block_k
@@ -469,6 +483,23 @@ def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, len
     if num_splits == 1:
         return out.astype(q_latent.dtype)
     return combine_splits(*out, q_latent.dtype, splits_axis=1)
+
+
+def _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale, *,
+                               num_splits):
+    """The Mosaic GPU kernel over an 8-bit cache (Hopper, a scale a token, few heads): it writes O^T
+    (tokens on wgmma's M side), so its output and partials are transposed back here."""
+    batch, num_heads = q_latent.shape[:2]
+    block = mla_decode_8bit_mgpu.BLOCK_K
+    max_context = block_tables.shape[1] * c_kv.shape[1]
+    # One CTA a query and split, one CTA an SM: splits grow until the grid covers the SMs.
+    num_splits = num_splits or default_num_splits(batch, num_heads, max_context, num_heads, block)
+    out = mla_decode_8bit_mgpu.mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
+                                                    lengths, scale, num_splits=num_splits)
+    if num_splits == 1:
+        return out.swapaxes(1, 2).astype(q_latent.dtype)
+    m, l, acc = out
+    return combine_splits(m, l, acc.swapaxes(2, 3), q_latent.dtype, splits_axis=1)
 
 
 def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None = None, interpret: bool = False):

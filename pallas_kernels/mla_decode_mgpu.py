@@ -183,22 +183,31 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
+        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
+                   [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)])
 
-        def load(i):
-            slot = lax.rem(i, jnp.int32(STAGES))
-            token = start + i * BLOCK_K
-            page = tables_ref[seq_id * table_width + lax.div(token, jnp.int32(slabs_per_page * BLOCK_K))]
-            slab = page * slabs_per_page + lax.rem(lax.div(token, jnp.int32(BLOCK_K)), jnp.int32(slabs_per_page))
-            plgpu.copy_gmem_to_smem(ckv_ref.at[slab], ckv_smem.at[slot], ckv_bars.at[slot])
-            plgpu.copy_gmem_to_smem(kpe_ref.at[slab], kpe_smem.at[slot], kpe_bars.at[slot])
 
-        for i in range(STAGES):
-            pl.when(i < num_steps)(functools.partial(load, jnp.int32(i)))
+def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, consumed_bars, rings, *,
+               stages: int = STAGES, block_k: int = BLOCK_K):
+    """A memory warpgroup's loop: walks a query's block-table row (at flat offset ``table_row``) from key
+    ``start`` and TMA-loads each of its ``num_steps`` slabs of ``block_k`` tokens into slot
+    step % stages of every ring, (gmem [pages * slabs_per_page, block_k, ...], smem ring, barriers),
+    waiting for a slot's ``consumed_bars`` before reusing it."""
+    def load(i):
+        slot = lax.rem(i, jnp.int32(stages))
+        token = start + i * block_k
+        page = tables_ref[table_row + lax.div(token, jnp.int32(slabs_per_page * block_k))]
+        slab = page * slabs_per_page + lax.rem(lax.div(token, jnp.int32(block_k)), jnp.int32(slabs_per_page))
+        for gmem, ring, bars in rings:
+            plgpu.copy_gmem_to_smem(gmem.at[slab], ring.at[slot], bars.at[slot])
 
-        @pl.loop(STAGES, jnp.maximum(num_steps, STAGES))
-        def _(i):
-            plgpu.barrier_wait(consumed_bars.at[lax.rem(i, jnp.int32(STAGES))])
-            load(i)
+    for i in range(stages):
+        pl.when(i < num_steps)(functools.partial(load, jnp.int32(i)))
+
+    @pl.loop(stages, jnp.maximum(num_steps, stages))
+    def _(i):
+        plgpu.barrier_wait(consumed_bars.at[lax.rem(i, jnp.int32(stages))])
+        load(i)
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,

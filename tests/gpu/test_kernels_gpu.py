@@ -69,10 +69,50 @@ def test_mla_decode_quantized_cache_gpu(kind, groups, paired, heads):
     rng = np.random.default_rng(heads + groups)
     q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048])
     stored, scale = quantize_latent(c_kv, kind, groups)
-    got = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, paired=paired)
+    got = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, paired=paired, impl="triton")
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     assert _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("heads, block_size, num_splits", [(16, 64, None), (16, 128, 1), (32, 64, 4), (8, 64, 2)])
+def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
+    """The Mosaic GPU kernel over an 8-bit cache (impl="mosaic"; "auto" keeps the faster Triton kernel)."""
+    from pallas_kernels.kv_quant import quantize_latent
+    from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
+
+    rng = np.random.default_rng(heads + block_size)
+    q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048], block_size=block_size)
+    stored, scale = quantize_latent(c_kv * 3.0, kind, 1)
+    got = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, impl="mosaic",
+                     num_splits=num_splits)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
+    assert _rel(got, want) < 2e-2
+
+
+def test_mla_paged_8bit_mosaic_layer_pages_and_padding_gpu():
+    """The engine's call: several queries of one sequence, a padding query (-1), layer-local page ids."""
+    from pallas_kernels.kv_quant import quantize_latent
+    from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
+
+    rng = np.random.default_rng(11)
+    _, _, c_kv, k_pe, tables, _ = _paged(rng, 3, 16, [300, 64, 1000])
+    layer_pages = c_kv.shape[0] // 2
+    seq_ids = jnp.asarray([0, 0, 2, 1, 2, 1], jnp.int32)
+    positions = jnp.asarray([0, 299, 999, 63, 511, -1], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((6, 16, 512)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((6, 16, 64)), jnp.bfloat16)
+    stored, scale = quantize_latent(c_kv, "int8", 1)
+    local = jnp.where(tables >= layer_pages, tables - layer_pages, tables)  # layer 1 reads pages + layer_pages
+    on_layer1 = local + layer_pages
+    got = mla_paged(q, q_pe, stored, k_pe, local, seq_ids, positions, 0.1, c_kv_scale=scale, impl="mosaic",
+                    layer=1, layer_pages=layer_pages)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = mla_paged_reference(f32(q), f32(q_pe), stored, f32(k_pe), on_layer1, seq_ids, positions, 0.1, scale)
+    assert not np.asarray(got[5], np.float32).any()  # padding: zeros
+    assert _rel(np.asarray(got)[:5], np.asarray(want)[:5]) < 2e-2
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

@@ -172,6 +172,36 @@ def test_mosaic_decode_lowers_for_hopper(num_splits):
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("kind, num_splits", [("int8", 1), ("fp8", 4)])
+def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits):
+    """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
+    transposed, the column softmax, shared memory) runs without a GPU; numerics in tests/gpu."""
+    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
+
+    tokens, heads, width = 4, 16, 16
+    shape = jax.ShapeDtypeStruct
+    dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
+    args = (shape((tokens, heads, 512), jnp.bfloat16), shape((tokens, heads, 64), jnp.bfloat16),
+            shape((100, 64, 512), dtype), shape((100, 64, 64), jnp.bfloat16), shape((100, 64, 1), jnp.float32),
+            shape((tokens, width), jnp.int32), shape((tokens,), jnp.int32), shape((tokens,), jnp.int32))
+    fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits)
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("custom_call @mosaic_gpu") == 1
+
+
+def test_mosaic_8bit_decode_supports(monkeypatch):
+    from pallas_kernels import mla_decode_8bit_mgpu as kernel
+
+    assert kernel.supports(16, 512, 64, 64, jnp.int8, 1) is not None  # no GPU here
+    monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
+    assert kernel.supports(16, 512, 64, 64, jnp.int8, 1) is None
+    assert kernel.supports(32, 512, 64, 128, jnp.float8_e4m3fn, 1) is None
+    assert "scale groups" in kernel.supports(16, 512, 64, 64, jnp.int8, 4)
+    assert "num_heads=128" in kernel.supports(128, 512, 64, 64, jnp.int8, 1)
+    assert "block_size=16" in kernel.supports(16, 512, 64, 16, jnp.int8, 1)
+    assert "bfloat16" in kernel.supports(16, 512, 64, 64, jnp.bfloat16, 1)
+
+
 def test_mosaic_decode_refuses_what_it_cannot_run():
     from pallas_kernels import mla_decode_mgpu
 

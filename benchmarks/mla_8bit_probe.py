@@ -1,0 +1,83 @@
+"""Probe of the 8-bit Mosaic GPU decode kernel (pallas_kernels/mla_decode_8bit_mgpu.py) on the H200:
+per-query error against the reference with each part of the scores switched off in turn (latent, rope,
+both), timings of its (STAGES, CHUNK, splits) variants at V2-Lite batch 64 / 4k context, and the
+kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT).
+
+    OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
+"""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import device_time_us
+from pallas_kernels import mla_decode_8bit_mgpu as k8
+from pallas_kernels.kv_quant import quantize_latent
+from pallas_kernels.mla_decode import combine_splits, mla_decode, mla_decode_reference
+
+f32 = lambda a: a.astype(jnp.float32)
+
+
+def paged(rng, batch, heads, lengths, bs=64):
+    width = max(-(-n // bs) for n in lengths)
+    nb = batch * width + 3
+    perm = rng.permutation(nb)[:batch * width].reshape(batch, width).astype(np.int32)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    return mk(batch, heads, 512), mk(batch, heads, 64), mk(nb, bs, 512) * 3, mk(nb, bs, 64), jnp.asarray(perm), \
+        jnp.asarray(lengths, jnp.int32)
+
+
+
+def main():
+    out = os.environ.get("OUT", "/tmp")
+    lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
+    rng = np.random.default_rng(0)
+    q0, qpe0, ckv, kpe, tables, lens = paged(rng, len(lengths), 16, lengths)
+    zero = lambda a: jnp.zeros_like(a)
+    for kind in ("int8", "fp8"):
+        stored, scale = quantize_latent(ckv, kind, 1)
+        for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
+                             ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
+            want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
+            got = np.asarray(mla_decode(q, qpe, stored, kpe, tables, lens, 0.1, c_kv_scale=scale, impl="mosaic",
+                                        num_splits=1), np.float32)
+            per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
+            print(kind, name, "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
+        sys.stdout.flush()
+
+    # timings at V2-Lite B64 ctx4096
+    batch, context = 64, 4096
+    key = jax.random.PRNGKey(0)
+    pages = batch * context // 64
+    c = jax.random.normal(key, (pages, 64, 512), jnp.float32)
+    kp = jax.random.normal(key, (pages, 64, 64), jnp.bfloat16)
+    qq = jax.random.normal(key, (batch, 16, 512), jnp.bfloat16)
+    qp = jax.random.normal(key, (batch, 16, 64), jnp.bfloat16)
+    tb = jax.random.permutation(key, pages).reshape(batch, -1).astype(jnp.int32)
+    ln = jnp.full((batch,), context, jnp.int32)
+    nbytes = batch * context * (512 + 128 + 4)
+    for kind in ("int8", "fp8"):
+        stored, scale = quantize_latent(c, kind, 1)
+        for stages, chunk, splits in ((2, 256, 2), (2, 128, 2)):
+            k8.STAGES, k8.CHUNK = stages, chunk
+            fn = lambda *a, s=splits: k8.mla_decode_8bit_mgpu(*a, 0.1, num_splits=s)
+            try:
+                us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, jnp.arange(batch, dtype=jnp.int32), ln),
+                                    estimate_s=1e-4)
+                print(f"{kind} stages {stages} chunk {chunk} splits {splits}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
+            except Exception as e:
+                print(f"{kind} stages {stages} chunk {chunk} splits {splits}: failed {type(e).__name__}: {e}"[:300])
+            sys.stdout.flush()
+    k8.STAGES, k8.CHUNK = 2, 256
+    k8.PROFILE_DIR = out
+    stored, scale = quantize_latent(c, "int8", 1)
+    seq_ids = jnp.arange(batch, dtype=jnp.int32)
+    jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, seq_ids, ln, 0.1, num_splits=2))
+    k8.PROFILE_DIR = None
+    print("profile written:", os.listdir(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Paged MLA decode over an 8-bit latent cache (int8 or fp8, a scale a token), few heads, on Hopper
+through Mosaic GPU (TMA + wgmma): ``mla_decode(..., impl="mosaic")``.
+
+The semantics are ``mla_paged_reference`` (pallas_kernels/mla_decode.py) with ``c_kv_scale`` [N, bs, 1]:
+scores q . (stored * scale) and the value update p . (stored * scale), no dequantized cache in HBM.
+With a few heads (V2-Lite: 16) decode is bandwidth-bound, so a kernel has to turn each 8-bit cache
+slab into tensor-core operands about as fast as HBM delivers it; the Triton kernel reaches 1.2-1.4 TB/s
+of compressed bytes against 3.2 for bf16 rows (``benchmarks/results/kvquant_kernels_h200.json``).
+
+Here the token axis is wgmma's M side (64 cache tokens a slab) and the heads are N (a multiple of 8,
+at most ``MAX_HEADS``), so nothing is padded to 64 heads:
+
+- S^T [64, H] = K [64, 512] q^T: the slab's 8-bit rows are loaded from shared memory ``CHUNK`` columns
+  at a time in the layout that upcasts to wgmma's A-register layout (32-bit loads, one shuffle),
+  converted (int8 -> bf16, e4m3 -> f16: both exact) and fed to wgmma from registers; each converted
+  chunk is also stored once into a 16-bit slab for the value product. The rope part (bf16 k_pe, A from
+  shared memory) has its own accumulator: the token's scale multiplies only the latent part.
+- The online softmax runs down the token axis (column statistics [H], log2 units; the cross-warp
+  reductions go through shared memory).
+- O^T [512, H] += V^T P^T: A is the 16-bit slab read transposed (16-bit operands may be M-major), B
+  is P^T * scale, stored as P [H, 64] (a K-major B: wgmma refuses an N-major one 16 heads wide).
+
+A memory warpgroup walks the block table and TMA-loads each slab (8-bit latent [64, 512], k_pe
+[64, 64], scales [64]) into a ``STAGES`` ring; the compute warpgroup releases a slot as soon as its
+scores are read. The output is O^T: [T, 512, H] with one split, else partials (m, l [T, S, H], acc
+[T, S, 512, H]); ``mla_decode`` transposes and merges them.
+
+Measured on the H200 (V2-Lite, batch 64, 4k context, ``python -m benchmarks.mla_8bit_probe``;
+2026-12-01): correct (relative error 0.1-0.25% against the reference, as the Triton kernel), but
+int8 145-151 us (1.1 TB/s of compressed bytes) and fp8 135-140 us, against the Triton kernel's
+byte pairs at 122 / 139 us: not faster, so ``impl="auto"`` keeps the Triton kernel for 8-bit caches.
+The kernel's own trace (``PROFILE_DIR``) puts ~64% of a step in the scores phase (loading, converting
+and storing the slab, then waiting on the wgmmas), ~16% in the softmax and ~18% in the value product,
+each step issued by one warpgroup in sequence: the next steps are a converting warpgroup apart from
+the wgmma one (so the conversion of slab i+1 overlaps the products of slab i) and dequantizing into
+the 16-bit slab (scale applied there: one accumulator, no P * scale).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import why_not_hopper
+from pallas_kernels.mla_decode_mgpu import load_slabs
+
+BLOCK_K = 64  # cache tokens a slab: wgmma's M
+STAGES = 2  # slabs in flight (2 x 40.25 KiB) beside the converted slab (64 KiB) and the queries
+CHUNK = 256  # latent columns converted and multiplied at a time (32 registers a thread of A)
+MAX_HEADS = 32  # O^T [512, H] f32 is 4H registers a thread of one warpgroup
+LATENT_DIM = 512
+ROPE_DIM = 64
+CACHE_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+PROFILE_DIR = None  # a folder: Mosaic GPU writes a per-warpgroup trace of the named scopes there
+_M_INIT = float(jnp.finfo(jnp.float32).min)
+_LOG2E = math.log2(math.e)
+
+
+def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype, num_groups: int) -> str | None:
+    """None when this kernel takes these shapes, else why not (the caller falls back to Triton)."""
+    if why_not := why_not_hopper():
+        return why_not
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CACHE_DTYPES]:
+        return f"cache dtype {jnp.dtype(dtype).name} is not int8 or float8_e4m3fn"
+    if num_groups != 1:
+        return f"{num_groups} scale groups a token (this kernel takes one scale a token)"
+    if num_heads % 8 or num_heads > MAX_HEADS:
+        return f"num_heads={num_heads} is not a multiple of 8 up to {MAX_HEADS}"
+    if (latent_dim, rope_dim) != (LATENT_DIM, ROPE_DIM):
+        return f"latent/rope dims {latent_dim}/{rope_dim} are not {LATENT_DIM}/{ROPE_DIM}"
+    if block_size % BLOCK_K:
+        return f"block_size={block_size} is not a multiple of {BLOCK_K}"
+    return None
+
+
+def _smem(shape, dtype):
+    """Shared memory in the tiled, swizzled layout TMA and wgmma read: rows of the widest swizzle
+    (32, 64 or 128 bytes) that the minor dimension fills."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = min(128, shape[-1] * itemsize)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
+            table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int):
+    outs, scratch = refs[:-1], refs[-1]
+    (q_smem, qpe_smem, c8_smem, kpe_smem, ks_smem, (kbf_smem, out_smem), p_smem, rows_smem,
+     c8_bars, kpe_bars, ks_bars, q_bars, consumed_bars) = scratch
+    split, t = lax.axis_index("s"), lax.axis_index("t")
+    wg = lax.axis_index("wg")
+    seq_id = seq_ids_ref[t]
+    length = lengths_ref[t]
+    # Splits cut the query's own context into equal runs of whole slabs (mla_decode.split_range).
+    per_split = lax.div(lax.div(jnp.maximum(length, 1) + (num_splits - 1), jnp.int32(num_splits)) + (BLOCK_K - 1),
+                        jnp.int32(BLOCK_K)) * BLOCK_K
+    start = split * per_split
+    end = jnp.minimum(start + per_split, length)
+    num_steps = lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), jnp.int32(BLOCK_K))
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    dot_dtype = q_smem.dtype  # bf16, or f16 for fp8 rows (the one type e4m3 converts to in hardware)
+    column = plgpu.Layout.WGMMA.reduce(0)  # a [H] vector of per-head statistics
+    row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-token values
+
+    @pl.when(wg == 0)
+    def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bars.at[0])
+        plgpu.copy_gmem_to_smem(qpe_ref.at[t], qpe_smem, q_bars.at[1])
+        plgpu.barrier_wait(q_bars.at[0])
+        plgpu.barrier_wait(q_bars.at[1])
+
+        def step(i, carry):
+            acc, m, l = carry  # O^T f32[512, H]; m (log2 units), l f32[H]
+            slot = lax.rem(i, jnp.int32(STAGES))
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(c8_bars.at[slot])
+                plgpu.barrier_wait(kpe_bars.at[slot])
+                plgpu.barrier_wait(ks_bars.at[slot])
+
+            def scores(s_ref, rope_ref):
+                for c in range(LATENT_DIM // CHUNK):
+                    cols = pl.ds(c * CHUNK, CHUNK)
+                    keys = plgpu.load(c8_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                    keys = plgpu.layout_cast(keys.astype(dot_dtype), plgpu.Layout.WGMMA)  # exact
+                    kbf_smem[:, cols] = keys  # the value product's operand
+                    plgpu.wgmma(s_ref, keys, q_smem.at[:, cols].transpose((1, 0)))
+                plgpu.wgmma(rope_ref, kpe_smem.at[slot], qpe_smem.transpose((1, 0)))  # unscaled: its own acc
+                return s_ref[...], rope_ref[...]
+
+            with jax.named_scope("scores"):  # S^T [64, H]: the latent part (x the token's scale), the rope part
+                s, s_rope = pl.run_scoped(scores, plgpu.ACC((BLOCK_K, num_heads), f32),
+                                          plgpu.ACC((BLOCK_K, num_heads), f32))
+            kscale = plgpu.load(ks_smem.at[slot], layout=row)
+            plgpu.barrier_arrive(consumed_bars.at[slot])  # the slot's 8-bit rows, k_pe and scales are read
+            with jax.named_scope("softmax"):
+                tokens = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, num_heads), 0, layout=plgpu.Layout.WGMMA)
+                s = (s * lax.broadcast_in_dim(kscale, s.shape, [0]) + s_rope) * scale_log2e
+                s = jnp.where(tokens < end - (start + i * BLOCK_K), s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=0))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
+                l = l * alpha + p.sum(axis=0)
+                p_smem.transpose((1, 0))[...] = (p * lax.broadcast_in_dim(kscale, s.shape, [0])).astype(dot_dtype)
+                plgpu.commit_smem()  # the bf16 slab and P^T, before wgmma reads them
+
+            def values(acc_ref):
+                plgpu.wgmma(acc_ref, kbf_smem.transpose((1, 0)), p_smem.transpose((1, 0)))
+
+            with jax.named_scope("values"):
+                acc = pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
+            return acc, m_new, l
+
+        init = (plgpu.layout_cast(jnp.zeros((LATENT_DIM, num_heads), f32), plgpu.Layout.WGMMA),
+                plgpu.layout_cast(jnp.full((num_heads,), _M_INIT, f32), column),
+                plgpu.layout_cast(jnp.zeros((num_heads,), f32), column))
+        acc, m, l = lax.fori_loop(0, num_steps, step, init)
+        if num_splits == 1:
+            (o_ref,) = outs
+            denom = jnp.where(l == 0, 1.0, l)  # an empty context (padding) outputs zeros
+            out_smem[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [1])).astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[t])
+        else:
+            m_ref, l_ref, acc_ref = outs
+            out_smem[...] = acc
+            rows_smem.at[0][...] = m
+            rows_smem.at[1][...] = l
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem, acc_ref.at[t, split])
+            plgpu.copy_smem_to_gmem(rows_smem.at[0], m_ref.at[t, split])
+            plgpu.copy_smem_to_gmem(rows_smem.at[1], l_ref.at[t, split])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
+                   [(c8_ref, c8_smem, c8_bars), (kpe_ref, kpe_smem, kpe_bars), (ks_ref, ks_smem, ks_bars)],
+                   stages=STAGES, block_k=BLOCK_K)
+
+
+def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
+                         num_splits: int):
+    """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
+    [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
+    (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
+    H] in log2 units, l f32[T, splits, H], acc f32[T, splits, 512, H]). Shapes must pass ``supports``."""
+    num_tokens, num_heads, latent_dim = q_latent.shape
+    num_pages, block_size = c_kv.shape[:2]
+    slabs_per_page = block_size // BLOCK_K
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    # The dots' operand type: int8 -> bf16 is exact; e4m3 converts only to f16 in hardware (exact too),
+    # so over fp8 rows the latent queries, the converted slab and P are f16 (the queries' values are
+    # exact in f16 within its range, |q| < 65504; P * scale's smallest terms turn subnormal, an
+    # absolute error under 1e-7). The rope product stays bf16.
+    dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn else bf16
+    scratch = [
+        _smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
+        _smem((num_heads, ROPE_DIM), bf16),  # q_pe
+        _smem((STAGES, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit slab ring
+        _smem((STAGES, BLOCK_K, ROPE_DIM), bf16),  # k_pe
+        plgpu.SMEM((STAGES, BLOCK_K), f32),  # scales
+        plgpu.RefUnion(  # the step's converted slab (A of the values, read transposed); after the loop,
+            _smem((BLOCK_K, LATENT_DIM), dot_dtype),  # the output staging
+            _smem((LATENT_DIM, num_heads), bf16 if num_splits == 1 else f32)),
+        _smem((num_heads, BLOCK_K), dot_dtype),  # P * scale: B of the values, read transposed
+        plgpu.SMEM((2, num_heads), f32),  # m, l of a split
+        plgpu.Barrier(num_barriers=STAGES),  # 8-bit slab landed
+        plgpu.Barrier(num_barriers=STAGES),  # k_pe landed
+        plgpu.Barrier(num_barriers=STAGES),  # scales landed
+        plgpu.Barrier(num_barriers=2),  # queries landed
+        plgpu.Barrier(num_barriers=STAGES),  # slot read by the compute warpgroup
+    ]
+    if num_splits == 1:
+        out_type = jax.ShapeDtypeStruct((num_tokens, latent_dim, num_heads), bf16)
+    else:
+        out_type = (jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
+                    jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
+                    jax.ShapeDtypeStruct((num_tokens, num_splits, latent_dim, num_heads), f32))
+    kernel = functools.partial(
+        _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
+        scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads)
+    return plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=[scratch],
+        grid=(num_splits, num_tokens),
+        grid_names=("s", "t"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **({"profile_space": 1024, "profile_dir": PROFILE_DIR} if PROFILE_DIR else {})),
+    )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
+      c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
+      k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM),
+      c_kv_scale.astype(f32).reshape(num_pages * slabs_per_page, BLOCK_K))
