@@ -32,7 +32,7 @@ from dsjax import EngineConfig, SamplingParams, load_model, load_tokenizer
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.model.paged import PagedBatch, PagedKVCache
 from pallas_kernels import mla_decode_8bit_mgpu
-from pallas_kernels.kv_quant import quantize_latent
+from pallas_kernels.kv_quant import num_scale_groups, quantize_latent
 from pallas_kernels.mla_decode import mla_decode, mla_paged
 
 FORMATS = [("auto", None), ("int8", None), ("fp8", None), ("fp8", 128)]  # (kv_cache_dtype, group size)
@@ -252,9 +252,8 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
         variants = [("", {})]
         if kind != "auto":
             variants.append((", triton bytes", dict(impl="triton", paired=False)))
-        groups = 1 if group is None else latent // group
         if kind != "auto" and mla_decode_8bit_mgpu.supports(heads, latent, config.qk_rope_head_dim, block_size,
-                                                            cache.dtype, groups) is None:
+                                                            cache.dtype, num_scale_groups(latent, group)) is None:
             variants.append((", mosaic", dict(impl="mosaic")))
         for name, options in variants:
             fn = lambda q, qp, c, kp, t, n, s, o=options: mla_decode(q, qp, c, kp, t, n, 0.1, c_kv_scale=s, **o)

@@ -27,11 +27,11 @@ scores are read. The output is O^T: [T, 512, H] with one split, else partials (m
 
 Measured on the H200 (V2-Lite, batch 64, 4k context, ``python -m benchmarks.mla_8bit_probe``;
 2026-12-01): correct (relative error 0.1-0.25% against the reference, as the Triton kernel), but
-int8 145-151 us (1.1 TB/s of compressed bytes) and fp8 135-140 us, against the Triton kernel's
+int8 145-151 us (1.1 TB/s of compressed bytes) and fp8 132-140 us, against the Triton kernel's
 byte pairs at 122 / 139 us: not faster, so ``impl="auto"`` keeps the Triton kernel for 8-bit caches.
-The kernel's own trace (``PROFILE_DIR``) puts ~64% of a step in the scores phase (loading, converting
-and storing the slab, then waiting on the wgmmas), ~16% in the softmax and ~18% in the value product,
-each step issued by one warpgroup in sequence: the next steps are a converting warpgroup apart from
+The kernel's own trace (``profile_dir``; int8) puts ~58% of a step in the scores phase (loading,
+converting and storing the slab, then waiting on the wgmmas), ~11% in the softmax, ~27% in the value
+product and ~4% waiting for slabs, each step issued by one warpgroup in sequence: the next steps are a converting warpgroup apart from
 the wgmma one (so the conversion of slab i+1 overlaps the products of slab i) and dequantizing into
 the 16-bit slab (scale applied there: one accumulator, no P * scale).
 """
@@ -57,7 +57,6 @@ MAX_HEADS = 32  # O^T [512, H] f32 is 4H registers a thread of one warpgroup
 LATENT_DIM = 512
 ROPE_DIM = 64
 CACHE_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
-PROFILE_DIR = None  # a folder: Mosaic GPU writes a per-warpgroup trace of the named scopes there
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -89,7 +88,8 @@ def _smem(shape, dtype):
 
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
-            table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int):
+            table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
+            stages: int, chunk: int):
     outs, scratch = refs[:-1], refs[-1]
     (q_smem, qpe_smem, c8_smem, kpe_smem, ks_smem, (kbf_smem, out_smem), p_smem, rows_smem,
      c8_bars, kpe_bars, ks_bars, q_bars, consumed_bars) = scratch
@@ -118,15 +118,15 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 
         def step(i, carry):
             acc, m, l = carry  # O^T f32[512, H]; m (log2 units), l f32[H]
-            slot = lax.rem(i, jnp.int32(STAGES))
+            slot = lax.rem(i, jnp.int32(stages))
             with jax.named_scope("wait"):
                 plgpu.barrier_wait(c8_bars.at[slot])
                 plgpu.barrier_wait(kpe_bars.at[slot])
                 plgpu.barrier_wait(ks_bars.at[slot])
 
             def scores(s_ref, rope_ref):
-                for c in range(LATENT_DIM // CHUNK):
-                    cols = pl.ds(c * CHUNK, CHUNK)
+                for c in range(LATENT_DIM // chunk):
+                    cols = pl.ds(c * chunk, chunk)
                     keys = plgpu.load(c8_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
                     keys = plgpu.layout_cast(keys.astype(dot_dtype), plgpu.Layout.WGMMA)  # exact
                     kbf_smem[:, cols] = keys  # the value product's operand
@@ -183,15 +183,18 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         plgpu.set_max_registers(40, action="decrease")
         load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
                    [(c8_ref, c8_smem, c8_bars), (kpe_ref, kpe_smem, kpe_bars), (ks_ref, ks_smem, ks_bars)],
-                   stages=STAGES, block_k=BLOCK_K)
+                   stages=stages, block_k=BLOCK_K)
 
 
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
-                         num_splits: int):
+                         num_splits: int, stages: int = STAGES, chunk: int = CHUNK,
+                         profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
-    H] in log2 units, l f32[T, splits, H], acc f32[T, splits, 512, H]). Shapes must pass ``supports``."""
+    H] in log2 units, l f32[T, splits, H], acc f32[T, splits, 512, H]). Shapes must pass ``supports``.
+    ``stages``: slabs in flight; ``chunk``: latent columns converted at a time; ``profile_dir``: a folder
+    where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes (a Perfetto JSON)."""
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K
@@ -204,19 +207,19 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     scratch = [
         _smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
         _smem((num_heads, ROPE_DIM), bf16),  # q_pe
-        _smem((STAGES, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit slab ring
-        _smem((STAGES, BLOCK_K, ROPE_DIM), bf16),  # k_pe
-        plgpu.SMEM((STAGES, BLOCK_K), f32),  # scales
+        _smem((stages, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit slab ring
+        _smem((stages, BLOCK_K, ROPE_DIM), bf16),  # k_pe
+        plgpu.SMEM((stages, BLOCK_K), f32),  # scales
         plgpu.RefUnion(  # the step's converted slab (A of the values, read transposed); after the loop,
             _smem((BLOCK_K, LATENT_DIM), dot_dtype),  # the output staging
             _smem((LATENT_DIM, num_heads), bf16 if num_splits == 1 else f32)),
         _smem((num_heads, BLOCK_K), dot_dtype),  # P * scale: B of the values, read transposed
         plgpu.SMEM((2, num_heads), f32),  # m, l of a split
-        plgpu.Barrier(num_barriers=STAGES),  # 8-bit slab landed
-        plgpu.Barrier(num_barriers=STAGES),  # k_pe landed
-        plgpu.Barrier(num_barriers=STAGES),  # scales landed
+        plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
+        plgpu.Barrier(num_barriers=stages),  # k_pe landed
+        plgpu.Barrier(num_barriers=stages),  # scales landed
         plgpu.Barrier(num_barriers=2),  # queries landed
-        plgpu.Barrier(num_barriers=STAGES),  # slot read by the compute warpgroup
+        plgpu.Barrier(num_barriers=stages),  # slot read by the compute warpgroup
     ]
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, latent_dim, num_heads), bf16)
@@ -226,7 +229,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
                     jax.ShapeDtypeStruct((num_tokens, num_splits, latent_dim, num_heads), f32))
     kernel = functools.partial(
         _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
-        scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads)
+        scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk)
     return plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -236,7 +239,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, **({"profile_space": 1024, "profile_dir": PROFILE_DIR} if PROFILE_DIR else {})),
+            approx_math=True, **({"profile_space": 1024, "profile_dir": profile_dir} if profile_dir else {})),
     )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
       c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
       k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM),
