@@ -247,11 +247,12 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
             cache, scale = quantize_latent(c_kv, kind, latent // (group or latent))
         nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", kind, group)
                                     // config.num_hidden_layers)
-        # The default kernel (8-bit rows: Triton, as 16-bit byte pairs), the Triton kernel reading bytes, and
-        # for a scale a token the Mosaic GPU kernel (impl="mosaic", pallas_kernels/mla_decode_8bit_mgpu.py)
+        # The default kernel (mla_decode's impl="auto"), the Triton kernel reading 8-bit rows as bytes and as
+        # 16-bit byte pairs, and for a scale a token the Mosaic GPU kernel (pallas_kernels/mla_decode_8bit_mgpu.py)
         variants = [("", {})]
         if kind != "auto":
-            variants.append((", triton bytes", dict(impl="triton", paired=False)))
+            variants += [(", triton bytes", dict(impl="triton", paired=False)),
+                         (", triton byte pairs", dict(impl="triton", paired=True))]
         if kind != "auto" and mla_decode_8bit_mgpu.supports(heads, latent, config.qk_rope_head_dim, block_size,
                                                             cache.dtype, num_scale_groups(latent, group)) is None:
             variants.append((", mosaic", dict(impl="mosaic")))

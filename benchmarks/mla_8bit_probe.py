@@ -18,7 +18,7 @@ from dsjax import load_config
 from dsjax.model.paged import PagedKVCache
 from pallas_kernels import mla_decode_8bit_mgpu as k8
 from pallas_kernels.kv_quant import quantize_latent
-from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
+from pallas_kernels.mla_decode import mla_decode_reference
 
 f32 = lambda a: a.astype(jnp.float32)
 
@@ -32,7 +32,6 @@ def paged(rng, batch, heads, lengths, bs=64):
         jnp.asarray(lengths, jnp.int32)
 
 
-
 def main():
     out = os.environ.get("OUT", "/tmp")
     lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
@@ -44,10 +43,13 @@ def main():
         for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
                              ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
             want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-            got = np.asarray(mla_decode(q, qpe, stored, kpe, tables, lens, 0.1, c_kv_scale=scale, impl="mosaic",
-                                        num_splits=1), np.float32)
-            per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-            print(kind, name, "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
+            for dequantize in (False, True):
+                got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32), lens, 0.1,
+                                              num_splits=1, dequantize=dequantize)
+                got = np.asarray(got.swapaxes(1, 2), np.float32)
+                per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
+                print(kind, name, "dequantize" if dequantize else "scaled", "per-query rel err",
+                      " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
     # timings at V2-Lite B64 ctx4096 (the inputs of benchmarks.kvquant's kernel table)
@@ -58,18 +60,21 @@ def main():
     nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        for stages, chunk, splits in ((2, 256, 2), (2, 128, 2)):
-            fn = lambda *a, v=(stages, chunk, splits): k8.mla_decode_8bit_mgpu(*a, 0.1, stages=v[0], chunk=v[1],
-                                                                                num_splits=v[2])
+        for stages, chunk, splits, dequantize in ((2, 256, 2, False), (2, 256, 2, True), (2, 128, 2, True),
+                                                  (3, 256, 2, True)):
+            fn = lambda *a, v=(stages, chunk, splits, dequantize): k8.mla_decode_8bit_mgpu(
+                *a, 0.1, stages=v[0], chunk=v[1], num_splits=v[2], dequantize=v[3])
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
-                print(f"{kind} stages {stages} chunk {chunk} splits {splits}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
+                print(f"{kind} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}: {us:.1f} us "
+                      f"{nbytes / us / 1e6:.2f} TB/s")
             except Exception as e:
-                print(f"{kind} stages {stages} chunk {chunk} splits {splits}: failed {type(e).__name__}: {e}"[:300])
+                print(f"{kind} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}: failed "
+                      f"{type(e).__name__}: {e}"[:300])
             sys.stdout.flush()
     stored, scale = quantize_latent(c, "int8", 1)
     jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, seq_ids, ln, 0.1, num_splits=2,
-                                                  profile_dir=out))
+                                                  dequantize=True, profile_dir=out))
     print("profile written:", os.listdir(out))
 
 if __name__ == "__main__":

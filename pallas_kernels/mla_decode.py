@@ -374,9 +374,10 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         why_not = mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype)
     if impl == "mosaic" and why_not:
         raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
-    # "auto" takes the Mosaic kernel for bf16 caches only: over 8-bit ones it is not faster than the
-    # Triton kernel yet (mla_decode_8bit_mgpu's docstring), so there it runs when asked for.
-    if impl == "mosaic" or (impl == "auto" and not why_not and not triton_options and not quantized):
+    # "auto" takes a Mosaic kernel where it runs and beats the Triton one: bf16 caches, and of the 8-bit
+    # ones those in mla_decode_8bit_mgpu.AUTO_DTYPES (fp8; its docstring has the numbers).
+    faster = not quantized or jnp.dtype(c_kv.dtype).name in mla_decode_8bit_mgpu.AUTO_DTYPES
+    if impl == "mosaic" or (impl == "auto" and not why_not and not triton_options and faster):
         if layer_pages:
             block_tables = block_tables + layer * layer_pages
         lengths = lengths + length_offset
@@ -538,8 +539,9 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
 
 _STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl", "dot_dtype",
            "paired")
-# "auto": the Mosaic GPU kernel where it runs (Hopper, bf16 cache, heads a multiple of 64, pages a multiple
-# of 64 tokens; mla_decode_mgpu.supports), else the Triton one. "triton" / "mosaic" force one.
+# "auto": a Mosaic GPU kernel where it runs (Hopper, bf16 cache, heads a multiple of 64, pages a multiple
+# of 64 tokens, mla_decode_mgpu.supports; or an fp8 cache with a scale a token, 16 or 32 heads,
+# mla_decode_8bit_mgpu.supports), else the Triton one. "triton" / "mosaic" force one.
 IMPLS = ("auto", "triton", "mosaic")
 _STATIC_PAGED = (*_STATIC, "pools", "layer_pages", "uniform_pages")
 

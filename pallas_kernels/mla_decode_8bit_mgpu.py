@@ -1,5 +1,6 @@
 """Paged MLA decode over an 8-bit latent cache (int8 or fp8, a scale a token), few heads, on Hopper
-through Mosaic GPU (TMA + wgmma): ``mla_decode(..., impl="mosaic")``.
+through Mosaic GPU (TMA + wgmma): ``mla_decode``'s choice for fp8 caches (``AUTO_DTYPES``), and
+``impl="mosaic"`` for int8 ones.
 
 The semantics are ``mla_paged_reference`` (pallas_kernels/mla_decode.py) with ``c_kv_scale`` [N, bs, 1]:
 scores q . (stored * scale) and the value update p . (stored * scale), no dequantized cache in HBM.
@@ -7,18 +8,21 @@ With a few heads (V2-Lite: 16) decode is bandwidth-bound, so a kernel has to tur
 slab into tensor-core operands about as fast as HBM delivers it; the Triton kernel reaches 1.2-1.4 TB/s
 of compressed bytes against 3.2 for bf16 rows (``benchmarks/results/kvquant_kernels_h200.json``).
 
-Here the token axis is wgmma's M side (64 cache tokens a slab) and the heads are N (a multiple of 8,
+Here the token axis is wgmma's M side (64 cache tokens a slab) and the heads are N (16 or 32,
 at most ``MAX_HEADS``), so nothing is padded to 64 heads:
 
 - S^T [64, H] = K [64, 512] q^T: the slab's 8-bit rows are loaded from shared memory ``CHUNK`` columns
   at a time in the layout that upcasts to wgmma's A-register layout (32-bit loads, one shuffle),
   converted (int8 -> bf16, e4m3 -> f16: both exact) and fed to wgmma from registers; each converted
-  chunk is also stored once into a 16-bit slab for the value product. The rope part (bf16 k_pe, A from
-  shared memory) has its own accumulator: the token's scale multiplies only the latent part.
+  chunk is also stored once into a 16-bit slab for the value product. Where the token's scale goes
+  (``DEQUANTIZE``): into the converted rows (f32 x scale -> bf16; the rope part, bf16 k_pe with A from
+  shared memory, then adds into the same accumulator), or onto the scores afterwards (the rope part in
+  an accumulator of its own, which the scale must not touch, and P * scale for the values).
 - The online softmax runs down the token axis (column statistics [H], log2 units; the cross-warp
   reductions go through shared memory).
 - O^T [512, H] += V^T P^T: A is the 16-bit slab read transposed (16-bit operands may be M-major), B
-  is P^T * scale, stored as P [H, 64] (a K-major B: wgmma refuses an N-major one 16 heads wide).
+  is P^T (times the scale when the rows were not dequantized), stored as P [H, 64] (a K-major B:
+  wgmma refuses an N-major one 16 heads wide).
 
 A memory warpgroup walks the block table and TMA-loads each slab (8-bit latent [64, 512], k_pe
 [64, 64], scales [64]) into a ``STAGES`` ring; the compute warpgroup releases a slot as soon as its
@@ -26,14 +30,14 @@ scores are read. The output is O^T: [T, 512, H] with one split, else partials (m
 [T, S, 512, H]); ``mla_decode`` transposes and merges them.
 
 Measured on the H200 (V2-Lite, batch 64, 4k context, ``python -m benchmarks.mla_8bit_probe``;
-2026-12-01): correct (relative error 0.1-0.25% against the reference, as the Triton kernel), but
-int8 145-151 us (1.1 TB/s of compressed bytes) and fp8 132-140 us, against the Triton kernel's
-byte pairs at 122 / 139 us: not faster, so ``impl="auto"`` keeps the Triton kernel for 8-bit caches.
-The kernel's own trace (``profile_dir``; int8) puts ~58% of a step in the scores phase (loading,
-converting and storing the slab, then waiting on the wgmmas), ~11% in the softmax, ~27% in the value
-product and ~4% waiting for slabs, each step issued by one warpgroup in sequence: the next steps are a converting warpgroup apart from
-the wgmma one (so the conversion of slab i+1 overlaps the products of slab i) and dequantizing into
-the 16-bit slab (scale applied there: one accumulator, no P * scale).
+2026-12-01), relative error 0.1-0.6% against the reference (as the Triton kernel, 0.1-0.2%):
+fp8 rows dequantized in the conversion 118 us (1.43 TB/s of compressed bytes) against the Triton
+kernel's 139.6, so ``impl="auto"`` takes this kernel for fp8 caches with a scale a token; int8 144 us
+(scaled afterwards) against the Triton byte pairs' 122.8, so int8 stays on Triton. The kernel's own
+trace (``profile_dir``; int8) puts ~58% of a step in the scores phase (loading, converting and storing
+the slab, then waiting on the wgmmas), ~11% in the softmax, ~27% in the value product and ~4% waiting
+for slabs, each step issued by one warpgroup in sequence: next, a converting warpgroup apart from the
+wgmma one, so that the conversion of slab i+1 overlaps the products of slab i.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ MAX_HEADS = 32  # O^T [512, H] f32 is 4H registers a thread of one warpgroup
 LATENT_DIM = 512
 ROPE_DIM = 64
 CACHE_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+# Where the scale goes, by cache dtype (H200, V2-Lite batch 64, 4k context, benchmarks/mla_8bit_probe.py):
+# fp8 rows dequantized in the conversion 118 us against 136 scaled afterwards; int8 150 against 144.
+DEQUANTIZE = {"int8": False, "float8_e4m3fn": True}
+# Cache dtypes for which mla_decode's impl="auto" takes this kernel: where it beats the Triton one (fp8:
+# 118 against 139.6 us; int8: 144 against the byte pairs' 122.8).
+AUTO_DTYPES = ("float8_e4m3fn",)
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -69,8 +79,8 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
         return f"cache dtype {jnp.dtype(dtype).name} is not int8 or float8_e4m3fn"
     if num_groups != 1:
         return f"{num_groups} scale groups a token (this kernel takes one scale a token)"
-    if num_heads % 8 or num_heads > MAX_HEADS:
-        return f"num_heads={num_heads} is not a multiple of 8 up to {MAX_HEADS}"
+    if num_heads % 16 or num_heads > MAX_HEADS:  # 8 heads failed on the H200 with one split (a 16-byte output row?)
+        return f"num_heads={num_heads} is not 16 or 32 (a multiple of 16 up to {MAX_HEADS})"
     if (latent_dim, rope_dim) != (LATENT_DIM, ROPE_DIM):
         return f"latent/rope dims {latent_dim}/{rope_dim} are not {LATENT_DIM}/{ROPE_DIM}"
     if block_size % BLOCK_K:
@@ -89,7 +99,7 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int):
+            stages: int, chunk: int, dequantize: bool):
     outs, scratch = refs[:-1], refs[-1]
     (q_smem, qpe_smem, c8_smem, kpe_smem, ks_smem, (kbf_smem, out_smem), p_smem, rows_smem,
      c8_bars, kpe_bars, ks_bars, q_bars, consumed_bars) = scratch
@@ -104,7 +114,8 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     end = jnp.minimum(start + per_split, length)
     num_steps = lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), jnp.int32(BLOCK_K))
     bf16, f32 = jnp.bfloat16, jnp.float32
-    dot_dtype = q_smem.dtype  # bf16, or f16 for fp8 rows (the one type e4m3 converts to in hardware)
+    dot_dtype = q_smem.dtype  # the dots' operand type
+    upcast_dtype = jnp.float16 if jnp.dtype(c8_smem.dtype) == jnp.float8_e4m3fn else jnp.bfloat16
     column = plgpu.Layout.WGMMA.reduce(0)  # a [H] vector of per-head statistics
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-token values
 
@@ -125,30 +136,39 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                 plgpu.barrier_wait(ks_bars.at[slot])
 
             def scores(s_ref, rope_ref):
+                kscale = plgpu.load(ks_smem.at[slot], layout=row) if dequantize else None
                 for c in range(LATENT_DIM // chunk):
                     cols = pl.ds(c * chunk, chunk)
                     keys = plgpu.load(c8_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                    keys = plgpu.layout_cast(keys.astype(dot_dtype), plgpu.Layout.WGMMA)  # exact
+                    keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
+                    if dequantize:
+                        keys = (keys.astype(f32) * lax.broadcast_in_dim(kscale, keys.shape, [0])).astype(dot_dtype)
                     kbf_smem[:, cols] = keys  # the value product's operand
                     plgpu.wgmma(s_ref, keys, q_smem.at[:, cols].transpose((1, 0)))
-                plgpu.wgmma(rope_ref, kpe_smem.at[slot], qpe_smem.transpose((1, 0)))  # unscaled: its own acc
-                return s_ref[...], rope_ref[...]
+                plgpu.wgmma(rope_ref, kpe_smem.at[slot], qpe_smem.transpose((1, 0)))
+                return s_ref[...] if dequantize else (s_ref[...], rope_ref[...])
 
-            with jax.named_scope("scores"):  # S^T [64, H]: the latent part (x the token's scale), the rope part
-                s, s_rope = pl.run_scoped(scores, plgpu.ACC((BLOCK_K, num_heads), f32),
-                                          plgpu.ACC((BLOCK_K, num_heads), f32))
-            kscale = plgpu.load(ks_smem.at[slot], layout=row)
+            with jax.named_scope("scores"):  # S^T [64, H]
+                if dequantize:  # the rows carry their scale: the rope part adds into the same accumulator
+                    s = pl.run_scoped(lambda s_ref: scores(s_ref, s_ref), plgpu.ACC((BLOCK_K, num_heads), f32))
+                else:  # the latent part x the token's scale, the rope part unscaled: two accumulators
+                    s, s_rope = pl.run_scoped(scores, plgpu.ACC((BLOCK_K, num_heads), f32),
+                                              plgpu.ACC((BLOCK_K, num_heads), f32))
+                    kscale = plgpu.load(ks_smem.at[slot], layout=row)
             plgpu.barrier_arrive(consumed_bars.at[slot])  # the slot's 8-bit rows, k_pe and scales are read
             with jax.named_scope("softmax"):
                 tokens = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, num_heads), 0, layout=plgpu.Layout.WGMMA)
-                s = (s * lax.broadcast_in_dim(kscale, s.shape, [0]) + s_rope) * scale_log2e
-                s = jnp.where(tokens < end - (start + i * BLOCK_K), s, -jnp.inf)
+                if not dequantize:
+                    s = s * lax.broadcast_in_dim(kscale, s.shape, [0]) + s_rope
+                s = jnp.where(tokens < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=0))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                 l = l * alpha + p.sum(axis=0)
-                p_smem.transpose((1, 0))[...] = (p * lax.broadcast_in_dim(kscale, s.shape, [0])).astype(dot_dtype)
-                plgpu.commit_smem()  # the bf16 slab and P^T, before wgmma reads them
+                if not dequantize:
+                    p = p * lax.broadcast_in_dim(kscale, s.shape, [0])
+                p_smem.transpose((1, 0))[...] = p.astype(dot_dtype)
+                plgpu.commit_smem()  # the 16-bit slab and P^T, before wgmma reads them
 
             def values(acc_ref):
                 plgpu.wgmma(acc_ref, kbf_smem.transpose((1, 0)), p_smem.transpose((1, 0)))
@@ -187,23 +207,28 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 
 
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
-                         num_splits: int, stages: int = STAGES, chunk: int = CHUNK,
+                         num_splits: int, stages: int = STAGES, chunk: int = CHUNK, dequantize: bool | None = None,
                          profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
     H] in log2 units, l f32[T, splits, H], acc f32[T, splits, 512, H]). Shapes must pass ``supports``.
-    ``stages``: slabs in flight; ``chunk``: latent columns converted at a time; ``profile_dir``: a folder
-    where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes (a Perfetto JSON)."""
+    ``stages``: slabs in flight; ``chunk``: latent columns converted at a time; ``dequantize``: the scale
+    applied to the converted rows (bf16 operands, one score accumulator) rather than to the scores and
+    probabilities (None: per ``DEQUANTIZE``); ``profile_dir``: a folder where Mosaic GPU writes a
+    per-warpgroup trace of the kernel's named scopes (a Perfetto JSON)."""
+    if dequantize is None:
+        dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name]
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K
     bf16, f32 = jnp.bfloat16, jnp.float32
     # The dots' operand type: int8 -> bf16 is exact; e4m3 converts only to f16 in hardware (exact too),
-    # so over fp8 rows the latent queries, the converted slab and P are f16 (the queries' values are
-    # exact in f16 within its range, |q| < 65504; P * scale's smallest terms turn subnormal, an
-    # absolute error under 1e-7). The rope product stays bf16.
-    dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn else bf16
+    # so over fp8 rows left scaled afterwards the latent queries, the converted slab and P are f16 (the
+    # queries' values are exact in f16 within its range, |q| < 65504; P * scale's smallest terms turn
+    # subnormal, an absolute error under 1e-7). Dequantized rows (f16 -> f32 x scale -> bf16) and the
+    # rope product are bf16.
+    dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not dequantize else bf16
     scratch = [
         _smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
         _smem((num_heads, ROPE_DIM), bf16),  # q_pe
@@ -229,7 +254,8 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
                     jax.ShapeDtypeStruct((num_tokens, num_splits, latent_dim, num_heads), f32))
     kernel = functools.partial(
         _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
-        scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk)
+        scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
+        dequantize=dequantize)
     return plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -76,11 +76,12 @@ def test_mla_decode_quantized_cache_gpu(kind, groups, paired, heads):
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("heads, block_size, num_splits", [(16, 64, None), (16, 128, 1), (32, 64, 4), (8, 64, 2)])
+@pytest.mark.parametrize("heads, block_size, num_splits", [(16, 64, None), (16, 128, 1), (32, 64, 4), (16, 64, 2)])
 def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
-    """The Mosaic GPU kernel over an 8-bit cache (impl="mosaic"; "auto" keeps the faster Triton kernel)."""
+    """The Mosaic GPU kernel over an 8-bit cache (impl="mosaic"; "auto" takes it for fp8 only)."""
     from pallas_kernels.kv_quant import quantize_latent
     from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
+    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
     rng = np.random.default_rng(heads + block_size)
     q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048], block_size=block_size)
@@ -90,9 +91,17 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     assert _rel(got, want) < 2e-2
+    for dequantize in (False, True):  # both places for the scale, whichever the dtype's default is
+        out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(6, dtype=jnp.int32), lengths,
+                                   0.1, num_splits=1, dequantize=dequantize)
+        assert _rel(out.swapaxes(1, 2), want) < 2e-2
+    auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
+    if kind == "fp8":  # the one 8-bit dtype "auto" sends to this kernel
+        np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
 
 
-def test_mla_paged_8bit_mosaic_layer_pages_and_padding_gpu():
+@pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
+def test_mla_paged_8bit_mosaic_layer_pages_and_padding_gpu(kind, impl):
     """The engine's call: several queries of one sequence, a padding query (-1), layer-local page ids."""
     from pallas_kernels.kv_quant import quantize_latent
     from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
@@ -104,10 +113,10 @@ def test_mla_paged_8bit_mosaic_layer_pages_and_padding_gpu():
     positions = jnp.asarray([0, 299, 999, 63, 511, -1], jnp.int32)
     q = jnp.asarray(rng.standard_normal((6, 16, 512)), jnp.bfloat16)
     q_pe = jnp.asarray(rng.standard_normal((6, 16, 64)), jnp.bfloat16)
-    stored, scale = quantize_latent(c_kv, "int8", 1)
+    stored, scale = quantize_latent(c_kv, kind, 1)
     local = jnp.where(tables >= layer_pages, tables - layer_pages, tables)  # layer 1 reads pages + layer_pages
     on_layer1 = local + layer_pages
-    got = mla_paged(q, q_pe, stored, k_pe, local, seq_ids, positions, 0.1, c_kv_scale=scale, impl="mosaic",
+    got = mla_paged(q, q_pe, stored, k_pe, local, seq_ids, positions, 0.1, c_kv_scale=scale, impl=impl,
                     layer=1, layer_pages=layer_pages)
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_paged_reference(f32(q), f32(q_pe), stored, f32(k_pe), on_layer1, seq_ids, positions, 0.1, scale)

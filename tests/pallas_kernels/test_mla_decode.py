@@ -198,6 +198,7 @@ def test_mosaic_8bit_decode_supports(monkeypatch):
     assert kernel.supports(32, 512, 64, 128, jnp.float8_e4m3fn, 1) is None
     assert "scale groups" in kernel.supports(16, 512, 64, 64, jnp.int8, 4)
     assert "num_heads=128" in kernel.supports(128, 512, 64, 64, jnp.int8, 1)
+    assert "num_heads=8" in kernel.supports(8, 512, 64, 64, jnp.int8, 1)
     assert "block_size=16" in kernel.supports(16, 512, 64, 16, jnp.int8, 1)
     assert "bfloat16" in kernel.supports(16, 512, 64, 64, jnp.bfloat16, 1)
 
