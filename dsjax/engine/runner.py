@@ -58,9 +58,9 @@ class StepInputs(NamedTuple):
     token_sources: jax.Array  # i32[T] -1: tokens[i]; r >= 0: row r of the previous step's last_tokens
 
 
-@dataclasses.dataclass(frozen=True)
-class RowSampling:
-    """Sampling settings of one scheduled sequence, in scheduler order."""
+class RowSampling(NamedTuple):
+    """Sampling settings of one scheduled sequence, in scheduler order (a tuple, not a frozen dataclass:
+    one is built for every sequence every step, and prepare() transposes them with zip)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -298,11 +298,11 @@ class ModelRunner:
                 logits_indices[row] = offset + n - 1
                 padded[row], row_of[i] = rows[i], row
                 offset += n
-        column = lambda name, dtype: np.asarray([getattr(r, name) for r in padded], dtype)
+        temperature, top_k, top_p, seed, counter, mask_eos, num_logprobs = zip(*padded)  # RowSampling's fields
         sampling = SamplingArrays(
-            column("temperature", np.float32), column("top_k", np.int32), column("top_p", np.float32),
-            np.asarray([r.seed & 0xFFFFFFFF for r in padded], np.uint32), column("counter", np.int32),
-            column("mask_eos", np.bool_), column("num_logprobs", np.int32))
+            np.asarray(temperature, np.float32), np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
+            np.asarray([s & 0xFFFFFFFF for s in seed], np.uint32), np.asarray(counter, np.int32),
+            np.asarray(mask_eos, np.bool_), np.asarray(num_logprobs, np.int32))
         inputs = StepInputs(tokens, PagedBatch(positions, slots, seq_ids, tables), logits_indices, sampling, sources)
         return t, inputs, row_of
 
