@@ -1,7 +1,8 @@
 """Probe of the 8-bit Mosaic GPU decode kernel (pallas_kernels/mla_decode_8bit_mgpu.py) on the H200:
 per-query error against the reference with each part of the scores switched off in turn (latent, rope,
-both), timings of its (STAGES, CHUNK, splits) variants at V2-Lite batch 64 / 4k context, and the
-kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT).
+both) and for each count of compute warpgroups, timings of its (compute warpgroups, stages, chunk,
+splits, scale placement) variants at V2-Lite batch 64 / 4k context, and the kernel's own per-warpgroup
+trace of one call (a Perfetto JSON in $OUT).
 
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
 """
@@ -43,12 +44,12 @@ def main():
         for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
                              ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
             want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-            for dequantize in (False, True):
-                got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32), lens, 0.1,
-                                              num_splits=1, dequantize=dequantize)
+            for dequantize, wgs in [(d, w) for d in (False, True) for w in ((1, 2, 4) if name == "both" else (2,))]:
+                got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32),
+                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs)
                 got = np.asarray(got.swapaxes(1, 2), np.float32)
                 per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-                print(kind, name, "dequantize" if dequantize else "scaled", "per-query rel err",
+                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}", "per-query rel err",
                       " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
@@ -60,21 +61,23 @@ def main():
     nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        for stages, chunk, splits, dequantize in ((2, 256, 2, False), (2, 256, 2, True), (2, 128, 2, True),
-                                                  (3, 256, 2, True)):
-            fn = lambda *a, v=(stages, chunk, splits, dequantize): k8.mla_decode_8bit_mgpu(
-                *a, 0.1, stages=v[0], chunk=v[1], num_splits=v[2], dequantize=v[3])
+        variants = [(1, 2, 256, 2, False)]  # one compute warpgroup, as the kernel was first built
+        variants += [(2, None, chunk, splits, dequantize) for chunk in (256, 128) for splits in (2, 4)
+                     for dequantize in (False, True)]
+        variants += [(4, None, 128, 2, False)]
+        for wgs, stages, chunk, splits, dequantize in variants:
+            label = f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
+            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize): k8.mla_decode_8bit_mgpu(
+                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4])
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
-                print(f"{kind} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}: {us:.1f} us "
-                      f"{nbytes / us / 1e6:.2f} TB/s")
+                print(f"{label}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
             except Exception as e:
-                print(f"{kind} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}: failed "
-                      f"{type(e).__name__}: {e}"[:300])
+                print(f"{label}: failed {type(e).__name__}: {e}"[:300])
             sys.stdout.flush()
-    stored, scale = quantize_latent(c, "int8", 1)
-    jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, seq_ids, ln, 0.1, num_splits=2,
-                                                  dequantize=True, profile_dir=out))
+    stored, scale = quantize_latent(c, "fp8", 1)
+    jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, seq_ids, ln, 0.1, num_splits=4,
+                                                  profile_dir=out))
     print("profile written:", os.listdir(out))
 
 if __name__ == "__main__":

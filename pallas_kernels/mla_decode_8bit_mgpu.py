@@ -1,43 +1,48 @@
 """Paged MLA decode over an 8-bit latent cache (int8 or fp8, a scale a token), few heads, on Hopper
-through Mosaic GPU (TMA + wgmma): ``mla_decode``'s choice for fp8 caches (``AUTO_DTYPES``), and
-``impl="mosaic"`` for int8 ones.
+through Mosaic GPU (TMA + wgmma): ``mla_decode``'s choice for both 8-bit dtypes (``AUTO_DTYPES``).
 
 The semantics are ``mla_paged_reference`` (pallas_kernels/mla_decode.py) with ``c_kv_scale`` [N, bs, 1]:
 scores q . (stored * scale) and the value update p . (stored * scale), no dequantized cache in HBM.
 With a few heads (V2-Lite: 16) decode is bandwidth-bound, so a kernel has to turn each 8-bit cache
 slab into tensor-core operands about as fast as HBM delivers it; the Triton kernel reaches 1.2-1.4 TB/s
-of compressed bytes against 3.2 for bf16 rows (``benchmarks/results/kvquant_kernels_h200.json``).
+of compressed bytes against 3.1-3.2 for bf16 rows (``benchmarks/results/kvquant_kernels_h200.json``).
 
 Here the token axis is wgmma's M side (64 cache tokens a slab) and the heads are N (16 or 32,
-at most ``MAX_HEADS``), so nothing is padded to 64 heads:
+at most ``MAX_HEADS``), so nothing is padded to 64 heads. ``COMPUTE_WGS`` compute warpgroups share
+each slab, warpgroup w owning latent columns [w * 512 / n, (w + 1) * 512 / n):
 
-- S^T [64, H] = K [64, 512] q^T: the slab's 8-bit rows are loaded from shared memory ``CHUNK`` columns
-  at a time in the layout that upcasts to wgmma's A-register layout (32-bit loads, one shuffle),
-  converted (int8 -> bf16, e4m3 -> f16: both exact) and fed to wgmma from registers; each converted
-  chunk is also stored once into a 16-bit slab for the value product. Where the token's scale goes
-  (``DEQUANTIZE``): into the converted rows (f32 x scale -> bf16; the rope part, bf16 k_pe with A from
-  shared memory, then adds into the same accumulator), or onto the scores afterwards (the rope part in
-  an accumulator of its own, which the scale must not touch, and P * scale for the values).
-- The online softmax runs down the token axis (column statistics [H], log2 units; the cross-warp
-  reductions go through shared memory).
-- O^T [512, H] += V^T P^T: A is the 16-bit slab read transposed (16-bit operands may be M-major), B
-  is P^T (times the scale when the rows were not dequantized), stored as P [H, 64] (a K-major B:
-  wgmma refuses an N-major one 16 heads wide).
+- S^T [64, H] = K [64, 512] q^T, each warpgroup its columns' part: its 8-bit rows are loaded from
+  shared memory ``CHUNK`` columns at a time in the layout that upcasts to wgmma's A-register layout
+  (32-bit loads, one shuffle), converted (int8 -> bf16, e4m3 -> f16: both exact) and fed to wgmma from
+  registers; each converted chunk is also stored once into a 16-bit slab for the value product. The
+  last warpgroup adds the rope part (bf16 k_pe, A from shared memory). Where the token's scale goes
+  (``DEQUANTIZE``): onto the scores afterwards (the rope part in an accumulator of its own, which the
+  scale must not touch, and P * scale for the values), or into the converted rows (f32 x scale -> bf16,
+  one accumulator).
+- The parts meet in shared memory (double-buffered by step parity, a barrier of n arrivals) and every
+  warpgroup sums them in the same order, so all hold the same scores, statistics and P.
+- The online softmax runs down the token axis (column statistics [H], log2 units). Its cross-warp
+  reductions go through each warpgroup's own shared memory (``_column_reduce``): jnp's reductions
+  share one scratch area of the kernel, and two warpgroups reducing at once corrupted each other's
+  statistics (the output stayed right with one split, the partials did not).
+- O^T [512 / n, H] += V^T P^T over the warpgroup's own columns: A is the 16-bit slab read transposed
+  (16-bit operands may be M-major), B is P^T, stored as P [H, 64] (a K-major B: wgmma refuses an
+  N-major one 16 heads wide).
 
 A memory warpgroup walks the block table and TMA-loads each slab (8-bit latent [64, 512], k_pe
-[64, 64], scales [64]) into a ``STAGES`` ring; the compute warpgroup releases a slot as soon as its
-scores are read. The output is O^T: [T, 512, H] with one split, else partials (m, l [T, S, H], acc
-[T, S, 512, H]); ``mla_decode`` transposes and merges them.
+[64, 64], scales [64]) into a ring of as many stages as fit (2 at 16 heads); a slot is released once
+every compute warpgroup has read its scores. The output is O^T: [T, 512, H] with one split, else
+partials (m, l [T, S, H], acc [T, S, 512, H]); ``mla_decode`` transposes and merges them.
 
-Measured on the H200 (V2-Lite, batch 64, 4k context, ``python -m benchmarks.mla_8bit_probe``;
-2026-12-01), relative error 0.1-0.6% against the reference (as the Triton kernel, 0.1-0.2%):
-fp8 rows dequantized in the conversion 118 us (1.43 TB/s of compressed bytes) against the Triton
-kernel's 139.6, so ``impl="auto"`` takes this kernel for fp8 caches with a scale a token; int8 144 us
-(scaled afterwards) against the Triton byte pairs' 122.8, so int8 stays on Triton. The kernel's own
-trace (``profile_dir``; int8) puts ~58% of a step in the scores phase (loading, converting and storing
-the slab, then waiting on the wgmmas), ~11% in the softmax, ~27% in the value product and ~4% waiting
-for slabs, each step issued by one warpgroup in sequence: next, a converting warpgroup apart from the
-wgmma one, so that the conversion of slab i+1 overlaps the products of slab i.
+Measured on the H200 (V2-Lite, batch 64, 4k context; ``python -m benchmarks.mla_8bit_probe`` and
+``benchmarks.kvquant --kernels-only``, 2026-12-01), relative error 0.1-0.7% against the reference:
+two compute warpgroups, chunks of 128 columns, the scale on the scores, 2 splits: int8 96-98 us
+(1.72-1.75 TB/s of compressed bytes), fp8 93-94 us (1.80-1.82), against the Triton kernel's 121 (int8
+byte pairs) and 136-141 (fp8) and against one compute warpgroup's 143 / 120; four warpgroups 141 us
+(int8). bf16 rows take 96 us (3.14 TB/s), so an 8-bit token still costs as much time as a bf16 one.
+The trace of two warpgroups (``profile_dir``; fp8, rows dequantized, chunks of 256): ~50% of a step in
+the scores phase, 12-16% exchanging the parts, 17-19% softmax, 12-15% value product, 3-4% waiting for
+slabs: each warpgroup still runs its steps in sequence.
 """
 
 from __future__ import annotations
@@ -55,18 +60,29 @@ from pallas_kernels.common import why_not_hopper
 from pallas_kernels.mla_decode_mgpu import load_slabs
 
 BLOCK_K = 64  # cache tokens a slab: wgmma's M
-STAGES = 2  # slabs in flight (2 x 40.25 KiB) beside the converted slab (64 KiB) and the queries
-CHUNK = 256  # latent columns converted and multiplied at a time (32 registers a thread of A)
-MAX_HEADS = 32  # O^T [512, H] f32 is 4H registers a thread of one warpgroup
+MAX_STAGES = 4  # slabs in flight (40.25 KiB each), as many as fit beside the converted slab (64 KiB)
+CHUNK = 128  # latent columns converted and multiplied at a time (16 registers a thread of A)
+COMPUTE_WGS = 2  # compute warpgroups, each converting and accumulating 512 / COMPUTE_WGS latent columns
+MAX_HEADS = 32  # O^T [512 / n, H] f32 is 4H / n registers a thread of each of n compute warpgroups
+SMEM_BYTES = 227 * 1024  # shared memory a block may have on Hopper
+_SMEM_SLACK = 4096  # alignment of the swizzled buffers, barriers
+# Registers a thread of each compute warpgroup, by their count: the 64K of an SM less the memory
+# warpgroup's; with 4, 112 (what the arithmetic allows) hung on the H200 in setmaxnreg, 104 runs.
+_COMPUTE_REGISTERS = {1: 232, 2: 232, 4: 104}
+_MEMORY_REGISTERS = 40  # a thread of the memory warpgroup (it only issues TMA copies)
+_PROFILE_EVENTS = 384  # a warpgroup's trace events with profile_dir (~12 KiB of shared memory each): 16 steps
+_REDUCE_SCRATCH = 512  # f32 a compute warpgroup's cross-warp reductions go through (Mosaic GPU's default)
 LATENT_DIM = 512
 ROPE_DIM = 64
 CACHE_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
-# Where the scale goes, by cache dtype (H200, V2-Lite batch 64, 4k context, benchmarks/mla_8bit_probe.py):
-# fp8 rows dequantized in the conversion 118 us against 136 scaled afterwards; int8 150 against 144.
-DEQUANTIZE = {"int8": False, "float8_e4m3fn": True}
-# Cache dtypes for which mla_decode's impl="auto" takes this kernel: where it beats the Triton one (fp8:
-# 118 against 139.6 us; int8: 144 against the byte pairs' 122.8).
-AUTO_DTYPES = ("float8_e4m3fn",)
+# Where the scale goes, by cache dtype (H200, V2-Lite batch 64, 4k context, two compute warpgroups, chunks
+# of 128, 2 splits; benchmarks/mla_8bit_probe.py): on the scores and probabilities for both, fp8 94.4 us
+# against 101.3 with the rows dequantized in the conversion, int8 97.4 against 141.1.
+DEQUANTIZE = {"int8": False, "float8_e4m3fn": False}
+# Cache dtypes for which mla_decode's impl="auto" takes this kernel: where it beats the Triton one (same
+# shapes, benchmarks/results/kvquant_kernels_h200.json: int8 98.2 us against the byte pairs' 120.8, fp8
+# 93.8 against 138.5).
+AUTO_DTYPES = ("int8", "float8_e4m3fn")
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -88,6 +104,27 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
     return None
 
 
+def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32) -> int:
+    """Shared memory the kernel asks for: queries, the 8-bit ring, the converted slab (or the output
+    staging), P and the score parts of each compute warpgroup, and some slack."""
+    ring = BLOCK_K * (LATENT_DIM + ROPE_DIM * 2 + 4)
+    staging = max(BLOCK_K * LATENT_DIM * 2, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize)
+    return (num_heads * (LATENT_DIM + ROPE_DIM) * 2 + stages * ring + staging
+            + compute_wgs * (num_heads * BLOCK_K * (2 + 2 * 4) + _REDUCE_SCRATCH * 4) + 2 * num_heads * 4
+            + _SMEM_SLACK)
+
+
+def _column_reduce(op: str, x, scratch):
+    """x [64, H] f32 (WGMMA layout) reduced down the token axis ("max" or "add") -> [H], through
+    ``scratch`` (f32[_REDUCE_SCRATCH] shared memory of the calling warpgroup). jnp's reductions use one
+    scratch area of the whole kernel, which two compute warpgroups reducing at once would share."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
+                       return_type=plgpu.ShapeDtypeStruct((x.shape[1],), x.dtype, layout=plgpu.Layout.WGMMA.reduce(0)))
+    def reduce(_, x, scratch):
+        return x.reduce(op, 0, scratch=scratch)
+    return reduce(x, scratch)
+
+
 def _smem(shape, dtype):
     """Shared memory in the tiled, swizzled layout TMA and wgmma read: rows of the widest swizzle
     (32, 64 or 128 bytes) that the minor dimension fills."""
@@ -99,10 +136,10 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool):
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int):
     outs, scratch = refs[:-1], refs[-1]
-    (q_smem, qpe_smem, c8_smem, kpe_smem, ks_smem, (kbf_smem, out_smem), p_smem, rows_smem,
-     c8_bars, kpe_bars, ks_bars, q_bars, consumed_bars) = scratch
+    (q_smem, qpe_smem, c8_smem, kpe_smem, ks_smem, (kbf_smem, out_smem), p_smem, sx_smem, reduce_smem, rows_smem,
+     c8_bars, kpe_bars, ks_bars, q_bars, consumed_bars, sx_bars, done_bar) = scratch
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
     seq_id = seq_ids_ref[t]
@@ -118,17 +155,23 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     upcast_dtype = jnp.float16 if jnp.dtype(c8_smem.dtype) == jnp.float8_e4m3fn else jnp.bfloat16
     column = plgpu.Layout.WGMMA.reduce(0)  # a [H] vector of per-head statistics
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-token values
+    width = LATENT_DIM // compute_wgs  # latent columns a compute warpgroup converts and accumulates
+    chunk = min(chunk, width)
 
-    @pl.when(wg == 0)
-    def _compute():
-        plgpu.set_max_registers(232, action="increase")
-        plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bars.at[0])
-        plgpu.copy_gmem_to_smem(qpe_ref.at[t], qpe_smem, q_bars.at[1])
+    def compute(w: int):
+        """Compute warpgroup w: latent columns [w * width, (w + 1) * width) of every slab; the last one
+        also takes the rope part."""
+        own = pl.ds(w * width, width)
+        rope = w == compute_wgs - 1
+        plgpu.set_max_registers(_COMPUTE_REGISTERS[compute_wgs], action="increase")
+        if w == 0:
+            plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bars.at[0])
+            plgpu.copy_gmem_to_smem(qpe_ref.at[t], qpe_smem, q_bars.at[1])
         plgpu.barrier_wait(q_bars.at[0])
         plgpu.barrier_wait(q_bars.at[1])
 
         def step(i, carry):
-            acc, m, l = carry  # O^T f32[512, H]; m (log2 units), l f32[H]
+            acc, m, l = carry  # O^T f32[width, H] (this warpgroup's rows); m (log2 units), l f32[H]
             slot = lax.rem(i, jnp.int32(stages))
             with jax.named_scope("wait"):
                 plgpu.barrier_wait(c8_bars.at[slot])
@@ -137,86 +180,111 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 
             def scores(s_ref, rope_ref):
                 kscale = plgpu.load(ks_smem.at[slot], layout=row) if dequantize else None
-                for c in range(LATENT_DIM // chunk):
-                    cols = pl.ds(c * chunk, chunk)
+                for c in range(width // chunk):
+                    cols = pl.ds(w * width + c * chunk, chunk)
                     keys = plgpu.load(c8_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
                     keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
                     if dequantize:
                         keys = (keys.astype(f32) * lax.broadcast_in_dim(kscale, keys.shape, [0])).astype(dot_dtype)
                     kbf_smem[:, cols] = keys  # the value product's operand
                     plgpu.wgmma(s_ref, keys, q_smem.at[:, cols].transpose((1, 0)))
-                plgpu.wgmma(rope_ref, kpe_smem.at[slot], qpe_smem.transpose((1, 0)))
-                return s_ref[...] if dequantize else (s_ref[...], rope_ref[...])
+                if rope:
+                    plgpu.wgmma(rope_ref, kpe_smem.at[slot], qpe_smem.transpose((1, 0)))
+                return s_ref[...] if dequantize or not rope else (s_ref[...], rope_ref[...])
 
-            with jax.named_scope("scores"):  # S^T [64, H]
+            with jax.named_scope("scores"):  # this warpgroup's part of S^T [64, H]
+                acc_type = plgpu.ACC((BLOCK_K, num_heads), f32)
                 if dequantize:  # the rows carry their scale: the rope part adds into the same accumulator
-                    s = pl.run_scoped(lambda s_ref: scores(s_ref, s_ref), plgpu.ACC((BLOCK_K, num_heads), f32))
-                else:  # the latent part x the token's scale, the rope part unscaled: two accumulators
-                    s, s_rope = pl.run_scoped(scores, plgpu.ACC((BLOCK_K, num_heads), f32),
-                                              plgpu.ACC((BLOCK_K, num_heads), f32))
+                    s = pl.run_scoped(lambda s_ref: scores(s_ref, s_ref), acc_type)
+                elif rope:  # the latent part x the token's scale, the rope part unscaled: two accumulators
+                    s, s_rope = pl.run_scoped(scores, acc_type, plgpu.ACC((BLOCK_K, num_heads), f32))
+                else:
+                    s = pl.run_scoped(lambda s_ref: scores(s_ref, None), acc_type)
+                if not dequantize:
                     kscale = plgpu.load(ks_smem.at[slot], layout=row)
+                    s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
+                    if rope:
+                        s = s + s_rope
             plgpu.barrier_arrive(consumed_bars.at[slot])  # the slot's 8-bit rows, k_pe and scales are read
+            if compute_wgs > 1:
+                with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
+                    parity = lax.rem(i, jnp.int32(2))
+                    sx_smem.at[parity, w][...] = s
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(sx_bars.at[parity])
+                    plgpu.barrier_wait(sx_bars.at[parity])
+                    parts = [s if v == w else plgpu.load(sx_smem.at[parity, v], layout=plgpu.Layout.WGMMA)
+                             for v in range(compute_wgs)]
+                    s = functools.reduce(lambda a, b: a + b, parts)
             with jax.named_scope("softmax"):
                 tokens = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, num_heads), 0, layout=plgpu.Layout.WGMMA)
-                if not dequantize:
-                    s = s * lax.broadcast_in_dim(kscale, s.shape, [0]) + s_rope
                 s = jnp.where(tokens < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=0))
+                m_new = jnp.maximum(m, _column_reduce("max", s, reduce_smem[w]))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                l = l * alpha + p.sum(axis=0)
+                l = l * alpha + _column_reduce("add", p, reduce_smem[w])
                 if not dequantize:
                     p = p * lax.broadcast_in_dim(kscale, s.shape, [0])
-                p_smem.transpose((1, 0))[...] = p.astype(dot_dtype)
+                p_smem.at[w].transpose((1, 0))[...] = p.astype(dot_dtype)
                 plgpu.commit_smem()  # the 16-bit slab and P^T, before wgmma reads them
 
             def values(acc_ref):
-                plgpu.wgmma(acc_ref, kbf_smem.transpose((1, 0)), p_smem.transpose((1, 0)))
+                plgpu.wgmma(acc_ref, kbf_smem.at[:, own].transpose((1, 0)), p_smem.at[w].transpose((1, 0)))
 
             with jax.named_scope("values"):
                 acc = pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
             return acc, m_new, l
 
-        init = (plgpu.layout_cast(jnp.zeros((LATENT_DIM, num_heads), f32), plgpu.Layout.WGMMA),
+        init = (plgpu.layout_cast(jnp.zeros((width, num_heads), f32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((num_heads,), _M_INIT, f32), column),
                 plgpu.layout_cast(jnp.zeros((num_heads,), f32), column))
         acc, m, l = lax.fori_loop(0, num_steps, step, init)
+        if compute_wgs > 1:  # nobody reads the converted slab any more: the output staging may reuse it
+            plgpu.barrier_arrive(done_bar)
+            plgpu.barrier_wait(done_bar)
         if num_splits == 1:
             (o_ref,) = outs
             denom = jnp.where(l == 0, 1.0, l)  # an empty context (padding) outputs zeros
-            out_smem[...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [1])).astype(bf16)
+            out_smem.at[own][...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [1])).astype(bf16)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[t])
+            plgpu.copy_smem_to_gmem(out_smem.at[own], o_ref.at[t, own])
         else:
             m_ref, l_ref, acc_ref = outs
-            out_smem[...] = acc
-            rows_smem.at[0][...] = m
-            rows_smem.at[1][...] = l
+            out_smem.at[own][...] = acc
+            if w == 0:  # every compute warpgroup holds the same m and l
+                rows_smem.at[0][...] = m
+                rows_smem.at[1][...] = l
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, acc_ref.at[t, split])
-            plgpu.copy_smem_to_gmem(rows_smem.at[0], m_ref.at[t, split])
-            plgpu.copy_smem_to_gmem(rows_smem.at[1], l_ref.at[t, split])
+            plgpu.copy_smem_to_gmem(out_smem.at[own], acc_ref.at[t, split, own])
+            if w == 0:
+                plgpu.copy_smem_to_gmem(rows_smem.at[0], m_ref.at[t, split])
+                plgpu.copy_smem_to_gmem(rows_smem.at[1], l_ref.at[t, split])
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 1)
+    for w in range(compute_wgs):
+        pl.when(wg == w)(functools.partial(compute, w))
+
+    @pl.when(wg == compute_wgs)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
         load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
                    [(c8_ref, c8_smem, c8_bars), (kpe_ref, kpe_smem, kpe_bars), (ks_ref, ks_smem, ks_bars)],
                    stages=stages, block_k=BLOCK_K)
 
 
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
-                         num_splits: int, stages: int = STAGES, chunk: int = CHUNK, dequantize: bool | None = None,
+                         num_splits: int, stages: int | None = None, chunk: int = CHUNK,
+                         dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
                          profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
     H] in log2 units, l f32[T, splits, H], acc f32[T, splits, 512, H]). Shapes must pass ``supports``.
-    ``stages``: slabs in flight; ``chunk``: latent columns converted at a time; ``dequantize``: the scale
-    applied to the converted rows (bf16 operands, one score accumulator) rather than to the scores and
-    probabilities (None: per ``DEQUANTIZE``); ``profile_dir``: a folder where Mosaic GPU writes a
-    per-warpgroup trace of the kernel's named scopes (a Perfetto JSON)."""
+    ``stages``: slabs in flight (None: as many as fit, up to ``MAX_STAGES``); ``chunk``: latent columns
+    converted at a time; ``dequantize``: the scale applied to the converted rows (bf16 operands, one
+    score accumulator) rather than to the scores and probabilities (None: per ``DEQUANTIZE``);
+    ``compute_wgs``: compute warpgroups (1, 2 or 4) sharing each slab's latent columns; ``profile_dir``: a
+    folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes (a Perfetto JSON)."""
     if dequantize is None:
         dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name]
     num_tokens, num_heads, latent_dim = q_latent.shape
@@ -229,6 +297,19 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     # subnormal, an absolute error under 1e-7). Dequantized rows (f16 -> f32 x scale -> bf16) and the
     # rope product are bf16.
     dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not dequantize else bf16
+    if compute_wgs not in _COMPUTE_REGISTERS:
+        raise ValueError(f"compute_wgs={compute_wgs} is not one of {tuple(_COMPUTE_REGISTERS)}")
+    width = LATENT_DIM // compute_wgs
+    if chunk % 128 or width % min(chunk, width):
+        raise ValueError(f"chunk={chunk} is not a multiple of 128 (an 8-bit row tile) dividing the "
+                         f"{width} latent columns of a compute warpgroup")
+    out_dtype = bf16 if num_splits == 1 else f32
+    if stages is None:
+        stages = max([n for n in range(1, MAX_STAGES + 1)
+                      if smem_bytes(num_heads, n, compute_wgs, out_dtype) <= SMEM_BYTES], default=1)
+    if (need := smem_bytes(num_heads, stages, compute_wgs, out_dtype)) > SMEM_BYTES:
+        raise ValueError(f"stages={stages} with compute_wgs={compute_wgs} and {num_heads} heads needs {need} bytes "
+                         f"of shared memory, more than the {SMEM_BYTES} a block has")
     scratch = [
         _smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
         _smem((num_heads, ROPE_DIM), bf16),  # q_pe
@@ -237,17 +318,22 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         plgpu.SMEM((stages, BLOCK_K), f32),  # scales
         plgpu.RefUnion(  # the step's converted slab (A of the values, read transposed); after the loop,
             _smem((BLOCK_K, LATENT_DIM), dot_dtype),  # the output staging
-            _smem((LATENT_DIM, num_heads), bf16 if num_splits == 1 else f32)),
-        _smem((num_heads, BLOCK_K), dot_dtype),  # P * scale: B of the values, read transposed
+            _smem((LATENT_DIM, num_heads), out_dtype)),
+        _smem((compute_wgs, num_heads, BLOCK_K), dot_dtype),  # P (x scale) of each compute warpgroup: B of
+        # its values, read transposed
+        _smem((2, compute_wgs, BLOCK_K, num_heads), f32),  # score parts, by step parity
+        [plgpu.SMEM((_REDUCE_SCRATCH,), f32) for _ in range(compute_wgs)],  # each one's reductions
         plgpu.SMEM((2, num_heads), f32),  # m, l of a split
         plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
         plgpu.Barrier(num_barriers=stages),  # k_pe landed
         plgpu.Barrier(num_barriers=stages),  # scales landed
         plgpu.Barrier(num_barriers=2),  # queries landed
-        plgpu.Barrier(num_barriers=stages),  # slot read by the compute warpgroup
+        plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),  # slot read by every compute warpgroup
+        plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2),  # score parts written, by step parity
+        plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slab)
     ]
     if num_splits == 1:
-        out_type = jax.ShapeDtypeStruct((num_tokens, latent_dim, num_heads), bf16)
+        out_type = jax.ShapeDtypeStruct((num_tokens, latent_dim, num_heads), out_dtype)
     else:
         out_type = (jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
                     jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
@@ -255,17 +341,18 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     kernel = functools.partial(
         _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
         scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-        dequantize=dequantize)
+        dequantize=dequantize, compute_wgs=compute_wgs)
     return plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=[scratch],
         grid=(num_splits, num_tokens),
         grid_names=("s", "t"),
-        num_threads=2,
+        num_threads=compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, **({"profile_space": 1024, "profile_dir": profile_dir} if profile_dir else {})),
+            approx_math=True,
+            **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
     )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
       c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
       k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM),

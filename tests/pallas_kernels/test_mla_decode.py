@@ -172,21 +172,38 @@ def test_mosaic_decode_lowers_for_hopper(num_splits):
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
 
-@pytest.mark.parametrize("kind, num_splits", [("int8", 1), ("fp8", 4)])
-def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits):
-    """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
-    transposed, the column softmax, shared memory) runs without a GPU; numerics in tests/gpu."""
-    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
-
-    tokens, heads, width = 4, 16, 16
+def _8bit_args(kind, heads=16, tokens=4, width=16):
     shape = jax.ShapeDtypeStruct
     dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
-    args = (shape((tokens, heads, 512), jnp.bfloat16), shape((tokens, heads, 64), jnp.bfloat16),
+    return (shape((tokens, heads, 512), jnp.bfloat16), shape((tokens, heads, 64), jnp.bfloat16),
             shape((100, 64, 512), dtype), shape((100, 64, 64), jnp.bfloat16), shape((100, 64, 1), jnp.float32),
             shape((tokens, width), jnp.int32), shape((tokens,), jnp.int32), shape((tokens,), jnp.int32))
-    fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits)
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("kind, num_splits, compute_wgs", [("int8", 1, 2), ("fp8", 4, 2), ("int8", 4, 4),
+                                                           ("fp8", 1, 1)])
+def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs):
+    """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
+    transposed, the score parts' exchange, the column softmax, shared memory) runs without a GPU;
+    numerics in tests/gpu."""
+    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
+
+    fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits, compute_wgs=compute_wgs)
+    hlo = jax.jit(fn).trace(*_8bit_args(kind)).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("custom_call @mosaic_gpu") == 1
+
+
+def test_mosaic_8bit_decode_refuses_bad_options():
+    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
+
+    for options, message in (({"compute_wgs": 3}, "compute_wgs=3 is not one of"),
+                             ({"chunk": 64}, "chunk=64 is not a multiple of 128"),
+                             ({"stages": 4}, "stages=4 with compute_wgs=2 and 16 heads needs"),
+                             ({"compute_wgs": 4, "heads": 32}, "stages=1 with compute_wgs=4 and 32 heads")):
+        heads = options.pop("heads", 16)
+        with pytest.raises(ValueError, match=message):
+            jax.eval_shape(lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=2, **options),
+                           *_8bit_args("int8", heads))
 
 
 def test_mosaic_8bit_decode_supports(monkeypatch):
