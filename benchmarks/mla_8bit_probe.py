@@ -1,8 +1,8 @@
 """Probe of the 8-bit Mosaic GPU decode kernel (pallas_kernels/mla_decode_8bit_mgpu.py) on the H200:
 per-query error against the reference with each part of the scores switched off in turn (latent, rope,
-both) and for each count of compute warpgroups, timings of its (compute warpgroups, stages, chunk,
-splits, scale placement) variants at V2-Lite batch 64 / 4k context, and the kernel's own per-warpgroup
-trace of one call (a Perfetto JSON in $OUT).
+both) and for each way of sharing the work among compute warpgroups, timings of its (compute
+warpgroups, share, stages, chunk, splits, scale placement) variants at V2-Lite batch 64 / 4k context,
+and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT).
 
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
 """
@@ -44,12 +44,15 @@ def main():
         for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
                              ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
             want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-            for dequantize, wgs in [(d, w) for d in (False, True) for w in ((1, 2, 4) if name == "both" else (2,))]:
+            variants = [(1, "columns"), (2, "columns"), (4, "columns"), (2, "slabs")] if name == "both" else \
+                [(2, "columns")]
+            for dequantize, (wgs, share) in [(d, v) for d in (False, True) for v in variants]:
                 got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32),
-                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs)
+                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs,
+                                              share=share)
                 got = np.asarray(got.swapaxes(1, 2), np.float32)
                 per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}", "per-query rel err",
+                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs} {share}", "per-query rel err",
                       " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
@@ -61,14 +64,16 @@ def main():
     nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        variants = [(1, 2, 256, 2, False)]  # one compute warpgroup, as the kernel was first built
-        variants += [(2, None, chunk, splits, dequantize) for chunk in (256, 128) for splits in (2, 4)
+        # (compute warpgroups, share, stages, chunk, splits, dequantize)
+        variants = [(1, "columns", 2, 256, 2, False)]  # one compute warpgroup, as the kernel was first built
+        variants += [(2, "columns", None, chunk, splits, dequantize) for chunk in (256, 128) for splits in (2, 4)
                      for dequantize in (False, True)]
-        variants += [(4, None, 128, 2, False)]
-        for wgs, stages, chunk, splits, dequantize in variants:
-            label = f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
-            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize): k8.mla_decode_8bit_mgpu(
-                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4])
+        variants += [(4, "columns", None, 128, 2, False)]
+        variants += [(2, "slabs", None, chunk, splits, False) for chunk in (256, 128) for splits in (2, 4)]
+        for wgs, share, stages, chunk, splits, dequantize in variants:
+            label = f"{kind} wgs {wgs} {share} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
+            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize, share): k8.mla_decode_8bit_mgpu(
+                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4], share=v[5])
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
                 print(f"{label}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")

@@ -31,7 +31,14 @@ each slab, warpgroup w owning latent columns [w * 512 / n, (w + 1) * 512 / n):
 
 A memory warpgroup walks the block table and TMA-loads each slab (8-bit latent [64, 512], k_pe
 [64, 64], scales [64]) into a ring of as many stages as fit (2 at 16 heads); a slot is released once
-every compute warpgroup has read its scores. The output is O^T: [T, 512, H] with one split, else
+every compute warpgroup has read its scores.
+
+``share="slabs"`` (two compute warpgroups, 16 heads) splits the context instead: warpgroup w takes
+steps w, w + 2, ..., every column of them, with a converted slab and an online-softmax state of its
+own, and warpgroup 0 merges the two states at the end, so nothing is exchanged or computed twice per
+step and one warpgroup's conversion can overlap the other's products and softmax. Two converted slabs
+leave room for the ring only without k_pe, which each warpgroup reads straight from HBM into wgmma's
+A-register layout one of its steps ahead. Built and lowered on CPU, not yet run on the GPU. The output is O^T: [T, 512, H] with one split, else
 partials (m, l [T, S, H], acc [T, S, 512, H]); ``mla_decode`` transposes and merges them.
 
 Measured on the H200 (V2-Lite, batch 64, 4k context; ``python -m benchmarks.mla_8bit_probe`` and
@@ -62,7 +69,9 @@ from pallas_kernels.mla_decode_mgpu import load_slabs
 BLOCK_K = 64  # cache tokens a slab: wgmma's M
 MAX_STAGES = 4  # slabs in flight (40.25 KiB each), as many as fit beside the converted slab (64 KiB)
 CHUNK = 128  # latent columns converted and multiplied at a time (16 registers a thread of A)
-COMPUTE_WGS = 2  # compute warpgroups, each converting and accumulating 512 / COMPUTE_WGS latent columns
+COMPUTE_WGS = 2  # compute warpgroups
+SHARES = ("columns", "slabs")  # how they split the work (see mla_decode_8bit_mgpu)
+SHARE = "columns"
 MAX_HEADS = 32  # O^T [512 / n, H] f32 is 4H / n registers a thread of each of n compute warpgroups
 SMEM_BYTES = 227 * 1024  # shared memory a block may have on Hopper
 _SMEM_SLACK = 4096  # alignment of the swizzled buffers, barriers
@@ -104,14 +113,21 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
     return None
 
 
-def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32) -> int:
-    """Shared memory the kernel asks for: queries, the 8-bit ring, the converted slab (or the output
-    staging), P and the score parts of each compute warpgroup, and some slack."""
-    ring = BLOCK_K * (LATENT_DIM + ROPE_DIM * 2 + 4)
-    staging = max(BLOCK_K * LATENT_DIM * 2, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize)
-    return (num_heads * (LATENT_DIM + ROPE_DIM) * 2 + stages * ring + staging
-            + compute_wgs * (num_heads * BLOCK_K * (2 + 2 * 4) + _REDUCE_SCRATCH * 4) + 2 * num_heads * 4
-            + _SMEM_SLACK)
+def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32, share: str = "columns") -> int:
+    """Shared memory the kernel asks for: queries, the 8-bit ring (with k_pe when the warpgroups share
+    columns), the converted slab(s) (after the loop: the output staging, and with share="slabs" the other
+    warpgroups' states), P, reduction scratch (and the score parts) of each compute warpgroup, some slack."""
+    slabs = share == "slabs"
+    ring = BLOCK_K * (LATENT_DIM + 4 + (0 if slabs else ROPE_DIM * 2))
+    out = LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize
+    if slabs:
+        staging = max(compute_wgs * BLOCK_K * LATENT_DIM * 2, out + (compute_wgs - 1) * LATENT_DIM * num_heads * 4)
+        per_wg = num_heads * BLOCK_K * 2 + _REDUCE_SCRATCH * 4 + 2 * num_heads * 4
+    else:
+        staging = max(BLOCK_K * LATENT_DIM * 2, out)
+        per_wg = num_heads * BLOCK_K * (2 + 2 * 4) + _REDUCE_SCRATCH * 4
+    return (num_heads * (LATENT_DIM + ROPE_DIM) * 2 + stages * ring + staging + compute_wgs * per_wg
+            + 2 * num_heads * 4 + _SMEM_SLACK)
 
 
 def _column_reduce(op: str, x, scratch):
@@ -136,10 +152,8 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int):
-    outs, scratch = refs[:-1], refs[-1]
-    (q_smem, qpe_smem, c8_smem, kpe_smem, ks_smem, (kbf_smem, out_smem), p_smem, sx_smem, reduce_smem, rows_smem,
-     c8_bars, kpe_bars, ks_bars, q_bars, consumed_bars, sx_bars, done_bar) = scratch
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int, share: str):
+    outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
     seq_id = seq_ids_ref[t]
@@ -151,48 +165,73 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     end = jnp.minimum(start + per_split, length)
     num_steps = lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), jnp.int32(BLOCK_K))
     bf16, f32 = jnp.bfloat16, jnp.float32
+    q_smem, c8_smem, ks_smem, kbf_smem = sm["q"], sm["c8"], sm["ks"], sm["kbf"]
     dot_dtype = q_smem.dtype  # the dots' operand type
     upcast_dtype = jnp.float16 if jnp.dtype(c8_smem.dtype) == jnp.float8_e4m3fn else jnp.bfloat16
     column = plgpu.Layout.WGMMA.reduce(0)  # a [H] vector of per-head statistics
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-token values
-    width = LATENT_DIM // compute_wgs  # latent columns a compute warpgroup converts and accumulates
+    slabs = share == "slabs"
+    width = LATENT_DIM if slabs else LATENT_DIM // compute_wgs  # latent columns a warpgroup converts
     chunk = min(chunk, width)
+    table_size = tables_ref.shape[0]
+
+    def slab_of(i):
+        """Row of the [pages * slabs_per_page, 64, ...] cache views holding step i's keys (0 past the
+        split: a valid row to prefetch from)."""
+        token = start + i * BLOCK_K
+        entry = seq_id * table_width + lax.div(token, jnp.int32(slabs_per_page * BLOCK_K))
+        page = tables_ref[jnp.clip(entry, 0, table_size - 1)]
+        slab = page * slabs_per_page + lax.rem(lax.div(token, jnp.int32(BLOCK_K)), jnp.int32(slabs_per_page))
+        return jnp.where(i < num_steps, slab, 0)
+
+    def load_kpe(i):  # k_pe [64, 64] straight from HBM into wgmma's A-register layout
+        return plgpu.load(kpe_ref.at[slab_of(i)], layout=plgpu.Layout.WGMMA, optimized=False)
 
     def compute(w: int):
-        """Compute warpgroup w: latent columns [w * width, (w + 1) * width) of every slab; the last one
-        also takes the rope part."""
-        own = pl.ds(w * width, width)
-        rope = w == compute_wgs - 1
+        """Compute warpgroup w. share="columns": latent columns [w * width, (w + 1) * width) of every slab,
+        the last one also the rope part. share="slabs": every column of steps w, w + n, w + 2n, ..."""
+        first = 0 if slabs else w * width  # the warpgroup's first latent column
+        own = pl.ds(first, width)
+        rope = slabs or w == compute_wgs - 1
+        # (views made where they are used: a view's index captured from outside run_state becomes an input)
+        kbf = (lambda: kbf_smem.at[w]) if slabs else (lambda: kbf_smem)
+        reduce_smem = sm["reduce"][w]
         plgpu.set_max_registers(_COMPUTE_REGISTERS[compute_wgs], action="increase")
         if w == 0:
-            plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, q_bars.at[0])
-            plgpu.copy_gmem_to_smem(qpe_ref.at[t], qpe_smem, q_bars.at[1])
-        plgpu.barrier_wait(q_bars.at[0])
-        plgpu.barrier_wait(q_bars.at[1])
+            plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
+            plgpu.copy_gmem_to_smem(qpe_ref.at[t], sm["qpe"], sm["q_bars"].at[1])
+        plgpu.barrier_wait(sm["q_bars"].at[0])
+        plgpu.barrier_wait(sm["q_bars"].at[1])
 
-        def step(i, carry):
-            acc, m, l = carry  # O^T f32[width, H] (this warpgroup's rows); m (log2 units), l f32[H]
+        def step(j, carry):
+            acc, m, l = carry[:3]  # O^T f32[width, H] (this warpgroup's rows); m (log2 units), l f32[H]
+            i = j * compute_wgs + w if slabs else j  # the context step
             slot = lax.rem(i, jnp.int32(stages))
+            if slabs:  # this step's k_pe came with the last one; the next one's is loaded now
+                kpe, carry_next = carry[3], (load_kpe(i + compute_wgs),)
+            else:
+                kpe, carry_next = sm["kpe"].at[slot], ()
             with jax.named_scope("wait"):
-                plgpu.barrier_wait(c8_bars.at[slot])
-                plgpu.barrier_wait(kpe_bars.at[slot])
-                plgpu.barrier_wait(ks_bars.at[slot])
+                plgpu.barrier_wait(sm["c8_bars"].at[slot])
+                plgpu.barrier_wait(sm["ks_bars"].at[slot])
+                if not slabs:
+                    plgpu.barrier_wait(sm["kpe_bars"].at[slot])
 
             def scores(s_ref, rope_ref):
                 kscale = plgpu.load(ks_smem.at[slot], layout=row) if dequantize else None
                 for c in range(width // chunk):
-                    cols = pl.ds(w * width + c * chunk, chunk)
+                    cols = pl.ds(first + c * chunk, chunk)
                     keys = plgpu.load(c8_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
                     keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
                     if dequantize:
                         keys = (keys.astype(f32) * lax.broadcast_in_dim(kscale, keys.shape, [0])).astype(dot_dtype)
-                    kbf_smem[:, cols] = keys  # the value product's operand
+                    kbf()[:, cols] = keys  # the value product's operand
                     plgpu.wgmma(s_ref, keys, q_smem.at[:, cols].transpose((1, 0)))
                 if rope:
-                    plgpu.wgmma(rope_ref, kpe_smem.at[slot], qpe_smem.transpose((1, 0)))
+                    plgpu.wgmma(rope_ref, kpe, sm["qpe"].transpose((1, 0)))
                 return s_ref[...] if dequantize or not rope else (s_ref[...], rope_ref[...])
 
-            with jax.named_scope("scores"):  # this warpgroup's part of S^T [64, H]
+            with jax.named_scope("scores"):  # S^T [64, H], or this warpgroup's part of it
                 acc_type = plgpu.ACC((BLOCK_K, num_heads), f32)
                 if dequantize:  # the rows carry their scale: the rope part adds into the same accumulator
                     s = pl.run_scoped(lambda s_ref: scores(s_ref, s_ref), acc_type)
@@ -205,43 +244,68 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                     s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
                     if rope:
                         s = s + s_rope
-            plgpu.barrier_arrive(consumed_bars.at[slot])  # the slot's 8-bit rows, k_pe and scales are read
-            if compute_wgs > 1:
+            plgpu.barrier_arrive(sm["consumed_bars"].at[slot])  # the slot's 8-bit rows (k_pe) and scales are read
+            if not slabs and compute_wgs > 1:
                 with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
                     parity = lax.rem(i, jnp.int32(2))
-                    sx_smem.at[parity, w][...] = s
+                    sm["sx"].at[parity, w][...] = s
                     plgpu.commit_smem()
-                    plgpu.barrier_arrive(sx_bars.at[parity])
-                    plgpu.barrier_wait(sx_bars.at[parity])
-                    parts = [s if v == w else plgpu.load(sx_smem.at[parity, v], layout=plgpu.Layout.WGMMA)
+                    plgpu.barrier_arrive(sm["sx_bars"].at[parity])
+                    plgpu.barrier_wait(sm["sx_bars"].at[parity])
+                    parts = [s if v == w else plgpu.load(sm["sx"].at[parity, v], layout=plgpu.Layout.WGMMA)
                              for v in range(compute_wgs)]
                     s = functools.reduce(lambda a, b: a + b, parts)
             with jax.named_scope("softmax"):
                 tokens = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, num_heads), 0, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(tokens < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
-                m_new = jnp.maximum(m, _column_reduce("max", s, reduce_smem[w]))
+                m_new = jnp.maximum(m, _column_reduce("max", s, reduce_smem))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                l = l * alpha + _column_reduce("add", p, reduce_smem[w])
+                l = l * alpha + _column_reduce("add", p, reduce_smem)
                 if not dequantize:
                     p = p * lax.broadcast_in_dim(kscale, s.shape, [0])
-                p_smem.at[w].transpose((1, 0))[...] = p.astype(dot_dtype)
+                sm["p"].at[w].transpose((1, 0))[...] = p.astype(dot_dtype)
                 plgpu.commit_smem()  # the 16-bit slab and P^T, before wgmma reads them
 
             def values(acc_ref):
-                plgpu.wgmma(acc_ref, kbf_smem.at[:, own].transpose((1, 0)), p_smem.at[w].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, kbf().at[:, own].transpose((1, 0)), sm["p"].at[w].transpose((1, 0)))
 
             with jax.named_scope("values"):
                 acc = pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
-            return acc, m_new, l
+            return (acc, m_new, l, *carry_next)
 
         init = (plgpu.layout_cast(jnp.zeros((width, num_heads), f32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((num_heads,), _M_INIT, f32), column),
                 plgpu.layout_cast(jnp.zeros((num_heads,), f32), column))
-        acc, m, l = lax.fori_loop(0, num_steps, step, init)
-        if compute_wgs > 1:  # nobody reads the converted slab any more: the output staging may reuse it
-            plgpu.barrier_arrive(done_bar)
-            plgpu.barrier_wait(done_bar)
+        if slabs:
+            init += (load_kpe(jnp.int32(w)),)
+            my_steps = lax.div(jnp.maximum(num_steps - w, 0) + (compute_wgs - 1), jnp.int32(compute_wgs))
+        else:
+            my_steps = num_steps
+        acc, m, l = lax.fori_loop(0, my_steps, step, init)[:3]
+        rows_smem = sm["rows"]
+        if compute_wgs > 1:  # nobody reads the converted slabs any more: the output staging may reuse them
+            plgpu.barrier_arrive(sm["done_bar"])
+            plgpu.barrier_wait(sm["done_bar"])
+        if slabs and compute_wgs > 1:  # warpgroup 0 merges the others' softmax states and writes
+            if w > 0:
+                sm["states"].at[w - 1][...] = acc
+                rows_smem.at[2 * w][...] = m
+                rows_smem.at[2 * w + 1][...] = l
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(sm["merge_bar"])
+                return
+            plgpu.barrier_wait(sm["merge_bar"])
+            for v in range(1, compute_wgs):
+                m_v = plgpu.load(rows_smem.at[2 * v], layout=column)
+                l_v = plgpu.load(rows_smem.at[2 * v + 1], layout=column)
+                acc_v = plgpu.load(sm["states"].at[v - 1], layout=plgpu.Layout.WGMMA)
+                m_new = jnp.maximum(m, m_v)
+                a, a_v = jnp.exp2(m - m_new), jnp.exp2(m_v - m_new)
+                acc = (acc * lax.broadcast_in_dim(a, acc.shape, [1])
+                       + acc_v * lax.broadcast_in_dim(a_v, acc.shape, [1]))
+                m, l = m_new, l * a + l_v * a_v
+        out_smem = sm["out"]
         if num_splits == 1:
             (o_ref,) = outs
             denom = jnp.where(l == 0, 1.0, l)  # an empty context (padding) outputs zeros
@@ -251,7 +315,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         else:
             m_ref, l_ref, acc_ref = outs
             out_smem.at[own][...] = acc
-            if w == 0:  # every compute warpgroup holds the same m and l
+            if w == 0:  # with shared columns every compute warpgroup holds the same m and l
                 rows_smem.at[0][...] = m
                 rows_smem.at[1][...] = l
             plgpu.commit_smem()
@@ -267,14 +331,16 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     @pl.when(wg == compute_wgs)
     def _memory():
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
-                   [(c8_ref, c8_smem, c8_bars), (kpe_ref, kpe_smem, kpe_bars), (ks_ref, ks_smem, ks_bars)],
+        rings = [(c8_ref, c8_smem, sm["c8_bars"]), (ks_ref, ks_smem, sm["ks_bars"])]
+        if not slabs:
+            rings.append((kpe_ref, sm["kpe"], sm["kpe_bars"]))
+        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, sm["consumed_bars"], rings,
                    stages=stages, block_k=BLOCK_K)
 
 
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
-                         dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
+                         dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS, share: str = SHARE,
                          profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
@@ -283,8 +349,11 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``stages``: slabs in flight (None: as many as fit, up to ``MAX_STAGES``); ``chunk``: latent columns
     converted at a time; ``dequantize``: the scale applied to the converted rows (bf16 operands, one
     score accumulator) rather than to the scores and probabilities (None: per ``DEQUANTIZE``);
-    ``compute_wgs``: compute warpgroups (1, 2 or 4) sharing each slab's latent columns; ``profile_dir``: a
-    folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes (a Perfetto JSON)."""
+    ``compute_wgs``: compute warpgroups (1, 2 or 4); ``share``: how they split the work, "columns" (each
+    slab's latent columns, the scores' parts exchanged every step) or "slabs" (alternate slabs, a softmax
+    state each, merged at the end; two warpgroups, k_pe read into registers one step ahead);
+    ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
+    (a Perfetto JSON)."""
     if dequantize is None:
         dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name]
     num_tokens, num_heads, latent_dim = q_latent.shape
@@ -299,53 +368,83 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not dequantize else bf16
     if compute_wgs not in _COMPUTE_REGISTERS:
         raise ValueError(f"compute_wgs={compute_wgs} is not one of {tuple(_COMPUTE_REGISTERS)}")
-    width = LATENT_DIM // compute_wgs
+    if share not in SHARES:
+        raise ValueError(f"share={share!r} is not one of {SHARES}")
+    if share == "slabs" and compute_wgs != 2:
+        raise ValueError(f"share='slabs' takes compute_wgs=2 (got {compute_wgs}): more converted slabs do not fit")
+    width = LATENT_DIM if share == "slabs" else LATENT_DIM // compute_wgs
     if chunk % 128 or width % min(chunk, width):
         raise ValueError(f"chunk={chunk} is not a multiple of 128 (an 8-bit row tile) dividing the "
                          f"{width} latent columns of a compute warpgroup")
     out_dtype = bf16 if num_splits == 1 else f32
+    # With share="slabs" a ring slot always serves the same warpgroup (stages a multiple of compute_wgs).
+    step = compute_wgs if share == "slabs" else 1
+    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype, share)
     if stages is None:
-        stages = max([n for n in range(1, MAX_STAGES + 1)
-                      if smem_bytes(num_heads, n, compute_wgs, out_dtype) <= SMEM_BYTES], default=1)
-    if (need := smem_bytes(num_heads, stages, compute_wgs, out_dtype)) > SMEM_BYTES:
-        raise ValueError(f"stages={stages} with compute_wgs={compute_wgs} and {num_heads} heads needs {need} bytes "
-                         f"of shared memory, more than the {SMEM_BYTES} a block has")
-    scratch = [
-        _smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
-        _smem((num_heads, ROPE_DIM), bf16),  # q_pe
-        _smem((stages, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit slab ring
-        _smem((stages, BLOCK_K, ROPE_DIM), bf16),  # k_pe
-        plgpu.SMEM((stages, BLOCK_K), f32),  # scales
-        plgpu.RefUnion(  # the step's converted slab (A of the values, read transposed); after the loop,
-            _smem((BLOCK_K, LATENT_DIM), dot_dtype),  # the output staging
-            _smem((LATENT_DIM, num_heads), out_dtype)),
-        _smem((compute_wgs, num_heads, BLOCK_K), dot_dtype),  # P (x scale) of each compute warpgroup: B of
+        stages = max([n for n in range(step, MAX_STAGES + 1, step) if need(n) <= SMEM_BYTES], default=step)
+    if stages % step:
+        raise ValueError(f"stages={stages} is not a multiple of compute_wgs={compute_wgs} (share='slabs')")
+    if need(stages) > SMEM_BYTES:
+        raise ValueError(f"stages={stages} with compute_wgs={compute_wgs} ({share}) and {num_heads} heads needs "
+                         f"{need(stages)} bytes of shared memory, more than the {SMEM_BYTES} a block has")
+    slabs = share == "slabs"
+    out = _smem((LATENT_DIM, num_heads), out_dtype)
+    sm = dict(
+        q=_smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
+        qpe=_smem((num_heads, ROPE_DIM), bf16),
+        c8=_smem((stages, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit slab ring
+        ks=plgpu.SMEM((stages, BLOCK_K), f32),  # scales
+        p=_smem((compute_wgs, num_heads, BLOCK_K), dot_dtype),  # P (x scale) of each compute warpgroup: B of
         # its values, read transposed
-        _smem((2, compute_wgs, BLOCK_K, num_heads), f32),  # score parts, by step parity
-        [plgpu.SMEM((_REDUCE_SCRATCH,), f32) for _ in range(compute_wgs)],  # each one's reductions
-        plgpu.SMEM((2, num_heads), f32),  # m, l of a split
-        plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
-        plgpu.Barrier(num_barriers=stages),  # k_pe landed
-        plgpu.Barrier(num_barriers=stages),  # scales landed
-        plgpu.Barrier(num_barriers=2),  # queries landed
-        plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),  # slot read by every compute warpgroup
-        plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2),  # score parts written, by step parity
-        plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slab)
-    ]
+        reduce=[plgpu.SMEM((_REDUCE_SCRATCH,), f32) for _ in range(compute_wgs)],  # each one's reductions
+        rows=plgpu.SMEM((2 * compute_wgs if slabs else 2, num_heads), f32),  # m, l of a split (of each one)
+        c8_bars=plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
+        ks_bars=plgpu.Barrier(num_barriers=stages),  # scales landed
+        q_bars=plgpu.Barrier(num_barriers=2),  # queries landed
+        # slot read (by every compute warpgroup when they share its columns)
+        consumed_bars=plgpu.Barrier(num_arrivals=1 if slabs else compute_wgs, num_barriers=stages),
+        done_bar=plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slabs)
+    )
+    if slabs:
+        sm.update(
+            # each warpgroup's converted slab (A of its values, read transposed); after the loops, the
+            # output staging and the other warpgroups' softmax states
+            union=plgpu.RefUnion(_smem((compute_wgs, BLOCK_K, LATENT_DIM), dot_dtype),
+                                 (out, _smem((compute_wgs - 1, LATENT_DIM, num_heads), f32))),
+            merge_bar=plgpu.Barrier(num_arrivals=compute_wgs - 1),  # the others' states are written
+        )
+    else:
+        sm.update(
+            union=plgpu.RefUnion(_smem((BLOCK_K, LATENT_DIM), dot_dtype), out),  # the converted slab, then
+            # the output staging
+            kpe=_smem((stages, BLOCK_K, ROPE_DIM), bf16),
+            kpe_bars=plgpu.Barrier(num_barriers=stages),  # k_pe landed
+            sx=_smem((2, compute_wgs, BLOCK_K, num_heads), f32),  # score parts, by step parity
+            sx_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2),  # score parts written, by parity
+        )
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, latent_dim, num_heads), out_dtype)
     else:
         out_type = (jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
                     jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
                     jax.ShapeDtypeStruct((num_tokens, num_splits, latent_dim, num_heads), f32))
-    kernel = functools.partial(
-        _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
-        scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-        dequantize=dequantize, compute_wgs=compute_wgs)
+
+    def kernel(*refs):
+        sm = dict(refs[-1])
+        union = sm.pop("union")
+        sm["kbf"], staging = union
+        if slabs:
+            sm["out"], sm["states"] = staging
+        else:
+            sm["out"] = staging
+        _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
+                scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
+                dequantize=dequantize, compute_wgs=compute_wgs, share=share)
+
     return plgpu.kernel(
         kernel,
         out_type=out_type,
-        scratch_types=[scratch],
+        scratch_types=[sm],
         grid=(num_splits, num_tokens),
         grid_names=("s", "t"),
         num_threads=compute_wgs + 1,

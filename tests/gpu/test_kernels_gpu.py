@@ -80,9 +80,10 @@ def test_mla_decode_quantized_cache_gpu(kind, groups, paired, heads):
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("heads, block_size, num_splits", [(16, 64, None), (16, 128, 1), (32, 64, 4), (16, 64, 2)])
 def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
-    """The Mosaic GPU kernel over an 8-bit cache (impl="mosaic"; "auto" takes it for fp8 only)."""
+    """The Mosaic GPU kernel over an 8-bit cache (impl="mosaic", and "auto" for int8 and fp8), in each
+    of its variants, with one split and with partials."""
     from pallas_kernels.kv_quant import quantize_latent
-    from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
+    from pallas_kernels.mla_decode import combine_splits, mla_decode, mla_decode_reference
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
     rng = np.random.default_rng(heads + block_size)
@@ -94,14 +95,19 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     assert _rel(got, want) < 2e-2
     # both places for the scale, whichever the dtype's default is; the latent columns over 1, 2, 4
-    # warpgroups (4 with 32 heads does not fit shared memory)
-    for dequantize, compute_wgs in itertools.product((False, True), (1, 2, 4) if heads == 16 else (1, 2)):
-        out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(6, dtype=jnp.int32), lengths,
-                                   0.1, num_splits=1, dequantize=dequantize, compute_wgs=compute_wgs)
-        assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, compute_wgs)
+    # warpgroups, or alternate slabs over 2 (neither 4 warpgroups nor alternate slabs fit 32 heads)
+    shares = [(1, "columns"), (2, "columns")] + ([(4, "columns"), (2, "slabs")] if heads == 16 else [])
+    for dequantize, (compute_wgs, share) in itertools.product((False, True), shares):
+        for splits in (1, 2) if not dequantize else (1,):  # partials: with the default scale placement
+            out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(6, dtype=jnp.int32),
+                                       lengths, 0.1, num_splits=splits, dequantize=dequantize,
+                                       compute_wgs=compute_wgs, share=share)
+            if splits > 1:
+                m, l, acc = out
+                out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
+            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, compute_wgs, share, splits)
     auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
-    if kind == "fp8":  # the one 8-bit dtype "auto" sends to this kernel
-        np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
