@@ -31,15 +31,15 @@ each slab, warpgroup w owning latent columns [w * 512 / n, (w + 1) * 512 / n):
 
 A memory warpgroup walks the block table and TMA-loads each slab (8-bit latent [64, 512], k_pe
 [64, 64], scales [64]) into a ring of as many stages as fit (2 at 16 heads); a slot is released once
-every compute warpgroup has read its scores.
+every compute warpgroup has read its scores. The output is O^T: [T, 512, H] with one split, else
+partials (m, l [T, S, H], acc [T, S, 512, H]); ``mla_decode`` transposes and merges them.
 
 ``share="slabs"`` (two compute warpgroups, 16 heads) splits the context instead: warpgroup w takes
 steps w, w + 2, ..., every column of them, with a converted slab and an online-softmax state of its
 own, and warpgroup 0 merges the two states at the end, so nothing is exchanged or computed twice per
 step and one warpgroup's conversion can overlap the other's products and softmax. Two converted slabs
 leave room for the ring only without k_pe, which each warpgroup reads straight from HBM into wgmma's
-A-register layout one of its steps ahead. Built and lowered on CPU, not yet run on the GPU. The output is O^T: [T, 512, H] with one split, else
-partials (m, l [T, S, H], acc [T, S, 512, H]); ``mla_decode`` transposes and merges them.
+A-register layout one of its steps ahead. Built and lowered on CPU, not yet run on the GPU.
 
 Measured on the H200 (V2-Lite, batch 64, 4k context; ``python -m benchmarks.mla_8bit_probe`` and
 ``benchmarks.kvquant --kernels-only``, 2026-12-01), relative error 0.1-0.7% against the reference:
