@@ -33,8 +33,9 @@ def paged(rng, batch, heads, lengths, bs=64):
         jnp.asarray(lengths, jnp.int32)
 
 
-def main():
-    out = os.environ.get("OUT", "/tmp")
+def errors(shares):
+    """Per-query relative error against the reference, each part of the scores switched off in turn, for
+    each (compute warpgroups, share) in ``shares`` (the other parts with the first of them)."""
     lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
     rng = np.random.default_rng(0)
     q0, qpe0, ckv, kpe, tables, lens = paged(rng, len(lengths), 16, lengths)
@@ -44,9 +45,8 @@ def main():
         for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
                              ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
             want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-            variants = [(1, "columns"), (2, "columns"), (4, "columns"), (2, "slabs")] if name == "both" else \
-                [(2, "columns")]
-            for dequantize, (wgs, share) in [(d, v) for d in (False, True) for v in variants]:
+            for dequantize, (wgs, share) in [(d, v) for d in (False, True) for v in (shares if name == "both"
+                                                                                     else shares[:1])]:
                 got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32),
                                               lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs,
                                               share=share)
@@ -56,20 +56,13 @@ def main():
                       " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
-    # timings at V2-Lite B64 ctx4096 (the inputs of benchmarks.kvquant's kernel table)
-    config = load_config("deepseek-v2-lite")
-    batch, context = 64, 4096
-    c, kp, qq, qp, tb, ln = _full_cache(config, batch, context, 64)
-    seq_ids = jnp.arange(batch, dtype=jnp.int32)
-    nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers)
+
+def timings(inputs, variants):
+    """Device time of each (compute warpgroups, share, stages, chunk, splits, dequantize) variant."""
+    (c, kp, qq, qp, tb, ln), nbytes = inputs
+    seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        # (compute warpgroups, share, stages, chunk, splits, dequantize)
-        variants = [(1, "columns", 2, 256, 2, False)]  # one compute warpgroup, as the kernel was first built
-        variants += [(2, "columns", None, chunk, splits, dequantize) for chunk in (256, 128) for splits in (2, 4)
-                     for dequantize in (False, True)]
-        variants += [(4, "columns", None, 128, 2, False)]
-        variants += [(2, "slabs", None, chunk, splits, False) for chunk in (256, 128) for splits in (2, 4)]
         for wgs, share, stages, chunk, splits, dequantize in variants:
             label = f"{kind} wgs {wgs} {share} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
             fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize, share): k8.mla_decode_8bit_mgpu(
@@ -80,10 +73,32 @@ def main():
             except Exception as e:
                 print(f"{label}: failed {type(e).__name__}: {e}"[:300])
             sys.stdout.flush()
+
+
+def main():
+    out = os.environ.get("OUT", "/tmp")
+    # V2-Lite batch 64, 4k context: the inputs of benchmarks.kvquant's kernel table
+    config = load_config("deepseek-v2-lite")
+    batch, context = 64, 4096
+    inputs = (_full_cache(config, batch, context, 64),
+              batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers))
+    errors([(2, "columns"), (1, "columns"), (4, "columns")])
+    # (compute warpgroups, share, stages, chunk, splits, dequantize)
+    variants = [(1, "columns", 2, 256, 2, False)]  # one compute warpgroup, as the kernel was first built
+    variants += [(2, "columns", None, chunk, splits, dequantize) for chunk in (256, 128) for splits in (2, 4)
+                 for dequantize in (False, True)]
+    variants += [(4, "columns", None, 128, 2, False)]
+    timings(inputs, variants)
+    (c, kp, qq, qp, tb, ln), _ = inputs
     stored, scale = quantize_latent(c, "fp8", 1)
-    jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, seq_ids, ln, 0.1, num_splits=4,
-                                                  profile_dir=out))
+    jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, jnp.arange(batch, dtype=jnp.int32),
+                                                  ln, 0.1, num_splits=4, profile_dir=out))
     print("profile written:", os.listdir(out))
+    sys.stdout.flush()
+    # the newest variant last: a hang there loses nothing above
+    errors([(2, "slabs")])
+    timings(inputs, [(2, "slabs", None, chunk, splits, False) for chunk in (256, 128) for splits in (2, 4)])
+
 
 if __name__ == "__main__":
     main()
