@@ -83,8 +83,7 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     """The Mosaic GPU kernel over an 8-bit cache (impl="mosaic", and "auto" for int8 and fp8), in each
     of its variants, with one split and with partials."""
     from pallas_kernels.kv_quant import quantize_latent
-    from pallas_kernels.mla_decode import combine_splits, mla_decode, mla_decode_reference
-    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
+    from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
 
     rng = np.random.default_rng(heads + block_size)
     q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048], block_size=block_size)
@@ -94,20 +93,44 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     assert _rel(got, want) < 2e-2
-    # both places for the scale, whichever the dtype's default is; the latent columns over 1, 2, 4
-    # warpgroups, or alternate slabs over 2 (neither 4 warpgroups nor alternate slabs fit 32 heads)
-    shares = [(1, "columns"), (2, "columns")] + ([(4, "columns"), (2, "slabs")] if heads == 16 else [])
+    # the latent columns over 1, 2, 4 warpgroups (4 do not fit 32 heads)
+    _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want,
+                         [(1, "columns"), (2, "columns")] + ([(4, "columns")] if heads == 16 else []))
+    auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
+
+
+def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, shares):
+    """Each (compute warpgroups, share) of the 8-bit Mosaic kernel against the reference: both places
+    for the scale, with one split and (the default scale placement) with split partials."""
+    from pallas_kernels.mla_decode import combine_splits
+    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
+
     for dequantize, (compute_wgs, share) in itertools.product((False, True), shares):
-        for splits in (1, 2) if not dequantize else (1,):  # partials: with the default scale placement
-            out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(6, dtype=jnp.int32),
+        for splits in (1, 2) if not dequantize else (1,):
+            out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
                                        lengths, 0.1, num_splits=splits, dequantize=dequantize,
                                        compute_wgs=compute_wgs, share=share)
             if splits > 1:
                 m, l, acc = out
                 out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
             assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, compute_wgs, share, splits)
-    auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
-    np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_mla_decode_8bit_mosaic_slabs_gpu(kind, block_size):
+    """share="slabs": two warpgroups taking alternate slabs, k_pe read into registers a step ahead (16
+    heads; its own test, so `-k "not slabs"` leaves it out)."""
+    from pallas_kernels.kv_quant import quantize_latent
+    from pallas_kernels.mla_decode import mla_decode_reference
+
+    rng = np.random.default_rng(block_size + 1)
+    q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, 16, [1, 63, 64, 700, 1500, 2048], block_size=block_size)
+    stored, scale = quantize_latent(c_kv * 3.0, kind, 1)
+    f32 = lambda a: a.astype(jnp.float32)
+    want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
+    _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, [(2, "slabs")])
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
