@@ -64,7 +64,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
-from pallas_kernels.mla_decode_mgpu import load_slabs
+from pallas_kernels.mla_decode_mgpu import load_slabs, slab_index
 
 BLOCK_K = 64  # cache tokens a slab: wgmma's M
 MAX_STAGES = 4  # slabs in flight (40.25 KiB each), as many as fit beside the converted slab (64 KiB)
@@ -173,15 +173,12 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     slabs = share == "slabs"
     width = LATENT_DIM if slabs else LATENT_DIM // compute_wgs  # latent columns a warpgroup converts
     chunk = min(chunk, width)
-    table_size = tables_ref.shape[0]
 
     def slab_of(i):
         """Row of the [pages * slabs_per_page, 64, ...] cache views holding step i's keys (0 past the
         split: a valid row to prefetch from)."""
-        token = start + i * BLOCK_K
-        entry = seq_id * table_width + lax.div(token, jnp.int32(slabs_per_page * BLOCK_K))
-        page = tables_ref[jnp.clip(entry, 0, table_size - 1)]
-        slab = page * slabs_per_page + lax.rem(lax.div(token, jnp.int32(BLOCK_K)), jnp.int32(slabs_per_page))
+        slab = slab_index(tables_ref, seq_id * table_width, start + i * BLOCK_K, slabs_per_page, BLOCK_K,
+                          num_entries=tables_ref.shape[0])
         return jnp.where(i < num_steps, slab, 0)
 
     def load_kpe(i):  # k_pe [64, 64] straight from HBM into wgmma's A-register layout

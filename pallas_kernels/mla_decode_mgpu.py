@@ -187,6 +187,16 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
                    [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)])
 
 
+def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int, *, num_entries: int | None = None):
+    """Row of a cache viewed as [pages * slabs_per_page, block_k, ...] that holds key ``token`` of the
+    block-table row starting at flat offset ``entry_base``; ``num_entries`` clamps the table read into
+    the table (for reads past a context, whose row is then never used)."""
+    entry = entry_base + lax.div(token, jnp.int32(slabs_per_page * block_k))
+    if num_entries is not None:
+        entry = jnp.clip(entry, 0, num_entries - 1)
+    return tables_ref[entry] * slabs_per_page + lax.rem(lax.div(token, jnp.int32(block_k)), jnp.int32(slabs_per_page))
+
+
 def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, consumed_bars, rings, *,
                stages: int = STAGES, block_k: int = BLOCK_K):
     """A memory warpgroup's loop: walks a query's block-table row (at flat offset ``table_row``) from key
@@ -195,9 +205,7 @@ def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, con
     waiting for a slot's ``consumed_bars`` before reusing it."""
     def load(i):
         slot = lax.rem(i, jnp.int32(stages))
-        token = start + i * block_k
-        page = tables_ref[table_row + lax.div(token, jnp.int32(slabs_per_page * block_k))]
-        slab = page * slabs_per_page + lax.rem(lax.div(token, jnp.int32(block_k)), jnp.int32(slabs_per_page))
+        slab = slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k)
         for gmem, ring, bars in rings:
             plgpu.copy_gmem_to_smem(gmem.at[slab], ring.at[slot], bars.at[slot])
 
