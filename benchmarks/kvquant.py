@@ -31,7 +31,7 @@ from benchmarks.common import device_time_us, environment, markdown_table, write
 from dsjax import EngineConfig, SamplingParams, load_model, load_tokenizer
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.model.paged import PagedBatch, PagedKVCache
-from pallas_kernels import mla_decode_8bit_mgpu
+from pallas_kernels import mla_decode_8bit_mgpu, mla_decode_mgpu
 from pallas_kernels.kv_quant import num_scale_groups, quantize_latent
 from pallas_kernels.mla_decode import mla_decode, mla_paged
 
@@ -248,14 +248,16 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
         nbytes = batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", kind, group)
                                     // config.num_hidden_layers)
         # The default kernel (mla_decode's impl="auto"), the Triton kernel reading 8-bit rows as bytes and as
-        # 16-bit byte pairs, and for a scale a token the Mosaic GPU kernel (pallas_kernels/mla_decode_8bit_mgpu.py)
+        # 16-bit byte pairs, and for a scale a token the Mosaic GPU kernel (few heads:
+        # pallas_kernels/mla_decode_8bit_mgpu.py; heads a multiple of 64: pallas_kernels/mla_decode_mgpu.py)
         variants = [("", {})]
         if kind != "auto":
             variants += [(", triton bytes", dict(impl="triton", paired=False)),
                          (", triton byte pairs", dict(impl="triton", paired=True))]
-        if kind != "auto" and mla_decode_8bit_mgpu.supports(heads, latent, config.qk_rope_head_dim, block_size,
-                                                            cache.dtype, num_scale_groups(latent, group)) is None:
-            variants.append((", mosaic", dict(impl="mosaic")))
+            mosaic = mla_decode_mgpu if heads % mla_decode_mgpu.BLOCK_H == 0 else mla_decode_8bit_mgpu
+            if mosaic.supports(heads, latent, config.qk_rope_head_dim, block_size, cache.dtype,
+                               num_scale_groups(latent, group)) is None:
+                variants.append((", mosaic", dict(impl="mosaic")))
         for name, options in variants:
             fn = lambda q, qp, c, kp, t, n, s, o=options: mla_decode(q, qp, c, kp, t, n, 0.1, c_kv_scale=s, **o)
             us = device_time_us(fn, (q, q_pe, cache, k_pe, tables, lengths, scale), estimate_s=nbytes / 3e12)

@@ -10,9 +10,10 @@ into equal runs of whole iterations. With one split the program writes the outpu
 a second small kernel merges the per-split partials. Each iteration gathers ``block_k`` cache rows
 through the block table, one row per token, so any page size works (4 … 64, or a whole sequence).
 
-On Hopper, with a bf16 cache and a head count that is a multiple of 64 (DeepSeek-V3's 128), the
-Mosaic GPU kernel in ``mla_decode_mgpu.py`` (TMA, wgmma) replaces this one: there decode is
-compute-bound and needs the tensor cores at full width. ``impl`` picks ("auto", "triton", "mosaic").
+On Hopper, with a head count that is a multiple of 64 (DeepSeek-V3's 128), the Mosaic GPU kernel in
+``mla_decode_mgpu.py`` (TMA, wgmma; bf16 caches, and 8-bit ones with a scale a token) replaces this
+one: there decode is compute-bound and needs the tensor cores at full width. With few heads (V2-Lite's
+16) an 8-bit cache goes to ``mla_decode_8bit_mgpu.py``. ``impl`` picks ("auto", "triton", "mosaic").
 
 An 8-bit latent cache (int8 or fp8, ``pallas_kernels/kv_quant.py``) comes with f32 scales
 c_kv_scale [N, bs, G], one per C/G latent elements of a token. The kernel reads the 8-bit rows and
@@ -366,26 +367,30 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         why_not = "interpret mode"
     elif pools:
         why_not = "two pools"
+    elif quantized and q_latent.dtype != jnp.bfloat16:
+        why_not = f"{jnp.dtype(q_latent.dtype).name} queries (its dots take bf16)"
+    elif quantized and num_heads % mla_decode_mgpu.BLOCK_H:  # few heads: the kernel with heads on wgmma's N
+        why_not = mla_decode_8bit_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype, num_groups)
     elif quantized:
-        why_not = (f"{jnp.dtype(q_latent.dtype).name} queries (its dots take bf16)" if q_latent.dtype != jnp.bfloat16
-                   else mla_decode_8bit_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype,
-                                                      num_groups))
+        why_not = mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype, num_groups)
     else:
         why_not = mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype)
     if impl == "mosaic" and why_not:
         raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
-    # "auto" takes a Mosaic kernel where it runs and beats the Triton one: bf16 caches, and of the 8-bit
-    # ones those in mla_decode_8bit_mgpu.AUTO_DTYPES (int8, fp8; its docstring has the numbers).
-    faster = not quantized or jnp.dtype(c_kv.dtype).name in mla_decode_8bit_mgpu.AUTO_DTYPES
+    # "auto" takes a Mosaic kernel where it runs and beats the Triton one: bf16 caches, 8-bit ones with
+    # many heads, and with few heads those in mla_decode_8bit_mgpu.AUTO_DTYPES (int8, fp8; its docstring
+    # has the numbers).
+    many_heads = num_heads % mla_decode_mgpu.BLOCK_H == 0
+    faster = not quantized or many_heads or jnp.dtype(c_kv.dtype).name in mla_decode_8bit_mgpu.AUTO_DTYPES
     if impl == "mosaic" or (impl == "auto" and not why_not and not triton_options and faster):
         if layer_pages:
             block_tables = block_tables + layer * layer_pages
         lengths = lengths + length_offset
-        if quantized:
+        if quantized and not many_heads:
             return _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
                                               lengths, scale, num_splits=num_splits)
         return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
-                                     num_splits=num_splits)
+                                     num_splits=num_splits, c_kv_scale=c_kv_scale)
     if (dot_dtype is None and jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not pools
             and q_latent.dtype == jnp.bfloat16):
         dot_dtype = "float16"  # see the module docstring
@@ -471,8 +476,10 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     return combine_splits(m, l, acc, q_latent.dtype, splits_axis=2, num_heads=num_heads, interpret=interpret)
 
 
-def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *, num_splits):
-    """The Mosaic GPU kernel (Hopper, H a multiple of 64) with its splits and their merge."""
+def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *, num_splits,
+                          c_kv_scale=None):
+    """The Mosaic GPU kernel (Hopper, H a multiple of 64; a bf16 or an 8-bit cache) with its splits and
+    their merge."""
     batch, num_heads = q_latent.shape[:2]
     block = mla_decode_mgpu.BLOCK_K
     max_context = block_tables.shape[1] * c_kv.shape[1]
@@ -480,7 +487,8 @@ def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, len
     num_splits = num_splits or default_num_splits(batch, num_heads, max_context, mla_decode_mgpu.BLOCK_H, block)
     tokens_per_split = pl.cdiv(pl.cdiv(max_context, num_splits), block) * block
     out = mla_decode_mgpu.mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
-                                          num_splits=num_splits, tokens_per_split=tokens_per_split)
+                                          num_splits=num_splits, tokens_per_split=tokens_per_split,
+                                          c_kv_scale=c_kv_scale)
     if num_splits == 1:
         return out.astype(q_latent.dtype)
     return combine_splits(*out, q_latent.dtype, splits_axis=1)
@@ -543,9 +551,10 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
 
 _STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl", "dot_dtype",
            "paired")
-# "auto": a Mosaic GPU kernel where it runs (Hopper, bf16 cache, heads a multiple of 64, pages a multiple
-# of 64 tokens, mla_decode_mgpu.supports; or an fp8 cache with a scale a token, 16 or 32 heads,
-# mla_decode_8bit_mgpu.supports), else the Triton one. "triton" / "mosaic" force one.
+# "auto": a Mosaic GPU kernel where it runs (Hopper, pages a multiple of 64 tokens; heads a multiple of 64
+# with a bf16 cache or an 8-bit one with a scale a token, mla_decode_mgpu.supports; or an 8-bit cache with
+# a scale a token and 16 or 32 heads, mla_decode_8bit_mgpu.supports), else the Triton one. "triton" /
+# "mosaic" force one.
 IMPLS = ("auto", "triton", "mosaic")
 _STATIC_PAGED = (*_STATIC, "pools", "layer_pages", "uniform_pages")
 

@@ -20,6 +20,21 @@ unnormalized acc) that ``combine_splits`` merges, as for the Triton kernel.
 
 Tokens of a page past the context are masked in the scores (weight 0); the pool they come from is
 finite (zero-initialized, written only with real latents), as the kernel's P x V relies on.
+
+An 8-bit cache (int8 or fp8 e4m3, one f32 scale a token: ``c_kv_scale``) goes through the same
+pipeline with one more shared buffer: the ring holds the 8-bit slabs (with k_pe and the scales), and
+each compute warpgroup converts its half of a slab's columns into a 16-bit slab (exact: int8 -> bf16,
+e4m3 -> f16, the dots' operand type; the queries are cast to it) that both products read. The scale
+goes onto the scores' columns, q . (stored x scale) = (q . stored) x scale with the rope part added
+unscaled, and into P (P x scale) for the values. The converted slab is single-buffered (two of them and
+the 8-bit ring do not fit beside the queries), so each warpgroup converts the next slab's half once its
+own product of this one is done, and warpgroup 0's scores wait for warpgroup 1's half (``kbf_full``).
+q_pe comes from HBM straight into registers (P's buffer holds the dots' type, not bf16).
+
+Measured on the H200 (DeepSeek-V3 shape, 128 heads, batch 128, 2k context; ``python -m benchmarks.kvquant
+--gpu-parts``, 2026-12-01): int8 384 us and fp8 378 us against the Triton kernel's 517 / 583 (byte
+pairs), but 181 us for bf16 rows: the conversion sits on the critical path, and the two value products
+no longer overlap the next step's scores as they do for bf16 rows.
 """
 
 from __future__ import annotations
@@ -41,12 +56,15 @@ STAGES = 2  # cache slabs in flight: 2 x 72 KiB, with the 72 KiB of queries, fil
 LATENT_DIM = 512
 ROPE_DIM = 64
 _HALF = LATENT_DIM // 2  # output columns per compute warpgroup
+CACHE_DTYPES = (jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)
+CHUNK = 128  # 8-bit caches: latent columns converted at a time
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
 
-def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype) -> str | None:
-    """None when the Mosaic kernel takes these shapes, else why not (the caller falls back)."""
+def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype, num_groups: int = 1) -> str | None:
+    """None when the Mosaic kernel takes these shapes, else why not (the caller falls back). An 8-bit
+    cache (``CACHE_DTYPES``) comes with one scale a token (``num_groups`` 1)."""
     if why_not := why_not_hopper():
         return why_not
     if num_heads % BLOCK_H:
@@ -55,18 +73,27 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
         return f"latent/rope dims {latent_dim}/{rope_dim} are not {LATENT_DIM}/{ROPE_DIM}"
     if block_size % BLOCK_K:
         return f"block_size={block_size} is not a multiple of {BLOCK_K}"
-    if jnp.dtype(dtype) != jnp.bfloat16:
-        return f"cache dtype {jnp.dtype(dtype).name} is not bfloat16"
+    if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CACHE_DTYPES]:
+        return f"cache dtype {jnp.dtype(dtype).name} is not one of bfloat16, int8, float8_e4m3fn"
+    if jnp.dtype(dtype).itemsize == 1 and num_groups != 1:
+        return f"{num_groups} scale groups a token (this kernel takes one scale a token)"
     return None
 
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_ref, *refs,
             table_width: int, slabs_per_page: int, tokens_per_split: int, scale_log2e: float,
-            num_splits: int):
+            num_splits: int, quantized: bool):
     outs, scratch = refs[:-1], refs[-1]
     (q_smem, p_smem, rows_smem, union,
-     ckv_bars, kpe_bars, q_bars, consumed_bars, p_ready, p_free, compute_sync) = scratch
-    (ckv_smem, kpe_smem), out16_smem, out32_smem = union
+     ckv_bars, kpe_bars, q_bars, consumed_bars, p_ready, p_free, compute_sync, *scales) = scratch
+    if quantized:  # an 8-bit cache: its scales, and the slab converted to 16 bits (see mla_decode_mgpu)
+        ks_ref, outs = outs[0], outs[1:]
+        ks_smem, ks_bars, kbf_full = scales
+        (ckv_smem, kpe_smem, kbf_smem), out16_smem, out32_smem = union
+        dot_dtype = kbf_smem.dtype
+    else:
+        (ckv_smem, kpe_smem), out16_smem, out32_smem = union
+        dot_dtype = jnp.bfloat16
     head_tile, split, t = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
     h0 = head_tile * BLOCK_H
@@ -84,8 +111,20 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
 
     def pv(acc, p, step_slot, half: int):
         def body(acc_ref):
-            plgpu.wgmma(acc_ref, p, ckv_smem.at[step_slot, :, pl.ds(half * _HALF, _HALF)])
+            cols = pl.ds(half * _HALF, _HALF)
+            plgpu.wgmma(acc_ref, p, kbf_smem.at[:, cols] if quantized else ckv_smem.at[step_slot, :, cols])
         return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    def convert(i, half: int):
+        """8-bit cache: warpgroup ``half`` turns its columns of step i's slab into 16-bit operands (exact:
+        int8 -> bf16, e4m3 -> f16) in the converted slab, which both products read."""
+        slot = lax.rem(i, jnp.int32(STAGES))
+        plgpu.barrier_wait(ckv_bars.at[slot])
+        for c in range(_HALF // CHUNK):
+            cols = pl.ds(half * _HALF + c * CHUNK, CHUNK)
+            keys = plgpu.load(ckv_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
+            kbf_smem[:, cols] = plgpu.layout_cast(keys.astype(dot_dtype), plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # before wgmma (the async proxy) reads them
 
     def _sync():  # the two compute warpgroups meet; after the first meeting neither reads the
         # cache ring again, so the output staging may reuse it
@@ -114,16 +153,24 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
     def _scores_and_first_half():
         plgpu.set_max_registers(232, action="increase")
         plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h0, BLOCK_H)], q_smem, q_bars.at[0])
-        plgpu.copy_gmem_to_smem(qpe_ref.at[t, pl.ds(h0, BLOCK_H)], p_smem, q_bars.at[1])
-        plgpu.barrier_wait(q_bars.at[1])
-        # q_pe stays in registers (an A operand), so its staging reuses P's buffer (shared memory is full)
-        q_pe = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA)
+        if quantized:  # q_pe from HBM straight into registers (P's buffer holds the dots' type)
+            q_pe = plgpu.load(qpe_ref.at[t, pl.ds(h0, BLOCK_H)], layout=plgpu.Layout.WGMMA, optimized=False)
+            pl.when(num_steps > 0)(lambda: convert(jnp.int32(0), 0))
+        else:
+            plgpu.copy_gmem_to_smem(qpe_ref.at[t, pl.ds(h0, BLOCK_H)], p_smem, q_bars.at[1])
+            plgpu.barrier_wait(q_bars.at[1])
+            # q_pe stays in registers (an A operand), so its staging reuses P's buffer (shared memory is full)
+            q_pe = plgpu.load(p_smem, layout=plgpu.Layout.WGMMA)
         plgpu.barrier_wait(q_bars.at[0])
 
         def step(i, carry):
             acc, m, l = carry
             slot = lax.rem(i, jnp.int32(STAGES))
-            plgpu.barrier_wait(ckv_bars.at[slot])
+            if quantized:  # warpgroup 1 has converted its half of the slab (this one, the other)
+                plgpu.barrier_wait(kbf_full)
+                plgpu.barrier_wait(ks_bars.at[slot])
+            else:
+                plgpu.barrier_wait(ckv_bars.at[slot])
             plgpu.barrier_wait(kpe_bars.at[slot])
 
             def qk(acc_ref):
@@ -131,14 +178,27 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
                 plgpu.wgmma(acc_ref, q_pe, kpe_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
+            def latent(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, kbf_smem.transpose((1, 0)))
+                return acc_ref[...]
+
+            def rope(acc_ref):
+                plgpu.wgmma(acc_ref, q_pe, kpe_smem.at[slot].transpose((1, 0)))
+
+            if quantized:  # q . (stored x scale) = (q . stored) x scale, the rope part added unscaled
+                kscale = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                kscale = lax.broadcast_in_dim(kscale, (BLOCK_H, BLOCK_K), [1])
+                s = pl.run_scoped(latent, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32)) * kscale
+                s = pl.run_state(rope)(plgpu.ACC.init(s))
+            else:
+                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
             cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
             s = jnp.where(cols < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             alpha = jnp.exp2(m - m_new)
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             l = l * alpha + p.sum(axis=1)
-            p16 = p.astype(jnp.bfloat16)
+            p16 = (p * kscale if quantized else p).astype(dot_dtype)  # P x the tokens' scales: the values'
 
             @pl.when(i > 0)
             def _():  # warpgroup 1 is done with the previous P
@@ -148,8 +208,13 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
             rows_smem.at[0][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready)
+            if quantized:  # the slot's k_pe and scales are read (both halves of its 8-bit rows converted)
+                plgpu.barrier_arrive(consumed_bars.at[slot])
             acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p16, slot, 0)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
+            if quantized:  # the next slab's first half, now that this one's values are done
+                pl.when(i + 1 < num_steps)(lambda: convert(i + 1, 0))
+            else:
+                plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l
 
         acc, m, l = lax.fori_loop(0, num_steps, step, (init_acc(), init_row(_M_INIT), init_row(0.0)))
@@ -164,14 +229,26 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
     def _second_half():
         plgpu.set_max_registers(232, action="increase")
 
+        def convert_second_half(i):  # 8-bit cache: step i's second half, then the slot is read
+            convert(i, 1)
+            plgpu.barrier_arrive(kbf_full)
+            plgpu.barrier_arrive(consumed_bars.at[lax.rem(i, jnp.int32(STAGES))])
+
+        if quantized:
+            pl.when(num_steps > 0)(lambda: convert_second_half(jnp.int32(0)))
+
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(STAGES))
-            plgpu.barrier_wait(ckv_bars.at[slot])
+            if not quantized:
+                plgpu.barrier_wait(ckv_bars.at[slot])
             plgpu.barrier_wait(p_ready)
             alpha = plgpu.load(rows_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
             acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem, slot, 1)
             plgpu.barrier_arrive(p_free)
-            plgpu.barrier_arrive(consumed_bars.at[slot])
+            if quantized:  # warpgroup 0 has read the converted slab's second half: the next one's
+                pl.when(i + 1 < num_steps)(lambda: convert_second_half(i + 1))
+            else:
+                plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc
 
         acc = lax.fori_loop(0, num_steps, step, init_acc())
@@ -183,8 +260,10 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(40, action="decrease")
-        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
-                   [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)])
+        rings = [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)]
+        if quantized:
+            rings.append((ks_ref, ks_smem, ks_bars))
+        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars, rings)
 
 
 def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int, *, num_entries: int | None = None):
@@ -219,27 +298,38 @@ def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, con
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,
-                    tokens_per_split: int, interpret: bool = False):
+                    tokens_per_split: int, c_kv_scale=None, interpret: bool = False):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512], k_pe [N, bs, 64] (bf16),
     block_tables i32[S, W], seq_ids i32[T], lengths i32[T] (keys 0..length-1 attended) ->
     with one split the output [T, H, 512] bf16; else partials (m f32[T, splits, H] in log2 units,
     l f32[T, splits, H], acc f32[T, splits, H, 512]) for ``combine_splits``. ``tokens_per_split`` is a
-    multiple of 64. Shapes must pass ``supports``."""
+    multiple of 64. An 8-bit c_kv (int8 | float8_e4m3fn) comes with ``c_kv_scale`` f32[N, bs, 1]. Shapes
+    must pass ``supports``."""
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K
     if tokens_per_split % BLOCK_K:
         raise ValueError(f"tokens_per_split={tokens_per_split} must be a multiple of {BLOCK_K}")
+    quantized = jnp.dtype(c_kv.dtype).itemsize == 1
+    if quantized != (c_kv_scale is not None):
+        raise ValueError(f"a {jnp.dtype(c_kv.dtype).name} cache takes c_kv_scale "
+                         f"{'f32[N, bs, 1]' if quantized else 'None'}")
     tiling = lambda dtype: (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
                             plgpu.SwizzleTransform(128))
     bf16, f32 = jnp.bfloat16, jnp.float32
+    # The dots' operand type: bf16; over an fp8 cache f16, the type e4m3 converts to exactly (the queries
+    # in f16 are exact within its range, as in mla_decode_8bit_mgpu).
+    dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn else bf16
     smem = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=tiling(dtype))
+    ring = (smem((STAGES, BLOCK_K, LATENT_DIM), c_kv.dtype), smem((STAGES, BLOCK_K, ROPE_DIM), bf16))
+    if quantized:  # the 8-bit ring and the converted slab: 2 x 40 KiB + 64 KiB
+        ring += (smem((BLOCK_K, LATENT_DIM), dot_dtype),)
     scratch = [
-        smem((BLOCK_H, LATENT_DIM), bf16),  # q_latent
-        smem((BLOCK_H, BLOCK_K), bf16),  # before the loop q_pe; then P, warpgroup 0 -> 1
+        smem((BLOCK_H, LATENT_DIM), dot_dtype),  # q_latent
+        smem((BLOCK_H, BLOCK_K), dot_dtype),  # (bf16 cache: before the loop q_pe); then P, warpgroup 0 -> 1
         plgpu.SMEM((2, BLOCK_H), f32),  # in the loop the step's rescale factor (0 -> 1); then m, l
         plgpu.RefUnion(  # the cache ring; after the loop, the output staging
-            (smem((STAGES, BLOCK_K, LATENT_DIM), bf16), smem((STAGES, BLOCK_K, ROPE_DIM), bf16)),
+            ring,
             smem((2, BLOCK_H, _HALF), bf16),
             smem((2, BLOCK_H, _HALF), f32)),
         plgpu.Barrier(num_barriers=STAGES),  # c_kv slab landed
@@ -250,6 +340,10 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
         plgpu.Barrier(num_barriers=1),  # P read
         plgpu.Barrier(num_arrivals=2),  # compute warpgroups in step
     ]
+    if quantized:
+        scratch += [plgpu.SMEM((STAGES, BLOCK_K), f32),  # the scales' ring
+                    plgpu.Barrier(num_barriers=STAGES),  # scales landed
+                    plgpu.Barrier(num_barriers=1)]  # warpgroup 1's half of a slab converted
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, num_heads, latent_dim), bf16)
     else:
@@ -258,7 +352,7 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
                     jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads, latent_dim), f32))
     kernel = functools.partial(
         _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
-        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_splits=num_splits)
+        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_splits=num_splits, quantized=quantized)
     return plgpu.kernel(
         kernel,
         out_type=out_type,
@@ -269,6 +363,7 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret,
-    )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(bf16), q_pe.astype(bf16),
+    )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
       c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
-      k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM))
+      k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM),
+      *([c_kv_scale.astype(f32).reshape(num_pages * slabs_per_page, BLOCK_K)] if quantized else []))

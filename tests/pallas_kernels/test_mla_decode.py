@@ -172,6 +172,32 @@ def test_mosaic_decode_lowers_for_hopper(num_splits):
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
 
+@pytest.mark.parametrize("kind, num_splits", [("int8", 1), ("fp8", 4)])
+def test_mosaic_decode_lowers_for_hopper_8bit_many_heads(kind, num_splits):
+    """The many-head Mosaic kernel over an 8-bit cache (the converted slab beside the 8-bit ring, the
+    scales' ring, q_pe read into registers) lowers and fits shared memory; numerics in tests/gpu."""
+    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+
+    args = _8bit_args(kind, heads=128)
+    fn = lambda *a: mla_decode_mgpu(*a[:4], *a[5:], 0.07, c_kv_scale=a[4], num_splits=num_splits,
+                                    tokens_per_split=16 * 64 // num_splits)
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match="a int8 cache takes c_kv_scale"):
+        jax.eval_shape(lambda *a: mla_decode_mgpu(*a[:4], *a[5:], 0.07, num_splits=1, tokens_per_split=1024),
+                       *_8bit_args("int8", heads=128))
+
+
+def test_mosaic_decode_supports_8bit(monkeypatch):
+    from pallas_kernels import mla_decode_mgpu as kernel
+
+    monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
+    for dtype in (jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn):
+        assert kernel.supports(128, 512, 64, 64, dtype) is None
+    assert "scale groups" in kernel.supports(128, 512, 64, 64, jnp.float8_e4m3fn, 4)
+    assert "float32 is not one of" in kernel.supports(128, 512, 64, 64, jnp.float32)
+
+
 def _8bit_args(kind, heads=16, tokens=4, width=16):
     shape = jax.ShapeDtypeStruct
     dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
