@@ -1,7 +1,7 @@
 """Probe of the 8-bit Mosaic GPU decode kernel (pallas_kernels/mla_decode_8bit_mgpu.py) on the H200:
 per-query error against the reference with each part of the scores switched off in turn (latent, rope,
-both) and for each way of sharing the work among compute warpgroups, timings of its (compute
-warpgroups, share, stages, chunk, splits, scale placement) variants at V2-Lite batch 64 / 4k context,
+both) and for each count of compute warpgroups, timings of its (compute warpgroups, stages, chunk,
+splits, scale placement) variants at V2-Lite batch 64 / 4k context,
 and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT).
 
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
@@ -33,9 +33,9 @@ def paged(rng, batch, heads, lengths, bs=64):
         jnp.asarray(lengths, jnp.int32)
 
 
-def errors(shares):
+def errors(compute_wgs):
     """Per-query relative error against the reference, each part of the scores switched off in turn, for
-    each (compute warpgroups, share) in ``shares`` (the other parts with the first of them)."""
+    each count of compute warpgroups in ``compute_wgs`` (the other parts with the first of them)."""
     lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
     rng = np.random.default_rng(0)
     q0, qpe0, ckv, kpe, tables, lens = paged(rng, len(lengths), 16, lengths)
@@ -45,28 +45,27 @@ def errors(shares):
         for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
                              ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
             want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-            for dequantize, (wgs, share) in [(d, v) for d in (False, True) for v in (shares if name == "both"
-                                                                                     else shares[:1])]:
+            for dequantize, wgs in [(d, n) for d in (False, True) for n in (compute_wgs if name == "both"
+                                                                            else compute_wgs[:1])]:
                 got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32),
-                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs,
-                                              share=share)
+                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs)
                 got = np.asarray(got.swapaxes(1, 2), np.float32)
                 per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs} {share}", "per-query rel err",
+                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}", "per-query rel err",
                       " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
 
 def timings(inputs, variants):
-    """Device time of each (compute warpgroups, share, stages, chunk, splits, dequantize) variant."""
+    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize) variant."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
     seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        for wgs, share, stages, chunk, splits, dequantize in variants:
-            label = f"{kind} wgs {wgs} {share} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
-            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize, share): k8.mla_decode_8bit_mgpu(
-                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4], share=v[5])
+        for wgs, stages, chunk, splits, dequantize in variants:
+            label = f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
+            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize): k8.mla_decode_8bit_mgpu(
+                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4])
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
                 print(f"{label}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
@@ -82,22 +81,18 @@ def main():
     batch, context = 64, 4096
     inputs = (_full_cache(config, batch, context, 64),
               batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers))
-    errors([(2, "columns"), (1, "columns"), (4, "columns")])
-    # (compute warpgroups, share, stages, chunk, splits, dequantize)
-    variants = [(1, "columns", 2, 256, 2, False)]  # one compute warpgroup, as the kernel was first built
-    variants += [(2, "columns", None, chunk, splits, dequantize) for chunk in (256, 128) for splits in (2, 4)
+    errors([2, 1, 4])
+    # (compute warpgroups, stages, chunk, splits, dequantize)
+    variants = [(1, 2, 256, 2, False)]  # one compute warpgroup, as the kernel was first built
+    variants += [(2, None, chunk, splits, dequantize) for chunk in (256, 128) for splits in (2, 4)
                  for dequantize in (False, True)]
-    variants += [(4, "columns", None, 128, 2, False)]
+    variants += [(4, None, 128, 2, False)]
     timings(inputs, variants)
     (c, kp, qq, qp, tb, ln), _ = inputs
     stored, scale = quantize_latent(c, "fp8", 1)
     jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, jnp.arange(batch, dtype=jnp.int32),
                                                   ln, 0.1, num_splits=4, profile_dir=out))
     print("profile written:", os.listdir(out))
-    sys.stdout.flush()
-    # the newest variant last: a hang there loses nothing above
-    errors([(2, "slabs")])
-    timings(inputs, [(2, "slabs", None, chunk, splits, False) for chunk in (256, 128) for splits in (2, 4)])
 
 
 if __name__ == "__main__":

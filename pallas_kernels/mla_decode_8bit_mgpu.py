@@ -34,12 +34,12 @@ A memory warpgroup walks the block table and TMA-loads each slab (8-bit latent [
 every compute warpgroup has read its scores. The output is O^T: [T, 512, H] with one split, else
 partials (m, l [T, S, H], acc [T, S, 512, H]); ``mla_decode`` transposes and merges them.
 
-``share="slabs"`` (two compute warpgroups, 16 heads) splits the context instead: warpgroup w takes
-steps w, w + 2, ..., every column of them, with a converted slab and an online-softmax state of its
-own, and warpgroup 0 merges the two states at the end, so nothing is exchanged or computed twice per
-step and one warpgroup's conversion can overlap the other's products and softmax. Two converted slabs
-leave room for the ring only without k_pe, which each warpgroup reads straight from HBM into wgmma's
-A-register layout one of its steps ahead. Built and lowered on CPU, not yet run on the GPU.
+Splitting the context instead (warpgroup w taking steps w, w + 2, ..., every column of them, with a
+converted slab and an online-softmax state of its own, merged at the end; k_pe read from HBM into
+registers a step ahead to make two converted slabs fit) was built and measured, correct but slower:
+int8 151 us, fp8 137 (H200, same shapes, 2026-12-01; git history before the session-22 removal). Two
+converted slabs (128 KiB) leave room for two ring stages only, one a warpgroup, so each warpgroup waits
+for its next slab's load behind its own step.
 
 Measured on the H200 (V2-Lite, batch 64, 4k context; ``python -m benchmarks.mla_8bit_probe`` and
 ``benchmarks.kvquant --kernels-only``, 2026-12-01), relative error 0.1-0.7% against the reference:
@@ -64,14 +64,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
-from pallas_kernels.mla_decode_mgpu import load_slabs, slab_index
+from pallas_kernels.mla_decode_mgpu import load_slabs
 
 BLOCK_K = 64  # cache tokens a slab: wgmma's M
 MAX_STAGES = 4  # slabs in flight (40.25 KiB each), as many as fit beside the converted slab (64 KiB)
 CHUNK = 128  # latent columns converted and multiplied at a time (16 registers a thread of A)
 COMPUTE_WGS = 2  # compute warpgroups
-SHARES = ("columns", "slabs")  # how they split the work (see mla_decode_8bit_mgpu)
-SHARE = "columns"
 MAX_HEADS = 32  # O^T [512 / n, H] f32 is 4H / n registers a thread of each of n compute warpgroups
 SMEM_BYTES = 227 * 1024  # shared memory a block may have on Hopper
 _SMEM_SLACK = 4096  # alignment of the swizzled buffers, barriers
@@ -113,19 +111,13 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
     return None
 
 
-def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32, share: str = "columns") -> int:
-    """Shared memory the kernel asks for: queries, the 8-bit ring (with k_pe when the warpgroups share
-    columns), the converted slab(s) (after the loop: the output staging, and with share="slabs" the other
-    warpgroups' states), P, reduction scratch (and the score parts) of each compute warpgroup, some slack."""
-    slabs = share == "slabs"
-    ring = BLOCK_K * (LATENT_DIM + 4 + (0 if slabs else ROPE_DIM * 2))
-    out = LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize
-    if slabs:
-        staging = max(compute_wgs * BLOCK_K * LATENT_DIM * 2, out + (compute_wgs - 1) * LATENT_DIM * num_heads * 4)
-        per_wg = num_heads * BLOCK_K * 2 + _REDUCE_SCRATCH * 4 + 2 * num_heads * 4
-    else:
-        staging = max(BLOCK_K * LATENT_DIM * 2, out)
-        per_wg = num_heads * BLOCK_K * (2 + 2 * 4) + _REDUCE_SCRATCH * 4
+def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32) -> int:
+    """Shared memory the kernel asks for: queries, the 8-bit ring (with k_pe and the scales), the
+    converted slab (after the loop: the output staging), P, reduction scratch and the score parts of
+    each compute warpgroup, some slack."""
+    ring = BLOCK_K * (LATENT_DIM + 4 + ROPE_DIM * 2)
+    staging = max(BLOCK_K * LATENT_DIM * 2, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize)
+    per_wg = num_heads * BLOCK_K * (2 + 2 * 4) + _REDUCE_SCRATCH * 4
     return (num_heads * (LATENT_DIM + ROPE_DIM) * 2 + stages * ring + staging + compute_wgs * per_wg
             + 2 * num_heads * 4 + _SMEM_SLACK)
 
@@ -152,7 +144,7 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int, share: str):
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int):
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -170,28 +162,15 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     upcast_dtype = jnp.float16 if jnp.dtype(c8_smem.dtype) == jnp.float8_e4m3fn else jnp.bfloat16
     column = plgpu.Layout.WGMMA.reduce(0)  # a [H] vector of per-head statistics
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-token values
-    slabs = share == "slabs"
-    width = LATENT_DIM if slabs else LATENT_DIM // compute_wgs  # latent columns a warpgroup converts
+    width = LATENT_DIM // compute_wgs  # latent columns a warpgroup converts
     chunk = min(chunk, width)
 
-    def slab_of(i):
-        """Row of the [pages * slabs_per_page, 64, ...] cache views holding step i's keys (0 past the
-        split: a valid row to prefetch from)."""
-        slab = slab_index(tables_ref, seq_id * table_width, start + i * BLOCK_K, slabs_per_page, BLOCK_K,
-                          num_entries=tables_ref.shape[0])
-        return jnp.where(i < num_steps, slab, 0)
-
-    def load_kpe(i):  # k_pe [64, 64] straight from HBM into wgmma's A-register layout
-        return plgpu.load(kpe_ref.at[slab_of(i)], layout=plgpu.Layout.WGMMA, optimized=False)
-
     def compute(w: int):
-        """Compute warpgroup w. share="columns": latent columns [w * width, (w + 1) * width) of every slab,
-        the last one also the rope part. share="slabs": every column of steps w, w + n, w + 2n, ..."""
-        first = 0 if slabs else w * width  # the warpgroup's first latent column
+        """Compute warpgroup w: latent columns [w * width, (w + 1) * width) of every slab, the last one
+        also the rope part."""
+        first = w * width  # the warpgroup's first latent column
         own = pl.ds(first, width)
-        rope = slabs or w == compute_wgs - 1
-        # (views made where they are used: a view's index captured from outside run_state becomes an input)
-        kbf = (lambda: kbf_smem.at[w]) if slabs else (lambda: kbf_smem)
+        rope = w == compute_wgs - 1
         reduce_smem = sm["reduce"][w]
         plgpu.set_max_registers(_COMPUTE_REGISTERS[compute_wgs], action="increase")
         if w == 0:
@@ -200,19 +179,13 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         plgpu.barrier_wait(sm["q_bars"].at[0])
         plgpu.barrier_wait(sm["q_bars"].at[1])
 
-        def step(j, carry):
-            acc, m, l = carry[:3]  # O^T f32[width, H] (this warpgroup's rows); m (log2 units), l f32[H]
-            i = j * compute_wgs + w if slabs else j  # the context step
+        def step(i, carry):
+            acc, m, l = carry  # O^T f32[width, H] (this warpgroup's rows); m (log2 units), l f32[H]
             slot = lax.rem(i, jnp.int32(stages))
-            if slabs:  # this step's k_pe came with the last one; the next one's is loaded now
-                kpe, carry_next = carry[3], (load_kpe(i + compute_wgs),)
-            else:
-                kpe, carry_next = sm["kpe"].at[slot], ()
             with jax.named_scope("wait"):
                 plgpu.barrier_wait(sm["c8_bars"].at[slot])
                 plgpu.barrier_wait(sm["ks_bars"].at[slot])
-                if not slabs:
-                    plgpu.barrier_wait(sm["kpe_bars"].at[slot])
+                plgpu.barrier_wait(sm["kpe_bars"].at[slot])
 
             def scores(s_ref, rope_ref):
                 kscale = plgpu.load(ks_smem.at[slot], layout=row) if dequantize else None
@@ -222,10 +195,10 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                     keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
                     if dequantize:
                         keys = (keys.astype(f32) * lax.broadcast_in_dim(kscale, keys.shape, [0])).astype(dot_dtype)
-                    kbf()[:, cols] = keys  # the value product's operand
+                    kbf_smem[:, cols] = keys  # the value product's operand
                     plgpu.wgmma(s_ref, keys, q_smem.at[:, cols].transpose((1, 0)))
                 if rope:
-                    plgpu.wgmma(rope_ref, kpe, sm["qpe"].transpose((1, 0)))
+                    plgpu.wgmma(rope_ref, sm["kpe"].at[slot], sm["qpe"].transpose((1, 0)))
                 return s_ref[...] if dequantize or not rope else (s_ref[...], rope_ref[...])
 
             with jax.named_scope("scores"):  # S^T [64, H], or this warpgroup's part of it
@@ -242,7 +215,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                     if rope:
                         s = s + s_rope
             plgpu.barrier_arrive(sm["consumed_bars"].at[slot])  # the slot's 8-bit rows (k_pe) and scales are read
-            if not slabs and compute_wgs > 1:
+            if compute_wgs > 1:
                 with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
                     parity = lax.rem(i, jnp.int32(2))
                     sm["sx"].at[parity, w][...] = s
@@ -265,43 +238,20 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                 plgpu.commit_smem()  # the 16-bit slab and P^T, before wgmma reads them
 
             def values(acc_ref):
-                plgpu.wgmma(acc_ref, kbf().at[:, own].transpose((1, 0)), sm["p"].at[w].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, kbf_smem.at[:, own].transpose((1, 0)), sm["p"].at[w].transpose((1, 0)))
 
             with jax.named_scope("values"):
                 acc = pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
-            return (acc, m_new, l, *carry_next)
+            return acc, m_new, l
 
         init = (plgpu.layout_cast(jnp.zeros((width, num_heads), f32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((num_heads,), _M_INIT, f32), column),
                 plgpu.layout_cast(jnp.zeros((num_heads,), f32), column))
-        if slabs:
-            init += (load_kpe(jnp.int32(w)),)
-            my_steps = lax.div(jnp.maximum(num_steps - w, 0) + (compute_wgs - 1), jnp.int32(compute_wgs))
-        else:
-            my_steps = num_steps
-        acc, m, l = lax.fori_loop(0, my_steps, step, init)[:3]
+        acc, m, l = lax.fori_loop(0, num_steps, step, init)
         rows_smem = sm["rows"]
-        if compute_wgs > 1:  # nobody reads the converted slabs any more: the output staging may reuse them
+        if compute_wgs > 1:  # nobody reads the converted slab any more: the output staging may reuse it
             plgpu.barrier_arrive(sm["done_bar"])
             plgpu.barrier_wait(sm["done_bar"])
-        if slabs and compute_wgs > 1:  # warpgroup 0 merges the others' softmax states and writes
-            if w > 0:
-                sm["states"].at[w - 1][...] = acc
-                rows_smem.at[2 * w][...] = m
-                rows_smem.at[2 * w + 1][...] = l
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(sm["merge_bar"])
-                return
-            plgpu.barrier_wait(sm["merge_bar"])
-            for v in range(1, compute_wgs):
-                m_v = plgpu.load(rows_smem.at[2 * v], layout=column)
-                l_v = plgpu.load(rows_smem.at[2 * v + 1], layout=column)
-                acc_v = plgpu.load(sm["states"].at[v - 1], layout=plgpu.Layout.WGMMA)
-                m_new = jnp.maximum(m, m_v)
-                a, a_v = jnp.exp2(m - m_new), jnp.exp2(m_v - m_new)
-                acc = (acc * lax.broadcast_in_dim(a, acc.shape, [1])
-                       + acc_v * lax.broadcast_in_dim(a_v, acc.shape, [1]))
-                m, l = m_new, l * a + l_v * a_v
         out_smem = sm["out"]
         if num_splits == 1:
             (o_ref,) = outs
@@ -328,16 +278,15 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     @pl.when(wg == compute_wgs)
     def _memory():
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-        rings = [(c8_ref, c8_smem, sm["c8_bars"]), (ks_ref, ks_smem, sm["ks_bars"])]
-        if not slabs:
-            rings.append((kpe_ref, sm["kpe"], sm["kpe_bars"]))
+        rings = [(c8_ref, c8_smem, sm["c8_bars"]), (ks_ref, ks_smem, sm["ks_bars"]),
+                 (kpe_ref, sm["kpe"], sm["kpe_bars"])]
         load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, sm["consumed_bars"], rings,
                    stages=stages, block_k=BLOCK_K)
 
 
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
-                         dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS, share: str = SHARE,
+                         dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
                          profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
@@ -346,9 +295,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``stages``: slabs in flight (None: as many as fit, up to ``MAX_STAGES``); ``chunk``: latent columns
     converted at a time; ``dequantize``: the scale applied to the converted rows (bf16 operands, one
     score accumulator) rather than to the scores and probabilities (None: per ``DEQUANTIZE``);
-    ``compute_wgs``: compute warpgroups (1, 2 or 4); ``share``: how they split the work, "columns" (each
-    slab's latent columns, the scores' parts exchanged every step) or "slabs" (alternate slabs, a softmax
-    state each, merged at the end; two warpgroups, k_pe read into registers one step ahead);
+    ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON)."""
     if dequantize is None:
@@ -365,27 +312,17 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not dequantize else bf16
     if compute_wgs not in _COMPUTE_REGISTERS:
         raise ValueError(f"compute_wgs={compute_wgs} is not one of {tuple(_COMPUTE_REGISTERS)}")
-    if share not in SHARES:
-        raise ValueError(f"share={share!r} is not one of {SHARES}")
-    if share == "slabs" and compute_wgs != 2:
-        raise ValueError(f"share='slabs' takes compute_wgs=2 (got {compute_wgs}): more converted slabs do not fit")
-    width = LATENT_DIM if share == "slabs" else LATENT_DIM // compute_wgs
+    width = LATENT_DIM // compute_wgs
     if chunk % 128 or width % min(chunk, width):
         raise ValueError(f"chunk={chunk} is not a multiple of 128 (an 8-bit row tile) dividing the "
                          f"{width} latent columns of a compute warpgroup")
     out_dtype = bf16 if num_splits == 1 else f32
-    # With share="slabs" a ring slot always serves the same warpgroup (stages a multiple of compute_wgs).
-    step = compute_wgs if share == "slabs" else 1
-    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype, share)
+    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype)
     if stages is None:
-        stages = max([n for n in range(step, MAX_STAGES + 1, step) if need(n) <= SMEM_BYTES], default=step)
-    if stages % step:
-        raise ValueError(f"stages={stages} is not a multiple of compute_wgs={compute_wgs} (share='slabs')")
+        stages = max([n for n in range(1, MAX_STAGES + 1) if need(n) <= SMEM_BYTES], default=1)
     if need(stages) > SMEM_BYTES:
-        raise ValueError(f"stages={stages} with compute_wgs={compute_wgs} ({share}) and {num_heads} heads needs "
+        raise ValueError(f"stages={stages} with compute_wgs={compute_wgs} and {num_heads} heads needs "
                          f"{need(stages)} bytes of shared memory, more than the {SMEM_BYTES} a block has")
-    slabs = share == "slabs"
-    out = _smem((LATENT_DIM, num_heads), out_dtype)
     sm = dict(
         q=_smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
         qpe=_smem((num_heads, ROPE_DIM), bf16),
@@ -394,31 +331,20 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         p=_smem((compute_wgs, num_heads, BLOCK_K), dot_dtype),  # P (x scale) of each compute warpgroup: B of
         # its values, read transposed
         reduce=[plgpu.SMEM((_REDUCE_SCRATCH,), f32) for _ in range(compute_wgs)],  # each one's reductions
-        rows=plgpu.SMEM((2 * compute_wgs if slabs else 2, num_heads), f32),  # m, l of a split (of each one)
+        rows=plgpu.SMEM((2, num_heads), f32),  # m, l of a split
         c8_bars=plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
         ks_bars=plgpu.Barrier(num_barriers=stages),  # scales landed
         q_bars=plgpu.Barrier(num_barriers=2),  # queries landed
-        # slot read (by every compute warpgroup when they share its columns)
-        consumed_bars=plgpu.Barrier(num_arrivals=1 if slabs else compute_wgs, num_barriers=stages),
-        done_bar=plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slabs)
+        consumed_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),  # slot read by every compute
+        # warpgroup
+        done_bar=plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slab)
+        # the converted slab (A of the values, read transposed); after the loop, the output staging
+        union=plgpu.RefUnion(_smem((BLOCK_K, LATENT_DIM), dot_dtype), _smem((LATENT_DIM, num_heads), out_dtype)),
+        kpe=_smem((stages, BLOCK_K, ROPE_DIM), bf16),
+        kpe_bars=plgpu.Barrier(num_barriers=stages),  # k_pe landed
+        sx=_smem((2, compute_wgs, BLOCK_K, num_heads), f32),  # score parts, by step parity
+        sx_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2),  # score parts written, by parity
     )
-    if slabs:
-        sm.update(
-            # each warpgroup's converted slab (A of its values, read transposed); after the loops, the
-            # output staging and the other warpgroups' softmax states
-            union=plgpu.RefUnion(_smem((compute_wgs, BLOCK_K, LATENT_DIM), dot_dtype),
-                                 (out, _smem((compute_wgs - 1, LATENT_DIM, num_heads), f32))),
-            merge_bar=plgpu.Barrier(num_arrivals=compute_wgs - 1),  # the others' states are written
-        )
-    else:
-        sm.update(
-            union=plgpu.RefUnion(_smem((BLOCK_K, LATENT_DIM), dot_dtype), out),  # the converted slab, then
-            # the output staging
-            kpe=_smem((stages, BLOCK_K, ROPE_DIM), bf16),
-            kpe_bars=plgpu.Barrier(num_barriers=stages),  # k_pe landed
-            sx=_smem((2, compute_wgs, BLOCK_K, num_heads), f32),  # score parts, by step parity
-            sx_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2),  # score parts written, by parity
-        )
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, latent_dim, num_heads), out_dtype)
     else:
@@ -428,15 +354,10 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
 
     def kernel(*refs):
         sm = dict(refs[-1])
-        union = sm.pop("union")
-        sm["kbf"], staging = union
-        if slabs:
-            sm["out"], sm["states"] = staging
-        else:
-            sm["out"] = staging
+        sm["kbf"], sm["out"] = sm.pop("union")
         _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
                 scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-                dequantize=dequantize, compute_wgs=compute_wgs, share=share)
+                dequantize=dequantize, compute_wgs=compute_wgs)
 
     return plgpu.kernel(
         kernel,

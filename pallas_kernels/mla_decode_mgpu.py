@@ -266,13 +266,10 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
         load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars, rings)
 
 
-def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int, *, num_entries: int | None = None):
+def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int):
     """Row of a cache viewed as [pages * slabs_per_page, block_k, ...] that holds key ``token`` of the
-    block-table row starting at flat offset ``entry_base``; ``num_entries`` clamps the table read into
-    the table (for reads past a context, whose row is then never used)."""
+    block-table row starting at flat offset ``entry_base``."""
     entry = entry_base + lax.div(token, jnp.int32(slabs_per_page * block_k))
-    if num_entries is not None:
-        entry = jnp.clip(entry, 0, num_entries - 1)
     return tables_ref[entry] * slabs_per_page + lax.rem(lax.div(token, jnp.int32(block_k)), jnp.int32(slabs_per_page))
 
 

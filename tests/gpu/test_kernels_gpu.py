@@ -97,43 +97,26 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     assert _rel(got, want) < 2e-2
     # the latent columns over 1, 2, 4 warpgroups (4 do not fit 32 heads)
     if heads < 64:
-        _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want,
-                             [(1, "columns"), (2, "columns")] + ([(4, "columns")] if heads == 16 else []))
+        _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, [1, 2] + ([4] if heads == 16 else []))
     auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
     np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
 
 
-def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, shares):
-    """Each (compute warpgroups, share) of the 8-bit Mosaic kernel against the reference: both places
+def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, compute_wgs):
+    """The 8-bit Mosaic kernel with each count of compute warpgroups against the reference: both places
     for the scale, with one split and (the default scale placement) with split partials."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    for dequantize, (compute_wgs, share) in itertools.product((False, True), shares):
+    for dequantize, wgs in itertools.product((False, True), compute_wgs):
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
                                        lengths, 0.1, num_splits=splits, dequantize=dequantize,
-                                       compute_wgs=compute_wgs, share=share)
+                                       compute_wgs=wgs)
             if splits > 1:
                 m, l, acc = out
                 out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
-            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, compute_wgs, share, splits)
-
-
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("block_size", [64, 128])
-def test_mla_decode_8bit_mosaic_slabs_gpu(kind, block_size):
-    """share="slabs": two warpgroups taking alternate slabs, k_pe read into registers a step ahead (16
-    heads; its own test, so `-k "not slabs"` leaves it out)."""
-    from pallas_kernels.kv_quant import quantize_latent
-    from pallas_kernels.mla_decode import mla_decode_reference
-
-    rng = np.random.default_rng(block_size + 1)
-    q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, 16, [1, 63, 64, 700, 1500, 2048], block_size=block_size)
-    stored, scale = quantize_latent(c_kv * 3.0, kind, 1)
-    f32 = lambda a: a.astype(jnp.float32)
-    want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
-    _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, [(2, "slabs")])
+            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, splits)
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
