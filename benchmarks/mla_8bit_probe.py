@@ -2,9 +2,12 @@
 per-query error against the reference with each part of the scores switched off in turn (latent, rope,
 both) and for each count of compute warpgroups, timings of its (compute warpgroups, stages, chunk,
 splits, scale placement) variants at V2-Lite batch 64 / 4k context,
-and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT).
+and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT). ``--many-heads``
+instead times the many-head kernel (pallas_kernels/mla_decode_mgpu.py) over each cache dtype and, for
+the 8-bit ones, each converter at DeepSeek-V3's 128 heads, batch 128, 2k context.
 
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
+    python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
 """
 import os
 import sys
@@ -18,8 +21,9 @@ from benchmarks.kvquant import _full_cache
 from dsjax import load_config
 from dsjax.model.paged import PagedKVCache
 from pallas_kernels import mla_decode_8bit_mgpu as k8
+from pallas_kernels import mla_decode_mgpu
 from pallas_kernels.kv_quant import quantize_latent
-from pallas_kernels.mla_decode import mla_decode_reference
+from pallas_kernels.mla_decode import combine_splits, mla_decode_reference
 
 f32 = lambda a: a.astype(jnp.float32)
 
@@ -74,7 +78,41 @@ def timings(inputs, variants):
             sys.stdout.flush()
 
 
+def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
+    """The many-head kernel at DeepSeek-V3's shape: error against the reference on the first 4 queries and
+    device time, a bf16 cache, then int8 and fp8 with each converter."""
+    config = load_config("deepseek-v3")
+    c, kp, qq, qp, tb, ln = _full_cache(config, batch, context, 64)
+    seq_ids = jnp.arange(batch, dtype=jnp.int32)
+    tokens_per_split = context // num_splits
+    cases = [("bfloat16", None)] + [(kind, conv) for kind in ("int8", "fp8") for conv in mla_decode_mgpu.CONVERTERS]
+    for kind, converter in cases:
+        if kind == "bfloat16":
+            cache, scale = c.astype(jnp.bfloat16), None
+        else:
+            cache, scale = quantize_latent(c, kind, 1)
+        options = dict(converter=converter) if converter else {}
+        fn = lambda q, qpe, ckv, s, o=options: mla_decode_mgpu.mla_decode_mgpu(
+            q, qpe, ckv, kp, tb, seq_ids, ln, 0.1, num_splits=num_splits, tokens_per_split=tokens_per_split,
+            c_kv_scale=s, **o)
+        label = f"{kind} {converter or ''} heads {qq.shape[1]} batch {batch} context {context} splits {num_splits}"
+        try:
+            got = fn(qq, qp, cache, scale)
+            if num_splits > 1:
+                got = combine_splits(*got, jnp.float32, splits_axis=1)
+            want = mla_decode_reference(f32(qq[:4]), f32(qp[:4]), cache if scale is not None else f32(cache), f32(kp),
+                                        tb[:4], ln[:4], 0.1, scale)
+            err = float(jnp.linalg.norm(f32(got[:4]) - want) / jnp.linalg.norm(want))
+            us = device_time_us(fn, (qq, qp, cache, scale), estimate_s=2e-4)
+            print(f"{label}: rel err {err:.4f}, {us:.1f} us")
+        except Exception as e:
+            print(f"{label}: failed {type(e).__name__}: {e}"[:300])
+        sys.stdout.flush()
+
+
 def main():
+    if "--many-heads" in sys.argv[1:]:
+        return many_heads()
     out = os.environ.get("OUT", "/tmp")
     # V2-Lite batch 64, 4k context: the inputs of benchmarks.kvquant's kernel table
     config = load_config("deepseek-v2-lite")

@@ -58,6 +58,14 @@ ROPE_DIM = 64
 _HALF = LATENT_DIM // 2  # output columns per compute warpgroup
 CACHE_DTYPES = (jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)
 CHUNK = 128  # 8-bit caches: latent columns converted at a time
+# 8-bit caches: who converts the slabs to 16 bits. "compute": the two compute warpgroups, each its half
+# of the columns, into one shared 16-bit slab; "memory": the memory warpgroup, which loads the 8-bit rows
+# from HBM into registers and fills a two-stage 16-bit ring (no 8-bit ring in shared memory).
+CONVERTERS = ("compute", "memory")
+CONVERTER = "compute"
+# Registers a thread: (compute warpgroup 0, compute warpgroup 1, memory warpgroup), at most 504 together
+# (a CTA of 384 threads starts at 168 each). The memory warpgroup that converts holds a slab's 8-bit rows.
+_REGISTERS = {None: (232, 232, 40), "compute": (232, 232, 40), "memory": (232, 160, 112)}
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -82,18 +90,23 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_ref, *refs,
             table_width: int, slabs_per_page: int, tokens_per_split: int, scale_log2e: float,
-            num_splits: int, quantized: bool):
+            num_splits: int, converter: str | None):
+    """``converter``: None for a bf16 cache, else who turns the 8-bit slabs into 16 bits (``CONVERTERS``)."""
     outs, scratch = refs[:-1], refs[-1]
     (q_smem, p_smem, rows_smem, union,
      ckv_bars, kpe_bars, q_bars, consumed_bars, p_ready, p_free, compute_sync, *scales) = scratch
-    if quantized:  # an 8-bit cache: its scales, and the slab converted to 16 bits (see mla_decode_mgpu)
+    quantized = converter is not None
+    shared_slab = converter == "compute"  # the compute warpgroups convert into one 16-bit slab (kbf)
+    if quantized:  # an 8-bit cache: its scales (see mla_decode_mgpu)
         ks_ref, outs = outs[0], outs[1:]
-        ks_smem, ks_bars, kbf_full = scales
+        ks_smem, ks_bars, *kbf_full = scales
+    if shared_slab:  # the 8-bit ring and the converted slab
         (ckv_smem, kpe_smem, kbf_smem), out16_smem, out32_smem = union
+        (kbf_full,) = kbf_full
         dot_dtype = kbf_smem.dtype
-    else:
+    else:  # the ring of bf16 slabs: read from HBM, or converted by the memory warpgroup
         (ckv_smem, kpe_smem), out16_smem, out32_smem = union
-        dot_dtype = jnp.bfloat16
+        dot_dtype = ckv_smem.dtype
     head_tile, split, t = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
     h0 = head_tile * BLOCK_H
@@ -112,12 +125,12 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
     def pv(acc, p, step_slot, half: int):
         def body(acc_ref):
             cols = pl.ds(half * _HALF, _HALF)
-            plgpu.wgmma(acc_ref, p, kbf_smem.at[:, cols] if quantized else ckv_smem.at[step_slot, :, cols])
+            plgpu.wgmma(acc_ref, p, kbf_smem.at[:, cols] if shared_slab else ckv_smem.at[step_slot, :, cols])
         return pl.run_state(body)(plgpu.ACC.init(acc))
 
     def convert(i, half: int):
-        """8-bit cache: warpgroup ``half`` turns its columns of step i's slab into 16-bit operands (exact:
-        int8 -> bf16, e4m3 -> f16) in the converted slab, which both products read."""
+        """converter "compute": warpgroup ``half`` turns its columns of step i's slab into 16-bit operands
+        (exact: int8 -> bf16, e4m3 -> f16) in the converted slab, which both products read."""
         slot = lax.rem(i, jnp.int32(STAGES))
         plgpu.barrier_wait(ckv_bars.at[slot])
         for c in range(_HALF // CHUNK):
@@ -149,13 +162,16 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
                 plgpu.copy_smem_to_gmem(rows_smem.at[1], l_ref.at[t, split, pl.ds(h0, BLOCK_H)])
         plgpu.wait_smem_to_gmem(0)
 
+    registers = _REGISTERS[converter]
+
     @pl.when(wg == 0)
     def _scores_and_first_half():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(registers[0], action="increase")
         plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h0, BLOCK_H)], q_smem, q_bars.at[0])
         if quantized:  # q_pe from HBM straight into registers (P's buffer holds the dots' type)
             q_pe = plgpu.load(qpe_ref.at[t, pl.ds(h0, BLOCK_H)], layout=plgpu.Layout.WGMMA, optimized=False)
-            pl.when(num_steps > 0)(lambda: convert(jnp.int32(0), 0))
+            if shared_slab:
+                pl.when(num_steps > 0)(lambda: convert(jnp.int32(0), 0))
         else:
             plgpu.copy_gmem_to_smem(qpe_ref.at[t, pl.ds(h0, BLOCK_H)], p_smem, q_bars.at[1])
             plgpu.barrier_wait(q_bars.at[1])
@@ -166,11 +182,12 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
         def step(i, carry):
             acc, m, l = carry
             slot = lax.rem(i, jnp.int32(STAGES))
-            if quantized:  # warpgroup 1 has converted its half of the slab (this one, the other)
+            if shared_slab:  # warpgroup 1 has converted its half of the slab (this one, the other)
                 plgpu.barrier_wait(kbf_full)
-                plgpu.barrier_wait(ks_bars.at[slot])
-            else:
+            else:  # the slab landed (converter "memory": converted)
                 plgpu.barrier_wait(ckv_bars.at[slot])
+            if quantized:
+                plgpu.barrier_wait(ks_bars.at[slot])
             plgpu.barrier_wait(kpe_bars.at[slot])
 
             def qk(acc_ref):
@@ -179,7 +196,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
                 return acc_ref[...]
 
             def latent(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, kbf_smem.transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, (kbf_smem if shared_slab else ckv_smem.at[slot]).transpose((1, 0)))
                 return acc_ref[...]
 
             def rope(acc_ref):
@@ -208,10 +225,10 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
             rows_smem.at[0][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready)
-            if quantized:  # the slot's k_pe and scales are read (both halves of its 8-bit rows converted)
+            if shared_slab:  # the slot's k_pe and scales are read (both halves of its 8-bit rows converted)
                 plgpu.barrier_arrive(consumed_bars.at[slot])
             acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p16, slot, 0)
-            if quantized:  # the next slab's first half, now that this one's values are done
+            if shared_slab:  # the next slab's first half, now that this one's values are done
                 pl.when(i + 1 < num_steps)(lambda: convert(i + 1, 0))
             else:
                 plgpu.barrier_arrive(consumed_bars.at[slot])
@@ -227,25 +244,25 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
 
     @pl.when(wg == 1)
     def _second_half():
-        plgpu.set_max_registers(232, action="increase")
+        plgpu.set_max_registers(registers[1], action="increase" if registers[1] >= 168 else "decrease")
 
         def convert_second_half(i):  # 8-bit cache: step i's second half, then the slot is read
             convert(i, 1)
             plgpu.barrier_arrive(kbf_full)
             plgpu.barrier_arrive(consumed_bars.at[lax.rem(i, jnp.int32(STAGES))])
 
-        if quantized:
+        if shared_slab:
             pl.when(num_steps > 0)(lambda: convert_second_half(jnp.int32(0)))
 
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(STAGES))
-            if not quantized:
+            if not shared_slab:
                 plgpu.barrier_wait(ckv_bars.at[slot])
             plgpu.barrier_wait(p_ready)
             alpha = plgpu.load(rows_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
             acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem, slot, 1)
             plgpu.barrier_arrive(p_free)
-            if quantized:  # warpgroup 0 has read the converted slab's second half: the next one's
+            if shared_slab:  # warpgroup 0 has read the converted slab's second half: the next one's
                 pl.when(i + 1 < num_steps)(lambda: convert_second_half(i + 1))
             else:
                 plgpu.barrier_arrive(consumed_bars.at[slot])
@@ -257,9 +274,34 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
         l = plgpu.load(rows_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
         _write(acc, l, 1)
 
+    def _load_and_convert():
+        """converter "memory": each step's 8-bit rows from HBM into registers (issued before the slot is
+        free, so their latency overlaps the wait), converted into the 16-bit ring; k_pe and the scales
+        by TMA."""
+        @pl.loop(0, num_steps)
+        def _(i):
+            slot = lax.rem(i, jnp.int32(STAGES))
+            slab = slab_index(tables_ref, seq_id * table_width, start + i * BLOCK_K, slabs_per_page, BLOCK_K)
+            rows = [plgpu.load(ckv_ref.at[slab, :, pl.ds(c * CHUNK, CHUNK)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
+                               optimized=False) for c in range(LATENT_DIM // CHUNK)]
+
+            @pl.when(i >= STAGES)
+            def _():
+                plgpu.barrier_wait(consumed_bars.at[slot])
+
+            plgpu.copy_gmem_to_smem(kpe_ref.at[slab], kpe_smem.at[slot], kpe_bars.at[slot])
+            plgpu.copy_gmem_to_smem(ks_ref.at[slab], ks_smem.at[slot], ks_bars.at[slot])
+            for c, part in enumerate(rows):
+                ckv_smem.at[slot, :, pl.ds(c * CHUNK, CHUNK)][...] = plgpu.layout_cast(part.astype(dot_dtype),
+                                                                                       plgpu.Layout.WGMMA)
+            plgpu.commit_smem()  # before wgmma (the async proxy) reads them
+            plgpu.barrier_arrive(ckv_bars.at[slot])
+
     @pl.when(wg == 2)
     def _memory():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(registers[2], action="decrease")
+        if converter == "memory":
+            return _load_and_convert()
         rings = [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)]
         if quantized:
             rings.append((ks_ref, ks_smem, ks_bars))
@@ -295,13 +337,13 @@ def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, con
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,
-                    tokens_per_split: int, c_kv_scale=None, interpret: bool = False):
+                    tokens_per_split: int, c_kv_scale=None, converter: str = CONVERTER, interpret: bool = False):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512], k_pe [N, bs, 64] (bf16),
     block_tables i32[S, W], seq_ids i32[T], lengths i32[T] (keys 0..length-1 attended) ->
     with one split the output [T, H, 512] bf16; else partials (m f32[T, splits, H] in log2 units,
     l f32[T, splits, H], acc f32[T, splits, H, 512]) for ``combine_splits``. ``tokens_per_split`` is a
-    multiple of 64. An 8-bit c_kv (int8 | float8_e4m3fn) comes with ``c_kv_scale`` f32[N, bs, 1]. Shapes
-    must pass ``supports``."""
+    multiple of 64. An 8-bit c_kv (int8 | float8_e4m3fn) comes with ``c_kv_scale`` f32[N, bs, 1];
+    ``converter`` says who turns its slabs into 16 bits (``CONVERTERS``). Shapes must pass ``supports``."""
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K
@@ -311,6 +353,8 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
     if quantized != (c_kv_scale is not None):
         raise ValueError(f"a {jnp.dtype(c_kv.dtype).name} cache takes c_kv_scale "
                          f"{'f32[N, bs, 1]' if quantized else 'None'}")
+    if converter not in CONVERTERS:
+        raise ValueError(f"converter={converter!r} is not one of {CONVERTERS}")
     tiling = lambda dtype: (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
                             plgpu.SwizzleTransform(128))
     bf16, f32 = jnp.bfloat16, jnp.float32
@@ -318,8 +362,11 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
     # in f16 are exact within its range, as in mla_decode_8bit_mgpu).
     dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn else bf16
     smem = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=tiling(dtype))
-    ring = (smem((STAGES, BLOCK_K, LATENT_DIM), c_kv.dtype), smem((STAGES, BLOCK_K, ROPE_DIM), bf16))
-    if quantized:  # the 8-bit ring and the converted slab: 2 x 40 KiB + 64 KiB
+    shared_slab = quantized and converter == "compute"
+    # the ring: bf16 slabs (a bf16 cache, or converter "memory"), or 8-bit ones and the converted slab
+    ring = (smem((STAGES, BLOCK_K, LATENT_DIM), c_kv.dtype if shared_slab else dot_dtype),
+            smem((STAGES, BLOCK_K, ROPE_DIM), bf16))
+    if shared_slab:  # 2 x 40 KiB + 64 KiB
         ring += (smem((BLOCK_K, LATENT_DIM), dot_dtype),)
     scratch = [
         smem((BLOCK_H, LATENT_DIM), dot_dtype),  # q_latent
@@ -339,8 +386,9 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
     ]
     if quantized:
         scratch += [plgpu.SMEM((STAGES, BLOCK_K), f32),  # the scales' ring
-                    plgpu.Barrier(num_barriers=STAGES),  # scales landed
-                    plgpu.Barrier(num_barriers=1)]  # warpgroup 1's half of a slab converted
+                    plgpu.Barrier(num_barriers=STAGES)]  # scales landed
+    if shared_slab:
+        scratch += [plgpu.Barrier(num_barriers=1)]  # warpgroup 1's half of a slab converted
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, num_heads, latent_dim), bf16)
     else:
@@ -349,7 +397,8 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
                     jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads, latent_dim), f32))
     kernel = functools.partial(
         _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
-        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_splits=num_splits, quantized=quantized)
+        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_splits=num_splits,
+        converter=converter if quantized else None)
     return plgpu.kernel(
         kernel,
         out_type=out_type,

@@ -95,11 +95,26 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     assert _rel(got, want) < 2e-2
-    # the latent columns over 1, 2, 4 warpgroups (4 do not fit 32 heads)
-    if heads < 64:
+    if heads < 64:  # the latent columns over 1, 2, 4 warpgroups (4 do not fit 32 heads)
         _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, [1, 2] + ([4] if heads == 16 else []))
+    else:  # each converter of the many-head kernel, one split and partials
+        _check_converters(q, q_pe, stored, k_pe, scale, tables, lengths, want)
     auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
     np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
+
+
+def _check_converters(q, q_pe, stored, k_pe, scale, tables, lengths, want):
+    from pallas_kernels import mla_decode_mgpu
+    from pallas_kernels.mla_decode import combine_splits
+
+    max_context = tables.shape[1] * stored.shape[1]
+    for converter, splits in itertools.product(mla_decode_mgpu.CONVERTERS, (1, 4)):
+        out = mla_decode_mgpu.mla_decode_mgpu(q, q_pe, stored, k_pe, tables, jnp.arange(len(lengths), dtype=jnp.int32),
+                                              lengths, 0.1, num_splits=splits, tokens_per_split=max_context // splits,
+                                              c_kv_scale=scale, converter=converter)
+        if splits > 1:
+            out = combine_splits(*out, jnp.float32, splits_axis=1)
+        assert _rel(out, want) < 2e-2, (converter, splits)
 
 
 def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, compute_wgs):
