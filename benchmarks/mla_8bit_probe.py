@@ -3,8 +3,8 @@ per-query error against the reference with each part of the scores switched off 
 both) and for each count of compute warpgroups, timings of its (compute warpgroups, stages, chunk,
 splits, scale placement) variants at V2-Lite batch 64 / 4k context,
 and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT). ``--many-heads``
-instead times the many-head kernel (pallas_kernels/mla_decode_mgpu.py) over each cache dtype and, for
-the 8-bit ones, each converter at DeepSeek-V3's 128 heads, batch 128, 2k context.
+instead times the many-head kernel (pallas_kernels/mla_decode_mgpu.py) over each cache dtype at
+DeepSeek-V3's 128 heads, batch 128, 2k context.
 
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_time_us
+from benchmarks.common import device_time_us, environment, markdown_table, write_result
 from benchmarks.kvquant import _full_cache
 from dsjax import load_config
 from dsjax.model.paged import PagedKVCache
@@ -80,22 +80,21 @@ def timings(inputs, variants):
 
 def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
     """The many-head kernel at DeepSeek-V3's shape: error against the reference on the first 4 queries and
-    device time, a bf16 cache, then int8 and fp8 with each converter."""
+    device time, over a bf16, an int8 and an fp8 cache; a JSON of the rows in $OUT (mla8_many_heads.json)."""
     config = load_config("deepseek-v3")
     c, kp, qq, qp, tb, ln = _full_cache(config, batch, context, 64)
     seq_ids = jnp.arange(batch, dtype=jnp.int32)
     tokens_per_split = context // num_splits
-    cases = [("bfloat16", None)] + [(kind, conv) for kind in ("int8", "fp8") for conv in mla_decode_mgpu.CONVERTERS]
-    for kind, converter in cases:
+    rows = []
+    for kind in ("bfloat16", "int8", "fp8"):
         if kind == "bfloat16":
             cache, scale = c.astype(jnp.bfloat16), None
         else:
             cache, scale = quantize_latent(c, kind, 1)
-        options = dict(converter=converter) if converter else {}
-        fn = lambda q, qpe, ckv, s, o=options: mla_decode_mgpu.mla_decode_mgpu(
+        fn = lambda q, qpe, ckv, s: mla_decode_mgpu.mla_decode_mgpu(
             q, qpe, ckv, kp, tb, seq_ids, ln, 0.1, num_splits=num_splits, tokens_per_split=tokens_per_split,
-            c_kv_scale=s, **o)
-        label = f"{kind} {converter or ''} heads {qq.shape[1]} batch {batch} context {context} splits {num_splits}"
+            c_kv_scale=s)
+        label = f"{kind} heads {qq.shape[1]} batch {batch} context {context} splits {num_splits}"
         try:
             got = fn(qq, qp, cache, scale)
             if num_splits > 1:
@@ -105,9 +104,15 @@ def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
             err = float(jnp.linalg.norm(f32(got[:4]) - want) / jnp.linalg.norm(want))
             us = device_time_us(fn, (qq, qp, cache, scale), estimate_s=2e-4)
             print(f"{label}: rel err {err:.4f}, {us:.1f} us")
+            rows.append({"kv_cache_dtype": kind, "heads": qq.shape[1], "batch": batch, "context": context,
+                         "splits": num_splits, "rel_err": err, "us": us})
         except Exception as e:
             print(f"{label}: failed {type(e).__name__}: {e}"[:300])
         sys.stdout.flush()
+    table = markdown_table(rows, ["kv_cache_dtype", "heads", "batch", "context", "splits", "rel_err", "us"])
+    print(table)
+    print("wrote", write_result("mla8_many_heads", {**environment(), "rows": rows, "table": table},
+                                os.environ.get("OUT", "benchmarks/results")))
 
 
 def main():

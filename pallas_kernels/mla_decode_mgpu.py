@@ -1,7 +1,8 @@
 """Paged MLA decode on Hopper through Mosaic GPU (TMA + wgmma): the kernel for many heads.
 
-The semantics are ``mla_paged_reference`` (pallas_kernels/mla_decode.py), restricted to a bf16 cache
-with pages of a multiple of 64 tokens and a head count that is a multiple of 64. At DeepSeek-V3's 128
+The semantics are ``mla_paged_reference`` (pallas_kernels/mla_decode.py), restricted to a bf16 or an
+8-bit cache (a scale a token) with pages of a multiple of 64 tokens and a head count that is a multiple
+of 64. At DeepSeek-V3's 128
 heads decode is compute-bound (every 1,152-byte cache token meets 128 heads: 2 x 128 x (576 + 512)
 FLOPs, ~242 FLOPs a byte), so the tensor cores must do the work: the Triton kernel's per-program dots
 reach ~150 TFLOP/s there. Here one CTA owns 64 heads of one query and one context split, and three
@@ -21,20 +22,20 @@ unnormalized acc) that ``combine_splits`` merges, as for the Triton kernel.
 Tokens of a page past the context are masked in the scores (weight 0); the pool they come from is
 finite (zero-initialized, written only with real latents), as the kernel's P x V relies on.
 
-An 8-bit cache (int8 or fp8 e4m3, one f32 scale a token: ``c_kv_scale``) goes through the same
-pipeline with one more shared buffer: the ring holds the 8-bit slabs (with k_pe and the scales), and
-each compute warpgroup converts its half of a slab's columns into a 16-bit slab (exact: int8 -> bf16,
-e4m3 -> f16, the dots' operand type; the queries are cast to it) that both products read. The scale
-goes onto the scores' columns, q . (stored x scale) = (q . stored) x scale with the rope part added
-unscaled, and into P (P x scale) for the values. The converted slab is single-buffered (two of them and
-the 8-bit ring do not fit beside the queries), so each warpgroup converts the next slab's half once its
-own product of this one is done, and warpgroup 0's scores wait for warpgroup 1's half (``kbf_full``).
-q_pe comes from HBM straight into registers (P's buffer holds the dots' type, not bf16).
+An 8-bit cache (int8 or fp8 e4m3, one f32 scale a token: ``c_kv_scale``) runs the same compute
+pipeline over 16-bit slabs that the memory warpgroup makes: it loads each slab's 8-bit rows from HBM
+into registers (issued before its ring slot is free, so their latency overlaps the wait), converts them
+(exact: int8 -> bf16, e4m3 -> f16, the dots' operand type; the queries are cast to it) into the 16-bit
+ring and TMA-loads k_pe and the scales beside them. The scale goes onto the scores' columns,
+q . (stored x scale) = (q . stored) x scale with the rope part added unscaled, and into P (P x scale)
+for the values. q_pe comes from HBM straight into registers (P's buffer holds the dots' type, not bf16).
 
-Measured on the H200 (DeepSeek-V3 shape, 128 heads, batch 128, 2k context; ``python -m benchmarks.kvquant
---gpu-parts``, 2026-12-01): int8 384 us and fp8 378 us against the Triton kernel's 517 / 583 (byte
-pairs), but 181 us for bf16 rows: the conversion sits on the critical path, and the two value products
-no longer overlap the next step's scores as they do for bf16 rows.
+Measured on the H200 (DeepSeek-V3 shape, 128 heads, batch 128, 2k context; ``python -m
+benchmarks.mla_8bit_probe --many-heads``, 2026-12-01): int8 315 us, fp8 305 us, bf16 rows 186 us.
+The compute warpgroups converting instead (each its half of the columns, into one shared 16-bit slab
+beside an 8-bit ring: two converted slabs do not fit beside the queries) took 403 / 400 us in the same
+call (384 / 378 in ``kvquant.json``), the conversion between one step's value products and the next
+step's scores; the Triton kernel's byte pairs take 517 / 583 us.
 """
 
 from __future__ import annotations
@@ -57,15 +58,11 @@ LATENT_DIM = 512
 ROPE_DIM = 64
 _HALF = LATENT_DIM // 2  # output columns per compute warpgroup
 CACHE_DTYPES = (jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn)
-CHUNK = 128  # 8-bit caches: latent columns converted at a time
-# 8-bit caches: who converts the slabs to 16 bits. "compute": the two compute warpgroups, each its half
-# of the columns, into one shared 16-bit slab; "memory": the memory warpgroup, which loads the 8-bit rows
-# from HBM into registers and fills a two-stage 16-bit ring (no 8-bit ring in shared memory).
-CONVERTERS = ("compute", "memory")
-CONVERTER = "compute"
-# Registers a thread: (compute warpgroup 0, compute warpgroup 1, memory warpgroup), at most 504 together
-# (a CTA of 384 threads starts at 168 each). The memory warpgroup that converts holds a slab's 8-bit rows.
-_REGISTERS = {None: (232, 232, 40), "compute": (232, 232, 40), "memory": (232, 160, 112)}
+CHUNK = 128  # 8-bit caches: latent columns loaded and converted at a time
+# Registers a thread, (compute warpgroup 0, compute warpgroup 1, memory warpgroup), by whether the cache
+# is 8-bit: at most 504 together (a CTA of 384 threads starts at 168 each); the memory warpgroup that
+# converts holds a slab's 8-bit rows.
+_REGISTERS = {False: (232, 232, 40), True: (232, 160, 112)}
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -90,23 +87,16 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_ref, *refs,
             table_width: int, slabs_per_page: int, tokens_per_split: int, scale_log2e: float,
-            num_splits: int, converter: str | None):
-    """``converter``: None for a bf16 cache, else who turns the 8-bit slabs into 16 bits (``CONVERTERS``)."""
+            num_splits: int, quantized: bool):
     outs, scratch = refs[:-1], refs[-1]
     (q_smem, p_smem, rows_smem, union,
      ckv_bars, kpe_bars, q_bars, consumed_bars, p_ready, p_free, compute_sync, *scales) = scratch
-    quantized = converter is not None
-    shared_slab = converter == "compute"  # the compute warpgroups convert into one 16-bit slab (kbf)
     if quantized:  # an 8-bit cache: its scales (see mla_decode_mgpu)
         ks_ref, outs = outs[0], outs[1:]
-        ks_smem, ks_bars, *kbf_full = scales
-    if shared_slab:  # the 8-bit ring and the converted slab
-        (ckv_smem, kpe_smem, kbf_smem), out16_smem, out32_smem = union
-        (kbf_full,) = kbf_full
-        dot_dtype = kbf_smem.dtype
-    else:  # the ring of bf16 slabs: read from HBM, or converted by the memory warpgroup
-        (ckv_smem, kpe_smem), out16_smem, out32_smem = union
-        dot_dtype = ckv_smem.dtype
+        ks_smem, ks_bars = scales
+    # the ring of 16-bit slabs: read from HBM (bf16), or converted by the memory warpgroup (8-bit)
+    (ckv_smem, kpe_smem), out16_smem, out32_smem = union
+    dot_dtype = ckv_smem.dtype
     head_tile, split, t = lax.axis_index("h"), lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
     h0 = head_tile * BLOCK_H
@@ -125,19 +115,8 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
     def pv(acc, p, step_slot, half: int):
         def body(acc_ref):
             cols = pl.ds(half * _HALF, _HALF)
-            plgpu.wgmma(acc_ref, p, kbf_smem.at[:, cols] if shared_slab else ckv_smem.at[step_slot, :, cols])
+            plgpu.wgmma(acc_ref, p, ckv_smem.at[step_slot, :, cols])
         return pl.run_state(body)(plgpu.ACC.init(acc))
-
-    def convert(i, half: int):
-        """converter "compute": warpgroup ``half`` turns its columns of step i's slab into 16-bit operands
-        (exact: int8 -> bf16, e4m3 -> f16) in the converted slab, which both products read."""
-        slot = lax.rem(i, jnp.int32(STAGES))
-        plgpu.barrier_wait(ckv_bars.at[slot])
-        for c in range(_HALF // CHUNK):
-            cols = pl.ds(half * _HALF + c * CHUNK, CHUNK)
-            keys = plgpu.load(ckv_smem.at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
-            kbf_smem[:, cols] = plgpu.layout_cast(keys.astype(dot_dtype), plgpu.Layout.WGMMA)
-        plgpu.commit_smem()  # before wgmma (the async proxy) reads them
 
     def _sync():  # the two compute warpgroups meet; after the first meeting neither reads the
         # cache ring again, so the output staging may reuse it
@@ -162,7 +141,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
                 plgpu.copy_smem_to_gmem(rows_smem.at[1], l_ref.at[t, split, pl.ds(h0, BLOCK_H)])
         plgpu.wait_smem_to_gmem(0)
 
-    registers = _REGISTERS[converter]
+    registers = _REGISTERS[quantized]
 
     @pl.when(wg == 0)
     def _scores_and_first_half():
@@ -170,8 +149,6 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
         plgpu.copy_gmem_to_smem(q_ref.at[t, pl.ds(h0, BLOCK_H)], q_smem, q_bars.at[0])
         if quantized:  # q_pe from HBM straight into registers (P's buffer holds the dots' type)
             q_pe = plgpu.load(qpe_ref.at[t, pl.ds(h0, BLOCK_H)], layout=plgpu.Layout.WGMMA, optimized=False)
-            if shared_slab:
-                pl.when(num_steps > 0)(lambda: convert(jnp.int32(0), 0))
         else:
             plgpu.copy_gmem_to_smem(qpe_ref.at[t, pl.ds(h0, BLOCK_H)], p_smem, q_bars.at[1])
             plgpu.barrier_wait(q_bars.at[1])
@@ -182,10 +159,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
         def step(i, carry):
             acc, m, l = carry
             slot = lax.rem(i, jnp.int32(STAGES))
-            if shared_slab:  # warpgroup 1 has converted its half of the slab (this one, the other)
-                plgpu.barrier_wait(kbf_full)
-            else:  # the slab landed (converter "memory": converted)
-                plgpu.barrier_wait(ckv_bars.at[slot])
+            plgpu.barrier_wait(ckv_bars.at[slot])  # the slab landed (8-bit: converted)
             if quantized:
                 plgpu.barrier_wait(ks_bars.at[slot])
             plgpu.barrier_wait(kpe_bars.at[slot])
@@ -196,7 +170,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
                 return acc_ref[...]
 
             def latent(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, (kbf_smem if shared_slab else ckv_smem.at[slot]).transpose((1, 0)))
+                plgpu.wgmma(acc_ref, q_smem, ckv_smem.at[slot].transpose((1, 0)))
                 return acc_ref[...]
 
             def rope(acc_ref):
@@ -225,13 +199,8 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
             rows_smem.at[0][...] = alpha
             plgpu.commit_smem()
             plgpu.barrier_arrive(p_ready)
-            if shared_slab:  # the slot's k_pe and scales are read (both halves of its 8-bit rows converted)
-                plgpu.barrier_arrive(consumed_bars.at[slot])
             acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p16, slot, 0)
-            if shared_slab:  # the next slab's first half, now that this one's values are done
-                pl.when(i + 1 < num_steps)(lambda: convert(i + 1, 0))
-            else:
-                plgpu.barrier_arrive(consumed_bars.at[slot])
+            plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l
 
         acc, m, l = lax.fori_loop(0, num_steps, step, (init_acc(), init_row(_M_INIT), init_row(0.0)))
@@ -246,26 +215,14 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
     def _second_half():
         plgpu.set_max_registers(registers[1], action="increase" if registers[1] >= 168 else "decrease")
 
-        def convert_second_half(i):  # 8-bit cache: step i's second half, then the slot is read
-            convert(i, 1)
-            plgpu.barrier_arrive(kbf_full)
-            plgpu.barrier_arrive(consumed_bars.at[lax.rem(i, jnp.int32(STAGES))])
-
-        if shared_slab:
-            pl.when(num_steps > 0)(lambda: convert_second_half(jnp.int32(0)))
-
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(STAGES))
-            if not shared_slab:
-                plgpu.barrier_wait(ckv_bars.at[slot])
+            plgpu.barrier_wait(ckv_bars.at[slot])
             plgpu.barrier_wait(p_ready)
             alpha = plgpu.load(rows_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
             acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem, slot, 1)
             plgpu.barrier_arrive(p_free)
-            if shared_slab:  # warpgroup 0 has read the converted slab's second half: the next one's
-                pl.when(i + 1 < num_steps)(lambda: convert_second_half(i + 1))
-            else:
-                plgpu.barrier_arrive(consumed_bars.at[slot])
+            plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc
 
         acc = lax.fori_loop(0, num_steps, step, init_acc())
@@ -275,9 +232,8 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
         _write(acc, l, 1)
 
     def _load_and_convert():
-        """converter "memory": each step's 8-bit rows from HBM into registers (issued before the slot is
-        free, so their latency overlaps the wait), converted into the 16-bit ring; k_pe and the scales
-        by TMA."""
+        """8-bit cache: each step's 8-bit rows from HBM into registers (issued before the slot is free, so
+        their latency overlaps the wait), converted into the 16-bit ring; k_pe and the scales by TMA."""
         @pl.loop(0, num_steps)
         def _(i):
             slot = lax.rem(i, jnp.int32(STAGES))
@@ -300,12 +256,10 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(registers[2], action="decrease")
-        if converter == "memory":
-            return _load_and_convert()
-        rings = [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)]
         if quantized:
-            rings.append((ks_ref, ks_smem, ks_bars))
-        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars, rings)
+            return _load_and_convert()
+        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
+                   [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)])
 
 
 def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int):
@@ -337,13 +291,13 @@ def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, con
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,
-                    tokens_per_split: int, c_kv_scale=None, converter: str = CONVERTER, interpret: bool = False):
+                    tokens_per_split: int, c_kv_scale=None, interpret: bool = False):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512], k_pe [N, bs, 64] (bf16),
     block_tables i32[S, W], seq_ids i32[T], lengths i32[T] (keys 0..length-1 attended) ->
     with one split the output [T, H, 512] bf16; else partials (m f32[T, splits, H] in log2 units,
     l f32[T, splits, H], acc f32[T, splits, H, 512]) for ``combine_splits``. ``tokens_per_split`` is a
-    multiple of 64. An 8-bit c_kv (int8 | float8_e4m3fn) comes with ``c_kv_scale`` f32[N, bs, 1];
-    ``converter`` says who turns its slabs into 16 bits (``CONVERTERS``). Shapes must pass ``supports``."""
+    multiple of 64. An 8-bit c_kv (int8 | float8_e4m3fn) comes with ``c_kv_scale`` f32[N, bs, 1]. Shapes
+    must pass ``supports``."""
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K
@@ -353,8 +307,6 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
     if quantized != (c_kv_scale is not None):
         raise ValueError(f"a {jnp.dtype(c_kv.dtype).name} cache takes c_kv_scale "
                          f"{'f32[N, bs, 1]' if quantized else 'None'}")
-    if converter not in CONVERTERS:
-        raise ValueError(f"converter={converter!r} is not one of {CONVERTERS}")
     tiling = lambda dtype: (plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
                             plgpu.SwizzleTransform(128))
     bf16, f32 = jnp.bfloat16, jnp.float32
@@ -362,18 +314,12 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
     # in f16 are exact within its range, as in mla_decode_8bit_mgpu).
     dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn else bf16
     smem = lambda shape, dtype: plgpu.SMEM(shape, dtype, transforms=tiling(dtype))
-    shared_slab = quantized and converter == "compute"
-    # the ring: bf16 slabs (a bf16 cache, or converter "memory"), or 8-bit ones and the converted slab
-    ring = (smem((STAGES, BLOCK_K, LATENT_DIM), c_kv.dtype if shared_slab else dot_dtype),
-            smem((STAGES, BLOCK_K, ROPE_DIM), bf16))
-    if shared_slab:  # 2 x 40 KiB + 64 KiB
-        ring += (smem((BLOCK_K, LATENT_DIM), dot_dtype),)
     scratch = [
         smem((BLOCK_H, LATENT_DIM), dot_dtype),  # q_latent
         smem((BLOCK_H, BLOCK_K), dot_dtype),  # (bf16 cache: before the loop q_pe); then P, warpgroup 0 -> 1
         plgpu.SMEM((2, BLOCK_H), f32),  # in the loop the step's rescale factor (0 -> 1); then m, l
-        plgpu.RefUnion(  # the cache ring; after the loop, the output staging
-            ring,
+        plgpu.RefUnion(  # the ring of 16-bit slabs; after the loop, the output staging
+            (smem((STAGES, BLOCK_K, LATENT_DIM), dot_dtype), smem((STAGES, BLOCK_K, ROPE_DIM), bf16)),
             smem((2, BLOCK_H, _HALF), bf16),
             smem((2, BLOCK_H, _HALF), f32)),
         plgpu.Barrier(num_barriers=STAGES),  # c_kv slab landed
@@ -387,8 +333,6 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
     if quantized:
         scratch += [plgpu.SMEM((STAGES, BLOCK_K), f32),  # the scales' ring
                     plgpu.Barrier(num_barriers=STAGES)]  # scales landed
-    if shared_slab:
-        scratch += [plgpu.Barrier(num_barriers=1)]  # warpgroup 1's half of a slab converted
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, num_heads, latent_dim), bf16)
     else:
@@ -397,8 +341,7 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
                     jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads, latent_dim), f32))
     kernel = functools.partial(
         _kernel, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
-        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_splits=num_splits,
-        converter=converter if quantized else None)
+        tokens_per_split=tokens_per_split, scale_log2e=scale * _LOG2E, num_splits=num_splits, quantized=quantized)
     return plgpu.kernel(
         kernel,
         out_type=out_type,

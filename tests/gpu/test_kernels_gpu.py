@@ -83,7 +83,7 @@ def test_mla_decode_quantized_cache_gpu(kind, groups, paired, heads):
 def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     """The Mosaic GPU kernels over an 8-bit cache (impl="mosaic", and "auto" for int8 and fp8): with few
     heads mla_decode_8bit_mgpu in each of its variants, with many (a multiple of 64) mla_decode_mgpu
-    converting each slab to 16 bits; with one split and with partials."""
+    (its memory warpgroup converting each slab to 16 bits); with one split and with partials."""
     from pallas_kernels.kv_quant import quantize_latent
     from pallas_kernels.mla_decode import mla_decode, mla_decode_reference
 
@@ -97,24 +97,24 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     assert _rel(got, want) < 2e-2
     if heads < 64:  # the latent columns over 1, 2, 4 warpgroups (4 do not fit 32 heads)
         _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, [1, 2] + ([4] if heads == 16 else []))
-    else:  # each converter of the many-head kernel, one split and partials
-        _check_converters(q, q_pe, stored, k_pe, scale, tables, lengths, want)
+    else:  # the many-head kernel, one split and partials
+        _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want)
     auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
     np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
 
 
-def _check_converters(q, q_pe, stored, k_pe, scale, tables, lengths, want):
+def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):
     from pallas_kernels import mla_decode_mgpu
     from pallas_kernels.mla_decode import combine_splits
 
     max_context = tables.shape[1] * stored.shape[1]
-    for converter, splits in itertools.product(mla_decode_mgpu.CONVERTERS, (1, 4)):
+    for splits in (1, 4):
         out = mla_decode_mgpu.mla_decode_mgpu(q, q_pe, stored, k_pe, tables, jnp.arange(len(lengths), dtype=jnp.int32),
                                               lengths, 0.1, num_splits=splits, tokens_per_split=max_context // splits,
-                                              c_kv_scale=scale, converter=converter)
+                                              c_kv_scale=scale)
         if splits > 1:
             out = combine_splits(*out, jnp.float32, splits_axis=1)
-        assert _rel(out, want) < 2e-2, (converter, splits)
+        assert _rel(out, want) < 2e-2, splits
 
 
 def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, compute_wgs):

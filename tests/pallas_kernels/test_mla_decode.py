@@ -172,25 +172,20 @@ def test_mosaic_decode_lowers_for_hopper(num_splits):
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
 
-@pytest.mark.parametrize("kind, num_splits, converter", [("int8", 1, "compute"), ("fp8", 4, "compute"),
-                                                        ("int8", 4, "memory"), ("fp8", 1, "memory")])
-def test_mosaic_decode_lowers_for_hopper_8bit_many_heads(kind, num_splits, converter):
-    """The many-head Mosaic kernel over an 8-bit cache (converter "compute": the converted slab beside the
-    8-bit ring; "memory": 8-bit rows loaded from HBM into registers, a 16-bit ring; the scales' ring,
-    q_pe read into registers) lowers and fits shared memory; numerics in tests/gpu."""
+@pytest.mark.parametrize("kind, num_splits", [("int8", 1), ("fp8", 4)])
+def test_mosaic_decode_lowers_for_hopper_8bit_many_heads(kind, num_splits):
+    """The many-head Mosaic kernel over an 8-bit cache (the memory warpgroup loading 8-bit rows from HBM
+    into registers and converting them into the 16-bit ring, the scales' ring, q_pe read into registers)
+    lowers and fits shared memory; numerics in tests/gpu."""
     from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
 
     args = _8bit_args(kind, heads=128)
     fn = lambda *a: mla_decode_mgpu(*a[:4], *a[5:], 0.07, c_kv_scale=a[4], num_splits=num_splits,
-                                    tokens_per_split=16 * 64 // num_splits, converter=converter)
+                                    tokens_per_split=16 * 64 // num_splits)
     hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match="a int8 cache takes c_kv_scale"):
         jax.eval_shape(lambda *a: mla_decode_mgpu(*a[:4], *a[5:], 0.07, num_splits=1, tokens_per_split=1024),
-                       *_8bit_args("int8", heads=128))
-    with pytest.raises(ValueError, match="converter='tma' is not one of"):
-        jax.eval_shape(lambda *a: mla_decode_mgpu(*a[:4], *a[5:], 0.07, c_kv_scale=a[4], num_splits=1,
-                                                  tokens_per_split=1024, converter="tma"),
                        *_8bit_args("int8", heads=128))
 
 
