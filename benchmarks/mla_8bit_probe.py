@@ -1,8 +1,8 @@
 """Probe of the 8-bit Mosaic GPU decode kernel (pallas_kernels/mla_decode_8bit_mgpu.py) on the H200:
 per-query error against the reference with each part of the scores switched off in turn (latent, rope,
-both) and for each count of compute warpgroups, timings of its (compute warpgroups, stages, chunk,
-splits, scale placement) variants at V2-Lite batch 64 / 4k context,
-and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT). ``--many-heads``
+both) for each count of compute warpgroups with the memory warpgroup converting, timings of (compute
+warpgroups, stages, chunk, splits, scale placement, converter) variants at V2-Lite batch 64 / 4k
+context, and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT). ``--many-heads``
 instead times the many-head kernel (pallas_kernels/mla_decode_mgpu.py) over each cache dtype at
 DeepSeek-V3's 128 heads, batch 128, 2k context.
 
@@ -37,7 +37,7 @@ def paged(rng, batch, heads, lengths, bs=64):
         jnp.asarray(lengths, jnp.int32)
 
 
-def errors(compute_wgs):
+def errors(compute_wgs, converter="compute"):
     """Per-query relative error against the reference, each part of the scores switched off in turn, for
     each count of compute warpgroups in ``compute_wgs`` (the other parts with the first of them)."""
     lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
@@ -49,27 +49,30 @@ def errors(compute_wgs):
         for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
                              ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
             want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-            for dequantize, wgs in [(d, n) for d in (False, True) for n in (compute_wgs if name == "both"
-                                                                            else compute_wgs[:1])]:
+            for dequantize, wgs in [(d, n) for d in ((False, True) if converter == "compute" else (False,))
+                                    for n in (compute_wgs if name == "both" else compute_wgs[:1])]:
                 got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32),
-                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs)
+                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs,
+                                              converter=converter)
                 got = np.asarray(got.swapaxes(1, 2), np.float32)
                 per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}", "per-query rel err",
+                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs} {converter}", "per-query rel err",
                       " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
 
 def timings(inputs, variants):
-    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize) variant."""
+    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize, converter) variant."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
     seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        for wgs, stages, chunk, splits, dequantize in variants:
-            label = f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
-            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize): k8.mla_decode_8bit_mgpu(
-                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4])
+        for wgs, stages, chunk, splits, dequantize, converter in variants:
+            label = (f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize} "
+                     f"converter {converter}")
+            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize, converter): k8.mla_decode_8bit_mgpu(
+                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4],
+                converter=v[5])
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
                 print(f"{label}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
@@ -124,17 +127,16 @@ def main():
     batch, context = 64, 4096
     inputs = (_full_cache(config, batch, context, 64),
               batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers))
-    errors([2, 1, 4])
-    # (compute warpgroups, stages, chunk, splits, dequantize)
-    variants = [(1, 2, 256, 2, False)]  # one compute warpgroup, as the kernel was first built
-    variants += [(2, None, chunk, splits, dequantize) for chunk in (256, 128) for splits in (2, 4)
-                 for dequantize in (False, True)]
-    variants += [(4, None, 128, 2, False)]
-    timings(inputs, variants)
+    # (compute warpgroups, stages, chunk, splits, dequantize, converter); the defaults and one compute
+    # warpgroup first (the column split's chunk / splits / scale sweep: session 21, kv_memory.md)
+    timings(inputs, [(2, None, 128, 2, False, "compute"), (1, None, 128, 2, False, "compute")])
+    # the newest variant last: a hang there loses nothing above
+    errors([2, 1, 4], "memory")
+    timings(inputs, [(wgs, None, 128, splits, False, "memory") for wgs in (1, 2, 4) for splits in (2, 4)])
     (c, kp, qq, qp, tb, ln), _ = inputs
-    stored, scale = quantize_latent(c, "fp8", 1)
+    stored, scale = quantize_latent(c, "int8", 1)
     jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, jnp.arange(batch, dtype=jnp.int32),
-                                                  ln, 0.1, num_splits=4, profile_dir=out))
+                                                  ln, 0.1, num_splits=2, converter="memory", profile_dir=out))
     print("profile written:", os.listdir(out))
 
 

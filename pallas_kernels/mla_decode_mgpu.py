@@ -231,33 +231,13 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
         l = plgpu.load(rows_smem.at[1], layout=plgpu.Layout.WGMMA.reduce(1))
         _write(acc, l, 1)
 
-    def _load_and_convert():
-        """8-bit cache: each step's 8-bit rows from HBM into registers (issued before the slot is free, so
-        their latency overlaps the wait), converted into the 16-bit ring; k_pe and the scales by TMA."""
-        @pl.loop(0, num_steps)
-        def _(i):
-            slot = lax.rem(i, jnp.int32(STAGES))
-            slab = slab_index(tables_ref, seq_id * table_width, start + i * BLOCK_K, slabs_per_page, BLOCK_K)
-            rows = [plgpu.load(ckv_ref.at[slab, :, pl.ds(c * CHUNK, CHUNK)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
-                               optimized=False) for c in range(LATENT_DIM // CHUNK)]
-
-            @pl.when(i >= STAGES)
-            def _():
-                plgpu.barrier_wait(consumed_bars.at[slot])
-
-            plgpu.copy_gmem_to_smem(kpe_ref.at[slab], kpe_smem.at[slot], kpe_bars.at[slot])
-            plgpu.copy_gmem_to_smem(ks_ref.at[slab], ks_smem.at[slot], ks_bars.at[slot])
-            for c, part in enumerate(rows):
-                ckv_smem.at[slot, :, pl.ds(c * CHUNK, CHUNK)][...] = plgpu.layout_cast(part.astype(dot_dtype),
-                                                                                       plgpu.Layout.WGMMA)
-            plgpu.commit_smem()  # before wgmma (the async proxy) reads them
-            plgpu.barrier_arrive(ckv_bars.at[slot])
-
     @pl.when(wg == 2)
     def _memory():
         plgpu.set_max_registers(registers[2], action="decrease")
-        if quantized:
-            return _load_and_convert()
+        if quantized:  # the 8-bit rows into registers, converted into the ring; k_pe and the scales by TMA
+            return convert_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
+                                 ckv_ref, ckv_smem, ckv_bars,
+                                 [(kpe_ref, kpe_smem, kpe_bars), (ks_ref, ks_smem, ks_bars)])
         load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, consumed_bars,
                    [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)])
 
@@ -288,6 +268,34 @@ def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, con
     def _(i):
         plgpu.barrier_wait(consumed_bars.at[lax.rem(i, jnp.int32(stages))])
         load(i)
+
+
+def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, consumed_bars, rows_gmem, ring,
+                  ring_bars, rings, *, stages: int = STAGES, block_k: int = BLOCK_K, chunk: int = CHUNK):
+    """A memory warpgroup's loop over an 8-bit cache: for each of a query's ``num_steps`` slabs (its
+    block-table row at flat offset ``table_row``, from key ``start``), the slab's 8-bit rows of
+    ``rows_gmem`` [pages * slabs_per_page, block_k, C] from HBM into registers (issued before the slot is
+    free, so their latency overlaps the wait for ``consumed_bars``), converted exactly (int8 -> bf16,
+    e4m3 -> f16: ``ring``'s dtype) into slot step % stages of ``ring``, arriving on ``ring_bars``; the
+    ``rings`` beside it (gmem, smem ring, barriers: k_pe, scales) by TMA."""
+    @pl.loop(0, num_steps)
+    def _(i):
+        slot = lax.rem(i, jnp.int32(stages))
+        slab = slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k)
+        rows = [plgpu.load(rows_gmem.at[slab, :, pl.ds(c * chunk, chunk)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
+                           optimized=False) for c in range(ring.shape[-1] // chunk)]
+
+        @pl.when(i >= stages)
+        def _():
+            plgpu.barrier_wait(consumed_bars.at[slot])
+
+        for gmem, smem, bars in rings:
+            plgpu.copy_gmem_to_smem(gmem.at[slab], smem.at[slot], bars.at[slot])
+        for c, part in enumerate(rows):
+            ring.at[slot, :, pl.ds(c * chunk, chunk)][...] = plgpu.layout_cast(part.astype(ring.dtype),
+                                                                              plgpu.Layout.WGMMA)
+        plgpu.commit_smem()  # before wgmma (the async proxy) reads them
+        plgpu.barrier_arrive(ring_bars.at[slot])
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,
