@@ -2,10 +2,9 @@
 
 The semantics are ``mla_paged_reference`` (pallas_kernels/mla_decode.py), restricted to a bf16 or an
 8-bit cache (a scale a token) with pages of a multiple of 64 tokens and a head count that is a multiple
-of 64. At DeepSeek-V3's 128
-heads decode is compute-bound (every 1,152-byte cache token meets 128 heads: 2 x 128 x (576 + 512)
-FLOPs, ~242 FLOPs a byte), so the tensor cores must do the work: the Triton kernel's per-program dots
-reach ~150 TFLOP/s there. Here one CTA owns 64 heads of one query and one context split, and three
+of 64. At DeepSeek-V3's 128 heads decode is compute-bound (every 1,152-byte cache token meets 128
+heads: 2 x 128 x (576 + 512) FLOPs, ~242 FLOPs a byte), so the tensor cores must do the work: the
+Triton kernel's per-program dots reach ~150 TFLOP/s there. Here one CTA owns 64 heads of one query and one context split, and three
 warpgroups share it:
 
 - the memory warpgroup walks the block table and TMA-loads each 64-token slab of the latent cache
