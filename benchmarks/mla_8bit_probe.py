@@ -56,23 +56,24 @@ def errors(compute_wgs, converter="compute"):
                                               converter=converter)
                 got = np.asarray(got.swapaxes(1, 2), np.float32)
                 per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs} {converter}", "per-query rel err",
-                      " ".join(f"{e:.3g}" for e in per_q))
+                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs} {converter}",
+                      "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
 
 def timings(inputs, variants):
-    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize, converter) variant."""
+    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize, converter, prefetch)
+    variant."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
     seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        for wgs, stages, chunk, splits, dequantize, converter in variants:
+        for wgs, stages, chunk, splits, dequantize, converter, prefetch in variants:
             label = (f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize} "
-                     f"converter {converter}")
-            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize, converter): k8.mla_decode_8bit_mgpu(
+                     f"converter {converter} prefetch {prefetch}")
+            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize, converter, prefetch): k8.mla_decode_8bit_mgpu(
                 *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4],
-                converter=v[5])
+                converter=v[5], prefetch=v[6])
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
                 print(f"{label}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
@@ -127,12 +128,13 @@ def main():
     batch, context = 64, 4096
     inputs = (_full_cache(config, batch, context, 64),
               batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers))
-    # (compute warpgroups, stages, chunk, splits, dequantize, converter); the defaults and one compute
-    # warpgroup first (the column split's chunk / splits / scale sweep: session 21, kv_memory.md)
-    timings(inputs, [(2, None, 128, 2, False, "compute"), (1, None, 128, 2, False, "compute")])
+    # (compute warpgroups, stages, chunk, splits, dequantize, converter, prefetch); the defaults and one
+    # compute warpgroup first (the column split's chunk / splits / scale sweep: session 21, kv_memory.md)
+    timings(inputs, [(2, None, 128, 2, False, "compute", False), (1, None, 128, 2, False, "compute", False)])
     # the newest variant last: a hang there loses nothing above
     errors([2, 1, 4], "memory")
-    timings(inputs, [(wgs, None, 128, splits, False, "memory") for wgs in (1, 2, 4) for splits in (2, 4)])
+    timings(inputs, [(wgs, None, 128, splits, False, "memory", False) for wgs in (1, 2, 4) for splits in (2, 4)]
+            + [(wgs, None, 128, splits, False, "memory", True) for wgs in (1, 2) for splits in (2, 4)])
     (c, kp, qq, qp, tb, ln), _ = inputs
     stored, scale = quantize_latent(c, "int8", 1)
     jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, jnp.arange(batch, dtype=jnp.int32),

@@ -4,8 +4,8 @@ The semantics are ``mla_paged_reference`` (pallas_kernels/mla_decode.py), restri
 8-bit cache (a scale a token) with pages of a multiple of 64 tokens and a head count that is a multiple
 of 64. At DeepSeek-V3's 128 heads decode is compute-bound (every 1,152-byte cache token meets 128
 heads: 2 x 128 x (576 + 512) FLOPs, ~242 FLOPs a byte), so the tensor cores must do the work: the
-Triton kernel's per-program dots reach ~150 TFLOP/s there. Here one CTA owns 64 heads of one query and one context split, and three
-warpgroups share it:
+Triton kernel's per-program dots reach ~150 TFLOP/s there. Here one CTA owns 64 heads of one query and
+one context split, and three warpgroups share it:
 
 - the memory warpgroup walks the block table and TMA-loads each 64-token slab of the latent cache
   (c_kv [64, 512] and k_pe [64, 64]) into a two-stage ring;
@@ -270,31 +270,64 @@ def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, con
 
 
 def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, consumed_bars, rows_gmem, ring,
-                  ring_bars, rings, *, stages: int = STAGES, block_k: int = BLOCK_K, chunk: int = CHUNK):
+                  ring_bars, rings, *, stages: int = STAGES, block_k: int = BLOCK_K, chunk: int = CHUNK,
+                  prefetch: bool = False):
     """A memory warpgroup's loop over an 8-bit cache: for each of a query's ``num_steps`` slabs (its
     block-table row at flat offset ``table_row``, from key ``start``), the slab's 8-bit rows of
     ``rows_gmem`` [pages * slabs_per_page, block_k, C] from HBM into registers (issued before the slot is
     free, so their latency overlaps the wait for ``consumed_bars``), converted exactly (int8 -> bf16,
     e4m3 -> f16: ``ring``'s dtype) into slot step % stages of ``ring``, arriving on ``ring_bars``; the
-    ``rings`` beside it (gmem, smem ring, barriers: k_pe, scales) by TMA."""
-    @pl.loop(0, num_steps)
-    def _(i):
+    ``rings`` beside it (gmem, smem ring, barriers: k_pe, scales) by TMA. ``prefetch``: the next step's
+    rows are loaded before this step's are converted (twice the registers: 128 a thread for C = 512), so
+    their latency also overlaps a conversion; the load past the last step reads a clamped, valid row."""
+    num_chunks = ring.shape[-1] // chunk
+
+    def slab_of(i, clamp: bool = False):
+        if not clamp:
+            return slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k)
+        entry = jnp.clip(table_row + lax.div(start + i * block_k, jnp.int32(slabs_per_page * block_k)), 0,
+                         tables_ref.shape[0] - 1)
+        slab = tables_ref[entry] * slabs_per_page + lax.rem(lax.div(start + i * block_k, jnp.int32(block_k)),
+                                                            jnp.int32(slabs_per_page))
+        return jnp.clip(slab, 0, rows_gmem.shape[0] - 1)
+
+    def load_rows(slab):
+        return [plgpu.load(rows_gmem.at[slab, :, pl.ds(c * chunk, chunk)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
+                           optimized=False) for c in range(num_chunks)]
+
+    def step(i, slab, rows):
         slot = lax.rem(i, jnp.int32(stages))
-        slab = slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k)
-        rows = [plgpu.load(rows_gmem.at[slab, :, pl.ds(c * chunk, chunk)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
-                           optimized=False) for c in range(ring.shape[-1] // chunk)]
 
         @pl.when(i >= stages)
         def _():
-            plgpu.barrier_wait(consumed_bars.at[slot])
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(consumed_bars.at[slot])
 
         for gmem, smem, bars in rings:
             plgpu.copy_gmem_to_smem(gmem.at[slab], smem.at[slot], bars.at[slot])
-        for c, part in enumerate(rows):
-            ring.at[slot, :, pl.ds(c * chunk, chunk)][...] = plgpu.layout_cast(part.astype(ring.dtype),
-                                                                              plgpu.Layout.WGMMA)
-        plgpu.commit_smem()  # before wgmma (the async proxy) reads them
+        with jax.named_scope("convert"):
+            for c, part in enumerate(rows):
+                ring.at[slot, :, pl.ds(c * chunk, chunk)][...] = plgpu.layout_cast(part.astype(ring.dtype),
+                                                                                  plgpu.Layout.WGMMA)
+            plgpu.commit_smem()  # before wgmma (the async proxy) reads them
         plgpu.barrier_arrive(ring_bars.at[slot])
+
+    if not prefetch:
+        @pl.loop(0, num_steps)
+        def _(i):
+            slab = slab_of(i)
+            step(i, slab, load_rows(slab))
+        return
+
+    def body(i, carry):
+        slab, rows = carry[0], carry[1:]
+        following = slab_of(i + 1, clamp=True)
+        upcoming = load_rows(following)  # in flight while this step's rows are converted
+        step(i, slab, rows)
+        return (following, *upcoming)
+
+    first = slab_of(jnp.int32(0), clamp=True)
+    lax.fori_loop(0, num_steps, body, (first, *load_rows(first)))
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,

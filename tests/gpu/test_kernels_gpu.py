@@ -119,30 +119,30 @@ def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):
 
 
 def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, variants):
-    """The 8-bit Mosaic kernel with each (compute warpgroups, converter) against the reference: both
-    places for the scale where the converter allows them, with one split and (the default scale
+    """The 8-bit Mosaic kernel with each (compute warpgroups, converter[, prefetch]) against the reference:
+    both places for the scale where the converter allows them, with one split and (the default scale
     placement) with split partials."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    for dequantize, (wgs, converter) in itertools.product((False, True), variants):
+    for dequantize, (wgs, converter, *prefetch) in itertools.product((False, True), variants):
         if dequantize and converter == "memory":
             continue  # its rows are converted without their scale
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
                                        lengths, 0.1, num_splits=splits, dequantize=dequantize,
-                                       compute_wgs=wgs, converter=converter)
+                                       compute_wgs=wgs, converter=converter, prefetch=bool(prefetch and prefetch[0]))
             if splits > 1:
                 m, l, acc = out
                 out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
-            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, converter, splits)
+            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, converter, prefetch, splits)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("heads, block_size", [(16, 64), (16, 128), (32, 64)])
 def test_mla_decode_8bit_mosaic_memory_converter_gpu(kind, heads, block_size):
     """converter="memory": the memory warpgroup converting the 8-bit rows from HBM into a ring of 16-bit
-    slabs (its own test, so `-k "not converter"` leaves it out should it hang)."""
+    slabs, without and with prefetch (its own test, so `-k "not converter"` leaves it out should it hang)."""
     from pallas_kernels.kv_quant import quantize_latent
     from pallas_kernels.mla_decode import mla_decode_reference
 
@@ -152,7 +152,8 @@ def test_mla_decode_8bit_mosaic_memory_converter_gpu(kind, heads, block_size):
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want,
-                         [(1, "memory"), (2, "memory")] + ([(4, "memory")] if heads == 16 else []))
+                         [(1, "memory"), (2, "memory"), (2, "memory", True), (1, "memory", True)]
+                         + ([(4, "memory")] if heads == 16 else []))
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
