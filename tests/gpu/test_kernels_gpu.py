@@ -97,7 +97,7 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     assert _rel(got, want) < 2e-2
     if heads < 64:  # the latent columns over 1, 2, 4 warpgroups (4 do not fit 32 heads)
         _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want,
-                             [(1, "compute"), (2, "compute")] + ([(4, "compute")] if heads == 16 else []))
+                             [(n, "compute", False) for n in ((1, 2, 4) if heads == 16 else (1, 2))])
     else:  # the many-head kernel, one split and partials
         _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want)
     auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
@@ -105,6 +105,7 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
 
 
 def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):
+    """mla_decode_mgpu over the 8-bit cache against the reference, with one split and with partials."""
     from pallas_kernels import mla_decode_mgpu
     from pallas_kernels.mla_decode import combine_splits
 
@@ -119,19 +120,19 @@ def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):
 
 
 def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, variants):
-    """The 8-bit Mosaic kernel with each (compute warpgroups, converter[, prefetch]) against the reference:
+    """The 8-bit Mosaic kernel with each (compute warpgroups, converter, prefetch) against the reference:
     both places for the scale where the converter allows them, with one split and (the default scale
     placement) with split partials."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    for dequantize, (wgs, converter, *prefetch) in itertools.product((False, True), variants):
+    for dequantize, (wgs, converter, prefetch) in itertools.product((False, True), variants):
         if dequantize and converter == "memory":
             continue  # its rows are converted without their scale
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
                                        lengths, 0.1, num_splits=splits, dequantize=dequantize,
-                                       compute_wgs=wgs, converter=converter, prefetch=bool(prefetch and prefetch[0]))
+                                       compute_wgs=wgs, converter=converter, prefetch=prefetch)
             if splits > 1:
                 m, l, acc = out
                 out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
@@ -152,8 +153,8 @@ def test_mla_decode_8bit_mosaic_memory_converter_gpu(kind, heads, block_size):
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want,
-                         [(1, "memory"), (2, "memory"), (2, "memory", True), (1, "memory", True)]
-                         + ([(4, "memory")] if heads == 16 else []))
+                         [(n, "memory", False) for n in ((1, 2, 4) if heads == 16 else (1, 2))]
+                         + [(n, "memory", True) for n in (1, 2)])
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
