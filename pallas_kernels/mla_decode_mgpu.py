@@ -30,11 +30,11 @@ q . (stored x scale) = (q . stored) x scale with the rope part added unscaled, a
 for the values. q_pe comes from HBM straight into registers (P's buffer holds the dots' type, not bf16).
 
 Measured on the H200 (DeepSeek-V3 shape, 128 heads, batch 128, 2k context; ``python -m
-benchmarks.mla_8bit_probe --many-heads``, 2026-12-01): int8 315 us, fp8 305 us, bf16 rows 186 us.
-The compute warpgroups converting instead (each its half of the columns, into one shared 16-bit slab
-beside an 8-bit ring: two converted slabs do not fit beside the queries) took 403 / 400 us in the same
-call (384 / 378 in ``kvquant.json``), the conversion between one step's value products and the next
-step's scores; the Triton kernel's byte pairs take 517 / 583 us.
+benchmarks.mla_8bit_probe --many-heads``, 2026-12-01, ``benchmarks/results/mla8_many_h200.txt``):
+int8 315 us, fp8 305 us, bf16 rows 186 us. The compute warpgroups converting instead (each its half of
+the columns, into one shared 16-bit slab beside an 8-bit ring: two converted slabs do not fit beside the
+queries) took 403 / 400 us in the same call (384 / 378 in ``kvquant.json``), the conversion between one
+step's value products and the next step's scores; the Triton kernel's byte pairs take 517 / 583 us.
 """
 
 from __future__ import annotations
