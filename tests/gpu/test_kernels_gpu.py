@@ -158,18 +158,20 @@ def test_mla_decode_8bit_mosaic_memory_converter_gpu(kind, heads, block_size):
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
-def test_mla_paged_8bit_mosaic_layer_pages_and_padding_gpu(kind, impl):
-    """The engine's call: several queries of one sequence, a padding query (-1), layer-local page ids."""
+@pytest.mark.parametrize("heads", [16, 128])
+def test_mla_paged_8bit_mosaic_layer_pages_and_padding_gpu(kind, impl, heads):
+    """The engine's call: several queries of one sequence, a padding query (-1), layer-local page ids
+    (16 heads: mla_decode_8bit_mgpu; 128: mla_decode_mgpu)."""
     from pallas_kernels.kv_quant import quantize_latent
     from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
 
     rng = np.random.default_rng(11)
-    _, _, c_kv, k_pe, tables, _ = _paged(rng, 3, 16, [300, 64, 1000])
+    _, _, c_kv, k_pe, tables, _ = _paged(rng, 3, heads, [300, 64, 1000])
     layer_pages = c_kv.shape[0] // 2
     seq_ids = jnp.asarray([0, 0, 2, 1, 2, 1], jnp.int32)
     positions = jnp.asarray([0, 299, 999, 63, 511, -1], jnp.int32)
-    q = jnp.asarray(rng.standard_normal((6, 16, 512)), jnp.bfloat16)
-    q_pe = jnp.asarray(rng.standard_normal((6, 16, 64)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((6, heads, 512)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((6, heads, 64)), jnp.bfloat16)
     stored, scale = quantize_latent(c_kv, kind, 1)
     local = jnp.where(tables >= layer_pages, tables - layer_pages, tables)  # layer 1 reads pages + layer_pages
     on_layer1 = local + layer_pages
