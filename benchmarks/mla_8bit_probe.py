@@ -134,7 +134,7 @@ def main():
     # the newest variant last: a hang there loses nothing above
     errors([2, 1, 4], "memory")
     timings(inputs, [(wgs, None, 128, splits, False, "memory", False) for wgs in (1, 2, 4) for splits in (2, 4)]
-            + [(wgs, None, 128, splits, False, "memory", True) for wgs in (1, 2) for splits in (2, 4)])
+            + [(wgs, None, 128, splits, False, "memory", True) for wgs in (1, 2, 4) for splits in (2, 4)])
     (c, kp, qq, qp, tb, ln), _ = inputs
     stored, scale = quantize_latent(c, "int8", 1)
     jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, jnp.arange(batch, dtype=jnp.int32),

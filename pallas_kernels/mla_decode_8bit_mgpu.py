@@ -39,9 +39,9 @@ partials (m, l [T, S, H], acc [T, S, 512, H]); ``mla_decode`` transposes and mer
 warpgroup loads each slab's 8-bit rows from HBM into registers, converts them into a ring of 16-bit
 slabs (2 stages, 72 KiB each with k_pe and the scales) and TMA-loads k_pe and the scales; the compute
 warpgroups read the keys for both products from shared memory (A of the scores too) and keep the scale
-on the scores. ``prefetch`` loads the next slab's rows before converting this one's, so HBM latency
-overlaps a conversion too (168 registers for the memory warpgroup; 1 or 2 compute warpgroups). Built and
-lowered on CPU, not yet run on the GPU (``benchmarks/mla_8bit_probe.py`` runs it last).
+on the scores. ``prefetch`` has the memory warpgroup load the next slab's rows chunk by chunk as it
+converts this one's, so HBM latency overlaps a conversion too (same registers). Built and lowered on CPU,
+not yet run on the GPU (``benchmarks/mla_8bit_probe.py`` runs it last).
 
 Splitting the context instead (warpgroup w taking steps w, w + 2, ..., every column of them, with a
 converted slab and an online-softmax state of its own, merged at the end; k_pe read from HBM into
@@ -92,11 +92,10 @@ _SMEM_SLACK = 4096  # alignment of the swizzled buffers, barriers
 # warpgroup's; with 4, 112 (what the arithmetic allows) hung on the H200 in setmaxnreg, 104 runs.
 _COMPUTE_REGISTERS = {1: 232, 2: 232, 4: 104}
 _MEMORY_REGISTERS = 40  # a thread of the memory warpgroup (it only issues TMA copies)
-# converter "memory": the memory warpgroup holds a slab's 8-bit rows (64 registers a thread; two slabs' with
-# prefetch) and the compute warpgroups share what is left (a CTA starts at 248 / 168 / 96 a thread with
-# 1 / 2 / 4 of them), by prefetch.
-_CONVERTING_REGISTERS = {False: 112, True: 168}
-_COMPUTE_REGISTERS_BESIDE_CONVERTER = {False: {1: 232, 2: 192, 4: 88}, True: {1: 232, 2: 168}}
+# converter "memory": the memory warpgroup holds a slab's 8-bit rows (64 registers a thread) and the compute
+# warpgroups share what is left (a CTA starts at 248 / 168 / 96 a thread with 1 / 2 / 4 of them).
+_CONVERTING_REGISTERS = 112
+_COMPUTE_REGISTERS_BESIDE_CONVERTER = {1: 232, 2: 192, 4: 88}
 _PROFILE_EVENTS = 384  # a warpgroup's trace events with profile_dir (~12 KiB of shared memory each): 16 steps
 _REDUCE_SCRATCH = 512  # f32 a compute warpgroup's cross-warp reductions go through (Mosaic GPU's default)
 LATENT_DIM = 512
@@ -199,8 +198,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         own = pl.ds(first, width)
         rope = w == compute_wgs - 1
         reduce_smem = sm["reduce"][w]
-        registers = (_COMPUTE_REGISTERS_BESIDE_CONVERTER[prefetch] if converted_ring
-                     else _COMPUTE_REGISTERS)[compute_wgs]
+        registers = (_COMPUTE_REGISTERS_BESIDE_CONVERTER if converted_ring else _COMPUTE_REGISTERS)[compute_wgs]
         plgpu.set_max_registers(registers, action="increase")
         if w == 0:
             plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
@@ -312,8 +310,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 
     @pl.when(wg == compute_wgs)
     def _memory():
-        plgpu.set_max_registers(_CONVERTING_REGISTERS[prefetch] if converted_ring else _MEMORY_REGISTERS,
-                                action="decrease")
+        plgpu.set_max_registers(_CONVERTING_REGISTERS if converted_ring else _MEMORY_REGISTERS, action="decrease")
         rings = [(ks_ref, ks_smem, sm["ks_bars"]), (kpe_ref, sm["kpe"], sm["kpe_bars"])]
         if converted_ring:
             return convert_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page,
@@ -338,8 +335,8 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     score accumulator) rather than to the scores and probabilities (None: per ``DEQUANTIZE``);
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``converter``: who turns the 8-bit rows into 16 bits (``CONVERTERS``; "memory" keeps the scale on the
-    scores: ``dequantize`` False); ``prefetch`` (converter "memory", 1 or 2 compute warpgroups): the
-    memory warpgroup loads the next slab's rows before converting this one's (``convert_slabs``);
+    scores: ``dequantize`` False); ``prefetch`` (converter "memory"): the memory warpgroup loads the next
+    slab's rows as it converts this one's (``convert_slabs``);
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON)."""
     if converter not in CONVERTERS:
@@ -348,9 +345,8 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name] and converter == "compute"
     if dequantize and converter == "memory":
         raise ValueError("dequantize=True converts the rows with their scale: converter='compute' only")
-    if prefetch and (converter != "memory" or compute_wgs not in _COMPUTE_REGISTERS_BESIDE_CONVERTER[True]):
-        raise ValueError(f"prefetch=True takes converter='memory' and compute_wgs 1 or 2 (the registers of two "
-                         f"slabs' rows); got converter={converter!r}, compute_wgs={compute_wgs}")
+    if prefetch and converter != "memory":
+        raise ValueError(f"prefetch=True takes converter='memory' (got {converter!r})")
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K

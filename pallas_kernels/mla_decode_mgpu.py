@@ -277,9 +277,10 @@ def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, 
     ``rows_gmem`` [pages * slabs_per_page, block_k, C] from HBM into registers (issued before the slot is
     free, so their latency overlaps the wait for ``consumed_bars``), converted exactly (int8 -> bf16,
     e4m3 -> f16: ``ring``'s dtype) into slot step % stages of ``ring``, arriving on ``ring_bars``; the
-    ``rings`` beside it (gmem, smem ring, barriers: k_pe, scales) by TMA. ``prefetch``: the next step's
-    rows are loaded before this step's are converted (twice the registers: 128 a thread for C = 512), so
-    their latency also overlaps a conversion; the load past the last step reads a clamped, valid row."""
+    ``rings`` beside it (gmem, smem ring, barriers: k_pe, scales) by TMA. ``prefetch``: as each chunk of
+    a step's rows is converted, the next step's chunk is loaded into its registers (no more registers),
+    so their latency overlaps this step's conversion too; the load past the last step reads a clamped,
+    valid row."""
     num_chunks = ring.shape[-1] // chunk
 
     def slab_of(i, clamp: bool = False):
@@ -291,11 +292,13 @@ def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, 
                                                             jnp.int32(slabs_per_page))
         return jnp.clip(slab, 0, rows_gmem.shape[0] - 1)
 
-    def load_rows(slab):
-        return [plgpu.load(rows_gmem.at[slab, :, pl.ds(c * chunk, chunk)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
-                           optimized=False) for c in range(num_chunks)]
+    def load_rows(slab, c):  # chunk c of a slab's 8-bit rows, in the layout that upcasts to wgmma's
+        return plgpu.load(rows_gmem.at[slab, :, pl.ds(c * chunk, chunk)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
+                          optimized=False)
 
-    def step(i, slab, rows):
+    def step(i, slab, rows, following=None):
+        """Step i's rows into the ring; with ``following`` (prefetch) returns that slab's rows, loaded
+        chunk by chunk as this step's chunks are converted."""
         slot = lax.rem(i, jnp.int32(stages))
 
         @pl.when(i >= stages)
@@ -305,29 +308,31 @@ def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, 
 
         for gmem, smem, bars in rings:
             plgpu.copy_gmem_to_smem(gmem.at[slab], smem.at[slot], bars.at[slot])
+        upcoming = []
         with jax.named_scope("convert"):
             for c, part in enumerate(rows):
                 ring.at[slot, :, pl.ds(c * chunk, chunk)][...] = plgpu.layout_cast(part.astype(ring.dtype),
                                                                                   plgpu.Layout.WGMMA)
+                if following is not None:
+                    upcoming.append(load_rows(following, c))
             plgpu.commit_smem()  # before wgmma (the async proxy) reads them
         plgpu.barrier_arrive(ring_bars.at[slot])
+        return upcoming
 
     if not prefetch:
         @pl.loop(0, num_steps)
         def _(i):
             slab = slab_of(i)
-            step(i, slab, load_rows(slab))
+            step(i, slab, [load_rows(slab, c) for c in range(num_chunks)])
         return
 
     def body(i, carry):
         slab, rows = carry[0], carry[1:]
         following = slab_of(i + 1, clamp=True)
-        upcoming = load_rows(following)  # in flight while this step's rows are converted
-        step(i, slab, rows)
-        return (following, *upcoming)
+        return (following, *step(i, slab, rows, following))
 
     first = slab_of(jnp.int32(0), clamp=True)
-    lax.fori_loop(0, num_steps, body, (first, *load_rows(first)))
+    lax.fori_loop(0, num_steps, body, (first, *[load_rows(first, c) for c in range(num_chunks)]))
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,

@@ -153,8 +153,8 @@ def test_mla_decode_8bit_mosaic_memory_converter_gpu(kind, heads, block_size):
     f32 = lambda a: a.astype(jnp.float32)
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want,
-                         [(n, "memory", False) for n in ((1, 2, 4) if heads == 16 else (1, 2))]
-                         + [(n, "memory", True) for n in (1, 2)])
+                         [(n, "memory", prefetch) for n in ((1, 2, 4) if heads == 16 else (1, 2))
+                          for prefetch in (False, True)])
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
