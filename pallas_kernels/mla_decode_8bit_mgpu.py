@@ -76,7 +76,7 @@ from pallas_kernels.common import why_not_hopper
 from pallas_kernels.mla_decode_mgpu import convert_slabs, load_slabs
 
 BLOCK_K = 64  # cache tokens a slab: wgmma's M
-MAX_STAGES = 4  # slabs in flight (40.25 KiB each), as many as fit beside the converted slab (64 KiB)
+MAX_STAGES = 4  # slabs in flight (40.25 KiB each; converter "memory": 72.25), as many as fit
 CHUNK = 128  # latent columns converted and multiplied at a time (16 registers a thread of A)
 COMPUTE_WGS = 2  # compute warpgroups
 # Who converts the 8-bit rows: "compute" (each compute warpgroup its columns, from an 8-bit ring in shared
@@ -369,8 +369,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         stages = max([n for n in range(1, MAX_STAGES + 1) if need(n) <= SMEM_BYTES], default=1)
     if need(stages) > SMEM_BYTES:
         raise ValueError(f"stages={stages} with compute_wgs={compute_wgs}, converter={converter!r} and {num_heads} "
-                         f"heads needs "
-                         f"{need(stages)} bytes of shared memory, more than the {SMEM_BYTES} a block has")
+                         f"heads needs {need(stages)} bytes of shared memory, more than the {SMEM_BYTES} a block has")
     converted_ring = converter == "memory"
     # (scratch by name: the keys' sorted order, a pytree's, is the order shared memory is laid out in)
     sm = dict(
