@@ -4,7 +4,7 @@ both) for each count of compute warpgroups with the memory warpgroup converting,
 warpgroups, stages, chunk, splits, scale placement, converter) variants at V2-Lite batch 64 / 4k
 context, and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT). ``--many-heads``
 instead times the many-head kernel (pallas_kernels/mla_decode_mgpu.py) over each cache dtype at
-DeepSeek-V3's 128 heads, batch 128, 2k context.
+DeepSeek-V3's 128 heads, batch 128, 2k context, and traces it over a bf16 and an int8 cache.
 
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
@@ -117,6 +117,16 @@ def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
     print(table)
     print("wrote", write_result("mla8_many_heads", {**environment(), "rows": rows, "table": table},
                                 os.environ.get("OUT", "benchmarks/results")))
+    out = os.environ.get("OUT", "/tmp")
+    for kind in ("bfloat16", "int8"):  # each warpgroup's named scopes, a few steps (Perfetto JSONs in $OUT)
+        cache, scale = (c.astype(jnp.bfloat16), None) if kind == "bfloat16" else quantize_latent(c, kind, 1)
+        try:
+            jax.block_until_ready(mla_decode_mgpu.mla_decode_mgpu(
+                qq, qp, cache, kp, tb, seq_ids, ln, 0.1, num_splits=num_splits, tokens_per_split=tokens_per_split,
+                c_kv_scale=scale, profile_dir=os.path.join(out, f"trace_many_heads_{kind}")))
+            print("profile written:", kind)
+        except Exception as e:
+            print(f"{kind} trace failed {type(e).__name__}: {e}"[:300])
 
 
 def main():

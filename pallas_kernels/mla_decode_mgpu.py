@@ -62,6 +62,7 @@ CHUNK = 128  # 8-bit caches: latent columns loaded and converted at a time
 # is 8-bit: at most 504 together (a CTA of 384 threads starts at 168 each); the memory warpgroup that
 # converts holds a slab's 8-bit rows.
 _REGISTERS = {False: (232, 232, 40), True: (232, 160, 112)}
+_PROFILE_EVENTS = 128  # words of a warpgroup's trace with profile_dir (an event is 2, warpgroup 0 makes 8 a step)
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -158,10 +159,11 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
         def step(i, carry):
             acc, m, l = carry
             slot = lax.rem(i, jnp.int32(STAGES))
-            plgpu.barrier_wait(ckv_bars.at[slot])  # the slab landed (8-bit: converted)
-            if quantized:
-                plgpu.barrier_wait(ks_bars.at[slot])
-            plgpu.barrier_wait(kpe_bars.at[slot])
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(ckv_bars.at[slot])  # the slab landed (8-bit: converted)
+                if quantized:
+                    plgpu.barrier_wait(ks_bars.at[slot])
+                plgpu.barrier_wait(kpe_bars.at[slot])
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, ckv_smem.at[slot].transpose((1, 0)))
@@ -175,30 +177,33 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
             def rope(acc_ref):
                 plgpu.wgmma(acc_ref, q_pe, kpe_smem.at[slot].transpose((1, 0)))
 
-            if quantized:  # q . (stored x scale) = (q . stored) x scale, the rope part added unscaled
-                kscale = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-                kscale = lax.broadcast_in_dim(kscale, (BLOCK_H, BLOCK_K), [1])
-                s = pl.run_scoped(latent, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32)) * kscale
-                s = pl.run_state(rope)(plgpu.ACC.init(s))
-            else:
-                s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
-            cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(cols < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
-            m_new = jnp.maximum(m, s.max(axis=1))
-            alpha = jnp.exp2(m - m_new)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            p16 = (p * kscale if quantized else p).astype(dot_dtype)  # P x the tokens' scales: the values'
+            with jax.named_scope("scores"):
+                if quantized:  # q . (stored x scale) = (q . stored) x scale, the rope part added unscaled
+                    kscale = plgpu.load(ks_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+                    kscale = lax.broadcast_in_dim(kscale, (BLOCK_H, BLOCK_K), [1])
+                    s = pl.run_scoped(latent, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32)) * kscale
+                    s = pl.run_state(rope)(plgpu.ACC.init(s))
+                else:
+                    s = pl.run_scoped(qk, plgpu.ACC((BLOCK_H, BLOCK_K), jnp.float32))
+            with jax.named_scope("softmax"):
+                cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK_H, BLOCK_K), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(cols < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1))
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                p16 = (p * kscale if quantized else p).astype(dot_dtype)  # P x the tokens' scales: the values'
 
-            @pl.when(i > 0)
-            def _():  # warpgroup 1 is done with the previous P
-                plgpu.barrier_wait(p_free)
+                @pl.when(i > 0)
+                def _():  # warpgroup 1 is done with the previous P
+                    plgpu.barrier_wait(p_free)
 
-            p_smem[...] = p16
-            rows_smem.at[0][...] = alpha
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(p_ready)
-            acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p16, slot, 0)
+                p_smem[...] = p16
+                rows_smem.at[0][...] = alpha
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(p_ready)
+            with jax.named_scope("values"):
+                acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p16, slot, 0)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc, m_new, l
 
@@ -216,10 +221,12 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
 
         def step(i, acc):
             slot = lax.rem(i, jnp.int32(STAGES))
-            plgpu.barrier_wait(ckv_bars.at[slot])
-            plgpu.barrier_wait(p_ready)
+            with jax.named_scope("wait"):
+                plgpu.barrier_wait(ckv_bars.at[slot])
+                plgpu.barrier_wait(p_ready)
             alpha = plgpu.load(rows_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(1))
-            acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem, slot, 1)
+            with jax.named_scope("values"):
+                acc = pv(acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), p_smem, slot, 1)
             plgpu.barrier_arrive(p_free)
             plgpu.barrier_arrive(consumed_bars.at[slot])
             return acc
@@ -336,13 +343,15 @@ def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, 
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,
-                    tokens_per_split: int, c_kv_scale=None, interpret: bool = False):
+                    tokens_per_split: int, c_kv_scale=None, profile_dir: str | None = None,
+                    interpret: bool = False):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512], k_pe [N, bs, 64] (bf16),
     block_tables i32[S, W], seq_ids i32[T], lengths i32[T] (keys 0..length-1 attended) ->
     with one split the output [T, H, 512] bf16; else partials (m f32[T, splits, H] in log2 units,
     l f32[T, splits, H], acc f32[T, splits, H, 512]) for ``combine_splits``. ``tokens_per_split`` is a
     multiple of 64. An 8-bit c_kv (int8 | float8_e4m3fn) comes with ``c_kv_scale`` f32[N, bs, 1]. Shapes
-    must pass ``supports``."""
+    must pass ``supports``. ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the
+    kernel's named scopes (a Perfetto JSON)."""
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K
@@ -395,7 +404,9 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
         grid_names=("h", "s", "t"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
         interpret=interpret,
     )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
       c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
