@@ -31,9 +31,8 @@ from benchmarks.common import device_time_us, environment, markdown_table, write
 from dsjax import EngineConfig, SamplingParams, load_model, load_tokenizer
 from dsjax.engine.llm_engine import LLMEngine
 from dsjax.model.paged import PagedBatch, PagedKVCache
-from pallas_kernels import mla_decode_8bit_mgpu, mla_decode_mgpu
 from pallas_kernels.kv_quant import num_scale_groups, quantize_latent
-from pallas_kernels.mla_decode import mla_decode, mla_paged
+from pallas_kernels.mla_decode import mla_decode, mla_paged, mosaic_why_not
 
 FORMATS = [("auto", None), ("int8", None), ("fp8", None), ("fp8", 128)]  # (kv_cache_dtype, group size)
 COPY_TBS = 4.27  # measured H200 device-to-device copy
@@ -254,9 +253,8 @@ def kernel_bandwidth(config, batch: int, context: int, block_size: int = 64) -> 
         if kind != "auto":
             variants += [(", triton bytes", dict(impl="triton", paired=False)),
                          (", triton byte pairs", dict(impl="triton", paired=True))]
-            mosaic = mla_decode_mgpu if heads % mla_decode_mgpu.BLOCK_H == 0 else mla_decode_8bit_mgpu
-            if mosaic.supports(heads, latent, config.qk_rope_head_dim, block_size, cache.dtype,
-                               num_scale_groups(latent, group)) is None:
+            if mosaic_why_not(heads, latent, config.qk_rope_head_dim, block_size, cache.dtype,
+                              num_scale_groups(latent, group)) is None:
                 variants.append((", mosaic", dict(impl="mosaic")))
         for name, options in variants:
             fn = lambda q, qp, c, kp, t, n, s, o=options: mla_decode(q, qp, c, kp, t, n, 0.1, c_kv_scale=s, **o)

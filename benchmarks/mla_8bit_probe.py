@@ -89,15 +89,13 @@ def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
     c, kp, qq, qp, tb, ln = _full_cache(config, batch, context, 64)
     seq_ids = jnp.arange(batch, dtype=jnp.int32)
     tokens_per_split = context // num_splits
+    caches = {kind: quantize_latent(c, kind, 1) for kind in ("int8", "fp8")}
+    caches = {"bfloat16": (c.astype(jnp.bfloat16), None), **caches}
+    fn = lambda q, qpe, ckv, s, profile_dir=None: mla_decode_mgpu.mla_decode_mgpu(
+        q, qpe, ckv, kp, tb, seq_ids, ln, 0.1, num_splits=num_splits, tokens_per_split=tokens_per_split,
+        c_kv_scale=s, profile_dir=profile_dir)
     rows = []
-    for kind in ("bfloat16", "int8", "fp8"):
-        if kind == "bfloat16":
-            cache, scale = c.astype(jnp.bfloat16), None
-        else:
-            cache, scale = quantize_latent(c, kind, 1)
-        fn = lambda q, qpe, ckv, s: mla_decode_mgpu.mla_decode_mgpu(
-            q, qpe, ckv, kp, tb, seq_ids, ln, 0.1, num_splits=num_splits, tokens_per_split=tokens_per_split,
-            c_kv_scale=s)
+    for kind, (cache, scale) in caches.items():
         label = f"{kind} heads {qq.shape[1]} batch {batch} context {context} splits {num_splits}"
         try:
             got = fn(qq, qp, cache, scale)
@@ -119,11 +117,8 @@ def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
                                 os.environ.get("OUT", "benchmarks/results")))
     out = os.environ.get("OUT", "/tmp")
     for kind in ("bfloat16", "int8"):  # each warpgroup's named scopes, a few steps (Perfetto JSONs in $OUT)
-        cache, scale = (c.astype(jnp.bfloat16), None) if kind == "bfloat16" else quantize_latent(c, kind, 1)
         try:
-            jax.block_until_ready(mla_decode_mgpu.mla_decode_mgpu(
-                qq, qp, cache, kp, tb, seq_ids, ln, 0.1, num_splits=num_splits, tokens_per_split=tokens_per_split,
-                c_kv_scale=scale, profile_dir=os.path.join(out, f"trace_many_heads_{kind}")))
+            jax.block_until_ready(fn(qq, qp, *caches[kind], profile_dir=os.path.join(out, f"trace_many_heads_{kind}")))
             print("profile written:", kind)
         except Exception as e:
             print(f"{kind} trace failed {type(e).__name__}: {e}"[:300])

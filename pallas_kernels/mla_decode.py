@@ -369,12 +369,8 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         why_not = "two pools"
     elif quantized and q_latent.dtype != jnp.bfloat16:
         why_not = f"{jnp.dtype(q_latent.dtype).name} queries (its dots take bf16)"
-    elif quantized and num_heads % mla_decode_mgpu.BLOCK_H:  # few heads: the kernel with heads on wgmma's N
-        why_not = mla_decode_8bit_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype, num_groups)
-    elif quantized:
-        why_not = mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype, num_groups)
     else:
-        why_not = mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype)
+        why_not = mosaic_why_not(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype, num_groups)
     if impl == "mosaic" and why_not:
         raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
     # "auto" takes a Mosaic kernel where it runs and beats the Triton one: bf16 caches, 8-bit ones with
@@ -474,6 +470,16 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
 
     m, l, acc = partials
     return combine_splits(m, l, acc, q_latent.dtype, splits_axis=2, num_heads=num_heads, interpret=interpret)
+
+
+def mosaic_why_not(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, cache_dtype,
+                    num_groups: int = 1) -> str | None:
+    """None when a Mosaic GPU kernel runs a one-pool cache of these shapes (``mla_decode_mgpu`` for bf16
+    caches and heads a multiple of 64, ``mla_decode_8bit_mgpu`` for 8-bit caches with fewer heads), else
+    why not."""
+    if jnp.dtype(cache_dtype).itemsize == 1 and num_heads % mla_decode_mgpu.BLOCK_H:
+        return mla_decode_8bit_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, cache_dtype, num_groups)
+    return mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, cache_dtype, num_groups)
 
 
 def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *, num_splits,

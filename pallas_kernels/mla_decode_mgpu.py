@@ -248,11 +248,15 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
                    [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)])
 
 
-def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int):
+def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int, *, num_rows: int | None = None):
     """Row of a cache viewed as [pages * slabs_per_page, block_k, ...] that holds key ``token`` of the
-    block-table row starting at flat offset ``entry_base``."""
+    block-table row starting at flat offset ``entry_base``. With ``num_rows`` (the view's rows) the table
+    read and the row are clamped into range, for reads past a context whose data are never used."""
     entry = entry_base + lax.div(token, jnp.int32(slabs_per_page * block_k))
-    return tables_ref[entry] * slabs_per_page + lax.rem(lax.div(token, jnp.int32(block_k)), jnp.int32(slabs_per_page))
+    if num_rows is not None:
+        entry = jnp.clip(entry, 0, tables_ref.shape[0] - 1)
+    row = tables_ref[entry] * slabs_per_page + lax.rem(lax.div(token, jnp.int32(block_k)), jnp.int32(slabs_per_page))
+    return row if num_rows is None else jnp.clip(row, 0, num_rows - 1)
 
 
 def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, consumed_bars, rings, *,
@@ -291,13 +295,8 @@ def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, 
     num_chunks = ring.shape[-1] // chunk
 
     def slab_of(i, clamp: bool = False):
-        if not clamp:
-            return slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k)
-        entry = jnp.clip(table_row + lax.div(start + i * block_k, jnp.int32(slabs_per_page * block_k)), 0,
-                         tables_ref.shape[0] - 1)
-        slab = tables_ref[entry] * slabs_per_page + lax.rem(lax.div(start + i * block_k, jnp.int32(block_k)),
-                                                            jnp.int32(slabs_per_page))
-        return jnp.clip(slab, 0, rows_gmem.shape[0] - 1)
+        return slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k,
+                          num_rows=rows_gmem.shape[0] if clamp else None)
 
     def load_rows(slab, c):  # chunk c of a slab's 8-bit rows, in the layout that upcasts to wgmma's
         return plgpu.load(rows_gmem.at[slab, :, pl.ds(c * chunk, chunk)], layout=plgpu.Layout.WGMMA_UPCAST_2X,

@@ -199,6 +199,20 @@ def test_mosaic_decode_supports_8bit(monkeypatch):
     assert "float32 is not one of" in kernel.supports(128, 512, 64, 64, jnp.float32)
 
 
+def test_mosaic_why_not_picks_the_kernel_by_heads(monkeypatch):
+    """8-bit caches: heads a multiple of 64 go to mla_decode_mgpu, fewer to mla_decode_8bit_mgpu."""
+    from pallas_kernels import mla_decode_8bit_mgpu, mla_decode_mgpu
+    from pallas_kernels.mla_decode import mosaic_why_not
+
+    for module in (mla_decode_mgpu, mla_decode_8bit_mgpu):
+        monkeypatch.setattr(module, "why_not_hopper", lambda: None)
+    assert mosaic_why_not(128, 512, 64, 64, jnp.int8) is None
+    assert mosaic_why_not(16, 512, 64, 64, jnp.float8_e4m3fn) is None
+    assert "num_heads=96" in mosaic_why_not(96, 512, 64, 64, jnp.int8)  # the few-head kernel's limit
+    assert "num_heads=16" in mosaic_why_not(16, 512, 64, 64, jnp.bfloat16)  # bf16: the many-head kernel only
+    assert "scale groups" in mosaic_why_not(128, 512, 64, 64, jnp.int8, 4)
+
+
 def _8bit_args(kind, heads=16, tokens=4, width=16):
     shape = jax.ShapeDtypeStruct
     dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
