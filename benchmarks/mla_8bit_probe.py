@@ -1,14 +1,18 @@
-"""Probe of the 8-bit Mosaic GPU decode kernel (pallas_kernels/mla_decode_8bit_mgpu.py) on the H200:
-per-query error against the reference with each part of the scores switched off in turn (latent, rope,
-both) for each count of compute warpgroups with the memory warpgroup converting, timings of (compute
-warpgroups, stages, chunk, splits, scale placement, converter) variants at V2-Lite batch 64 / 4k
-context, and the kernel's own per-warpgroup trace of one call (a Perfetto JSON in $OUT). ``--many-heads``
-instead times the many-head kernel (pallas_kernels/mla_decode_mgpu.py) over each cache dtype at
-DeepSeek-V3's 128 heads, batch 128, 2k context, and traces it over a bf16 and an int8 cache.
+"""Probe of the few-head 8-bit Mosaic GPU decode kernel (pallas_kernels/mla_decode_8bit_mgpu.py) on the
+H200: per-query error against the reference with each part of the scores switched off in turn (latent,
+rope, both) for each count of compute warpgroups and both scale placements, timings of (compute
+warpgroups, stages, chunk, splits, scale placement) variants at V2-Lite batch 64 / 4k context, and the
+default variant's per-warpgroup trace over an int8 and an fp8 cache (Perfetto JSONs in $OUT; alone with
+``--trace``). ``--many-heads`` instead times the many-head kernel (pallas_kernels/mla_decode_mgpu.py)
+over each cache dtype at DeepSeek-V3's 128 heads, batch 128, 2k context, and traces it over a bf16 and
+an int8 cache.
 
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
 """
+import collections
+import glob
+import json
 import os
 import sys
 
@@ -37,7 +41,7 @@ def paged(rng, batch, heads, lengths, bs=64):
         jnp.asarray(lengths, jnp.int32)
 
 
-def errors(compute_wgs, converter="compute"):
+def errors(compute_wgs):
     """Per-query relative error against the reference, each part of the scores switched off in turn, for
     each count of compute warpgroups in ``compute_wgs`` (the other parts with the first of them)."""
     lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
@@ -49,31 +53,54 @@ def errors(compute_wgs, converter="compute"):
         for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
                              ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
             want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-            for dequantize, wgs in [(d, n) for d in ((False, True) if converter == "compute" else (False,))
+            for dequantize, wgs in [(d, n) for d in (False, True)
                                     for n in (compute_wgs if name == "both" else compute_wgs[:1])]:
                 got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32),
-                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs,
-                                              converter=converter)
+                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs)
                 got = np.asarray(got.swapaxes(1, 2), np.float32)
                 per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs} {converter}",
+                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}",
                       "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
 
+def summarize_trace(trace_dir: str) -> str:
+    """Mean time (trace units: us) and count a block of each named scope, by warpgroup, over the blocks of
+    the Perfetto JSON that Mosaic GPU wrote into ``trace_dir``: a markdown table."""
+    (path,) = glob.glob(os.path.join(trace_dir, "*.json"))
+    with open(path) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    began, spans = {}, collections.defaultdict(list)  # (block, warpgroup, scope) -> durations
+    for e in events:
+        key = (e["pid"], e["tid"], e["name"])
+        if e["ph"] == "B":
+            began[key] = e["ts"]
+        elif e["ph"] == "E" and key in began:
+            spans[key].append(e["ts"] - began.pop(key))
+    tids = collections.defaultdict(set)
+    for block, tid, _ in spans:
+        tids[block].add(tid)
+    warpgroup = {(block, tid): sorted(ts).index(tid) for block, ts in tids.items() for tid in ts}
+    by_scope = collections.defaultdict(list)  # (warpgroup, scope) -> (mean, count) per block
+    for (block, tid, name), durations in spans.items():
+        by_scope[warpgroup[block, tid], name].append((sum(durations) / len(durations), len(durations)))
+    rows = [{"warpgroup": wg, "scope": name, "mean_us": round(sum(m for m, _ in v) / len(v), 3),
+             "per_block": round(sum(n for _, n in v) / len(v), 1)} for (wg, name), v in sorted(by_scope.items())]
+    return markdown_table(rows, ["warpgroup", "scope", "mean_us", "per_block"])
+
+
 def timings(inputs, variants):
-    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize, converter, prefetch)
-    variant."""
+    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize) variant."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
     seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        for wgs, stages, chunk, splits, dequantize, converter, prefetch in variants:
-            label = (f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize} "
-                     f"converter {converter} prefetch {prefetch}")
-            fn = lambda *a, v=(wgs, stages, chunk, splits, dequantize, converter, prefetch): k8.mla_decode_8bit_mgpu(
-                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4],
-                converter=v[5], prefetch=v[6])
+        for v in variants:
+            wgs, stages, chunk, splits, dequantize = v
+            label = f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
+            fn = lambda *a, v=v: k8.mla_decode_8bit_mgpu(
+                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4])
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
                 print(f"{label}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
@@ -91,8 +118,8 @@ def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
     tokens_per_split = context // num_splits
     caches = {kind: quantize_latent(c, kind, 1) for kind in ("int8", "fp8")}
     caches = {"bfloat16": (c.astype(jnp.bfloat16), None), **caches}
-    fn = lambda q, qpe, ckv, s, profile_dir=None: mla_decode_mgpu.mla_decode_mgpu(
-        q, qpe, ckv, kp, tb, seq_ids, ln, 0.1, num_splits=num_splits, tokens_per_split=tokens_per_split,
+    fn = lambda q, qpe, ckv, s, profile_dir=None, lengths=ln: mla_decode_mgpu.mla_decode_mgpu(
+        q, qpe, ckv, kp, tb, seq_ids, lengths, 0.1, num_splits=num_splits, tokens_per_split=tokens_per_split,
         c_kv_scale=s, profile_dir=profile_dir)
     rows = []
     for kind, (cache, scale) in caches.items():
@@ -116,12 +143,27 @@ def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
     print("wrote", write_result("mla8_many_heads", {**environment(), "rows": rows, "table": table},
                                 os.environ.get("OUT", "benchmarks/results")))
     out = os.environ.get("OUT", "/tmp")
-    for kind in ("bfloat16", "int8"):  # each warpgroup's named scopes, a few steps (Perfetto JSONs in $OUT)
+    # each warpgroup's named scopes (Perfetto JSONs in $OUT) over 512-token contexts: the kernel's trace
+    # space holds 16 steps of its first compute warpgroup (a 2k context ran out of it)
+    for kind in ("bfloat16", "int8"):
         try:
-            jax.block_until_ready(fn(qq, qp, *caches[kind], profile_dir=os.path.join(out, f"trace_many_heads_{kind}")))
-            print("profile written:", kind)
+            os.makedirs(trace_dir := os.path.join(out, f"trace_many_heads_{kind}"), exist_ok=True)
+            jax.block_until_ready(fn(qq, qp, *caches[kind], profile_dir=trace_dir, lengths=jnp.minimum(ln, 512)))
+            print(f"{kind}: {trace_dir}\n{summarize_trace(trace_dir)}")
         except Exception as e:
             print(f"{kind} trace failed {type(e).__name__}: {e}"[:300])
+
+
+def trace_default(inputs, out: str):
+    """The default variant's per-warpgroup trace over an int8 and an fp8 cache (in out/trace_default_<kind>)."""
+    (c, kp, qq, qp, tb, ln), _ = inputs
+    for kind in ("int8", "fp8"):
+        stored, scale = quantize_latent(c, kind, 1)
+        os.makedirs(trace_dir := os.path.join(out, f"trace_default_{kind}"), exist_ok=True)
+        seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
+        jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, seq_ids, ln, 0.1, num_splits=2,
+                                                      profile_dir=trace_dir))
+        print(f"{kind}: {trace_dir}\n{summarize_trace(trace_dir)}")
 
 
 def main():
@@ -133,18 +175,14 @@ def main():
     batch, context = 64, 4096
     inputs = (_full_cache(config, batch, context, 64),
               batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers))
-    # (compute warpgroups, stages, chunk, splits, dequantize, converter, prefetch); the defaults and one
-    # compute warpgroup first (the column split's chunk / splits / scale sweep: session 21, kv_memory.md)
-    timings(inputs, [(2, None, 128, 2, False, "compute", False), (1, None, 128, 2, False, "compute", False)])
-    # the newest variant last: a hang there loses nothing above
-    errors([2, 1, 4], "memory")
-    timings(inputs, [(wgs, None, 128, splits, False, "memory", False) for wgs in (1, 2, 4) for splits in (2, 4)]
-            + [(wgs, None, 128, splits, False, "memory", True) for wgs in (1, 2, 4) for splits in (2, 4)])
-    (c, kp, qq, qp, tb, ln), _ = inputs
-    stored, scale = quantize_latent(c, "int8", 1)
-    jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, jnp.arange(batch, dtype=jnp.int32),
-                                                  ln, 0.1, num_splits=2, converter="memory", profile_dir=out))
-    print("profile written:", os.listdir(out))
+    if "--trace" in sys.argv[1:]:
+        return trace_default(inputs, out)
+    # (compute warpgroups, stages, chunk, splits, dequantize): the default, one and four compute
+    # warpgroups, the rows dequantized (the chunk / splits sweep: session 21, docs/kv_memory.md)
+    errors([2, 1, 4])
+    timings(inputs, [(2, None, 128, 2, False), (1, None, 128, 2, False), (4, None, 128, 2, False),
+                     (2, None, 128, 2, True)])
+    trace_default(inputs, out)
 
 
 if __name__ == "__main__":

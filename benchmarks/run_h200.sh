@@ -54,9 +54,9 @@ case $part in
   kvquant-sweep)  # the decode kernel over bf16 / int8 / fp8 caches: tiles x dot operand dtypes (about 2 minutes)
     timeout 300 python -m benchmarks.kvquant --decode-sweep --out "$OUT/kvquant_decode_sweep_h200" | grep -v WARNING | tail -30 ;;
   mla8)       # the 8-bit Mosaic GPU decode kernel: per-variant errors, variant timings, its own trace (~3 minutes)
-    timeout 420 python -m benchmarks.mla_8bit_probe 2>&1 | grep -v Warning | grep -v "^  " | tee "$OUT/mla8_probe.txt" | tail -40 ;;
-  mla8-many)  # the many-head Mosaic decode kernel over bf16 / int8 / fp8 caches (a minute)
-    timeout 200 python -m benchmarks.mla_8bit_probe --many-heads 2>&1 | grep -v Warning | tee "$OUT/mla8_many.txt" | tail -12 ;;
+    timeout 420 python -m benchmarks.mla_8bit_probe 2>&1 | grep -v Warning | grep -v "^  " | tee "$OUT/mla8_probe.txt" | tail -80 ;;
+  mla8-many)  # the many-head Mosaic decode kernel over bf16 / int8 / fp8 caches, traces of bf16 and int8 (a minute)
+    timeout 200 python -m benchmarks.mla_8bit_probe --many-heads 2>&1 | grep -v Warning | tee "$OUT/mla8_many.txt" | tail -60 ;;
   parallel)   # 2 GPUs (kind nvidia-h200-x2): one GPU, TP=2, EP=2 at batch 256 / 1024, op profiles at 1024 (~3 min)
     timeout 560 python -m benchmarks.parallel_h200x2 --runs 1gpu tp2 ep2 --batches 256 1024 --profile-batch 1024 \
       --timeout 150 | tail -30

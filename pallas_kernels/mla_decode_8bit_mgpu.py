@@ -34,14 +34,14 @@ A memory warpgroup walks the block table and TMA-loads each slab (8-bit latent [
 every compute warpgroup has read its scores. The output is O^T: [T, 512, H] with one split, else
 partials (m, l [T, S, H], acc [T, S, 512, H]); ``mla_decode`` transposes and merges them.
 
-``converter="memory"`` moves the conversion out of the compute warpgroups, as in the many-head kernel
-(``mla_decode_mgpu.convert_slabs``, where it took 128-head decode from 403 to 315 us): the memory
-warpgroup loads each slab's 8-bit rows from HBM into registers, converts them into a ring of 16-bit
-slabs (2 stages, 72 KiB each with k_pe and the scales) and TMA-loads k_pe and the scales; the compute
-warpgroups read the keys for both products from shared memory (A of the scores too) and keep the scale
-on the scores. ``prefetch`` has the memory warpgroup load the next slab's rows chunk by chunk as it
-converts this one's, so HBM latency overlaps a conversion too (same registers). Built and lowered on CPU,
-not yet run on the GPU (``benchmarks/mla_8bit_probe.py`` runs it last).
+Moving the conversion out of the compute warpgroups, as in the many-head kernel
+(``mla_decode_mgpu.convert_slabs``, where it took 128-head decode from 403 to 315 us), was built and
+measured, correct but slower (H200, same shapes, 2026-12-01; git history before the session-23
+removal): one or two converting warpgroups loading each slab's 8-bit rows from HBM into registers and
+converting them into a two-stage ring of 16-bit slabs, which both products read. int8 113-150 us, fp8
+114-139 (1 or 2 compute warpgroups, with or without loading the next slab's rows while converting),
+against this kernel's 92-101 in the same calls. Its trace: a converting warpgroup takes ~5 us a slab
+(HBM latency in its chain), so the compute warpgroups wait for slabs ~30% of a step.
 
 Splitting the context instead (warpgroup w taking steps w, w + 2, ..., every column of them, with a
 converted slab and an online-softmax state of its own, merged at the end; k_pe read from HBM into
@@ -56,9 +56,10 @@ two compute warpgroups, chunks of 128 columns, the scale on the scores, 2 splits
 (1.72-1.75 TB/s of compressed bytes), fp8 93-94 us (1.80-1.82), against the Triton kernel's 121 (int8
 byte pairs) and 136-141 (fp8) and against one compute warpgroup's 143 / 120; four warpgroups 141 us
 (int8). bf16 rows take 96 us (3.14 TB/s), so an 8-bit token still costs as much time as a bf16 one.
-The trace of two warpgroups (``profile_dir``; fp8, rows dequantized, chunks of 256): ~50% of a step in
-the scores phase, 12-16% exchanging the parts, 17-19% softmax, 12-15% value product, 3-4% waiting for
-slabs: each warpgroup still runs its steps in sequence.
+The default's trace (``profile_dir``, ``python -m benchmarks.mla_8bit_probe --trace``; int8, session 23):
+~40% of a step in the scores phase, ~30% softmax (two thirds of it the cross-warp max and sum), ~11%
+exchanging the parts, ~12% value product, ~4% waiting for slabs: each warpgroup runs its steps' phases
+in sequence, and that chain, not HBM, sets the time of a step.
 """
 
 from __future__ import annotations
@@ -73,18 +74,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
-from pallas_kernels.mla_decode_mgpu import convert_slabs, load_slabs
+from pallas_kernels.mla_decode_mgpu import load_slabs
 
 BLOCK_K = 64  # cache tokens a slab: wgmma's M
-MAX_STAGES = 4  # slabs in flight (40.25 KiB each; converter "memory": 72.25), as many as fit
+MAX_STAGES = 4  # slabs in flight (40.25 KiB each), as many as fit
 CHUNK = 128  # latent columns converted and multiplied at a time (16 registers a thread of A)
 COMPUTE_WGS = 2  # compute warpgroups
-# Who converts the 8-bit rows: "compute" (each compute warpgroup its columns, from an 8-bit ring in shared
-# memory, into one 16-bit slab for the values; the scores take them from registers) or "memory" (the
-# memory warpgroup, from HBM through registers into a ring of 16-bit slabs, which both products read
-# from shared memory, as in mla_decode_mgpu).
-CONVERTERS = ("compute", "memory")
-CONVERTER = "compute"
 MAX_HEADS = 32  # O^T [512 / n, H] f32 is 4H / n registers a thread of each of n compute warpgroups
 SMEM_BYTES = 227 * 1024  # shared memory a block may have on Hopper
 _SMEM_SLACK = 4096  # alignment of the swizzled buffers, barriers
@@ -92,10 +87,6 @@ _SMEM_SLACK = 4096  # alignment of the swizzled buffers, barriers
 # warpgroup's; with 4, 112 (what the arithmetic allows) hung on the H200 in setmaxnreg, 104 runs.
 _COMPUTE_REGISTERS = {1: 232, 2: 232, 4: 104}
 _MEMORY_REGISTERS = 40  # a thread of the memory warpgroup (it only issues TMA copies)
-# converter "memory": the memory warpgroup holds a slab's 8-bit rows (64 registers a thread) and the compute
-# warpgroups share what is left (a CTA starts at 248 / 168 / 96 a thread with 1 / 2 / 4 of them).
-_CONVERTING_REGISTERS = 112
-_COMPUTE_REGISTERS_BESIDE_CONVERTER = {1: 232, 2: 192, 4: 88}
 _PROFILE_EVENTS = 384  # a warpgroup's trace events with profile_dir (~12 KiB of shared memory each): 16 steps
 _REDUCE_SCRATCH = 512  # f32 a compute warpgroup's cross-warp reductions go through (Mosaic GPU's default)
 LATENT_DIM = 512
@@ -130,17 +121,12 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
     return None
 
 
-def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32, converter: str = "compute") -> int:
-    """Shared memory the kernel asks for: queries, the ring (8-bit rows, or with converter "memory" 16-bit
-    ones; k_pe, the scales), the converted slab (after the loop: the output staging; with converter
-    "memory" the ring is the staging), P, reduction scratch and the score parts of each compute warpgroup,
-    some slack."""
-    if converter == "memory":
-        ring = BLOCK_K * (LATENT_DIM * 2 + 4 + ROPE_DIM * 2)
-        staging = max(0, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize - stages * BLOCK_K * LATENT_DIM * 2)
-    else:
-        ring = BLOCK_K * (LATENT_DIM + 4 + ROPE_DIM * 2)
-        staging = max(BLOCK_K * LATENT_DIM * 2, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize)
+def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32) -> int:
+    """Shared memory the kernel asks for: queries, the ring (8-bit rows, k_pe, the scales), the converted
+    slab (after the loop: the output staging), P, reduction scratch and the score parts of each compute
+    warpgroup, some slack."""
+    ring = BLOCK_K * (LATENT_DIM + 4 + ROPE_DIM * 2)
+    staging = max(BLOCK_K * LATENT_DIM * 2, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize)
     per_wg = num_heads * BLOCK_K * (2 + 2 * 4) + _REDUCE_SCRATCH * 4
     return (num_heads * (LATENT_DIM + ROPE_DIM) * 2 + stages * ring + staging + compute_wgs * per_wg
             + 2 * num_heads * 4 + _SMEM_SLACK)
@@ -168,7 +154,7 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int, converter: str, prefetch: bool):
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int):
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -181,9 +167,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     end = jnp.minimum(start + per_split, length)
     num_steps = lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), jnp.int32(BLOCK_K))
     bf16, f32 = jnp.bfloat16, jnp.float32
-    # kbf: the converted slab (converter "compute"), or the ring of them ("memory": no 8-bit ring)
-    q_smem, ks_smem, kbf_smem = sm["q"], sm["ks"], sm["kbf"]
-    converted_ring = converter == "memory"
+    q_smem, ks_smem, kbf_smem = sm["q"], sm["ks"], sm["kbf"]  # kbf: the converted slab
     dot_dtype = q_smem.dtype  # the dots' operand type
     upcast_dtype = jnp.float16 if jnp.dtype(c8_ref.dtype) == jnp.float8_e4m3fn else jnp.bfloat16
     column = plgpu.Layout.WGMMA.reduce(0)  # a [H] vector of per-head statistics
@@ -198,8 +182,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         own = pl.ds(first, width)
         rope = w == compute_wgs - 1
         reduce_smem = sm["reduce"][w]
-        registers = (_COMPUTE_REGISTERS_BESIDE_CONVERTER if converted_ring else _COMPUTE_REGISTERS)[compute_wgs]
-        plgpu.set_max_registers(registers, action="increase")
+        plgpu.set_max_registers(_COMPUTE_REGISTERS[compute_wgs], action="increase")
         if w == 0:
             plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
             plgpu.copy_gmem_to_smem(qpe_ref.at[t], sm["qpe"], sm["q_bars"].at[1])
@@ -209,16 +192,14 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         def step(i, carry):
             acc, m, l = carry  # O^T f32[width, H] (this warpgroup's rows); m (log2 units), l f32[H]
             slot = lax.rem(i, jnp.int32(stages))
-            with jax.named_scope("wait"):  # the slab landed (converter "memory": converted)
+            with jax.named_scope("wait"):  # the slab landed
                 plgpu.barrier_wait(sm["ckv_bars"].at[slot])
                 plgpu.barrier_wait(sm["ks_bars"].at[slot])
                 plgpu.barrier_wait(sm["kpe_bars"].at[slot])
 
             def scores(s_ref, rope_ref):
                 kscale = plgpu.load(ks_smem.at[slot], layout=row) if dequantize else None
-                if converted_ring:  # the slab is 16-bit already: A from shared memory
-                    plgpu.wgmma(s_ref, kbf_smem.at[slot, :, own], q_smem.at[:, own].transpose((1, 0)))
-                for c in range(0 if converted_ring else width // chunk):
+                for c in range(width // chunk):
                     cols = pl.ds(first + c * chunk, chunk)
                     keys = plgpu.load(sm["c8"].at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
                     keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
@@ -243,8 +224,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                     s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
                     if rope:
                         s = s + s_rope
-            if not converted_ring:  # the slot's 8-bit rows (k_pe) and scales are read
-                plgpu.barrier_arrive(sm["consumed_bars"].at[slot])
+            plgpu.barrier_arrive(sm["consumed_bars"].at[slot])  # the slot's 8-bit rows (k_pe) and scales are read
             if compute_wgs > 1:
                 with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
                     parity = lax.rem(i, jnp.int32(2))
@@ -255,26 +235,26 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                     parts = [s if v == w else plgpu.load(sm["sx"].at[parity, v], layout=plgpu.Layout.WGMMA)
                              for v in range(compute_wgs)]
                     s = functools.reduce(lambda a, b: a + b, parts)
-            with jax.named_scope("softmax"):
+            with jax.named_scope("softmax"):  # (its parts as scopes of their own in a kernel trace)
                 tokens = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, num_heads), 0, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(tokens < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
-                m_new = jnp.maximum(m, _column_reduce("max", s, reduce_smem))
+                with jax.named_scope("max"):
+                    m_new = jnp.maximum(m, _column_reduce("max", s, reduce_smem))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                l = l * alpha + _column_reduce("add", p, reduce_smem)
+                with jax.named_scope("sum"):
+                    l = l * alpha + _column_reduce("add", p, reduce_smem)
                 if not dequantize:
                     p = p * lax.broadcast_in_dim(kscale, s.shape, [0])
-                sm["p"].at[w].transpose((1, 0))[...] = p.astype(dot_dtype)
-                plgpu.commit_smem()  # the 16-bit slab and P^T, before wgmma reads them
+                with jax.named_scope("store_p"):
+                    sm["p"].at[w].transpose((1, 0))[...] = p.astype(dot_dtype)
+                    plgpu.commit_smem()  # the 16-bit slab and P^T, before wgmma reads them
 
             def values(acc_ref):
-                keys = kbf_smem.at[slot, :, own] if converted_ring else kbf_smem.at[:, own]
-                plgpu.wgmma(acc_ref, keys.transpose((1, 0)), sm["p"].at[w].transpose((1, 0)))
+                plgpu.wgmma(acc_ref, kbf_smem.at[:, own].transpose((1, 0)), sm["p"].at[w].transpose((1, 0)))
 
             with jax.named_scope("values"):
                 acc = pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
-            if converted_ring:  # the slot's 16-bit rows are read
-                plgpu.barrier_arrive(sm["consumed_bars"].at[slot])
             return acc, m_new, l
 
         init = (plgpu.layout_cast(jnp.zeros((width, num_heads), f32), plgpu.Layout.WGMMA),
@@ -310,21 +290,16 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 
     @pl.when(wg == compute_wgs)
     def _memory():
-        plgpu.set_max_registers(_CONVERTING_REGISTERS if converted_ring else _MEMORY_REGISTERS, action="decrease")
-        rings = [(ks_ref, ks_smem, sm["ks_bars"]), (kpe_ref, sm["kpe"], sm["kpe_bars"])]
-        if converted_ring:
-            return convert_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page,
-                                 sm["consumed_bars"], c8_ref, kbf_smem, sm["ckv_bars"], rings, stages=stages,
-                                 block_k=BLOCK_K, prefetch=prefetch)
-        rings.insert(0, (c8_ref, sm["c8"], sm["ckv_bars"]))
+        plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
+        rings = [(c8_ref, sm["c8"], sm["ckv_bars"]), (ks_ref, ks_smem, sm["ks_bars"]),
+                 (kpe_ref, sm["kpe"], sm["kpe_bars"])]
         load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, sm["consumed_bars"], rings,
                    stages=stages, block_k=BLOCK_K)
 
 
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
-                         dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS, converter: str = CONVERTER,
-                         prefetch: bool = False,
+                         dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
                          profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
@@ -334,19 +309,10 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     converted at a time; ``dequantize``: the scale applied to the converted rows (bf16 operands, one
     score accumulator) rather than to the scores and probabilities (None: per ``DEQUANTIZE``);
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
-    ``converter``: who turns the 8-bit rows into 16 bits (``CONVERTERS``; "memory" keeps the scale on the
-    scores: ``dequantize`` False); ``prefetch`` (converter "memory"): the memory warpgroup loads the next
-    slab's rows as it converts this one's (``convert_slabs``);
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON)."""
-    if converter not in CONVERTERS:
-        raise ValueError(f"converter={converter!r} is not one of {CONVERTERS}")
     if dequantize is None:
-        dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name] and converter == "compute"
-    if dequantize and converter == "memory":
-        raise ValueError("dequantize=True converts the rows with their scale: converter='compute' only")
-    if prefetch and converter != "memory":
-        raise ValueError(f"prefetch=True takes converter='memory' (got {converter!r})")
+        dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name]
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K
@@ -364,33 +330,30 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         raise ValueError(f"chunk={chunk} is not a multiple of 128 (an 8-bit row tile) dividing the "
                          f"{width} latent columns of a compute warpgroup")
     out_dtype = bf16 if num_splits == 1 else f32
-    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype, converter)
+    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype)
     if stages is None:
         stages = max([n for n in range(1, MAX_STAGES + 1) if need(n) <= SMEM_BYTES], default=1)
     if need(stages) > SMEM_BYTES:
-        raise ValueError(f"stages={stages} with compute_wgs={compute_wgs}, converter={converter!r} and {num_heads} "
+        raise ValueError(f"stages={stages} with compute_wgs={compute_wgs} and {num_heads} "
                          f"heads needs {need(stages)} bytes of shared memory, more than the {SMEM_BYTES} a block has")
-    converted_ring = converter == "memory"
     # (scratch by name: the keys' sorted order, a pytree's, is the order shared memory is laid out in)
     sm = dict(
         q=_smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
         qpe=_smem((num_heads, ROPE_DIM), bf16),
-        **({} if converted_ring else {"c8": _smem((stages, BLOCK_K, LATENT_DIM), c_kv.dtype)}),  # the 8-bit ring
+        c8=_smem((stages, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit ring
         ks=plgpu.SMEM((stages, BLOCK_K), f32),  # scales
         p=_smem((compute_wgs, num_heads, BLOCK_K), dot_dtype),  # P (x scale) of each compute warpgroup: B of
         # its values, read transposed
         reduce=[plgpu.SMEM((_REDUCE_SCRATCH,), f32) for _ in range(compute_wgs)],  # each one's reductions
         rows=plgpu.SMEM((2, num_heads), f32),  # m, l of a split
-        ckv_bars=plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed (converter "memory": converted)
+        ckv_bars=plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
         ks_bars=plgpu.Barrier(num_barriers=stages),  # scales landed
         q_bars=plgpu.Barrier(num_barriers=2),  # queries landed
         consumed_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),  # slot read by every compute
         # warpgroup
         done_bar=plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slab)
-        # the converted slab (A of the values, read transposed; converter "memory": the ring of them, A of
-        # both products); after the loop, the output staging
-        union=plgpu.RefUnion(_smem((stages, BLOCK_K, LATENT_DIM) if converted_ring else (BLOCK_K, LATENT_DIM),
-                                   dot_dtype), _smem((LATENT_DIM, num_heads), out_dtype)),
+        # the converted slab (A of the values, read transposed); after the loop, the output staging
+        union=plgpu.RefUnion(_smem((BLOCK_K, LATENT_DIM), dot_dtype), _smem((LATENT_DIM, num_heads), out_dtype)),
         kpe=_smem((stages, BLOCK_K, ROPE_DIM), bf16),
         kpe_bars=plgpu.Barrier(num_barriers=stages),  # k_pe landed
         sx=_smem((2, compute_wgs, BLOCK_K, num_heads), f32),  # score parts, by step parity
@@ -408,7 +371,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         sm["kbf"], sm["out"] = sm.pop("union")
         _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
                 scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-                dequantize=dequantize, compute_wgs=compute_wgs, converter=converter, prefetch=prefetch)
+                dequantize=dequantize, compute_wgs=compute_wgs)
 
     return plgpu.kernel(
         kernel,

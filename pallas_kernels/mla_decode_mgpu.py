@@ -248,15 +248,11 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, ckv_ref, kpe_r
                    [(ckv_ref, ckv_smem, ckv_bars), (kpe_ref, kpe_smem, kpe_bars)])
 
 
-def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int, *, num_rows: int | None = None):
+def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int):
     """Row of a cache viewed as [pages * slabs_per_page, block_k, ...] that holds key ``token`` of the
-    block-table row starting at flat offset ``entry_base``. With ``num_rows`` (the view's rows) the table
-    read and the row are clamped into range, for reads past a context whose data are never used."""
+    block-table row starting at flat offset ``entry_base``."""
     entry = entry_base + lax.div(token, jnp.int32(slabs_per_page * block_k))
-    if num_rows is not None:
-        entry = jnp.clip(entry, 0, tables_ref.shape[0] - 1)
-    row = tables_ref[entry] * slabs_per_page + lax.rem(lax.div(token, jnp.int32(block_k)), jnp.int32(slabs_per_page))
-    return row if num_rows is None else jnp.clip(row, 0, num_rows - 1)
+    return tables_ref[entry] * slabs_per_page + lax.rem(lax.div(token, jnp.int32(block_k)), jnp.int32(slabs_per_page))
 
 
 def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, consumed_bars, rings, *,
@@ -281,30 +277,21 @@ def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, con
 
 
 def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, consumed_bars, rows_gmem, ring,
-                  ring_bars, rings, *, stages: int = STAGES, block_k: int = BLOCK_K, chunk: int = CHUNK,
-                  prefetch: bool = False):
+                  ring_bars, rings, *, stages: int = STAGES, block_k: int = BLOCK_K, chunk: int = CHUNK):
     """A memory warpgroup's loop over an 8-bit cache: for each of a query's ``num_steps`` slabs (its
     block-table row at flat offset ``table_row``, from key ``start``), the slab's 8-bit rows of
     ``rows_gmem`` [pages * slabs_per_page, block_k, C] from HBM into registers (issued before the slot is
     free, so their latency overlaps the wait for ``consumed_bars``), converted exactly (int8 -> bf16,
     e4m3 -> f16: ``ring``'s dtype) into slot step % stages of ``ring``, arriving on ``ring_bars``; the
-    ``rings`` beside it (gmem, smem ring, barriers: k_pe, scales) by TMA. ``prefetch``: as each chunk of
-    a step's rows is converted, the next step's chunk is loaded into its registers (no more registers),
-    so their latency overlaps this step's conversion too; the load past the last step reads a clamped,
-    valid row."""
+    ``rings`` beside it (gmem, smem ring, barriers: k_pe, scales) by TMA."""
     num_chunks = ring.shape[-1] // chunk
 
-    def slab_of(i, clamp: bool = False):
-        return slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k,
-                          num_rows=rows_gmem.shape[0] if clamp else None)
-
-    def load_rows(slab, c):  # chunk c of a slab's 8-bit rows, in the layout that upcasts to wgmma's
-        return plgpu.load(rows_gmem.at[slab, :, pl.ds(c * chunk, chunk)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
-                          optimized=False)
-
-    def step(i, slab, rows, following=None):
-        """Step i's rows into the ring; with ``following`` (prefetch) returns that slab's rows, loaded
-        chunk by chunk as this step's chunks are converted."""
+    @pl.loop(0, num_steps)
+    def _(i):
+        slab = slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k)
+        # chunk c of the slab's 8-bit rows, in the layout that upcasts to wgmma's
+        rows = [plgpu.load(rows_gmem.at[slab, :, pl.ds(c * chunk, chunk)], layout=plgpu.Layout.WGMMA_UPCAST_2X,
+                           optimized=False) for c in range(num_chunks)]
         slot = lax.rem(i, jnp.int32(stages))
 
         @pl.when(i >= stages)
@@ -314,31 +301,12 @@ def convert_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, 
 
         for gmem, smem, bars in rings:
             plgpu.copy_gmem_to_smem(gmem.at[slab], smem.at[slot], bars.at[slot])
-        upcoming = []
         with jax.named_scope("convert"):
             for c, part in enumerate(rows):
                 ring.at[slot, :, pl.ds(c * chunk, chunk)][...] = plgpu.layout_cast(part.astype(ring.dtype),
                                                                                   plgpu.Layout.WGMMA)
-                if following is not None:
-                    upcoming.append(load_rows(following, c))
             plgpu.commit_smem()  # before wgmma (the async proxy) reads them
         plgpu.barrier_arrive(ring_bars.at[slot])
-        return upcoming
-
-    if not prefetch:
-        @pl.loop(0, num_steps)
-        def _(i):
-            slab = slab_of(i)
-            step(i, slab, [load_rows(slab, c) for c in range(num_chunks)])
-        return
-
-    def body(i, carry):
-        slab, rows = carry[0], carry[1:]
-        following = slab_of(i + 1, clamp=True)
-        return (following, *step(i, slab, rows, following))
-
-    first = slab_of(jnp.int32(0), clamp=True)
-    lax.fori_loop(0, num_steps, body, (first, *[load_rows(first, c) for c in range(num_chunks)]))
 
 
 def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale: float, *, num_splits: int,

@@ -96,8 +96,7 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
     assert _rel(got, want) < 2e-2
     if heads < 64:  # the latent columns over 1, 2, 4 warpgroups (4 do not fit 32 heads)
-        _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want,
-                             [(n, "compute", False) for n in ((1, 2, 4) if heads == 16 else (1, 2))])
+        _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, (1, 2, 4) if heads == 16 else (1, 2))
     else:  # the many-head kernel, one split and partials
         _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want)
     auto = mla_decode(q, q_pe, stored, k_pe, tables, lengths, 0.1, c_kv_scale=scale, num_splits=num_splits)
@@ -119,42 +118,20 @@ def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):
         assert _rel(out, want) < 2e-2, splits
 
 
-def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, variants):
-    """The 8-bit Mosaic kernel with each (compute warpgroups, converter, prefetch) against the reference:
-    both places for the scale where the converter allows them, with one split and (the default scale
-    placement) with split partials."""
+def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, compute_wgs):
+    """The few-head 8-bit Mosaic kernel with each count of compute warpgroups against the reference: both
+    places for the scale, with one split and (the default scale placement) with split partials."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    for dequantize, (wgs, converter, prefetch) in itertools.product((False, True), variants):
-        if dequantize and converter == "memory":
-            continue  # its rows are converted without their scale
+    for dequantize, wgs in itertools.product((False, True), compute_wgs):
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
-                                       lengths, 0.1, num_splits=splits, dequantize=dequantize,
-                                       compute_wgs=wgs, converter=converter, prefetch=prefetch)
+                                       lengths, 0.1, num_splits=splits, dequantize=dequantize, compute_wgs=wgs)
             if splits > 1:
                 m, l, acc = out
                 out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
-            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, converter, prefetch, splits)
-
-
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("heads, block_size", [(16, 64), (16, 128), (32, 64)])
-def test_mla_decode_8bit_mosaic_memory_converter_gpu(kind, heads, block_size):
-    """converter="memory": the memory warpgroup converting the 8-bit rows from HBM into a ring of 16-bit
-    slabs, without and with prefetch (its own test, so `-k "not converter"` leaves it out should it hang)."""
-    from pallas_kernels.kv_quant import quantize_latent
-    from pallas_kernels.mla_decode import mla_decode_reference
-
-    rng = np.random.default_rng(heads + block_size + 1)
-    q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, 6, heads, [1, 63, 64, 700, 1500, 2048], block_size=block_size)
-    stored, scale = quantize_latent(c_kv * 3.0, kind, 1)
-    f32 = lambda a: a.astype(jnp.float32)
-    want = mla_decode_reference(f32(q), f32(q_pe), stored, f32(k_pe), tables, lengths, 0.1, scale)
-    _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want,
-                         [(n, "memory", prefetch) for n in ((1, 2, 4) if heads == 16 else (1, 2))
-                          for prefetch in (False, True)])
+            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, splits)
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])

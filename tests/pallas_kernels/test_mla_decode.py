@@ -221,18 +221,15 @@ def _8bit_args(kind, heads=16, tokens=4, width=16):
             shape((tokens, width), jnp.int32), shape((tokens,), jnp.int32), shape((tokens,), jnp.int32))
 
 
-@pytest.mark.parametrize("kind, num_splits, compute_wgs, converter, prefetch", [
-    ("int8", 1, 2, "compute", False), ("fp8", 4, 2, "compute", False), ("int8", 4, 4, "compute", False),
-    ("fp8", 1, 1, "compute", False), ("int8", 4, 2, "memory", False), ("fp8", 1, 1, "memory", False),
-    ("int8", 1, 4, "memory", False), ("fp8", 4, 2, "memory", True), ("int8", 1, 4, "memory", True)])
-def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs, converter, prefetch):
+@pytest.mark.parametrize("kind, num_splits, compute_wgs", [("int8", 1, 2), ("fp8", 4, 2), ("int8", 4, 4),
+                                                          ("fp8", 1, 1)])
+def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs):
     """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
-    transposed, the score parts' exchange, the column softmax, the memory warpgroup's conversion, shared
-    memory) runs without a GPU; numerics in tests/gpu."""
+    transposed, the score parts' exchange, the column softmax, shared memory) runs without a GPU;
+    numerics in tests/gpu."""
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits, compute_wgs=compute_wgs,
-                                         converter=converter, prefetch=prefetch)
+    fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits, compute_wgs=compute_wgs)
     hlo = jax.jit(fn).trace(*_8bit_args(kind)).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
@@ -242,12 +239,8 @@ def test_mosaic_8bit_decode_refuses_bad_options():
 
     for options, message in (({"compute_wgs": 3}, "compute_wgs=3 is not one of"),
                              ({"chunk": 64}, "chunk=64 is not a multiple of 128"),
-                             ({"stages": 4}, "stages=4 with compute_wgs=2, converter='compute' and 16 heads needs"),
-                             ({"compute_wgs": 4, "heads": 32},
-                              "stages=1 with compute_wgs=4, converter='compute' and 32"),
-                             ({"converter": "tma"}, "converter='tma' is not one of"),
-                             ({"converter": "memory", "dequantize": True}, "converter='compute' only"),
-                             ({"prefetch": True}, "prefetch=True takes converter='memory'")):
+                             ({"stages": 4}, "stages=4 with compute_wgs=2 and 16 heads needs"),
+                             ({"compute_wgs": 4, "heads": 32}, "stages=1 with compute_wgs=4 and 32")):
         heads = options.pop("heads", 16)
         with pytest.raises(ValueError, match=message):
             jax.eval_shape(lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=2, **options),
