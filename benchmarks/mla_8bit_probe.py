@@ -66,8 +66,8 @@ def errors(compute_wgs):
 
 def summarize_trace(trace_dir: str) -> str:
     """Mean time (trace units: us) and count a block of each named scope, by warpgroup, over the blocks of
-    the Perfetto JSON that Mosaic GPU wrote into ``trace_dir``: a markdown table."""
-    (path,) = glob.glob(os.path.join(trace_dir, "*.json"))
+    the newest Perfetto JSON that Mosaic GPU wrote into ``trace_dir``: a markdown table."""
+    path = max(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)
     with open(path) as f:
         events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events

@@ -87,7 +87,7 @@ _SMEM_SLACK = 4096  # alignment of the swizzled buffers, barriers
 # warpgroup's; with 4, 112 (what the arithmetic allows) hung on the H200 in setmaxnreg, 104 runs.
 _COMPUTE_REGISTERS = {1: 232, 2: 232, 4: 104}
 _MEMORY_REGISTERS = 40  # a thread of the memory warpgroup (it only issues TMA copies)
-_PROFILE_EVENTS = 384  # a warpgroup's trace events with profile_dir (~12 KiB of shared memory each): 16 steps
+_PROFILE_EVENTS = 384  # a warpgroup's trace words with profile_dir: 32 steps of the default's scopes fit
 _REDUCE_SCRATCH = 512  # f32 a compute warpgroup's cross-warp reductions go through (Mosaic GPU's default)
 LATENT_DIM = 512
 ROPE_DIM = 64
