@@ -90,6 +90,13 @@ def summarize_trace(trace_dir: str) -> str:
     return markdown_table(rows, ["warpgroup", "scope", "mean_us", "per_block"])
 
 
+def traced(call, trace_dir: str):
+    """Runs ``call(profile_dir)`` once with Mosaic GPU tracing into ``trace_dir`` and prints the summary."""
+    os.makedirs(trace_dir, exist_ok=True)
+    jax.block_until_ready(call(trace_dir))
+    print(f"{os.path.basename(trace_dir)}\n{summarize_trace(trace_dir)}")
+
+
 def timings(inputs, variants):
     """Device time of each (compute warpgroups, stages, chunk, splits, dequantize) variant."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
@@ -147,9 +154,8 @@ def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
     # space holds 16 steps of its first compute warpgroup (a 2k context ran out of it)
     for kind in ("bfloat16", "int8"):
         try:
-            os.makedirs(trace_dir := os.path.join(out, f"trace_many_heads_{kind}"), exist_ok=True)
-            jax.block_until_ready(fn(qq, qp, *caches[kind], profile_dir=trace_dir, lengths=jnp.minimum(ln, 512)))
-            print(f"{kind}: {trace_dir}\n{summarize_trace(trace_dir)}")
+            traced(lambda d: fn(qq, qp, *caches[kind], profile_dir=d, lengths=jnp.minimum(ln, 512)),
+                   os.path.join(out, f"trace_many_heads_{kind}"))
         except Exception as e:
             print(f"{kind} trace failed {type(e).__name__}: {e}"[:300])
 
@@ -157,13 +163,11 @@ def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
 def trace_default(inputs, out: str):
     """The default variant's per-warpgroup trace over an int8 and an fp8 cache (in out/trace_default_<kind>)."""
     (c, kp, qq, qp, tb, ln), _ = inputs
+    seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
-        os.makedirs(trace_dir := os.path.join(out, f"trace_default_{kind}"), exist_ok=True)
-        seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
-        jax.block_until_ready(k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, seq_ids, ln, 0.1, num_splits=2,
-                                                      profile_dir=trace_dir))
-        print(f"{kind}: {trace_dir}\n{summarize_trace(trace_dir)}")
+        traced(lambda d: k8.mla_decode_8bit_mgpu(qq, qp, stored, kp, scale, tb, seq_ids, ln, 0.1, num_splits=2,
+                                                 profile_dir=d), os.path.join(out, f"trace_default_{kind}"))
 
 
 def main():

@@ -376,13 +376,13 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     # "auto" takes a Mosaic kernel where it runs and beats the Triton one: bf16 caches, 8-bit ones with
     # many heads, and with few heads those in mla_decode_8bit_mgpu.AUTO_DTYPES (int8, fp8; its docstring
     # has the numbers).
-    many_heads = num_heads % mla_decode_mgpu.BLOCK_H == 0
-    faster = not quantized or many_heads or jnp.dtype(c_kv.dtype).name in mla_decode_8bit_mgpu.AUTO_DTYPES
+    few_head_8bit = _few_head_8bit(num_heads, c_kv.dtype)
+    faster = not few_head_8bit or jnp.dtype(c_kv.dtype).name in mla_decode_8bit_mgpu.AUTO_DTYPES
     if impl == "mosaic" or (impl == "auto" and not why_not and not triton_options and faster):
         if layer_pages:
             block_tables = block_tables + layer * layer_pages
         lengths = lengths + length_offset
-        if quantized and not many_heads:
+        if few_head_8bit:
             return _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
                                               lengths, scale, num_splits=num_splits)
         return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
@@ -472,12 +472,18 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     return combine_splits(m, l, acc, q_latent.dtype, splits_axis=2, num_heads=num_heads, interpret=interpret)
 
 
+def _few_head_8bit(num_heads: int, cache_dtype) -> bool:
+    """Whether the Mosaic GPU kernel for these shapes is ``mla_decode_8bit_mgpu`` (an 8-bit cache, heads
+    not a multiple of 64) rather than ``mla_decode_mgpu``."""
+    return jnp.dtype(cache_dtype).itemsize == 1 and num_heads % mla_decode_mgpu.BLOCK_H != 0
+
+
 def mosaic_why_not(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, cache_dtype,
                     num_groups: int = 1) -> str | None:
     """None when a Mosaic GPU kernel runs a one-pool cache of these shapes (``mla_decode_mgpu`` for bf16
     caches and heads a multiple of 64, ``mla_decode_8bit_mgpu`` for 8-bit caches with fewer heads), else
     why not."""
-    if jnp.dtype(cache_dtype).itemsize == 1 and num_heads % mla_decode_mgpu.BLOCK_H:
+    if _few_head_8bit(num_heads, cache_dtype):
         return mla_decode_8bit_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, cache_dtype, num_groups)
     return mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, cache_dtype, num_groups)
 
