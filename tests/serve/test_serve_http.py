@@ -155,9 +155,10 @@ def num_aborted(server) -> float:
 def test_realtime_overtakes_queued_bulk(server):
     """18 bulk streams fill the 8 running slots and queue 10; a realtime request sent then is admitted at the
     next free slot, ahead of all 10, and finishes before every one of them. Without lanes it would queue
-    behind 8 of them (FCFS) and finish after those."""
+    behind 8 of them (FCFS) and finish after those. 160 tokens a bulk stream: long enough that none of
+    the first 8 finishes while the other 10 are still being sent on a loaded 2-core machine."""
     async def bulk(client, i, first_token, finished):
-        stream = await client.completions.create(model="tiny", prompt=f"bulk {i}", max_tokens=48, stream=True,
+        stream = await client.completions.create(model="tiny", prompt=f"bulk {i}", max_tokens=160, stream=True,
                                                  extra_body={"priority": "bulk", **NEVER_STOP})
         async for chunk in stream:
             if chunk.choices and i not in first_token:
