@@ -31,13 +31,20 @@ class MLP(nnx.Module):
         h = dispatch.swiglu(x, self.w_gate[...], self.w_up[...], backend)
         return jnp.dot(h, self.w_down[...])
 
-    def decode(self, x, stack, eps: float, backend: str):
+    def decode(self, x, stack, eps: float, backend: str, counters=None):
         """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
-        the norm and the gate and up products in one stacked-GEMV launch, then the down GEMV."""
+        the norm and the gate and up products in one stacked-GEMV launch, then the down GEMV. ->
+        ([T, D], counters): with ``counters`` (``dispatch.split_counters``) both launches sum their own
+        splits."""
         w_gate, w_up, w_down = stack.mlp
-        gate, up, normed = dispatch.stacked_matmuls(x, (w_gate, w_up), stack.index, backend, norm=(stack.mlp_norm, eps))
-        return dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype)
+        launch = dispatch.stacked_matmuls(x, (w_gate, w_up), stack.index, backend, norm=(stack.mlp_norm, eps),
+                                          counters=counters)
+        if counters is not None:
+            *launch, counters = launch
+        gate, up, normed = launch
+        down = dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype, counters)
+        return down if counters is not None else (down, None)
 
 
 def routing_spec(config: ModelConfig) -> RoutingSpec:
@@ -88,22 +95,31 @@ class MoE(nnx.Module):
             out = out + self.shared(x, backend=backend, stacked=stacked_shared)
         return out
 
-    def decode(self, x, stack, eps: float, backend: str):
+    def decode(self, x, stack, eps: float, backend: str, counters=None):
         """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
         one stacked-GEMV launch normalizes x and computes the f32 router logits and the shared experts'
         gate and up products; the routed experts then take the normed rows. At the smallest steps
-        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch."""
+        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch.
+        -> ([T, D], counters): with ``counters`` (``dispatch.split_counters``) the stacked launches sum
+        their own splits."""
         one_launch = x.shape[0] <= dispatch.MOE_DECODE_MAX_TOKENS and axis_size(EXPERT) == 1
         shared = stack.mlp[:2] if self.shared is not None and not one_launch else ()
-        logits, *gate_up, normed = dispatch.stacked_matmuls(x, (stack.router, *shared), stack.index, backend,
-                                                            norm=(stack.mlp_norm, eps))
+        launch = dispatch.stacked_matmuls(x, (stack.router, *shared), stack.index, backend, norm=(stack.mlp_norm, eps),
+                                          counters=counters)
+        if counters is not None:
+            *launch, counters = launch
+        logits, *gate_up, normed = launch
         weights, ids = self._route_logits(logits, backend)
         if one_launch:  # routed and shared experts together (pallas_kernels/moe_decode.py)
             shared_experts = stack.mlp if self.shared is not None else None
-            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend)
+            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index,
+                                       backend), counters
         out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
                                    expert_dispatch=self.expert_dispatch)
-        if self.shared is not None:
-            out = out + dispatch.stacked_swiglu_down(*gate_up, stack.mlp[2], stack.index, backend, normed.dtype)
-        return out
+        if self.shared is None:
+            return out, counters
+        down = dispatch.stacked_swiglu_down(*gate_up, stack.mlp[2], stack.index, backend, normed.dtype, counters)
+        if counters is not None:
+            down, counters = down
+        return out + down, counters
