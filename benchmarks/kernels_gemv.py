@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -230,68 +229,11 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
     return rows
 
 
-def summed_launches(row_counts, *, quick: bool) -> list[dict]:
-    """A decode step's three launches that can sum their own splits (w_uv; o_proj with the residual;
-    the MLP norm with the f32 router), V2-Lite shapes, chained as in the step: XLA's split-K sums
-    after each launch against the launches' last programs summing (``counters``). µs per chain from a
-    jitted loop of chains, each fed the last one's hidden rows (launch gaps included: what the summed
-    launches save is mostly launches)."""
-    heads, latent, head_dim, hidden, experts = (4, 40, 24, 96, 8) if quick else (16, 512, 128, 2048, 64)
-    rng = np.random.default_rng(8)
-    mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.05, jnp.bfloat16)
-    layers = 2 if quick else LAYERS
-    w_uv, o_proj, norm = mk(layers, latent, heads, head_dim), mk(layers, heads * head_dim, hidden), 1 + mk(layers, hidden)
-    router = jnp.asarray(rng.standard_normal((layers, hidden, experts)) * 0.02, jnp.float32)
-    layer = jnp.int32(1 if quick else LAYER)
-
-    def unsummed(ctx, h, counters):
-        v = stacked_head_gemv(ctx, w_uv, layer, contract_rows=True, out_dtype=jnp.bfloat16, interpret=quick)
-        h = h + stacked_gemvs(v.reshape(h.shape[0], -1), (o_proj,), layer, interpret=quick)[0].astype(h.dtype)
-        logits, normed = stacked_gemvs(h, (router,), layer, norm, eps=1e-6, interpret=quick)
-        return h + (logits.sum() * 1e-9).astype(h.dtype) + normed * 1e-3, counters
-
-    def summed(ctx, h, counters):
-        v, counters = stacked_head_gemv(ctx, w_uv, layer, contract_rows=True, out_dtype=jnp.bfloat16,
-                                        counters=counters, interpret=quick)
-        h, counters = stacked_gemvs(v.reshape(h.shape[0], -1), (o_proj,), layer, counters=counters, residual=h,
-                                    out_dtype=jnp.bfloat16, interpret=quick)
-        logits, normed, counters = stacked_gemvs(h, (router,), layer, norm, eps=1e-6, counters=counters,
-                                                 interpret=quick)
-        return h + (logits.sum() * 1e-9).astype(h.dtype) + normed * 1e-3, counters
-
-    iters = 2 if quick else 200
-    rows = []
-    for num_rows in row_counts:
-        ctx, h = mk(num_rows, heads, latent), mk(num_rows, hidden)
-        for name, chain in (("XLA sums", unsummed), ("summed in kernel", summed)):
-            loop = jax.jit(lambda ctx, h, chain=chain: jax.lax.fori_loop(
-                0, iters, lambda _, carry: chain(ctx, *carry), (h, jnp.zeros(1024, jnp.int32))))
-            jax.block_until_ready(loop(ctx, h))
-            times = []
-            for _ in range(1 if quick else 5):
-                start = time.perf_counter()
-                jax.block_until_ready(loop(ctx, h))
-                times.append((time.perf_counter() - start) / iters * 1e6)
-            rows.append(dict(rows=num_rows, impl=name, us_per_chain=float(np.median(times))))
-            print(f"  w_uv + o_proj + norm/router, {num_rows} rows, {name:<17} {rows[-1]['us_per_chain']:8.2f} us",
-                  flush=True)
-    return rows
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU, CI)")
     parser.add_argument("--out", default="gemv_h200", help="results name under benchmarks/results (not with --quick)")
-    parser.add_argument("--only-summed", action="store_true", help="only the summed-launch chains (a minute)")
     args = parser.parse_args(argv)
-    if args.only_summed:
-        summed = summed_launches((1, 3) if args.quick else (1, 2, 4, 8), quick=args.quick)
-        payload = {**environment(), "summed_launches": summed,
-                   "table": markdown_table(summed, ["rows", "impl", "us_per_chain"])}
-        print(payload["table"])
-        if not args.quick:
-            print("wrote", write_result(args.out, payload))
-        return payload
     rows = sweep(QUICK_SHAPES if args.quick else SHAPES, QUICK_CONFIGS if args.quick else CONFIGS, quick=args.quick)
     mlp = shared_mlp(quick=args.quick)
     by_rows = rows_vs_xla(QUICK_SHAPES if args.quick else {k: SHAPES[k] for k in ("q_proj", "shared_down")},

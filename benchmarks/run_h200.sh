@@ -21,11 +21,7 @@ case $part in
     timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --top 60 \
       --trace-dir /tmp/trace_b1 | grep -vi warn | tee "$OUT/profile_b1.txt" | head -30
     timeout 150 python -m dsjax.bench decode-curve --batches 1 2 4 8 16 32 64 --prompts 128 --out-dir "$OUT" \
-      | grep "decode-curve b"
-    mkdir -p "$OUT/unsummed"  # the same small steps with XLA's split-K sums (dispatch.SUMMED_MAX_TOKENS = 0)
-    timeout 120 python -c "import sys; from dsjax.model import dispatch; dispatch.SUMMED_MAX_TOKENS = 0
-from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 4 8 --prompts 128 \
-      --out-dir "$OUT/unsummed" | grep "decode-curve b" ;;
+      | grep "decode-curve b" ;;
   attention-decode)   # MLA decode sweep, every row profiled (about 4 minutes; results/attention_h200_decode.json)
     timeout 560 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20 ;;
   attention-prefill)  # MLA prefill sweep (results/attention_h200_prefill.json); attention_h200.json joins the halves

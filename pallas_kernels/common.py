@@ -24,23 +24,6 @@ def _compute_capability() -> str:
     return str(getattr(jax.devices()[0], "compute_capability", ""))
 
 
-def last_arrival(counters_ref, index, num_arrivals: int, interpret: bool):
-    """Inside a Triton kernel, once this program's stores are issued: counts its arrival at counter
-    ``index`` of counters_ref (i32, zero before the launch) -> True in the last of ``num_arrivals``
-    programs, which then sees every earlier arrival's stores (load them volatile, from L2: the SM's L1
-    is not coherent) and must call ``reset_arrivals``. The split-K "last program reduces" pattern:
-    the barrier puts all of the program's threads' stores before the atomic, whose acq_rel at GPU
-    scope releases them and acquires the others'."""
-    if not interpret:  # interpret mode runs the programs one after another (and has no barrier)
-        plgpu.debug_barrier()
-    return plgpu.atomic_add(counters_ref, (index,), jnp.int32(1)) == num_arrivals - 1
-
-
-def reset_arrivals(counters_ref, index, num_arrivals: int):
-    """Back to zero for the next launch that counts at ``index`` (the counters buffer stays zero)."""
-    plgpu.atomic_add(counters_ref, (index,), jnp.int32(-num_arrivals))
-
-
 def inv_rms(sum_of_squares, depth: int, eps: float):
     """RMSNorm's scale 1 / sqrt(mean(x^2) + eps) from a row's sum of squares over ``depth`` values (the
     kernels that fold the norm in get the sum from split-K partials)."""

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_precision, inv_rms, last_arrival, reset_arrivals, shrink_for_itemsize
+from pallas_kernels.common import dot_precision, inv_rms, shrink_for_itemsize
 
 MAX_ROWS = 64  # token rows a call takes (the engine uses it up to dispatch.STACKED_GEMV_MAX_TOKENS)
 NUM_SMS = 132  # H100 / H200 SXM
@@ -53,35 +53,26 @@ class _Weight(NamedTuple):
     k_per_split: int
 
 
-def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled, eps,
-                  summed, residual, interpret):
-    # layer_ref i32[1]; x_ref [M, K]; then (every layer's norm weights g [L, K]) when scaled; (residual
-    # [M, N]) when residual; one stacked w_ref [L, K, N_i] per weight; (counters i32[C], aliased to the
-    # last output) when summed. Outputs: f32[S * M, N_i] per weight (split s's partial at rows s*M..);
-    # when scaled the rows' partial sums of squares of x, f32[S * M] (split s's at s*M..) or, summed,
-    # f32[P * M] (program p's at p*M..); when summed the totals [M, N_i] per weight, (the normed rows
-    # [M, K]) when scaled, and the counters. Scaled, the products are of x * g: 1 / rms scales the total.
+def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled):
+    # layer_ref i32[1]; x_ref [M, K]; then (every layer's norm weights g [L, K]) when scaled; one stacked
+    # w_ref [L, K, N_i] per weight; outputs: f32[S * M, N_i] per weight (split s's partial at rows
+    # s*M..), then (f32[S * M]: split s's sum of x*x per row) when scaled. Scaled, the products are of
+    # x * g: the caller applies each row's 1 / rms once the splits are summed.
     refs = list(refs)
-    take = lambda n: [refs.pop(0) for _ in range(n)]
-    one = lambda present: refs.pop(0) if present else None
-    norm_ref, residual_ref, w_refs = one(scaled), one(residual), take(len(weights))
-    one(summed)  # the counters as input: aliased to the last output, which is the one written
-    o_refs, squares_ref = take(len(weights)), one(scaled)
-    total_refs = take(len(weights) if summed else 0)
-    normed_ref, counters_ref = one(scaled and summed), one(summed)
+    norm_ref = refs.pop(0) if scaled else None
+    w_refs, o_refs = refs[:len(weights)], refs[len(weights):2 * len(weights)]
     pid, layer = pl.program_id(0), layer_ref[0]
     rows = jnp.arange(block_m)
     row_ok = rows < num_rows
     safe_rows = jnp.where(row_ok, rows, 0)[:, None]
 
-    for i, (w_ref, o_ref, weight) in enumerate(zip(w_refs, o_refs, weights)):
+    for w_ref, o_ref, weight in zip(w_refs, o_refs, weights):
         @pl.when((pid >= weight.start) & (pid < weight.start + weight.tiles * splits))
-        def _(w_ref=w_ref, o_ref=o_ref, weight=weight, i=i):
+        def _(w_ref=w_ref, o_ref=o_ref, weight=weight):
             local = pid - weight.start
             n_tile, split = local // splits, local % splits
             n0 = n_tile * block_n
             cols = n0 + jnp.arange(block_n)
-            col_ok = cols < weight.width
             k_start = split * weight.k_per_split
             block_k = weight.block_k
 
@@ -95,7 +86,7 @@ def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, nu
                     x32 = x.astype(jnp.float32)
                     squares = squares + jnp.sum(x32 * x32, axis=1)
                     x = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)[None, :] * x
-                mask = k_ok[:, None] if weight.width % block_n == 0 else k_ok[:, None] & col_ok[None, :]
+                mask = k_ok[:, None] if weight.width % block_n == 0 else k_ok[:, None] & (cols < weight.width)[None, :]
                 w = plgpu.load(w_ref.at[layer, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=mask, other=0)
                 return acc + _dot(x, w), squares
 
@@ -105,75 +96,10 @@ def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, nu
             # Padding rows point past this split's rows (into the next split's, or past the array): masked
             # off. (Aliasing them onto row 0 would let interpret mode's masked scatter write row 0 back.)
             out_rows = split * num_rows + rows
-            plgpu.store(o_ref.at[out_rows[:, None], cols[None, :]], acc, mask=row_ok[:, None] & col_ok[None, :])
-            if scaled and summed:  # the tile's last program needs every split's squares, of its own tile
-                plgpu.store(squares_ref.at[pid * num_rows + rows], squares, mask=row_ok)
-            elif scaled and weight.start == 0:  # the first weight's first column tile reports the squares
-                plgpu.store(squares_ref.at[out_rows], squares, mask=row_ok & (n_tile == 0))
-            if not summed:
-                return
-            tile = weight.start // splits + n_tile
-
-            @pl.when(last_arrival(counters_ref, tile, splits, interpret))
-            def _():
-                reset_arrivals(counters_ref, tile, splits)
-                _sum_tile(o_ref, total_refs[i], cols, col_ok, splits=splits, num_rows=num_rows,
-                          squares=(squares_ref, pid - split) if scaled else None, residual_ref=residual_ref,
-                          depth=depth, eps=eps)
-                if scaled and i == 0:
-                    @pl.when(n_tile == 0)
-                    def _():
-                        _normed_rows(x_ref, norm_ref, normed_ref, squares_ref, pid - split, layer, splits=splits,
-                                     num_rows=num_rows, depth=depth, eps=eps)
-
-
-def _split_rows(splits: int, num_rows: int, row):
-    """Row ``row``'s partial in each split (rows s * num_rows + row), splits padded to a power of two."""
-    index = jnp.arange(pl.next_power_of_2(splits))
-    return index * num_rows + row, index < splits
-
-
-def _sum_tile(o_ref, total_ref, cols, col_ok, *, splits, num_rows, squares, residual_ref, depth, eps):
-    """The last program of an output tile: each row's splits summed (times 1 / rms when ``squares`` =
-    (squares_ref, the tile's first program)), plus the residual row, stored in total_ref's dtype."""
-    for row in range(num_rows):  # few rows (SUMMED_MAX_ROWS): each row's loads are independent
-        split_rows, split_ok = _split_rows(splits, num_rows, row)
-        total = plgpu.load(o_ref.at[split_rows[:, None], cols[None, :]], mask=split_ok[:, None] & col_ok[None, :],
-                           other=0, volatile=True).sum(axis=0)  # [block_n]
-        if squares is not None:
-            squares_ref, first = squares
-            programs = first + jnp.arange(pl.next_power_of_2(splits))
-            sum_squares = plgpu.load(squares_ref.at[programs * num_rows + row], mask=split_ok, other=0,
-                                     volatile=True).sum()
-            total = total * inv_rms(sum_squares, depth, eps)
-        if residual_ref is not None:  # the sublayer's output in the residual's dtype, then the add
-            res = plgpu.load(residual_ref.at[row, cols], mask=col_ok, other=0)
-            total = res.astype(jnp.float32) + total.astype(res.dtype).astype(jnp.float32)
-        plgpu.store(total_ref.at[row, cols], total.astype(total_ref.dtype), mask=col_ok)
-
-
-_NORMED_BLOCK = 256  # columns of the normed rows a step of the first tile's last program writes
-
-
-def _normed_rows(x_ref, norm_ref, normed_ref, squares_ref, first, layer, *, splits, num_rows, depth, eps):
-    """RMSNorm(x) rows (as ``dsjax.model.norms.RMSNorm``: scaled in x's dtype, then times g) from the
-    splits' squares of the programs first.. (the first weight's first tile)."""
-    for row in range(num_rows):
-        programs = first + jnp.arange(pl.next_power_of_2(splits))
-        sum_squares = plgpu.load(squares_ref.at[programs * num_rows + row], mask=programs < first + splits,
-                                 other=0, volatile=True).sum()
-        scale = inv_rms(sum_squares, depth, eps)
-
-        def body(j, carry, row=row, scale=scale):
-            ks = j * _NORMED_BLOCK + jnp.arange(_NORMED_BLOCK)
-            k_ok = ks < depth
-            x = plgpu.load(x_ref.at[row, ks], mask=k_ok, other=0)
-            g = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)
-            normed = g.astype(jnp.float32) * (x.astype(jnp.float32) * scale).astype(x.dtype).astype(jnp.float32)
-            plgpu.store(normed_ref.at[row, ks], normed.astype(normed_ref.dtype), mask=k_ok)
-            return carry
-
-        jax.lax.fori_loop(0, pl.cdiv(depth, _NORMED_BLOCK), body, 0)
+            plgpu.store(o_ref.at[out_rows[:, None], cols[None, :]], acc,
+                        mask=row_ok[:, None] & (cols < weight.width)[None, :])
+            if scaled and weight.start == 0:  # the first weight's first column tile reports the squares
+                plgpu.store(refs[-1].at[out_rows], squares, mask=row_ok & (n_tile == 0))
 
 
 def _dot(x, w):
@@ -206,10 +132,9 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_splits", "block_n", "block_k", "num_warps", "num_stages",
-                                             "partials", "out_dtype", "interpret"))
-def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, counters=None, residual=None, out_dtype=jnp.float32,
-                  num_splits=None, block_n=None, block_k=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-                  partials=False, interpret=False):
+                                             "partials", "interpret"))
+def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=BLOCK_K,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, interpret=False):
     """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for each stacked w [L, K, N_i] of ``ws`` (any float
     dtypes), one launch for all -> tuple of f32[M, N_i]. The layer's weights are read in place (no slice
     copy), once for all M rows.
@@ -220,11 +145,6 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, counters=None, residual=
     1 / rms scale multiplies the summed products; equal to norm-then-product up to the rounding of x's
     dtype. Tiles of 4-byte weights are half as deep (the same bytes in shared memory). Unset, block_n
     is ``WIDE_BLOCK_N`` for a normed launch of ``WIDE_MIN_WIDTH`` columns or more, else ``BLOCK_N``.
-
-    ``counters`` (i32[C] of zeros, C >= the launch's output tiles; M <= ``SUMMED_MAX_ROWS``): the last
-    program of each output tile to finish sums the splits itself (and scales them, and writes the normed
-    rows), so no XLA reduction follows the launch; the products come back in ``out_dtype``, plus
-    ``residual`` [M, N] (one weight) when given, and the counters, zeroed again, come back last.
 
     ``partials``: the unsummed split-K partials come back instead, f32[S * M, N_i] per weight (split s's
     rows at s * M), then with ``norm`` the rows' partial sums of squares f32[S * M] (of x, not x * g),
@@ -239,10 +159,6 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, counters=None, residual=
     if (norm is None) != (eps is None) or (norm is not None and norm.shape != (ws[0].shape[0], depth)):
         raise ValueError(f"stacked_gemvs: norm needs eps and shape [L, K={depth}]; got "
                          f"{None if norm is None else norm.shape}, eps={eps}")
-    summed = counters is not None
-    if residual is not None and (not summed or len(ws) != 1 or residual.shape != (num_rows, ws[0].shape[2])):
-        raise ValueError(f"stacked_gemvs: residual (shape {residual.shape}) comes with counters and one weight, "
-                         f"shaped [M={num_rows}, N]")
     blocks_k = [shrink_for_itemsize(block_k, num_stages, w.dtype.itemsize)[0] for w in ws]
     width = sum(w.shape[2] for w in ws)
     block_n = block_n or (WIDE_BLOCK_N if norm is not None and width >= WIDE_MIN_WIDTH else BLOCK_N)
@@ -252,34 +168,20 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, counters=None, residual=
         tiles = pl.cdiv(w.shape[2], block_n)
         weights.append(_Weight(start, tiles, w.shape[2], bk, _k_per_split(depth, splits, bk)))
         start += tiles * splits
-    if summed:
-        _check_counters("stacked_gemvs", counters, start // splits, num_rows, partials)
     kernel = functools.partial(_gemvs_kernel, weights=tuple(weights), splits=splits,
                                block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, num_rows=num_rows,
-                               depth=depth, scaled=norm is not None, eps=eps, summed=summed,
-                               residual=residual is not None, interpret=interpret)
+                               depth=depth, scaled=norm is not None)
     out_shape = [jax.ShapeDtypeStruct((splits * num_rows, w.shape[2]), jnp.float32) for w in ws]
     if norm is not None:
-        out_shape.append(jax.ShapeDtypeStruct(((start if summed else splits) * num_rows,), jnp.float32))
-    inputs = [jnp.asarray(layer, jnp.int32).reshape(1), x, *([norm] if norm is not None else []),
-              *([residual] if residual is not None else []), *ws]
-    if summed:
-        out_shape += [jax.ShapeDtypeStruct((num_rows, w.shape[2]), out_dtype) for w in ws]
-        out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype)] * (norm is not None)
-        out_shape.append(jax.ShapeDtypeStruct(counters.shape, counters.dtype))
-        inputs.append(counters)
+        out_shape.append(jax.ShapeDtypeStruct((splits * num_rows,), jnp.float32))
     outs = pl.pallas_call(
         kernel,
         grid=(start,),
         out_shape=out_shape,
-        input_output_aliases={len(inputs) - 1: len(out_shape) - 1} if summed else {},
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"stacked_gemv{len(ws) if len(ws) > 1 else ''}{'_norm' if norm is not None else ''}_s{splits}"
-             f"{'_summed' if summed else ''}",
-    )(*inputs)
-    if summed:
-        return tuple(outs[len(ws) + (norm is not None):])
+        name=f"stacked_gemv{len(ws) if len(ws) > 1 else ''}{'_norm' if norm is not None else ''}_s{splits}",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x, *([norm] if norm is not None else []), *ws)
     if partials:
         return tuple(outs)
     products = tuple(p.reshape(splits, num_rows, -1).sum(axis=0) for p in outs[:len(ws)])
@@ -291,21 +193,6 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, counters=None, residual=
     return tuple(scale * p for p in products) + (g * (x.astype(jnp.float32) * scale).astype(x.dtype),)
 
 
-# A launch sums its own splits (``counters``) for at most this many token rows: its last programs
-# sum one row at a time, which at more rows would cost more than the XLA reduction it saves.
-SUMMED_MAX_ROWS = 8
-
-
-def _check_counters(name: str, counters, num_tiles: int, num_rows: int, partials: bool):
-    if counters.dtype != jnp.int32 or counters.ndim != 1 or counters.shape[0] < num_tiles:
-        raise ValueError(f"{name}: counters has {counters.dtype}{list(counters.shape)}; accepted int32[C] "
-                         f"zeros with C >= {num_tiles} (the launch's output tiles)")
-    if num_rows > SUMMED_MAX_ROWS or partials:
-        raise ValueError(f"{name}: counters (the kernel sums its splits) with {num_rows} rows"
-                         f"{' and partials=True' if partials else ''}; accepted up to {SUMMED_MAX_ROWS} rows, "
-                         "without partials")
-
-
 def stacked_gemv(x, w, layer, **options):
     """x [M, K] @ w[layer] for one stacked w [L, K, N] -> f32[M, N] (``stacked_gemvs`` with one weight)."""
     return stacked_gemvs(x, (w,), layer, **options)[0]
@@ -315,12 +202,10 @@ def stacked_gemv_reference(x, w, layer):
     return jnp.dot(x, w[layer], preferred_element_type=jnp.float32)
 
 
-def _head_kernel(layer_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, k_per_split, splits, num_rows, depth,
-                 width, contract_rows, interpret):
-    # x_ref [M, H * K] (head h's K inputs at columns h*K..); w_ref [L, R, H * C]; (counters i32[C] in,
-    # aliased to the last output); o_ref f32[S * M, H * N]; with counters the totals [M, H * N] and the
-    # counters. contract_rows: K = R, N = C (w's rows against the inputs); else K = C, N = R (w's head columns).
-    o_ref, total_ref, counters_ref = refs[-3:] if len(refs) == 4 else (refs[0], None, None)
+def _head_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, k_per_split, num_rows, depth,
+                 width, contract_rows):
+    # x_ref [M, H * K] (head h's K inputs at columns h*K..); w_ref [L, R, H * C]; o_ref f32[S * M, H * N].
+    # contract_rows: K = R, N = C (w's rows against the inputs); else K = C, N = R (w's head columns).
     head, n_tile, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     rows = jnp.arange(block_m)
@@ -345,14 +230,6 @@ def _head_kernel(layer_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, k_pe
     acc = jax.lax.fori_loop(0, k_per_split // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
     plgpu.store(o_ref.at[(split * num_rows + rows)[:, None], (head * width + cols)[None, :]], acc.astype(o_ref.dtype),
                 mask=row_ok[:, None] & col_ok[None, :])
-    if counters_ref is not None:
-        tile = head * pl.num_programs(1) + n_tile
-
-        @pl.when(last_arrival(counters_ref, tile, splits, interpret))
-        def _():
-            reset_arrivals(counters_ref, tile, splits)
-            _sum_tile(o_ref, total_ref, head * width + cols, col_ok, splits=splits, num_rows=num_rows, squares=None,
-                      residual_ref=None, depth=depth, eps=None)
 
 
 # K rows a head-product step streams, by direction (contract_rows): H200, one token, V2-Lite
@@ -363,18 +240,14 @@ HEAD_BLOCK_K = {False: 128, True: 64}
 
 @functools.partial(jax.jit, static_argnames=("contract_rows", "num_splits", "block_n", "block_k", "num_warps",
                                              "num_stages", "out_dtype", "interpret"))
-def stacked_head_gemv(x, w, layer, *, contract_rows: bool, counters=None, num_splits=None, block_n=BLOCK_N,
-                      block_k=None, num_warps=NUM_WARPS, num_stages=NUM_STAGES, out_dtype=jnp.float32, interpret=False):
+def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, block_n=BLOCK_N, block_k=None,
+                      num_warps=NUM_WARPS, num_stages=NUM_STAGES, out_dtype=jnp.float32, interpret=False):
     """Per-head products of a few token rows with one layer of a stacked per-head weight w [L, R, H, C],
     read in place: x [M, H, R] -> f32[M, H, C] contracting w's rows (``contract_rows``; MLA's w_uv: the
     attended latent to each head's values), else x [M, H, C] -> f32[M, H, R] contracting each head's C
     columns (w_uk: a head's nope query into the latent space). One program per (head, output tile, K
     split); the splits' partials are summed outside, or with one split the kernel stores ``out_dtype``
-    itself. block_k unset: ``HEAD_BLOCK_K`` of the direction.
-
-    ``counters`` (i32[C] zeros, C >= heads x output tiles; M <= ``SUMMED_MAX_ROWS``): with several
-    splits the last program of each (head, tile) sums them and stores ``out_dtype``; -> (product,
-    counters zeroed again)."""
+    itself. block_k unset: ``HEAD_BLOCK_K`` of the direction."""
     num_rows, num_heads = x.shape[:2]
     if w.ndim != 4 or w.shape[2] != num_heads or x.ndim != 3 or x.shape[2] != w.shape[1 if contract_rows else 3]:
         raise ValueError(f"stacked_head_gemv: x {x.shape} and w {w.shape} do not match; expected x [M, H, "
@@ -387,35 +260,20 @@ def stacked_head_gemv(x, w, layer, *, contract_rows: bool, counters=None, num_sp
     n_tiles = pl.cdiv(width, block_n)
     splits = num_splits or default_splits(depth, num_heads * width, block_n, block_k)
     k_per_split = _k_per_split(depth, splits, block_k)
-    summed = counters is not None and splits > 1
-    if summed:
-        _check_counters("stacked_head_gemv", counters, num_heads * n_tiles, num_rows, False)
     kernel = functools.partial(_head_kernel, block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n,
-                               block_k=block_k, k_per_split=k_per_split, splits=splits, num_rows=num_rows, depth=depth,
-                               width=width, contract_rows=contract_rows, interpret=interpret)
-    out_shape = [jax.ShapeDtypeStruct((splits * num_rows, num_heads * width), jnp.float32 if splits > 1 else out_dtype)]
-    inputs = [jnp.asarray(layer, jnp.int32).reshape(1), x.reshape(num_rows, -1), w.reshape(*w.shape[:2], -1)]
-    if summed:
-        out_shape += [jax.ShapeDtypeStruct((num_rows, num_heads * width), out_dtype),
-                      jax.ShapeDtypeStruct(counters.shape, counters.dtype)]
-        inputs.append(counters)
-    outs = pl.pallas_call(
+                               block_k=block_k, k_per_split=k_per_split, num_rows=num_rows, depth=depth, width=width,
+                               contract_rows=contract_rows)
+    partials = pl.pallas_call(
         kernel,
         grid=(num_heads, n_tiles, splits),
-        out_shape=out_shape,
-        input_output_aliases={3: 2} if summed else {},
+        out_shape=jax.ShapeDtypeStruct((splits * num_rows, num_heads * width), jnp.float32 if splits > 1 else out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"stacked_head_gemv_s{splits}{'_summed' if summed else ''}",
-    )(*inputs)
-    if summed:
-        return outs[1].reshape(num_rows, num_heads, width), outs[2]
-    partials = outs[0]
+        name=f"stacked_head_gemv_s{splits}",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), x.reshape(num_rows, -1), w.reshape(*w.shape[:2], -1))
     if splits == 1:
-        product = partials.reshape(num_rows, num_heads, width)
-    else:
-        product = partials.reshape(splits, num_rows, num_heads, width).sum(axis=0).astype(out_dtype)
-    return product if counters is None else (product, counters)
+        return partials.reshape(num_rows, num_heads, width)
+    return partials.reshape(splits, num_rows, num_heads, width).sum(axis=0).astype(out_dtype)
 
 
 def stacked_head_gemv_reference(x, w, layer, *, contract_rows: bool):

@@ -28,7 +28,7 @@ from pallas_kernels.moe_decode import moe_decode_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
-from pallas_kernels.stacked_gemv import (SUMMED_MAX_ROWS, stacked_gemv_reference, stacked_gemvs, stacked_head_gemv,
+from pallas_kernels.stacked_gemv import (stacked_gemv_reference, stacked_gemvs, stacked_head_gemv,
                                          stacked_head_gemv_reference)
 from pallas_kernels.swiglu import swiglu as swiglu_kernel
 from pallas_kernels.swiglu import swiglu_reference
@@ -67,25 +67,6 @@ def swiglu(x, w_gate, w_up, backend: str):
 STACKED_GEMV_MAX_TOKENS = 64
 
 
-# Steps of up to this many tokens let the stacked GEMV launches sum their own split-K partials: the last
-# program of each output tile adds them (and scales, norms, adds the residual) where an XLA fusion of
-# ~1-2 µs followed each launch (decode_profile.md). 0: the fusions, as before.
-SUMMED_MAX_TOKENS = SUMMED_MAX_ROWS
-# Arrival counters a step carries: enough for any launch's output tiles (V3's 128 heads x 2 w_uv tiles).
-NUM_SPLIT_COUNTERS = 1024
-
-
-def split_counters(num_tokens: int, backend: str):
-    """The zeroed i32 arrival counters that a step of ``num_tokens`` threads through its layers for the
-    launches that sum their own splits (each leaves them zeroed), or None where those launches are not
-    used: the reference backend, larger steps, and inside a shard_map (the counters would need the
-    mesh's varying-axes typing; meshes keep the XLA reductions)."""
-    if (backend == "reference" or num_tokens > min(SUMMED_MAX_TOKENS, STACKED_GEMV_MAX_TOKENS)
-            or jax.sharding.get_abstract_mesh().manual_axes):
-        return None
-    return jnp.zeros((NUM_SPLIT_COUNTERS,), jnp.int32)
-
-
 def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
     """x [T, D] (T <= ``STACKED_GEMV_MAX_TOKENS``) through layer ``layer``'s SwiGLU MLP, given every
     layer's w_gate/w_up [L, D, I] and w_down [L, I, D] -> [T, D]: split-K GEMVs on the stack in place,
@@ -95,27 +76,20 @@ def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
     return stacked_swiglu_down(gate, up, w_down, layer, backend, x.dtype)
 
 
-def stacked_swiglu_down(gate, up, w_down, layer, backend: str, dtype, counters=None):
-    """silu(gate) * up (f32 [T, I] products) through layer ``layer``'s stacked w_down [L, I, D] -> [T, D];
-    with ``counters`` (the launch sums its own splits) -> ([T, D], counters)."""
+def stacked_swiglu_down(gate, up, w_down, layer, backend: str, dtype):
+    """silu(gate) * up (f32 [T, I] products) through layer ``layer``'s stacked w_down [L, I, D] -> [T, D]."""
     h = (jax.nn.silu(gate) * up).astype(dtype)
-    if counters is not None:
-        return stacked_matmuls(h, (w_down,), layer, backend, counters=counters, out_dtype=dtype)
     return stacked_matmuls(h, (w_down,), layer, backend)[0].astype(dtype)
 
 
-def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = False, counters=None, residual=None,
-                    out_dtype=jnp.float32):
+def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = False):
     """x [T, K] @ w[layer] for each stacked w [L, K, N_i] of ``ws`` -> tuple of f32[T, N_i], each layer's
     slice read in place, one kernel launch for all. ``norm`` = (every layer's RMSNorm weights [L, K], eps):
     x is normalized first (inside the kernel) and the normed rows [T, K] come back last.
 
     ``partials`` (with ``norm``): the products of x * g unsummed over the kernel's S K-splits, f32[S * T,
     N_i] each, then the rows' partial sums of squares f32[S * T]: for ``write_latents`` to finish (the
-    reference: one split).
-
-    ``counters`` (``split_counters``): the launch sums its own splits; the products come in
-    ``out_dtype``, plus ``residual`` [T, N] (one weight) when given, and the counters come back last."""
+    reference: one split)."""
     if partials and norm is None:
         raise ValueError("stacked_matmuls: partials=True comes with the norm's sums of squares; give norm")
     if backend == "reference":
@@ -125,26 +99,19 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = Fals
             return tuple(stacked_gemv_reference(scaled, w, layer) for w in ws) + (jnp.sum(x32 * x32, axis=-1),)
         if norm is not None:
             x = rms_norm(x, norm[0][layer], norm[1])
-        products = tuple(stacked_gemv_reference(x, w, layer) for w in ws)
-        if counters is None:
-            return products + ((x,) if norm is not None else ())
-        if residual is not None:
-            products = (residual + products[0].astype(residual.dtype),)
-        return tuple(p.astype(out_dtype) for p in products) + ((x,) if norm is not None else ()) + (counters,)
+        return tuple(stacked_gemv_reference(x, w, layer) for w in ws) + ((x,) if norm is not None else ())
     weights, eps = norm if norm is not None else (None, None)
-    return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials, counters=counters, residual=residual,
-                         out_dtype=jnp.dtype(out_dtype), interpret=backend == "interpret")
+    return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials, interpret=backend == "interpret")
 
 
-def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32, counters=None):
+def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32):
     """Per-head products with layer ``layer`` of a stacked per-head w [L, R, H, C], read in place (MLA's
     absorbed w_uk / w_uv at decode sizes), in ``out_dtype``; see
-    ``pallas_kernels.stacked_gemv.stacked_head_gemv``. With ``counters``: (product, counters)."""
+    ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
     if backend == "reference":
-        product = stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows).astype(out_dtype)
-        return product if counters is None else (product, counters)
+        return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows).astype(out_dtype)
     return stacked_head_gemv(x, w, layer, contract_rows=contract_rows, out_dtype=jnp.dtype(out_dtype),
-                             counters=counters, interpret=backend == "interpret")
+                             interpret=backend == "interpret")
 
 
 # Steps of up to this many tokens run a MoE layer's routed and shared experts in one launch

@@ -138,8 +138,9 @@ class MLAttention(nnx.Module):
         if self._stacked_fits(latent_ctx.shape[:-2], stacked):
             index = stacked["index"]
             v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend, contract_rows=True)
+            o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
             out, = dispatch.stacked_matmuls(v_ctx.astype(latent_ctx.dtype).reshape(latent_ctx.shape[0], -1),
-                                            (_flat_o_proj(stacked),), index, backend)
+                                            (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),), index, backend)
             return out.astype(latent_ctx.dtype)
         v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
         flat = v_ctx.reshape(*v_ctx.shape[:-2], -1)  # [..., H * V] against o_proj [H, V, D]: one K axis
@@ -186,25 +187,12 @@ class MLAttention(nnx.Module):
             cache = jax.lax.optimization_barrier(cache)
         return cache
 
-    def _summed_output(self, latent_ctx, stacked, backend, counters, residual):
-        """``output`` of a few tokens by launches that sum their own splits (``dispatch.split_counters``):
-        -> (residual + [T, D], counters)."""
-        index = stacked["index"]
-        v_ctx, counters = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend, contract_rows=True,
-                                                       out_dtype=latent_ctx.dtype, counters=counters)
-        h, counters = dispatch.stacked_matmuls(v_ctx.reshape(latent_ctx.shape[0], -1), (_flat_o_proj(stacked),),
-                                               index, backend, counters=counters, residual=residual,
-                                               out_dtype=residual.dtype)
-        return h, counters
-
     def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, norm: RMSNorm, backend: str,
-              stacked=None, counters=None):
+              stacked=None):
         """Packed tokens x [T, D] of one engine step, before the attention's RMSNorm ``norm``: write their
         latents into ``cache`` at layer ``layer``, then attend (absorbed) over each token's sequence. ->
         ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
-        layer scan plus every layer's ``norm`` weights under "norm", or None. With ``counters``
-        (``dispatch.split_counters``: one device, a few tokens) the output launches sum their own splits
-        and add the residual: -> (x + attention, cache, counters)."""
+        layer scan plus every layer's ``norm`` weights under "norm", or None."""
         if self._stacked_fits(x.shape[:-1], stacked):
             if cache.c_kv_scale is None and cache.pools is None:
                 q_nope, q_pe, cache = self._decode_write(x, cache, layer, batch, stacked, norm, backend)
@@ -229,16 +217,7 @@ class MLAttention(nnx.Module):
                 q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables, batch.seq_ids,
                 batch.positions, self.scale, backend, c_kv_scale=flat(cache.c_kv_scale), layer=layer,
                 layer_pages=num_blocks)
-        if counters is not None:
-            h, counters = self._summed_output(ctx, stacked, backend, counters, residual=x)
-            return h, cache, counters
         return self.output(ctx, stacked, backend), cache
-
-
-def _flat_o_proj(stacked):
-    """The stacked o_proj [L, H, V, D] as one K axis of H * V rows: [L, H * V, D] (free)."""
-    o_proj = stacked["o_proj"]
-    return o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1])
 
 
 def _flat_heads(w):

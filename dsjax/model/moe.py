@@ -31,20 +31,13 @@ class MLP(nnx.Module):
         h = dispatch.swiglu(x, self.w_gate[...], self.w_up[...], backend)
         return jnp.dot(h, self.w_down[...])
 
-    def decode(self, x, stack, eps: float, backend: str, counters=None):
+    def decode(self, x, stack, eps: float, backend: str):
         """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
-        the norm and the gate and up products in one stacked-GEMV launch, then the down GEMV. ->
-        ([T, D], counters): with ``counters`` (``dispatch.split_counters``) both launches sum their own
-        splits."""
+        the norm and the gate and up products in one stacked-GEMV launch, then the down GEMV."""
         w_gate, w_up, w_down = stack.mlp
-        launch = dispatch.stacked_matmuls(x, (w_gate, w_up), stack.index, backend, norm=(stack.mlp_norm, eps),
-                                          counters=counters)
-        if counters is not None:
-            *launch, counters = launch
-        gate, up, normed = launch
-        down = dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype, counters)
-        return down if counters is not None else (down, None)
+        gate, up, normed = dispatch.stacked_matmuls(x, (w_gate, w_up), stack.index, backend, norm=(stack.mlp_norm, eps))
+        return dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype)
 
 
 def routing_spec(config: ModelConfig) -> RoutingSpec:
@@ -95,31 +88,22 @@ class MoE(nnx.Module):
             out = out + self.shared(x, backend=backend, stacked=stacked_shared)
         return out
 
-    def decode(self, x, stack, eps: float, backend: str, counters=None):
+    def decode(self, x, stack, eps: float, backend: str):
         """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
         one stacked-GEMV launch normalizes x and computes the f32 router logits and the shared experts'
         gate and up products; the routed experts then take the normed rows. At the smallest steps
-        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch.
-        -> ([T, D], counters): with ``counters`` (``dispatch.split_counters``) the stacked launches sum
-        their own splits."""
+        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch."""
         one_launch = x.shape[0] <= dispatch.MOE_DECODE_MAX_TOKENS and axis_size(EXPERT) == 1
         shared = stack.mlp[:2] if self.shared is not None and not one_launch else ()
-        launch = dispatch.stacked_matmuls(x, (stack.router, *shared), stack.index, backend, norm=(stack.mlp_norm, eps),
-                                          counters=counters)
-        if counters is not None:
-            *launch, counters = launch
-        logits, *gate_up, normed = launch
+        logits, *gate_up, normed = dispatch.stacked_matmuls(x, (stack.router, *shared), stack.index, backend,
+                                                            norm=(stack.mlp_norm, eps))
         weights, ids = self._route_logits(logits, backend)
         if one_launch:  # routed and shared experts together (pallas_kernels/moe_decode.py)
             shared_experts = stack.mlp if self.shared is not None else None
-            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index,
-                                       backend), counters
+            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend)
         out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
                                    expert_dispatch=self.expert_dispatch)
-        if self.shared is None:
-            return out, counters
-        down = dispatch.stacked_swiglu_down(*gate_up, stack.mlp[2], stack.index, backend, normed.dtype, counters)
-        if counters is not None:
-            down, counters = down
-        return out + down, counters
+        if self.shared is not None:
+            out = out + dispatch.stacked_swiglu_down(*gate_up, stack.mlp[2], stack.index, backend, normed.dtype)
+        return out

@@ -70,23 +70,15 @@ class DecoderLayer(nnx.Module):
         flat = h.reshape(-1, h.shape[-1])
         return h + psum_tensor(self._mlp(self.mlp_norm(flat), backend, stacked)).reshape(h.shape)
 
-    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked: LayerStack = None,
-              counters=None):
-        """x [T, D] -> ([T, D], cache, counters). Steps of few tokens with the layer stack at hand fuse each
-        sublayer's RMSNorm into its first stacked-GEMV launch (``MLAttention.paged``, ``MoE.decode``);
-        with ``counters`` (``dispatch.split_counters``) the launches also sum their own splits, and the
-        attention's last one adds the residual."""
-        attention = partial(self.attn.paged, x, cache, layer, batch, norm=self.attn_norm, backend=backend,
-                                      stacked=stacked and stacked.attn)
-        if counters is None:
-            attn_out, cache = attention()
-            h = x + psum_tensor(attn_out)
-        else:
-            h, cache, counters = attention(counters=counters)
+    def paged(self, x, cache: PagedKVCache, layer, batch: PagedBatch, *, backend: str, stacked: LayerStack = None):
+        """x [T, D] -> ([T, D], cache). Steps of few tokens with the layer stack at hand fuse each
+        sublayer's RMSNorm into its first stacked-GEMV launch (``MLAttention.paged``, ``MoE.decode``)."""
+        attn_out, cache = self.attn.paged(x, cache, layer, batch, norm=self.attn_norm, backend=backend,
+                                          stacked=stacked and stacked.attn)
+        h = x + psum_tensor(attn_out)
         if stacked is not None and h.shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS:
-            mlp_out, counters = self.mlp.decode(h, stacked, self.mlp_norm.eps, backend, counters)
-            return h + psum_tensor(mlp_out), cache, counters
-        return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked)), cache, counters
+            return h + psum_tensor(self.mlp.decode(h, stacked, self.mlp_norm.eps, backend)), cache
+        return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked)), cache
 
 
 def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs: nnx.Rngs,
@@ -169,14 +161,13 @@ class DeepseekForCausalLM(nnx.Module):
 
         def step(stack):
             def one(layer, carry, index, index_in_stack):
-                return layer.paged(*carry[:2], index, batch, backend=backend, stacked=self._stacked(stack, index_in_stack),
-                                   counters=carry[2])
+                x, cache = carry
+                return layer.paged(x, cache, index, batch, backend=backend, stacked=self._stacked(stack, index_in_stack))
             return one
 
         x = embed_lookup(self.embed[...], tokens)
-        carry = (x, cache, dispatch.split_counters(tokens.shape[0], backend))
-        carry = _scan_layers(self.dense_layers, carry, 0, step(self.dense_layers))
-        x, cache, _ = _scan_layers(self.moe_layers, carry, self.config.num_dense_layers, step(self.moe_layers))
+        carry = _scan_layers(self.dense_layers, (x, cache), 0, step(self.dense_layers))
+        x, cache = _scan_layers(self.moe_layers, carry, self.config.num_dense_layers, step(self.moe_layers))
         return self.norm(x), cache
 
     def compute_logits(self, hidden):

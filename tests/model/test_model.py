@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,34 +112,3 @@ def test_stacked_mlp_kernels_read_their_layer(num_tokens):
         got = jax.jit(dispatch.stacked_mlp, static_argnames="backend")(x, w_gate, w_up, w_down, jnp.int32(layer),
                                                                      backend="interpret")
         np.testing.assert_allclose(got, h @ w_down[layer], rtol=2e-5, atol=2e-5)
-
-
-@pytest.mark.parametrize("num_tokens, summed", [(1, True), (8, True), (9, False)])
-def test_small_decode_steps_sum_their_splits_in_kernel(num_tokens, summed, monkeypatch):
-    """Steps of up to dispatch.SUMMED_MAX_TOKENS tokens run w_uv, o_proj (with the residual) and the MLP
-    launches with the split counters (kernel names end in _summed; the numbers are checked against the
-    reference in test_paged_decode_kernels_match_reference); larger steps, or SUMMED_MAX_TOKENS = 0,
-    keep XLA's reductions."""
-    from dsjax.model import dispatch
-
-    assert dispatch.SUMMED_MAX_TOKENS == 8
-    model = dsjax.load_model("tiny", kernel_backend="interpret")
-    cache = PagedKVCache.zeros(model.config, 16, 4, jnp.float32)
-    graphdef, state = nnx.split(model)
-
-    def summed_launches():
-        def step(state, cache, toks):  # a new function each time: make_jaxpr caches traces per function
-            positions = jnp.arange(toks.shape[0], dtype=jnp.int32)
-            batch = PagedBatch(positions, positions, jnp.zeros_like(positions), jnp.arange(4, dtype=jnp.int32)[None])
-            return nnx.merge(graphdef, state).forward_paged(toks, cache, batch)
-
-        jaxpr = str(jax.make_jaxpr(step)(state, cache, jnp.zeros(num_tokens, jnp.int32)))
-        launches = {"w_uv": r"stacked_head_gemv_s\d+_summed", "plain": r"stacked_gemv_s\d+_summed",
-                    "normed": r"stacked_gemv\d*_norm_s\d+_summed"}
-        return {name for name, pattern in launches.items() if re.search(pattern, jaxpr)}
-
-    # tiny: w_uv's one split needs no sum; o_proj (with the residual), the dense MLP's down and the
-    # MLPs' normed launches (gate / up; the router, with the shared experts' gate / up above 2 tokens) do
-    assert summed_launches() == ({"plain", "normed"} if summed else set())
-    monkeypatch.setattr(dispatch, "SUMMED_MAX_TOKENS", 0)
-    assert not summed_launches()

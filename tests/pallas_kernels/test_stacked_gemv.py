@@ -1,6 +1,6 @@
 """Stacked decode GEMV (interpret mode) against its reference: one layer of a stacked weight, read in
 place, for 1..64 token rows, ragged K and N, several K splits; several weights of mixed dtypes in one
-launch, with the RMSNorm of the rows fused in; the launches that sum their own splits (counters)."""
+launch, with the RMSNorm of the rows fused in."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dsjax.model.norms import RMSNorm
-from pallas_kernels.stacked_gemv import (MAX_ROWS, SUMMED_MAX_ROWS, default_splits, stacked_gemv, stacked_gemv_reference,
-                                         stacked_gemvs, stacked_head_gemv, stacked_head_gemv_reference)
+from pallas_kernels.stacked_gemv import (MAX_ROWS, default_splits, stacked_gemv, stacked_gemv_reference, stacked_gemvs,
+                                         stacked_head_gemv, stacked_head_gemv_reference)
 from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 
@@ -139,106 +139,3 @@ def test_stacked_head_gemv_lowers_to_triton_for_h200(contract_rows):
     hlo = lower_for_h200(fn, shape((1, 16, 512 if contract_rows else 128), jnp.bfloat16),
                          shape((26, 512, 16, 128), jnp.bfloat16), shape((), jnp.int32))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
-
-
-def _counters(n=64, fill=0):
-    return jnp.full((n,), fill, jnp.int32)
-
-
-@pytest.mark.parametrize("rows, splits", [(1, None), (3, 3), (SUMMED_MAX_ROWS, 2)])
-def test_summed_launch_equals_the_summed_partials(rows, splits):
-    """counters: each output tile's last program adds the splits (3: not a power of two), scales them by
-    the fused norm's 1 / rms and writes the normed rows, as the XLA epilogue does; the counters come back
-    zeroed, so the next launch can count on them."""
-    rng = np.random.default_rng(rows)
-    layers, depth = 3, 200
-    x = jnp.asarray(rng.standard_normal((rows, depth)) * 3, jnp.bfloat16)
-    ws = (jnp.asarray(rng.standard_normal((layers, depth, 8)), jnp.float32),
-          jnp.asarray(rng.standard_normal((layers, depth, 100)) / np.sqrt(depth), jnp.bfloat16))
-    norm = jnp.asarray(1 + 0.1 * rng.standard_normal((layers, depth)), jnp.bfloat16)
-    options = dict(eps=1e-6, block_k=32, num_splits=splits, interpret=True)
-    want = stacked_gemvs(x, ws, jnp.int32(2), norm, **options)
-    *got, counters = stacked_gemvs(x, ws, jnp.int32(2), norm, counters=_counters(), **options)
-    assert len(got) == len(want) == 3 and not np.asarray(counters).any()
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-6, atol=1e-6)
-
-
-def test_summed_launch_adds_the_residual_in_its_dtype():
-    """o_proj's launch in a decode step: the splits' sum rounded to the residual's dtype, then added."""
-    rng = np.random.default_rng(5)
-    x = jnp.asarray(rng.standard_normal((2, 96)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((3, 96, 80)) / 10, jnp.bfloat16)
-    residual = jnp.asarray(rng.standard_normal((2, 80)), jnp.bfloat16)
-    got, counters = stacked_gemvs(x, (w,), jnp.int32(1), counters=_counters(), residual=residual,
-                                  out_dtype=jnp.bfloat16, num_splits=4, block_k=16, interpret=True)
-    want = residual + stacked_gemv(x, w, jnp.int32(1), num_splits=4, block_k=16, interpret=True).astype(jnp.bfloat16)
-    assert got.dtype == jnp.bfloat16 and not np.asarray(counters).any()
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-
-
-def test_summed_head_gemv_equals_the_summed_partials():
-    rng = np.random.default_rng(6)
-    w = jnp.asarray(rng.standard_normal((3, 40, 4, 24)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((2, 4, 40)), jnp.float32)
-    options = dict(contract_rows=True, num_splits=3, block_k=16, block_n=16, interpret=True)
-    got, counters = stacked_head_gemv(x, w, jnp.int32(2), counters=_counters(), **options)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(stacked_head_gemv(x, w, jnp.int32(2), **options)),
-                               rtol=1e-6, atol=1e-6)
-    assert not np.asarray(counters).any()
-
-
-def test_summed_launches_chain_one_counters_buffer():
-    """As in a decode step: each launch hands the zeroed counters to the next (w_uv, then o_proj with
-    the residual), every one finding its last programs on the same counter slots."""
-    rng = np.random.default_rng(7)
-    w_uv = jnp.asarray(rng.standard_normal((2, 32, 2, 16)) / 6, jnp.float32)
-    o_proj = jnp.asarray(rng.standard_normal((2, 32, 48)) / 6, jnp.float32)
-    latent, residual = (jnp.asarray(rng.standard_normal(shape), jnp.float32) for shape in ((1, 2, 32), (1, 48)))
-
-    def chain(counters):
-        v, counters = stacked_head_gemv(latent, w_uv, 1, contract_rows=True, counters=counters, num_splits=2,
-                                        block_k=16, block_n=16, interpret=True)
-        return stacked_gemvs(v.reshape(1, -1), (o_proj,), 1, counters=counters, residual=residual, num_splits=4,
-                             block_k=16, block_n=16, interpret=True)
-
-    out, counters = chain(_counters())
-    again, counters = chain(counters)
-    v = stacked_head_gemv_reference(latent, w_uv, 1, contract_rows=True).reshape(1, -1)
-    want = residual + stacked_gemv_reference(v, o_proj, 1)
-    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(again), np.asarray(out))
-    assert not np.asarray(counters).any()
-
-
-def test_summed_launch_refuses_what_it_cannot_sum():
-    x, w = jnp.zeros((1, 64)), jnp.zeros((2, 64, 32))
-    with pytest.raises(ValueError, match=r"counters has int32\[1\]; accepted int32\[C\] zeros with C >= 2"):
-        stacked_gemvs(x, (w,), 0, counters=_counters(1), block_n=16, interpret=True)
-    with pytest.raises(ValueError, match=f"with {SUMMED_MAX_ROWS + 1} rows; accepted up to {SUMMED_MAX_ROWS} rows"):
-        stacked_gemvs(jnp.zeros((SUMMED_MAX_ROWS + 1, 64)), (w,), 0, counters=_counters(), interpret=True)
-    with pytest.raises(ValueError, match="residual .* comes with counters and one weight"):
-        stacked_gemvs(x, (w,), 0, residual=jnp.zeros((1, 32)), interpret=True)
-    with pytest.raises(ValueError, match="residual .* comes with counters and one weight"):
-        stacked_gemvs(x, (w, w), 0, counters=_counters(), residual=jnp.zeros((1, 32)), interpret=True)
-
-
-@pytest.mark.parametrize("rows", [1, SUMMED_MAX_ROWS])
-def test_summed_launches_lower_to_triton_for_h200(rows):
-    """V2-Lite's summed launches of a decode step: the MLP norm with the f32 router, o_proj with the
-    residual, w_uv; one Triton call each, the counters aliased in place."""
-    shape = jax.ShapeDtypeStruct
-    counters, layer = shape((1024,), jnp.int32), shape((), jnp.int32)
-    router = lambda x, w, layer, norm, c: stacked_gemvs(x, (w,), layer, norm, eps=1e-6, counters=c)
-    o_proj = lambda x, w, layer, r, c: stacked_gemvs(x, (w,), layer, counters=c, residual=r, out_dtype=jnp.bfloat16)
-    w_uv = lambda x, w, layer, c: stacked_head_gemv(x, w, layer, contract_rows=True, counters=c, out_dtype=jnp.bfloat16)
-    lowered = [
-        lower_for_h200(router, shape((rows, 2048), jnp.bfloat16), shape((26, 2048, 64), jnp.float32), layer,
-                       shape((26, 2048), jnp.bfloat16), counters),
-        lower_for_h200(o_proj, shape((rows, 2048), jnp.bfloat16), shape((26, 2048, 2048), jnp.bfloat16), layer,
-                       shape((rows, 2048), jnp.bfloat16), counters),
-        lower_for_h200(w_uv, shape((rows, 16, 512), jnp.bfloat16), shape((26, 512, 16, 128), jnp.bfloat16), layer,
-                       counters)]
-    for hlo in lowered:
-        assert hlo.count("__gpu$xla.gpu.triton") == 1 and "output_operand_alias" in hlo
