@@ -187,8 +187,13 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
 
 DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128), DecodeTiles(block_k=64),
                 DecodeTiles(block_d=128), DecodeTiles(block_i=32, block_k=256, num_stages=2),
-                DecodeTiles(num_warps=8)]
-QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
+                DecodeTiles(num_warps=8),
+                # persistent programs taking narrow tiles in turn: even shares of the SMs
+                DecodeTiles(num_programs=132), DecodeTiles(block_i=32, num_programs=132),
+                DecodeTiles(block_i=16, num_programs=132), DecodeTiles(block_i=32, num_programs=264),
+                DecodeTiles(block_i=16, num_programs=264)]
+QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2),
+                      DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2, num_programs=3)]
 
 
 def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
@@ -219,7 +224,8 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
         distinct = len(set(np.asarray(ids).reshape(-1).tolist()))
         weight_bytes = (distinct * 3 * hidden * inter + 3 * hidden * shared_inter) * 2
         for name, fn in [("grouped", grouped)] + [
-                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}",
+                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}"
+                 + (f" p{c.num_programs}" if c.num_programs else ""),
                  lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick))
                 for c in configs]:
             us, _ = _time(fn, args, quick=quick)

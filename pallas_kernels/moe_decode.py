@@ -40,6 +40,10 @@ class DecodeTiles(NamedTuple):
     block_d: int = 128  # output columns a down step produces
     num_warps: int = 4
     num_stages: int = 3
+    # 0: one program per (token, expert slot, intermediate tile); else this many programs, each taking
+    # the tiles pid, pid + num_programs, ... in turn (persistent: with narrow tiles the SMs' shares
+    # even out where 176 tiles of 64 columns on 132 SMs leave 44 SMs a second tile)
+    num_programs: int = 0
 
 
 def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles):
@@ -83,26 +87,39 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
                    routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles):
     # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, then out f32[T * P, D].
     out_ref = refs[-1]
-    program, layer = pl.program_id(0), layer_ref[0]
+    layer = layer_ref[0]
     per_token = top_k * routed_tiles + shared_tiles
-    token, local = program // per_token, program % per_token
-    tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
-                             tiles=tiles)
 
-    @pl.when(local < top_k * routed_tiles)
-    def _():
-        slot = token * top_k + local // routed_tiles
-        expert = ids_ref[slot]
-        # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
-        scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
-        tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
-             i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
+    def unit(program):  # one (token, expert slot, intermediate tile) into out_ref[program]
+        token, local = program // per_token, program % per_token
+        tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
+                                 tiles=tiles)
 
-    if shared_tiles:
-        @pl.when(local >= top_k * routed_tiles)
+        @pl.when(local < top_k * routed_tiles)
         def _():
-            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
-                 inter=shared_inter)
+            slot = token * top_k + local // routed_tiles
+            expert = ids_ref[slot]
+            # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
+            scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
+            tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
+                 i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
+
+        if shared_tiles:
+            @pl.when(local >= top_k * routed_tiles)
+            def _():
+                tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
+                     inter=shared_inter)
+
+    if not tiles.num_programs:
+        unit(pl.program_id(0))
+        return
+    pid, num_units = pl.program_id(0), out_ref.shape[0]
+
+    def next_unit(j, carry):
+        unit(pid + j * tiles.num_programs)
+        return carry
+
+    jax.lax.fori_loop(0, pl.cdiv(num_units - pid, tiles.num_programs), next_unit, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -128,7 +145,7 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *, til
                                tiles=tiles)
     partials = pl.pallas_call(
         kernel,
-        grid=(num_tokens * per_token,),
+        grid=(min(tiles.num_programs, num_tokens * per_token) or num_tokens * per_token,),
         out_shape=jax.ShapeDtypeStruct((num_tokens * per_token, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
