@@ -6,7 +6,9 @@ through ``stacked_head_gemv`` against XLA's einsum on the layer's slice; the fus
 engine makes at one token (norm + q + kv_a; norm + f32 router + shared gate and up) over their splits
 and column tiles; and a MoE layer at one and
 two tokens (V2-Lite: top-6 of 64 routed experts plus the shared ones) through the grouped path against
-``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit).
+``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit), also
+with persistent programs; and MLA's decode attention up to the heads' values, the split merge and W_UV
+in one launch against the merge, then the per-head GEMV.
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
 2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
@@ -235,6 +237,45 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
     return rows
 
 
+def attention_values(row_counts, *, quick: bool) -> list[dict]:
+    """MLA's absorbed decode at V2-Lite shapes (16 heads, 128-token contexts in 64-token pages, the layer
+    stack's w_uv read in place) up to each head's values: the attention kernel and its split merge, then
+    ``stacked_head_gemv`` and the sum of its partials (before) against the merge and W_UV in one launch
+    (``mla_paged(values=...)``). µs a call from a loop of calls (``device_time_us``: launch gaps included)."""
+    from benchmarks.common import device_time_us
+    from pallas_kernels.mla_decode import mla_paged
+
+    heads, latent, rope, head_dim, block_size = (4, 64, 16, 24, 8) if quick else (16, 512, 64, 128, 64)
+    # 128-token contexts in tables as wide as the engine's (2k tokens): the kernel's splits are the engine's
+    context, max_context, layers = (16, 32, 2) if quick else (128, 2048, LAYERS)
+    rng = np.random.default_rng(11)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    w_uv = mk(layers, latent, heads, head_dim) * 0.05
+    layer = jnp.int32(1 if quick else LAYER)
+    rows = []
+    for num_rows in row_counts:
+        pages = num_rows * max_context // block_size
+        c_kv, k_pe = mk(pages, block_size, latent), mk(pages, block_size, rope)
+        tables = jnp.arange(pages, dtype=jnp.int32).reshape(num_rows, -1)
+        seq_ids = jnp.arange(num_rows, dtype=jnp.int32)
+        positions = jnp.full((num_rows,), context - 1, jnp.int32)
+        q, q_pe = mk(num_rows, heads, latent), mk(num_rows, heads, rope)
+        attend = lambda q, values=None: mla_paged(q, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.07,
+                                                  values=values, interpret=quick)
+        variants = {"attention, then w_uv": lambda q: stacked_head_gemv(attend(q), w_uv, layer, contract_rows=True,
+                                                                       out_dtype=jnp.bfloat16, interpret=quick),
+                    "merge + w_uv in one launch": lambda q: attend(q, (w_uv, layer))}
+        for name, fn in variants.items():
+            if quick:
+                us = float("nan")
+                jax.block_until_ready(jax.jit(fn)(q))
+            else:
+                us = device_time_us(fn, (q,), estimate_s=20e-6)
+            rows.append(dict(rows=num_rows, impl=name, us=us))
+            print(f"  attention + values, {num_rows:>2} rows, {name:<27} {us:8.2f} us", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU, CI)")
@@ -248,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
     heads = head_products(QUICK_ROW_COUNTS if args.quick else ROW_COUNTS,
                           QUICK_HEAD_CONFIGS if args.quick else HEAD_CONFIGS, quick=args.quick)
     moe = moe_one_launch((1, 2), QUICK_DECODE_TILES if args.quick else DECODE_TILES, quick=args.quick)
+    values = attention_values((1, 2) if args.quick else (1, 2, 8, 32, 64), quick=args.quick)
     best = {}
     for row in rows:
         if row["shape"] not in best or row["us"] < best[row["shape"]]["us"]:
@@ -262,10 +304,11 @@ def main(argv: list[str] | None = None) -> dict:
                           markdown_table(mlp, ["impl", "us", "tb_per_s"]), markdown_table(by_rows, list(by_rows[0])),
                           markdown_table(fused, ["launch", "block_n", "num_splits", "default", "us", "tb_per_s"]),
                           markdown_table(heads, ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"]),
-                          markdown_table(moe, ["tokens", "impl", "us", "tb_per_s"])])
+                          markdown_table(moe, ["tokens", "impl", "us", "tb_per_s"]),
+                          markdown_table(values, ["rows", "impl", "us"])])
     print(table)
     payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "fused_launches": fused,
-               "head_products": heads, "moe_one_launch": moe, "table": table}
+               "head_products": heads, "moe_one_launch": moe, "attention_values": values, "table": table}
     if not args.quick:
         print("wrote", write_result(args.out, payload))
     return payload

@@ -176,20 +176,26 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, bac
 
 
 def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str,
-                        c_kv_scale=None, compressed=None, pools=None, layer=None, layer_pages=None):
+                        c_kv_scale=None, compressed=None, pools=None, layer=None, layer_pages=None, values=None):
     """Absorbed MLA over the paged latent cache (8-bit c_kv with its c_kv_scale; or two pools, see
     ``mla_paged_pools_reference``); see ``mla_paged_reference`` for shapes. With ``layer_pages`` (one
-    pool) c_kv / k_pe hold every layer's pages and the tables layer ``layer``'s page ids."""
+    pool) c_kv / k_pe hold every layer's pages and the tables layer ``layer``'s page ids. ``values`` =
+    (every layer's w_uv [L, C, H, V], layer index): each head's output goes on through its W_UV ->
+    [T, H, V] (the kernels merge the splits and multiply in one launch)."""
     if backend == "reference":
         if pools:
-            return mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
-                                             compressed, pools)
-        if layer_pages:
-            block_tables = block_tables + layer * layer_pages
-        return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
-                                   c_kv_scale)
+            out = mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                                            compressed, pools)
+        else:
+            if layer_pages:
+                block_tables = block_tables + layer * layer_pages
+            out = mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                                      c_kv_scale)
+        if values is None:
+            return out
+        return stacked_head_gemv_reference(out, *values, contract_rows=True).astype(out.dtype)
     return mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=c_kv_scale,
-                     compressed=compressed, pools=pools, layer=layer, layer_pages=layer_pages,
+                     compressed=compressed, pools=pools, layer=layer, layer_pages=layer_pages, values=values,
                      interpret=backend == "interpret")
 
 
