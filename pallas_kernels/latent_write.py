@@ -25,19 +25,25 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import inv_rms, rms_norm, rotate, rotate_pair
+from pallas_kernels.common import dot_precision, inv_rms, rms_norm, rotate, rotate_pair
+
+# Programs a head's absorbed query takes (``w_uk``): each multiplies the nope query into C / 4 latent
+# columns (V2-Lite: a 128 x 128 slice of the head's W_UK, 32 KB).
+ABSORB_TILES = 4
 
 
 def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, norm_ref, inv_freq_ref, *refs,
                   latent_dim, rope_dim, eps, cos_sin_scale, interleave, block_size, num_slots, num_tokens, splits,
-                  rms, q_heads):
+                  rms, q_heads, absorb_tiles):
     # layer, norm_index i32[1]; slots, positions i32[T]; kv f32[S * T, C + R] (kv_a_proj's output: S partial
     # sums, split s's rows at s*T..); norm [Ln, C]; inv_freq f32[R / 2]; then (squares f32[S * T] when rms),
-    # (q f32[S * T, H * Dqk] when q_heads), c_kv_in, k_pe_in, and the outputs c_kv_ref [L, N, bs, C], k_pe_ref
-    # [L, N, bs, R] (aliased to c_kv_in / k_pe_in), (q_nope [T, H, Dn], q_pe [T, H, R] when q_heads).
+    # (q f32[S * T, H * Dqk] when q_heads), (w_uk [Ln, C, H * Dn] when absorb_tiles), c_kv_in, k_pe_in, and
+    # the outputs c_kv_ref [L, N, bs, C], k_pe_ref [L, N, bs, R] (aliased to c_kv_in / k_pe_in), (q_nope
+    # [T, H, Dn] or with absorb_tiles q_latent [T, H, C], and q_pe [T, H, R] when q_heads).
     refs = list(refs)
     squares_ref = refs.pop(0) if rms else None
     q_ref = refs.pop(0) if q_heads else None
+    w_uk_ref = refs.pop(0) if absorb_tiles else None
     del refs[:2]  # c_kv_in, k_pe_in: the same buffers as the outputs
     c_kv_ref, k_pe_ref, *q_out = refs
     token, part = pl.program_id(0), pl.program_id(1)
@@ -67,8 +73,9 @@ def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, n
 
     slot = slots_ref[token]
     num_heads = q_heads[0] if q_heads else 0
+    q_parts = num_heads * (absorb_tiles or 1)  # programs of the queries: a head each, or a head's latent tiles
 
-    @pl.when((part == num_heads) & (slot < num_slots))  # the latents; padding tokens point past the pool
+    @pl.when((part == q_parts) & (slot < num_slots))  # the latents; padding tokens point past the pool
     def _():
         block, offset = slot // block_size, slot % block_size
         cols = jnp.arange(pl.next_power_of_2(latent_dim))
@@ -84,22 +91,40 @@ def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, n
     if q_heads:
         nope = q_heads[1]
         q_nope_ref, q_pe_ref = q_out
+        head, tile = (part // absorb_tiles, part % absorb_tiles) if absorb_tiles else (part, 0)
+        base = head * (nope + rope_dim)
+        cols = jnp.arange(pl.next_power_of_2(nope))
+        n_ok = cols < nope
 
-        @pl.when(part < num_heads)  # head ``part``'s query
+        @pl.when((part < q_parts) & (tile == 0))  # head ``head``'s rope query
         def _():
-            base = part * (nope + rope_dim)
-            cols = jnp.arange(pl.next_power_of_2(nope))
-            n_ok = cols < nope
-            plgpu.store(q_nope_ref.at[token, part, cols], load(q_ref, base + cols, n_ok).astype(dtype), mask=n_ok)
             store_rotated(lambda idx, ok: load(q_ref, base + nope + idx, ok),
-                          lambda idx, value, ok: plgpu.store(q_pe_ref.at[token, part, idx], value, mask=ok))
+                          lambda idx, value, ok: plgpu.store(q_pe_ref.at[token, head, idx], value, mask=ok))
+
+        @pl.when(part < q_parts)  # its nope query, or a latent tile of it through W_UK
+        def _():
+            q_nope = load(q_ref, base + cols, n_ok).astype(dtype)
+            if not absorb_tiles:
+                plgpu.store(q_nope_ref.at[token, head, cols], q_nope, mask=n_ok)
+                return
+            block_c = pl.next_power_of_2(pl.cdiv(latent_dim, absorb_tiles))
+            rows = tile * block_c + jnp.arange(block_c)
+            r_ok = rows < latent_dim
+            w = plgpu.load(w_uk_ref.at[norm_index_ref[0], rows[:, None], (head * nope + cols)[None, :]],
+                           mask=r_ok[:, None] & n_ok[None, :], other=0)  # [block_c, Dn]
+            first_row = (jnp.arange(16) == 0)[:, None]
+            x = jnp.where(first_row, q_nope[None, :], 0).astype(dtype)  # [16, Dn]: the query in row 0
+            latent = jnp.dot(x, w.T.astype(dtype), preferred_element_type=jnp.float32,
+                             precision=dot_precision(dtype))
+            plgpu.store(q_nope_ref.at[token, head, rows], jnp.sum(jnp.where(first_row, latent, 0.0), axis=0)
+                        .astype(dtype), mask=r_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "inv_freq", "cos_sin_scale", "interleave", "row_rms", "q_heads",
                                              "interpret"), donate_argnums=(0, 1))
 def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, eps: float, inv_freq: tuple[float, ...],
                   cos_sin_scale: float, interleave: bool, squares=None, row_rms: tuple[int, float] | None = None,
-                  q=None, q_heads: tuple[int, int] | None = None, interpret: bool = False):
+                  q=None, q_heads: tuple[int, int] | None = None, w_uk=None, interpret: bool = False):
     """c_kv [L, N, bs, C], k_pe [L, N, bs, R] (donated: updated in place) <- the step's tokens at layer
     ``layer``: kv f32[T, C + R] (kv_a_proj's output), slots i32[T] (block * bs + offset; >= N * bs:
     padding, not stored), positions i32[T], kv_a_norm's weights ``norm[norm_index]`` (``norm``: a layer
@@ -110,7 +135,9 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, 
     products with RMSNorm-scaled rows, ``squares`` f32[S * T] the rows' partial sums of squares and
     ``row_rms`` = (the norm's depth, its eps): the partials are added and scaled by 1 / rms here. ``q``
     [S * T, H * (Dn + R)] with ``q_heads`` = (H, Dn): the same partials of the queries; then -> (c_kv,
-    k_pe, q_nope [T, H, Dn], q_pe [T, H, R] rotated), in the pools' dtype."""
+    k_pe, q_nope [T, H, Dn], q_pe [T, H, R] rotated), in the pools' dtype. With ``w_uk`` (the layer
+    stack's [Ln, C, H, Dn], read at ``norm_index``) the nope queries come back absorbed, q_latent [T, H,
+    C] = q_nope W_UK (MLA's absorbed query): ``ABSORB_TILES`` programs a head, each a tile of C."""
     num_blocks, block_size, latent_dim = c_kv.shape[1:]
     rope_dim = k_pe.shape[-1]
     num_tokens = slots.shape[0]
@@ -125,25 +152,31 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, 
             q.shape != (kv.shape[0], q_heads[0] * (q_heads[1] + rope_dim)) or row_rms is None)):
         raise ValueError(f"write_latents: q {None if q is None else q.shape} with q_heads={q_heads}; expected "
                          f"[{kv.shape[0]}, H * (Dn + {rope_dim})] with q_heads (H, Dn), and squares / row_rms")
+    if w_uk is not None and (q is None or w_uk.shape[1:] != (latent_dim, *q_heads)):
+        raise ValueError(f"write_latents: w_uk {w_uk.shape} comes with q and q_heads={q_heads}; expected "
+                         f"[Ln, C={latent_dim}, H, Dn]")
+    absorb_tiles = ABSORB_TILES if w_uk is not None else 0
     kernel = functools.partial(_write_kernel, latent_dim=latent_dim, rope_dim=rope_dim, eps=eps,
                                cos_sin_scale=cos_sin_scale, interleave=interleave, block_size=block_size,
                                num_slots=num_blocks * block_size, num_tokens=num_tokens, splits=splits,
-                               rms=row_rms, q_heads=q_heads)
+                               rms=row_rms, q_heads=q_heads, absorb_tiles=absorb_tiles)
     extra = ([squares.astype(jnp.float32)] if row_rms is not None else []) + \
-        ([q.astype(jnp.float32)] if q is not None else [])
+        ([q.astype(jnp.float32)] if q is not None else []) + \
+        ([w_uk.reshape(*w_uk.shape[:2], -1)] if w_uk is not None else [])
     out_shape = [jax.ShapeDtypeStruct(c_kv.shape, c_kv.dtype), jax.ShapeDtypeStruct(k_pe.shape, k_pe.dtype)]
     if q is not None:
-        out_shape += [jax.ShapeDtypeStruct((num_tokens, q_heads[0], q_heads[1]), c_kv.dtype),
+        queries = latent_dim if w_uk is not None else q_heads[1]
+        out_shape += [jax.ShapeDtypeStruct((num_tokens, q_heads[0], queries), c_kv.dtype),
                       jax.ShapeDtypeStruct((num_tokens, q_heads[0], rope_dim), c_kv.dtype)]
     first_pool = 7 + len(extra)
     return tuple(pl.pallas_call(
         kernel,
-        grid=(num_tokens, 1 + (q_heads[0] if q is not None else 0)),
+        grid=(num_tokens, 1 + (q_heads[0] * (absorb_tiles or 1) if q is not None else 0)),
         out_shape=out_shape,
         input_output_aliases={first_pool: 0, first_pool + 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
-        name="write_latents" + ("_q" if q is not None else ""),
+        name="write_latents" + ("_q" if q is not None else "") + ("_uk" if w_uk is not None else ""),
     )(jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(norm_index, jnp.int32).reshape(1), slots.astype(jnp.int32),
       positions.astype(jnp.int32), kv.astype(jnp.float32), norm, jnp.asarray(np.asarray(inv_freq, np.float32)), *extra,
       c_kv, k_pe))
@@ -156,7 +189,7 @@ def _rope_at(r, positions, inv_freq, cos_sin_scale, interleave):
 
 
 def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, eps: float, inv_freq, cos_sin_scale,
-                            interleave: bool, squares=None, row_rms=None, q=None, q_heads=None):
+                            interleave: bool, squares=None, row_rms=None, q=None, q_heads=None, w_uk=None):
     """``write_latents`` in plain jnp (the model's RMSNorm and rope: pallas_kernels.common)."""
     dtype, latent_dim, block_size = c_kv.dtype, c_kv.shape[-1], c_kv.shape[2]
     num_tokens = slots.shape[0]
@@ -178,4 +211,7 @@ def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_
     num_heads, nope = q_heads
     q = finish(q).reshape(num_tokens, num_heads, -1)
     q_pe = _rope_at(q[..., nope:], positions, inv_freq, cos_sin_scale, interleave)
-    return pools + (q[..., :nope].astype(dtype), q_pe.astype(dtype))
+    q_nope = q[..., :nope].astype(dtype)
+    if w_uk is not None:  # the absorbed query, rounded as the stacked per-head GEMV stores it
+        q_nope = jnp.einsum("thn,chn->thc", q_nope, w_uk[norm_index], preferred_element_type=jnp.float32).astype(dtype)
+    return pools + (q_nope, q_pe.astype(dtype))

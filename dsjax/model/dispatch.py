@@ -168,7 +168,7 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, bac
     [L, N, bs, R] at layer ``layer``: kv_a_norm (weights norm[norm_index]) and rope applied, padding
     slots dropped; see ``pallas_kernels.latent_write.write_latents``. -> (c_kv, k_pe). Given split-K
     partials (``stacked_matmuls(..., partials=True)``: squares, row_rms) it adds them itself, and with
-    q / q_heads also returns the queries (q_nope, q_pe rotated)."""
+    q / q_heads also returns the queries (q_nope, or with w_uk the absorbed q_latent; q_pe rotated)."""
     if backend == "reference":
         return write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, **rope_and_norm)
     return write_latents_kernel(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index,

@@ -108,9 +108,10 @@ class MLAttention(nnx.Module):
 
     def _decode_write(self, x, cache: PagedKVCache, layer, batch: PagedBatch, stacked, norm, backend):
         """``_decode_projections`` and the cache write of a few raw tokens x [T, D] into one unquantized
-        pool -> (q_nope, q_pe, cache): kv_a_norm, rope and both writes in one launch (write_latents).
+        pool -> (q_latent, q_pe, cache): kv_a_norm, rope and both writes in one launch (write_latents).
         Without a q LoRA that launch also takes the first launch's split-K partials as they are (the
-        attention's RMSNorm scale, the q epilogue and the q rope with them: four XLA fusions fewer)."""
+        attention's RMSNorm scale, the q epilogue and the q rope with them: four XLA fusions fewer) and
+        absorbs the nope queries through W_UK (no launch of their own)."""
         write = lambda kv, **more: dispatch.write_latents(
             cache.c_kv, cache.k_pe, kv, batch.slot_mapping, batch.positions, layer, stacked["kv_a_norm"],
             stacked["index"], backend, eps=self.kv_a_norm.eps, inv_freq=self.inv_freq,
@@ -118,12 +119,13 @@ class MLAttention(nnx.Module):
         if self.q_proj is None:
             (q_nope, q_pe), kv = self._decode_projections(x, batch.positions, stacked, norm, backend)
             c_kv, k_pe = write(kv)
+            q_latent = self.absorb_query(q_nope, stacked, backend)
         else:
             q, kv, squares = self._first_launch(x, stacked, norm, backend, partials=True)
             num_heads = stacked["q_proj"].shape[2]  # [L, D, H, Dqk]: this rank's heads
-            c_kv, k_pe, q_nope, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
-                                             q_heads=(num_heads, self.nope_dim))
-        return q_nope, q_pe, cache._replace(c_kv=c_kv, k_pe=k_pe)
+            c_kv, k_pe, q_latent, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
+                                               q_heads=(num_heads, self.nope_dim), w_uk=stacked["w_uk"])
+        return q_latent, q_pe, cache._replace(c_kv=c_kv, k_pe=k_pe)
 
     def absorb_query(self, q_nope, stacked=None, backend="reference"):
         """q_nope [..., H, Dn] -> [..., H, C]: each head's query in the latent space (W_UK folded in)."""
@@ -201,18 +203,19 @@ class MLAttention(nnx.Module):
         layer scan plus every layer's ``norm`` weights under "norm", or None."""
         if self._stacked_fits(x.shape[:-1], stacked):
             if cache.c_kv_scale is None and cache.pools is None:
-                q_nope, q_pe, cache = self._decode_write(x, cache, layer, batch, stacked, norm, backend)
+                q_latent, q_pe, cache = self._decode_write(x, cache, layer, batch, stacked, norm, backend)
             else:
                 (q_nope, q_pe), kv = self._decode_projections(x, batch.positions, stacked, norm, backend)
                 cache = self._write(cache, layer, batch, *self._split_latents(kv.astype(x.dtype), batch.positions))
+                q_latent = self.absorb_query(q_nope, stacked, backend)
         else:
             x = norm(x)
             q_nope, q_pe = self.queries(x, batch.positions)
             cache = self._write(cache, layer, batch, *self.latents(x, batch.positions))
+            q_latent = self.absorb_query(q_nope, stacked, backend)
         num_blocks, block_size = cache.c_kv.shape[1:3]
         # Flattening [L, N] is free; the kernel shifts the block ids to this layer's (no copy).
         flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
-        q_latent = self.absorb_query(q_nope, stacked, backend)
         # A few tokens: the attention's last launch (the splits' merge) also applies W_UV
         values = (stacked["w_uv"], stacked["index"]) if self._stacked_fits(x.shape[:-1], stacked) else None
         if cache.pools:  # two pools: the kernel finds the layer and each block's pool itself

@@ -462,10 +462,11 @@ def test_write_latents_gpu():
         assert _rel(g, w) < 1e-4  # and nothing else moved
 
 
-def test_write_latents_with_query_partials_gpu():
+@pytest.mark.parametrize("absorb", [False, True])
+def test_write_latents_with_query_partials_gpu(absorb):
     """V2-Lite's first attention launch's output as it leaves stacked_gemvs (16 split-K partials of
     q: 16 heads x 192, and of kv_a: 576, with the rows' sums of squares) finished by write_latents:
-    the latents written, q_nope and the rotated q_pe returned."""
+    the latents written, q_nope (or, absorbed through W_UK, q_latent) and the rotated q_pe returned."""
     from pallas_kernels.latent_write import write_latents, write_latents_reference
 
     rng = np.random.default_rng(1)
@@ -479,6 +480,8 @@ def test_write_latents_with_query_partials_gpu():
     norm = jnp.asarray(1 + 0.1 * rng.standard_normal((2, 512)), jnp.bfloat16)
     options = dict(eps=1e-6, inv_freq=tuple(float(f) for f in 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)),
                    cos_sin_scale=1.0, interleave=True, squares=squares, row_rms=(2048, 1e-6), q=q, q_heads=(16, 128))
+    if absorb:
+        options["w_uk"] = jnp.asarray(rng.standard_normal((2, 512, 16, 128)) * 0.05, jnp.bfloat16)
     want = write_latents_reference(c_kv, k_pe, kv, slots, positions, 1, norm, 1, **options)
     got = write_latents(c_kv, k_pe, kv, slots, positions, jnp.int32(1), norm, jnp.int32(1), **options)
     for g, w in zip(got, want):

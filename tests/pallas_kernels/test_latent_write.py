@@ -96,20 +96,31 @@ def test_write_latents_finishes_split_partials_and_queries(interleave):
                                   1, squares=squares, row_rms=(depth, 1e-5), q=q_parts, q_heads=(heads, nope), **options)
     for a, b in zip(got, ref):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # w_uk: the nope queries come back absorbed (layer 1 of the stack, ABSORB_TILES programs a head; a
+    # latent of 64 in 4 tiles of 16), the rest unchanged
+    w_uk = jnp.asarray(rng.standard_normal((2, latent, heads, nope)) * 0.2, jnp.float32)
+    absorbed = write_latents(*_pools(np.random.default_rng(1), jnp.float32), kv_parts, slots, positions, jnp.int32(2),
+                             norm, jnp.int32(1), squares=squares, row_rms=(depth, 1e-5), q=q_parts,
+                             q_heads=(heads, nope), w_uk=w_uk, interpret=True, **options)
+    q_latent = jnp.einsum("thn,chn->thc", want[2], w_uk[1])
+    for a, b in zip(absorbed, want[:2] + (q_latent, want[3])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
 def test_write_latents_with_queries_lowers_to_triton_for_h200_in_place():
     """V2-Lite's shapes with 16 splits of q (16 heads x 192) and kv_a partials: still one Triton call, both
-    pools aliased, the queries two more outputs."""
+    pools aliased, the queries two more outputs (also absorbed through W_UK)."""
     shape, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-    fn = lambda c, k, kv, s, p, layer, norm, sq, q: write_latents(
+    fn = lambda c, k, kv, s, p, layer, norm, sq, q, w_uk=None: write_latents(
         c, k, kv, s, p, layer, norm, 0, eps=1e-6, inv_freq=tuple(float(f) for f in 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)),
-        cos_sin_scale=1.0, interleave=True, squares=sq, row_rms=(2048, 1e-6), q=q, q_heads=(16, 128))
-    hlo = lower_for_h200(fn, shape((27, 2048, 64, 512), bf16), shape((27, 2048, 64, 64), bf16),
-                         shape((16, 576), f32), shape((1,), jnp.int32), shape((1,), jnp.int32),
-                         shape((), jnp.int32), shape((26, 512), bf16), shape((16,), f32), shape((16, 3072), f32))
-    assert hlo.count("__gpu$xla.gpu.triton") == 1
-    assert hlo.count("stablehlo.output_operand_alias<output_tuple_indices") == 2
+        cos_sin_scale=1.0, interleave=True, squares=sq, row_rms=(2048, 1e-6), q=q, q_heads=(16, 128), w_uk=w_uk)
+    args = (shape((27, 2048, 64, 512), bf16), shape((27, 2048, 64, 64), bf16), shape((16, 576), f32),
+            shape((1,), jnp.int32), shape((1,), jnp.int32), shape((), jnp.int32), shape((26, 512), bf16),
+            shape((16,), f32), shape((16, 3072), f32))
+    for w_uk in (None, shape((26, 512, 16, 128), bf16)):  # with W_UK: the absorbed queries
+        hlo = lower_for_h200(fn, *args, *([w_uk] if w_uk else []))
+        assert hlo.count("__gpu$xla.gpu.triton") == 1
+        assert hlo.count("stablehlo.output_operand_alias<output_tuple_indices") == 2
 
 
 def test_write_latents_refuses_queries_without_their_norm():
