@@ -111,7 +111,8 @@ class MLAttention(nnx.Module):
         pool -> (q_latent, q_pe, cache): kv_a_norm, rope and both writes in one launch (write_latents).
         Without a q LoRA that launch also takes the first launch's split-K partials as they are (the
         attention's RMSNorm scale, the q epilogue and the q rope with them: four XLA fusions fewer) and
-        absorbs the nope queries through W_UK (no launch of their own)."""
+        absorbs the nope queries through W_UK (no launch of their own; up to
+        ``dispatch.HEAD_FOLD_MAX_TOKENS`` tokens)."""
         write = lambda kv, **more: dispatch.write_latents(
             cache.c_kv, cache.k_pe, kv, batch.slot_mapping, batch.positions, layer, stacked["kv_a_norm"],
             stacked["index"], backend, eps=self.kv_a_norm.eps, inv_freq=self.inv_freq,
@@ -123,8 +124,10 @@ class MLAttention(nnx.Module):
         else:
             q, kv, squares = self._first_launch(x, stacked, norm, backend, partials=True)
             num_heads = stacked["q_proj"].shape[2]  # [L, D, H, Dqk]: this rank's heads
-            c_kv, k_pe, q_latent, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
-                                               q_heads=(num_heads, self.nope_dim), w_uk=stacked["w_uk"])
+            fold = x.shape[0] <= dispatch.HEAD_FOLD_MAX_TOKENS
+            c_kv, k_pe, queries, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
+                                              q_heads=(num_heads, self.nope_dim), w_uk=stacked["w_uk"] if fold else None)
+            q_latent = queries if fold else self.absorb_query(queries, stacked, backend)  # absorbed, or q_nope
         return q_latent, q_pe, cache._replace(c_kv=c_kv, k_pe=k_pe)
 
     def absorb_query(self, q_nope, stacked=None, backend="reference"):
@@ -217,7 +220,8 @@ class MLAttention(nnx.Module):
         # Flattening [L, N] is free; the kernel shifts the block ids to this layer's (no copy).
         flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
         # A few tokens: the attention's last launch (the splits' merge) also applies W_UV
-        values = (stacked["w_uv"], stacked["index"]) if self._stacked_fits(x.shape[:-1], stacked) else None
+        fold = self._stacked_fits(x.shape[:-1], stacked) and x.shape[0] <= dispatch.HEAD_FOLD_MAX_TOKENS
+        values = (stacked["w_uv"], stacked["index"]) if fold else None
         if cache.pools:  # two pools: the kernel finds the layer and each block's pool itself
             ctx = dispatch.mla_paged_attention(
                 q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +114,30 @@ def test_stacked_mlp_kernels_read_their_layer(num_tokens):
         got = jax.jit(dispatch.stacked_mlp, static_argnames="backend")(x, w_gate, w_up, w_down, jnp.int32(layer),
                                                                      backend="interpret")
         np.testing.assert_allclose(got, h @ w_down[layer], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("num_tokens, folded", [(1, True), (8, True), (9, False)])
+def test_few_token_steps_fold_the_head_products(num_tokens, folded):
+    """Up to dispatch.HEAD_FOLD_MAX_TOKENS tokens (no q LoRA): write_latents absorbs the queries through
+    W_UK and the attention's split merge applies W_UV, so no per-head GEMV launches; larger steps keep
+    them (the numbers: test_paged_decode_kernels_match_reference)."""
+    import dataclasses
+
+    from dsjax.config import ModelConfig
+    from dsjax.model import dispatch
+    from dsjax.model.transformer import DeepseekForCausalLM
+
+    assert dispatch.HEAD_FOLD_MAX_TOKENS == 8
+    config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=None)
+    model = DeepseekForCausalLM(config, kernel_backend="interpret", rngs=nnx.Rngs(0))
+    cache = PagedKVCache.zeros(config, 64, 4, jnp.float32)  # 256-token tables: the attention splits them
+    graphdef, state = nnx.split(model)
+
+    def step(state, cache, toks):
+        positions = jnp.arange(toks.shape[0], dtype=jnp.int32)
+        batch = PagedBatch(positions, positions, jnp.zeros_like(positions), jnp.arange(64, dtype=jnp.int32)[None])
+        return nnx.merge(graphdef, state).forward_paged(toks, cache, batch)
+
+    jaxpr = str(jax.make_jaxpr(step)(state, cache, jnp.zeros(num_tokens, jnp.int32)))
+    launches = set(re.findall(r"(write_latents_q_uk|mla_decode_combine_values|stacked_head_gemv)", jaxpr))
+    assert launches == ({"write_latents_q_uk", "mla_decode_combine_values"} if folded else {"stacked_head_gemv"})
