@@ -23,6 +23,7 @@ K-split partials); TB/s counts the layer's weight bytes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -43,7 +44,10 @@ SHAPES = {"q_proj": (2048, 3072), "o_proj": (2048, 2048), "kv_a": (2048, 576), "
 QUICK_SHAPES = {"quick": (64, 96)}
 # (block_n, block_k, num_warps, num_stages); the kernel's default first
 CONFIGS = [(64, 128, 4, 3), (128, 128, 4, 3), (32, 128, 4, 3), (64, 256, 4, 2), (64, 64, 4, 4), (128, 64, 4, 4),
-           (64, 128, 8, 3), (128, 256, 8, 2), (32, 256, 4, 3)]
+           (64, 128, 8, 3), (128, 256, 8, 2), (32, 256, 4, 3),
+           # one stage: a program of the default splits makes one or two K steps, and unstaged tiles
+           # take a third of the shared memory, so more programs share an SM's loads
+           (64, 128, 4, 1), (128, 128, 4, 1)]
 QUICK_CONFIGS = [(32, 32, 4, 2)]
 LAYERS, LAYER = 26, 3
 
@@ -132,7 +136,8 @@ QUICK_FUSED_LAUNCHES = {"quick": [(64, 8, jnp.float32), (64, 96, jnp.bfloat16)]}
 
 def fused_launches(launches: dict, *, quick: bool) -> list[dict]:
     """Each fused launch at one row with the RMSNorm folded in: default splits, half and twice them,
-    and 64- or 128-column tiles; TB/s counts the weights' bytes."""
+    64- or 128-column tiles, the default pipeline stages or one (see CONFIGS); TB/s counts the weights'
+    bytes."""
     rng = np.random.default_rng(5)
     rows = []
     for name, shapes in launches.items():
@@ -142,16 +147,18 @@ def fused_launches(launches: dict, *, quick: bool) -> list[dict]:
         x = jnp.asarray(rng.standard_normal((1, depth)), jnp.bfloat16)
         norm = jnp.ones((ws[0].shape[0], depth), jnp.bfloat16)
         weight_bytes = sum(w.size // w.shape[0] * w.dtype.itemsize for w in ws)
-        for block_n in (32,) if quick else (64, 128):
+        stage_options = (2,) if quick else (3, 1)  # the kernel's default first
+        for block_n, stages in itertools.product((32,) if quick else (64, 128), stage_options):
             block_k = 32 if quick else 128
             auto = default_splits(depth, sum(n for _, n, _ in shapes), block_n, block_k)
             for splits in sorted({auto, max(1, auto // 2), min(2 * auto, max(1, depth // block_k))}):
-                fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k): stacked_gemvs(
-                    x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], interpret=quick)
+                fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k, stages): stacked_gemvs(
+                    x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], num_stages=c[3],
+                    interpret=quick)
                 us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
-                rows.append(dict(launch=name, block_n=block_n, num_splits=splits, default=splits == auto, us=us,
-                                 tb_per_s=weight_bytes / us / 1e6))
-                print(f"  {name:<20} {block_n:>4} cols, {splits:>3} splits{'*' if splits == auto else ' '}"
+                rows.append(dict(launch=name, block_n=block_n, num_stages=stages, num_splits=splits,
+                                 default=splits == auto and stages == stage_options[0], us=us, tb_per_s=weight_bytes / us / 1e6))
+                print(f"  {name:<20} {block_n:>4} cols, s{stages}, {splits:>3} splits{'*' if splits == auto else ' '}"
                       f" {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
     return rows
 
@@ -302,7 +309,8 @@ def main(argv: list[str] | None = None) -> dict:
                                    f"splits {b['num_splits']}") for s, b in best.items()]
     table = "\n\n".join([markdown_table(table_rows, list(table_rows[0])),
                           markdown_table(mlp, ["impl", "us", "tb_per_s"]), markdown_table(by_rows, list(by_rows[0])),
-                          markdown_table(fused, ["launch", "block_n", "num_splits", "default", "us", "tb_per_s"]),
+                          markdown_table(fused, ["launch", "block_n", "num_stages", "num_splits", "default", "us",
+                                                 "tb_per_s"]),
                           markdown_table(heads, ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"]),
                           markdown_table(moe, ["tokens", "impl", "us", "tb_per_s"]),
                           markdown_table(values, ["rows", "impl", "us"])])
