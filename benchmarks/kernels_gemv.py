@@ -195,12 +195,16 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
 
 
 DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128), DecodeTiles(block_k=64),
-                DecodeTiles(block_d=128), DecodeTiles(block_i=32, block_k=256, num_stages=2),
+                DecodeTiles(block_d=256), DecodeTiles(block_i=32, block_k=256, num_stages=2),
                 DecodeTiles(num_warps=8),
-                # persistent programs taking narrow tiles in turn: even shares of the SMs
-                DecodeTiles(num_programs=132), DecodeTiles(block_i=32, num_programs=132),
-                DecodeTiles(block_i=16, num_programs=132), DecodeTiles(block_i=32, num_programs=264),
-                DecodeTiles(block_i=16, num_programs=264)]
+                # persistent programs taking narrow tiles in turn, one an SM: even shares of the SMs (176
+                # tiles of 64 columns leave 44 SMs two, the rest one: per-SM streams bound the tail). A
+                # narrow tile stages less per step, so deeper K steps / down steps keep ~32 KB a stage.
+                DecodeTiles(block_i=32, num_programs=132), DecodeTiles(block_i=16, num_programs=132),
+                DecodeTiles(block_i=32, block_k=256, block_d=256, num_programs=132),
+                DecodeTiles(block_i=32, block_d=256, num_stages=5, num_programs=132),
+                DecodeTiles(block_i=16, block_k=512, block_d=512, num_programs=132),
+                DecodeTiles(block_i=32, num_programs=264)]
 QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2),
                       DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2, num_programs=3)]
 
