@@ -18,6 +18,7 @@ K-split partials); TB/s counts the layer's weight bytes.
 
     python benchmarks/kernels_gemv.py           # GPU: table + benchmarks/results/gemv_h200.json
     python benchmarks/kernels_gemv.py --quick   # tiny shapes in interpret mode (CPU smoke test)
+    python benchmarks/kernels_gemv.py --only moe_one_launch attention_values --out gemv_decode_h200
 """
 
 from __future__ import annotations
@@ -287,41 +288,53 @@ def attention_values(row_counts, *, quick: bool) -> list[dict]:
     return rows
 
 
+PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch",
+         "attention_values")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU, CI)")
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=PARTS, help="run these parts (default: all)")
     parser.add_argument("--out", default="gemv_h200", help="results name under benchmarks/results (not with --quick)")
     args = parser.parse_args(argv)
-    rows = sweep(QUICK_SHAPES if args.quick else SHAPES, QUICK_CONFIGS if args.quick else CONFIGS, quick=args.quick)
-    mlp = shared_mlp(quick=args.quick)
-    by_rows = rows_vs_xla(QUICK_SHAPES if args.quick else {k: SHAPES[k] for k in ("q_proj", "shared_down")},
-                          QUICK_ROW_COUNTS if args.quick else ROW_COUNTS, quick=args.quick)
-    fused = fused_launches(QUICK_FUSED_LAUNCHES if args.quick else FUSED_LAUNCHES, quick=args.quick)
-    heads = head_products(QUICK_ROW_COUNTS if args.quick else ROW_COUNTS,
-                          QUICK_HEAD_CONFIGS if args.quick else HEAD_CONFIGS, quick=args.quick)
-    moe = moe_one_launch((1, 2), QUICK_DECODE_TILES if args.quick else DECODE_TILES, quick=args.quick)
-    values = attention_values((1, 2) if args.quick else (1, 2, 8, 32, 64), quick=args.quick)
-    best = {}
-    for row in rows:
-        if row["shape"] not in best or row["us"] < best[row["shape"]]["us"]:
-            best[row["shape"]] = row
-    default = {r["shape"]: r for r in rows if r["default_splits"] and (r["block_n"], r["block_k"], r["num_warps"],
-                                                                       r["num_stages"]) == CONFIGS[0]}
-    table_rows = [dict(shape=s, K=b["K"], N=b["N"], default_us=default[s]["us"] if s in default else None,
-                       best_us=b["us"], best_tb_per_s=b["tb_per_s"],
-                       best_config=f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']} "
-                                   f"splits {b['num_splits']}") for s, b in best.items()]
-    table = "\n\n".join([markdown_table(table_rows, list(table_rows[0])),
-                          markdown_table(mlp, ["impl", "us", "tb_per_s"]), markdown_table(by_rows, list(by_rows[0])),
-                          markdown_table(fused, ["launch", "block_n", "num_stages", "num_splits", "default", "us",
-                                                 "tb_per_s"]),
-                          markdown_table(heads, ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"]),
-                          markdown_table(moe, ["tokens", "impl", "us", "tb_per_s"]),
-                          markdown_table(values, ["rows", "impl", "us"])])
+    quick, only = args.quick, set(args.only)
+    row_counts = QUICK_ROW_COUNTS if quick else ROW_COUNTS
+    runs = {
+        "sweep": lambda: sweep(QUICK_SHAPES if quick else SHAPES, QUICK_CONFIGS if quick else CONFIGS, quick=quick),
+        "shared_mlp": lambda: shared_mlp(quick=quick),
+        "rows_vs_xla": lambda: rows_vs_xla(QUICK_SHAPES if quick else {k: SHAPES[k] for k in ("q_proj", "shared_down")},
+                                           row_counts, quick=quick),
+        "fused_launches": lambda: fused_launches(QUICK_FUSED_LAUNCHES if quick else FUSED_LAUNCHES, quick=quick),
+        "head_products": lambda: head_products(row_counts, QUICK_HEAD_CONFIGS if quick else HEAD_CONFIGS, quick=quick),
+        "moe_one_launch": lambda: moe_one_launch((1, 2), QUICK_DECODE_TILES if quick else DECODE_TILES, quick=quick),
+        "attention_values": lambda: attention_values((1, 2) if quick else (1, 2, 8, 32, 64), quick=quick),
+    }
+    results = {part: runs[part]() for part in PARTS if part in only}
+    tables = []
+    if rows := results.get("sweep"):
+        best = {}
+        for row in rows:
+            if row["shape"] not in best or row["us"] < best[row["shape"]]["us"]:
+                best[row["shape"]] = row
+        default = {r["shape"]: r for r in rows if r["default_splits"] and (r["block_n"], r["block_k"], r["num_warps"],
+                                                                           r["num_stages"]) == CONFIGS[0]}
+        table_rows = [dict(shape=s, K=b["K"], N=b["N"], default_us=default[s]["us"] if s in default else None,
+                           best_us=b["us"], best_tb_per_s=b["tb_per_s"],
+                           best_config=f"{b['block_n']}x{b['block_k']} w{b['num_warps']} s{b['num_stages']} "
+                                       f"splits {b['num_splits']}") for s, b in best.items()]
+        tables.append(markdown_table(table_rows, list(table_rows[0])))
+    columns = {"shared_mlp": ["impl", "us", "tb_per_s"], "rows_vs_xla": None,
+               "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "us", "tb_per_s"],
+               "head_products": ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"],
+               "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"], "attention_values": ["rows", "impl", "us"]}
+    for part, cols in columns.items():
+        if part in results:
+            tables.append(markdown_table(results[part], cols or list(results[part][0])))
+    table = "\n\n".join(tables)
     print(table)
-    payload = {**environment(), "sweep": rows, "shared_mlp": mlp, "rows_vs_xla": by_rows, "fused_launches": fused,
-               "head_products": heads, "moe_one_launch": moe, "attention_values": values, "table": table}
-    if not args.quick:
+    payload = {**environment(), **results, "table": table}
+    if not quick:
         print("wrote", write_result(args.out, payload))
     return payload
 

@@ -36,6 +36,8 @@ def test_gemv_benchmark_quick():
         for impl, persistent in (("grouped", False), ("moe_decode", False), ("moe_decode", True))]
     assert [(r["rows"], r["impl"]) for r in payload["attention_values"]] == [
         (r, impl) for r in (1, 2) for impl in ("attention, then w_uv", "merge + w_uv in one launch")]
+    only = kernels_gemv.main(["--quick", "--only", "attention_values"])
+    assert "attention_values" in only and "sweep" not in only and only["table"].startswith("| rows | impl | us |")
 
 
 def test_moe_benchmark_quick(capsys):
