@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-ab-curves|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -22,17 +22,20 @@ case $part in
       --trace-dir /tmp/trace_b1 | grep -vi warn | tee "$OUT/profile_b1.txt" | head -30
     timeout 150 python -m dsjax.bench decode-curve --batches 1 2 4 8 16 32 64 --prompts 128 --out-dir "$OUT" \
       | grep "decode-curve b" ;;
-  decode-ab)  # round 9 (decode_profile.md): the folded head products and persistent moe_decode on the GPU, the
-              # kernels A/B, then the small-batch curve with and without the folds (about 10 minutes)
+  decode-ab)  # round 9 (decode_profile.md): the folded head products and persistent moe_decode on the GPU,
+              # and the kernels A/B (about 6 minutes); then decode-ab-curves
     timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "stacked or moe_decode or write_latents or values" \
       2>&1 | tee "$OUT/gpu_tests_ab.log" | tail -4
-    timeout 240 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch attention_values \
-      --out "$OUT/gemv_decode_h200" | tail -60
-    timeout 150 python -m dsjax.bench decode-curve --batches 1 2 4 8 --prompts 128 --out-dir "$OUT" | grep "decode-curve b"
-    mkdir -p "$OUT/unfolded"  # the same steps with the per-head GEMVs (dispatch.HEAD_FOLD_MAX_TOKENS = 0)
-    timeout 150 python -c "import sys; from dsjax.model import dispatch; dispatch.HEAD_FOLD_MAX_TOKENS = 0
+    timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch attention_values \
+      --out "$OUT/gemv_decode_h200" | tail -60 ;;
+  decode-ab-curves)  # the small-batch curve as built, without the folds, and with persistent moe_decode tiles
+    with() { mkdir -p "$OUT/$1"; timeout 170 python -c "import sys; from dsjax.model import dispatch
+from pallas_kernels.moe_decode import DecodeTiles; $2
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 4 8 --prompts 128 \
-      --out-dir "$OUT/unfolded" | grep "decode-curve b" ;;
+        --out-dir "$OUT/$1" | grep "decode-curve b"; }
+    with built "pass"
+    with unfolded "dispatch.HEAD_FOLD_MAX_TOKENS = 0"
+    with persistent "dispatch.MOE_DECODE_TILES = DecodeTiles(block_i=32, block_k=256, block_d=256, num_programs=132)" ;;
   attention-decode)   # MLA decode sweep, every row profiled (about 4 minutes; results/attention_h200_decode.json)
     timeout 560 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20 ;;
   attention-prefill)  # MLA prefill sweep (results/attention_h200_prefill.json); attention_h200.json joins the halves

@@ -23,6 +23,7 @@ from pallas_kernels.latent_write import write_latents_reference
 from pallas_kernels.mla_decode import mla_paged, mla_paged_pools_reference, mla_paged_reference
 from pallas_kernels.mla_prefill import mla_prefill as mla_prefill_kernel
 from pallas_kernels.mla_prefill import mla_prefill_reference
+from pallas_kernels.moe_decode import DecodeTiles
 from pallas_kernels.moe_decode import moe_decode as moe_decode_kernel
 from pallas_kernels.moe_decode import moe_decode_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
@@ -127,6 +128,9 @@ def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_d
 # H200, V2-Lite layer (benchmarks/kernels_gemv.py, moe_one_launch): 41.1 µs against 51.1 for the grouped
 # path at one token, 63.6 against 76.3 at two (the second token's weights come from L2 or are its own).
 MOE_DECODE_MAX_TOKENS = 2
+# Its tiles (pallas_kernels.moe_decode.DecodeTiles: the H200 sweep's best of one program a tile; the
+# persistent configs await their measurement, benchmarks/run_h200.sh decode-ab).
+MOE_DECODE_TILES = DecodeTiles()
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
@@ -135,7 +139,8 @@ def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
     and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]."""
     if backend == "reference":
         return moe_decode_reference(x, weights, ids, *experts, layer, shared)
-    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, interpret=backend == "interpret")
+    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, tiles=MOE_DECODE_TILES,
+                             interpret=backend == "interpret")
 
 
 def moe_route(logits, bias, spec: RoutingSpec, backend: str):
