@@ -90,7 +90,7 @@ def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, n
 
     if q_heads:
         nope = q_heads[1]
-        q_nope_ref, q_pe_ref = q_out
+        queries_ref, q_pe_ref = q_out  # queries: q_nope, or q_latent when absorbed
         head, tile = (part // absorb_tiles, part % absorb_tiles) if absorb_tiles else (part, 0)
         base = head * (nope + rope_dim)
         cols = jnp.arange(pl.next_power_of_2(nope))
@@ -105,7 +105,7 @@ def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, n
         def _():
             q_nope = load(q_ref, base + cols, n_ok).astype(dtype)
             if not absorb_tiles:
-                plgpu.store(q_nope_ref.at[token, head, cols], q_nope, mask=n_ok)
+                plgpu.store(queries_ref.at[token, head, cols], q_nope, mask=n_ok)
                 return
             block_c = pl.next_power_of_2(pl.cdiv(latent_dim, absorb_tiles))
             rows = tile * block_c + jnp.arange(block_c)
@@ -116,7 +116,7 @@ def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, n
             x = jnp.where(first_row, q_nope[None, :], 0).astype(dtype)  # [16, Dn]: the query in row 0
             latent = jnp.dot(x, w.T.astype(dtype), preferred_element_type=jnp.float32,
                              precision=dot_precision(dtype))
-            plgpu.store(q_nope_ref.at[token, head, rows], jnp.sum(jnp.where(first_row, latent, 0.0), axis=0)
+            plgpu.store(queries_ref.at[token, head, rows], jnp.sum(jnp.where(first_row, latent, 0.0), axis=0)
                         .astype(dtype), mask=r_ok)
 
 
