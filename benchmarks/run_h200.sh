@@ -24,7 +24,8 @@ case $part in
       | grep "decode-curve b" ;;
   decode-ab)  # round 9 (decode_profile.md): the folded head products and persistent moe_decode on the GPU,
               # and the kernels A/B (about 6 minutes); then decode-ab-curves
-    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "stacked or moe_decode or write_latents or values" \
+    timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "stacked or moe_decode or write_latents or values or paged_decode_pallas" \
       2>&1 | tee "$OUT/gpu_tests_ab.log" | tail -4
     timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch attention_values \
       --out "$OUT/gemv_decode_h200" | tail -60 ;;
