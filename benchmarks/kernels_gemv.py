@@ -158,7 +158,8 @@ def fused_launches(launches: dict, *, quick: bool) -> list[dict]:
                     interpret=quick)
                 us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
                 rows.append(dict(launch=name, block_n=block_n, num_stages=stages, num_splits=splits,
-                                 default=splits == auto and stages == stage_options[0], us=us, tb_per_s=weight_bytes / us / 1e6))
+                                 default=splits == auto and stages == stage_options[0], us=us,
+                                 tb_per_s=weight_bytes / us / 1e6))
                 print(f"  {name:<20} {block_n:>4} cols, s{stages}, {splits:>3} splits{'*' if splits == auto else ' '}"
                       f" {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
     return rows

@@ -92,9 +92,9 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
 
 
 def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k, num_experts,
-                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, interpret):
+                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, rows, interpret):
     # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, then out f32[T * R, D]: token t's
-    # partial rows at t * R.. (R: a row per tile, or per program when persistent).
+    # partial rows at t * R.. (R = ``rows``: a row per tile, or per program when persistent).
     out_ref = refs[-1]
     layer = layer_ref[0]
     per_token = top_k * routed_tiles + shared_tiles
@@ -122,8 +122,8 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
     if not tiles.num_programs:
         unit(pid // per_token, pid % per_token, pid)
         return
-    # Persistent: the grid has min(num_programs, per_token) programs, so each has a tile of every token.
-    num_programs = min(tiles.num_programs, per_token)
+    # Persistent: the grid has rows = min(num_programs, per_token) programs, each a tile of every token.
+    num_programs = rows
 
     def next_unit(j, token):
         if not interpret:  # the row's last stores, from other threads, land before this tile's loads
@@ -156,10 +156,10 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *, til
     shared_inter = 0 if shared is None else shared[0].shape[-1]
     shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     per_token = top_k * routed_tiles + shared_tiles
+    rows = min(tiles.num_programs, per_token) if tiles.num_programs else per_token  # partial rows a token
     kernel = functools.partial(_decode_kernel, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared_tiles=shared_tiles, hidden=hidden, inter=inter, shared_inter=shared_inter,
-                               tiles=tiles, interpret=interpret)
-    rows = min(tiles.num_programs, per_token) if tiles.num_programs else per_token  # partial rows a token
+                               tiles=tiles, rows=rows, interpret=interpret)
     partials = pl.pallas_call(
         kernel,
         grid=(rows if tiles.num_programs else num_tokens * per_token,),

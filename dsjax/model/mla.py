@@ -106,6 +106,12 @@ class MLAttention(nnx.Module):
         return dispatch.stacked_matmuls(x, (q_weight, stacked["kv_a"]), stacked["index"], backend,
                                         norm=(stacked["norm"], norm.eps), partials=partials)
 
+    @classmethod
+    def _folds_head_products(cls, token_shape, stacked) -> bool:
+        """A step of at most ``dispatch.HEAD_FOLD_MAX_TOKENS`` tokens on the stacked kernels: W_UK goes
+        into write_latents and W_UV into the attention's split merge (no per-head GEMV launches)."""
+        return cls._stacked_fits(token_shape, stacked) and token_shape[0] <= dispatch.HEAD_FOLD_MAX_TOKENS
+
     def _decode_write(self, x, cache: PagedKVCache, layer, batch: PagedBatch, stacked, norm, backend):
         """``_decode_projections`` and the cache write of a few raw tokens x [T, D] into one unquantized
         pool -> (q_latent, q_pe, cache): kv_a_norm, rope and both writes in one launch (write_latents).
@@ -124,7 +130,7 @@ class MLAttention(nnx.Module):
         else:
             q, kv, squares = self._first_launch(x, stacked, norm, backend, partials=True)
             num_heads = stacked["q_proj"].shape[2]  # [L, D, H, Dqk]: this rank's heads
-            fold = x.shape[0] <= dispatch.HEAD_FOLD_MAX_TOKENS
+            fold = self._folds_head_products(x.shape[:-1], stacked)
             c_kv, k_pe, queries, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
                                               q_heads=(num_heads, self.nope_dim), w_uk=stacked["w_uk"] if fold else None)
             q_latent = queries if fold else self.absorb_query(queries, stacked, backend)  # absorbed, or q_nope
@@ -204,24 +210,23 @@ class MLAttention(nnx.Module):
         latents into ``cache`` at layer ``layer``, then attend (absorbed) over each token's sequence. ->
         ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
         layer scan plus every layer's ``norm`` weights under "norm", or None."""
-        if self._stacked_fits(x.shape[:-1], stacked):
-            if cache.c_kv_scale is None and cache.pools is None:
-                q_latent, q_pe, cache = self._decode_write(x, cache, layer, batch, stacked, norm, backend)
-            else:
+        stacked_step = self._stacked_fits(x.shape[:-1], stacked)
+        # A few tokens: the attention's last launch (the splits' merge) also applies W_UV
+        values = (stacked["w_uv"], stacked["index"]) if self._folds_head_products(x.shape[:-1], stacked) else None
+        if stacked_step and cache.c_kv_scale is None and cache.pools is None:
+            q_latent, q_pe, cache = self._decode_write(x, cache, layer, batch, stacked, norm, backend)
+        else:
+            if stacked_step:
                 (q_nope, q_pe), kv = self._decode_projections(x, batch.positions, stacked, norm, backend)
                 cache = self._write(cache, layer, batch, *self._split_latents(kv.astype(x.dtype), batch.positions))
-                q_latent = self.absorb_query(q_nope, stacked, backend)
-        else:
-            x = norm(x)
-            q_nope, q_pe = self.queries(x, batch.positions)
-            cache = self._write(cache, layer, batch, *self.latents(x, batch.positions))
+            else:
+                x = norm(x)
+                q_nope, q_pe = self.queries(x, batch.positions)
+                cache = self._write(cache, layer, batch, *self.latents(x, batch.positions))
             q_latent = self.absorb_query(q_nope, stacked, backend)
         num_blocks, block_size = cache.c_kv.shape[1:3]
         # Flattening [L, N] is free; the kernel shifts the block ids to this layer's (no copy).
         flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
-        # A few tokens: the attention's last launch (the splits' merge) also applies W_UV
-        fold = self._stacked_fits(x.shape[:-1], stacked) and x.shape[0] <= dispatch.HEAD_FOLD_MAX_TOKENS
-        values = (stacked["w_uv"], stacked["index"]) if fold else None
         if cache.pools:  # two pools: the kernel finds the layer and each block's pool itself
             ctx = dispatch.mla_paged_attention(
                 q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables,
