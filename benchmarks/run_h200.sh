@@ -29,14 +29,14 @@ case $part in
       2>&1 | tee "$OUT/gpu_tests_ab.log" | tail -4
     timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch attention_values \
       --out "$OUT/gemv_decode_h200" | tail -60 ;;
-  decode-ab-curves)  # the small-batch curve as built, without the folds, and with persistent moe_decode tiles
+  decode-ab-curves)  # the small-batch curve as built, without the W_UK fold, and with the W_UV fold
     with() { mkdir -p "$OUT/$1"; timeout 170 python -c "import sys; from dsjax.model import dispatch
 from pallas_kernels.moe_decode import DecodeTiles; $2
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 4 8 --prompts 128 \
         --out-dir "$OUT/$1" | grep "decode-curve b"; }
     with built "pass"
-    with unfolded "dispatch.HEAD_FOLD_MAX_TOKENS = 0"
-    with persistent "dispatch.MOE_DECODE_TILES = DecodeTiles(block_i=32, block_k=256, block_d=256, num_programs=132)" ;;
+    with unfolded "dispatch.QUERY_FOLD_MAX_TOKENS = 0"
+    with values_folded "dispatch.VALUE_FOLD_MAX_TOKENS = 8" ;;
   attention-decode)   # MLA decode sweep, every row profiled (about 4 minutes; results/attention_h200_decode.json)
     timeout 560 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20 ;;
   attention-prefill)  # MLA prefill sweep (results/attention_h200_prefill.json); attention_h200.json joins the halves

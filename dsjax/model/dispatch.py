@@ -68,11 +68,14 @@ def swiglu(x, w_gate, w_up, backend: str):
 STACKED_GEMV_MAX_TOKENS = 64
 
 
-# Steps of up to this many tokens fold MLA's per-head products into their neighbours: W_UK into
-# write_latents (the absorbed queries) and W_UV into the attention's split merge. Their programs are per
-# token, so each token reads the heads' slices again (from L2), where the stacked per-head GEMV reads
-# them once for all rows: a launch and a partial sum saved against ~2 MB more L2 traffic a token.
-HEAD_FOLD_MAX_TOKENS = 8
+# Steps of up to these many tokens fold one of MLA's per-head products into a neighbouring launch:
+# W_UK into write_latents (the absorbed queries), W_UV into the attention's split merge. Their programs
+# are per token, so each token reads the heads' slices again (from L2), where the stacked per-head GEMV
+# reads them once for all rows: a launch (and for W_UV a partial sum) saved against ~2 MB more L2
+# traffic a token. H200, V2-Lite (decode_profile.md round 10): the merge + W_UV launch took 23.6 µs at
+# one row against 12.6 for the attention's merge, then the per-head GEMV: that fold is off (0).
+QUERY_FOLD_MAX_TOKENS = 8
+VALUE_FOLD_MAX_TOKENS = 0
 
 
 def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):

@@ -107,10 +107,11 @@ class MLAttention(nnx.Module):
                                         norm=(stacked["norm"], norm.eps), partials=partials)
 
     @classmethod
-    def _folds_head_products(cls, token_shape, stacked) -> bool:
-        """A step of at most ``dispatch.HEAD_FOLD_MAX_TOKENS`` tokens on the stacked kernels: W_UK goes
-        into write_latents and W_UV into the attention's split merge (no per-head GEMV launches)."""
-        return cls._stacked_fits(token_shape, stacked) and token_shape[0] <= dispatch.HEAD_FOLD_MAX_TOKENS
+    def _folds(cls, token_shape, stacked, max_tokens: int) -> bool:
+        """A step of at most ``max_tokens`` tokens on the stacked kernels (``dispatch.QUERY_FOLD_MAX_TOKENS``:
+        W_UK goes into write_latents; ``dispatch.VALUE_FOLD_MAX_TOKENS``: W_UV into the attention's split
+        merge; each then has no per-head GEMV launch of its own)."""
+        return cls._stacked_fits(token_shape, stacked) and token_shape[0] <= max_tokens
 
     def _decode_write(self, x, cache: PagedKVCache, layer, batch: PagedBatch, stacked, norm, backend):
         """``_decode_projections`` and the cache write of a few raw tokens x [T, D] into one unquantized
@@ -118,7 +119,7 @@ class MLAttention(nnx.Module):
         Without a q LoRA that launch also takes the first launch's split-K partials as they are (the
         attention's RMSNorm scale, the q epilogue and the q rope with them: four XLA fusions fewer) and
         absorbs the nope queries through W_UK (no launch of their own; up to
-        ``dispatch.HEAD_FOLD_MAX_TOKENS`` tokens)."""
+        ``dispatch.QUERY_FOLD_MAX_TOKENS`` tokens)."""
         write = lambda kv, **more: dispatch.write_latents(
             cache.c_kv, cache.k_pe, kv, batch.slot_mapping, batch.positions, layer, stacked["kv_a_norm"],
             stacked["index"], backend, eps=self.kv_a_norm.eps, inv_freq=self.inv_freq,
@@ -130,7 +131,7 @@ class MLAttention(nnx.Module):
         else:
             q, kv, squares = self._first_launch(x, stacked, norm, backend, partials=True)
             num_heads = stacked["q_proj"].shape[2]  # [L, D, H, Dqk]: this rank's heads
-            fold = self._folds_head_products(x.shape[:-1], stacked)
+            fold = self._folds(x.shape[:-1], stacked, dispatch.QUERY_FOLD_MAX_TOKENS)
             c_kv, k_pe, queries, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
                                               q_heads=(num_heads, self.nope_dim), w_uk=stacked["w_uk"] if fold else None)
             q_latent = queries if fold else self.absorb_query(queries, stacked, backend)  # absorbed, or q_nope
@@ -211,8 +212,9 @@ class MLAttention(nnx.Module):
         ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
         layer scan plus every layer's ``norm`` weights under "norm", or None."""
         stacked_step = self._stacked_fits(x.shape[:-1], stacked)
-        # A few tokens: the attention's last launch (the splits' merge) also applies W_UV
-        values = (stacked["w_uv"], stacked["index"]) if self._folds_head_products(x.shape[:-1], stacked) else None
+        # Up to VALUE_FOLD_MAX_TOKENS tokens: the attention's last launch (the splits' merge) also applies W_UV
+        values = ((stacked["w_uv"], stacked["index"])
+                  if self._folds(x.shape[:-1], stacked, dispatch.VALUE_FOLD_MAX_TOKENS) else None)
         if stacked_step and cache.c_kv_scale is None and cache.pools is None:
             q_latent, q_pe, cache = self._decode_write(x, cache, layer, batch, stacked, norm, backend)
         else:
