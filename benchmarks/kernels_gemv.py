@@ -6,8 +6,7 @@ through ``stacked_head_gemv`` against XLA's einsum on the layer's slice; the fus
 engine makes at one token (norm + q + kv_a; norm + f32 router + shared gate and up) over their splits
 and column tiles; and a MoE layer at one and
 two tokens (V2-Lite: top-6 of 64 routed experts plus the shared ones) through the grouped path against
-``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit), also
-with persistent programs; and MLA's decode attention up to the heads' values, the split merge and W_UV
+``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit); and MLA's decode attention up to the heads' values, the split merge and W_UV
 in one launch against the merge, then the per-head GEMV.
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
@@ -198,17 +197,8 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
 
 DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128), DecodeTiles(block_k=64),
                 DecodeTiles(block_d=256), DecodeTiles(block_i=32, block_k=256, num_stages=2),
-                DecodeTiles(num_warps=8),
-                # persistent programs taking narrow tiles in turn, one an SM: even shares of the SMs (176
-                # tiles of 64 columns leave 44 SMs two, the rest one: per-SM streams bound the tail). A
-                # narrow tile stages less per step, so deeper K steps / down steps keep ~32 KB a stage.
-                DecodeTiles(block_i=32, num_programs=132), DecodeTiles(block_i=16, num_programs=132),
-                DecodeTiles(block_i=32, block_k=256, block_d=256, num_programs=132),
-                DecodeTiles(block_i=32, block_d=256, num_stages=5, num_programs=132),
-                DecodeTiles(block_i=16, block_k=512, block_d=512, num_programs=132),
-                DecodeTiles(block_i=32, num_programs=264)]
-QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2),
-                      DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2, num_programs=3)]
+                DecodeTiles(num_warps=8)]
+QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
 
 
 def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
@@ -239,8 +229,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
         distinct = len(set(np.asarray(ids).reshape(-1).tolist()))
         weight_bytes = (distinct * 3 * hidden * inter + 3 * hidden * shared_inter) * 2
         for name, fn in [("grouped", grouped)] + [
-                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}"
-                 + (f" p{c.num_programs}" if c.num_programs else ""),
+                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}",
                  lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick))
                 for c in configs]:
             us, _ = _time(fn, args, quick=quick)

@@ -7,9 +7,7 @@ grouped down projection, weighting, the shared experts' own GEMVs, each a launch
 intermediate tile): it streams the tile's gate and up columns over the whole hidden size, forms
 silu(gate) * up times the routing weight, and multiplies that straight into the tile's rows of the
 down projection, storing a partial [D] output. The shared experts ride along as extra programs of
-weight 1 on their own stacked weights. Partials (a few MB at most) are summed by XLA. With
-``DecodeTiles.num_programs`` the programs are persistent instead: each takes a token's tiles pid,
-pid + num_programs, ... and adds them into one partial row of that token.
+weight 1 on their own stacked weights. Partials (a few MB at most) are summed by XLA.
 
 Every weight is read in place from the layer stacks ([L, E, ...] routed, [L, ...] shared) with a
 traced layer index, as the grouped kernels do. A token's rows are zero-padded to 16 (Triton's
@@ -35,26 +33,20 @@ MAX_TOKENS = 8  # tokens a call takes: each is its own set of programs
 
 
 class DecodeTiles(NamedTuple):
-    """H200, V2-Lite layer (2026-12-01, kernels_gemv.moe_one_launch, 12 configs): these take 41.1 µs at
-    one token (3.37 TB/s of the 139 MB read) and 63.6 at two; 32-column programs 45-49, 128-column 46."""
+    """H200, V2-Lite layer (2026-12-01, kernels_gemv.moe_one_launch): these take 41.2 µs at one token
+    (3.36 TB/s of the 139 MB read) and 65.1 at two; 32-column programs 44.8, 128-column 47.4, 8 warps
+    40.5 (within the runs' noise). Persistent programs taking narrow tiles in turn (132 or 264 of them,
+    16-32 columns) were slower at every config: 48-106 µs (decode_profile.md round 10)."""
     block_i: int = 64  # intermediate columns a program owns
     block_k: int = 128  # hidden rows a gate/up step streams
     block_d: int = 128  # output columns a down step produces
     num_warps: int = 4
     num_stages: int = 3
-    # 0: one program per (token, expert slot, intermediate tile), each storing a partial row. Else at
-    # most this many programs, each taking a token's tiles pid, pid + num_programs, ... in turn and
-    # adding them into one partial row per token (persistent: with narrow tiles the SMs' shares even
-    # out, where 176 tiles of 64 columns on 132 SMs leave 44 SMs a second tile, and the partials to sum
-    # stay num_programs rows a token)
-    num_programs: int = 0
 
 
-def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles,
-                 accumulate=False):
+def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles):
     """x_ref[token] through columns [i0, i0 + block_i) of one expert (wg / wu [..., D, I] and wd
-    [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program]
-    (added to what the row holds when ``accumulate``, a traced bool)."""
+    [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program]."""
     block_i, block_k, block_d = tiles.block_i, tiles.block_k, tiles.block_d
     col_ok = i0 + jnp.arange(block_i) < inter
     first_row = (jnp.arange(16) == 0)[:, None]
@@ -81,61 +73,38 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
         d_ok = d0 + jnp.arange(block_d) < hidden
         w = plgpu.load(wd.at[(*prefix, pl.ds(i0, block_i), pl.ds(d0, block_d))],
                        mask=col_ok[:, None] & d_ok[None, :], other=0)
-        y = jnp.sum(jnp.where(first_row, dot(h, w), 0.0), axis=0)  # [block_d]
-        row = out_ref.at[program, pl.ds(d0, block_d)]
-        if tiles.num_programs:
-            y = y + plgpu.load(row, mask=d_ok & accumulate, other=0)
-        plgpu.store(row, y, mask=d_ok)
+        y = dot(h, w)  # [16, block_d]
+        plgpu.store(out_ref.at[program, pl.ds(d0, block_d)], jnp.sum(jnp.where(first_row, y, 0.0), axis=0),
+                    mask=d_ok)
         return carry
 
     jax.lax.fori_loop(0, pl.cdiv(hidden, block_d), down, 0)
 
 
 def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k, num_experts,
-                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, rows, interpret):
-    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, then out f32[T * R, D]: token t's
-    # partial rows at t * R.. (R = ``rows``: a row per tile, or per program when persistent).
+                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles):
+    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, then out f32[T * P, D].
     out_ref = refs[-1]
-    layer = layer_ref[0]
+    program, layer = pl.program_id(0), layer_ref[0]
     per_token = top_k * routed_tiles + shared_tiles
+    token, local = program // per_token, program % per_token
+    tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
+                             tiles=tiles)
 
-    def unit(token, local, row, accumulate=False):  # one (token, expert slot, intermediate tile) into out_ref[row]
-        tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=row, hidden=hidden,
-                                 tiles=tiles, accumulate=accumulate)
+    @pl.when(local < top_k * routed_tiles)
+    def _():
+        slot = token * top_k + local // routed_tiles
+        expert = ids_ref[slot]
+        # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
+        scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
+        tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
+             i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
 
-        @pl.when(local < top_k * routed_tiles)
+    if shared_tiles:
+        @pl.when(local >= top_k * routed_tiles)
         def _():
-            slot = token * top_k + local // routed_tiles
-            expert = ids_ref[slot]
-            # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
-            scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
-            tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
-                 i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
-
-        if shared_tiles:
-            @pl.when(local >= top_k * routed_tiles)
-            def _():
-                tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
-                     inter=shared_inter)
-
-    pid = pl.program_id(0)
-    if not tiles.num_programs:
-        unit(pid // per_token, pid % per_token, pid)
-        return
-    # Persistent: the grid has rows = min(num_programs, per_token) programs, each a tile of every token.
-    num_programs = rows
-
-    def next_unit(j, token):
-        if not interpret:  # the row's last stores, from other threads, land before this tile's loads
-            plgpu.debug_barrier()
-        unit(token, pid + j * num_programs, token * num_programs + pid, accumulate=j > 0)
-        return token
-
-    def next_token(token, carry):
-        jax.lax.fori_loop(0, pl.cdiv(per_token - pid, num_programs), next_unit, token)
-        return carry
-
-    jax.lax.fori_loop(0, out_ref.shape[0] // num_programs, next_token, 0)
+            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
+                 inter=shared_inter)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -156,20 +125,19 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *, til
     shared_inter = 0 if shared is None else shared[0].shape[-1]
     shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     per_token = top_k * routed_tiles + shared_tiles
-    rows = min(tiles.num_programs, per_token) if tiles.num_programs else per_token  # partial rows a token
     kernel = functools.partial(_decode_kernel, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared_tiles=shared_tiles, hidden=hidden, inter=inter, shared_inter=shared_inter,
-                               tiles=tiles, rows=rows, interpret=interpret)
+                               tiles=tiles)
     partials = pl.pallas_call(
         kernel,
-        grid=(rows if tiles.num_programs else num_tokens * per_token,),
-        out_shape=jax.ShapeDtypeStruct((num_tokens * rows, hidden), jnp.float32),
+        grid=(num_tokens * per_token,),
+        out_shape=jax.ShapeDtypeStruct((num_tokens * per_token, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
         name="moe_decode",
     )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
       weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()))
-    return partials.reshape(num_tokens, rows, hidden).sum(axis=1).astype(x.dtype)
+    return partials.reshape(num_tokens, per_token, hidden).sum(axis=1).astype(x.dtype)
 
 
 def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None):

@@ -131,8 +131,7 @@ def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_d
 # H200, V2-Lite layer (benchmarks/kernels_gemv.py, moe_one_launch): 41.1 µs against 51.1 for the grouped
 # path at one token, 63.6 against 76.3 at two (the second token's weights come from L2 or are its own).
 MOE_DECODE_MAX_TOKENS = 2
-# Its tiles (pallas_kernels.moe_decode.DecodeTiles: the H200 sweep's best of one program a tile; the
-# persistent configs await their measurement, benchmarks/run_h200.sh decode-ab).
+# Its tiles (pallas_kernels.moe_decode.DecodeTiles: the H200 sweep's best).
 MOE_DECODE_TILES = DecodeTiles()
 
 
