@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-ab-curves|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-ab-curves|pdl|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -29,14 +29,17 @@ case $part in
       2>&1 | tee "$OUT/gpu_tests_ab.log" | tail -4
     timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch attention_values \
       --out "$OUT/gemv_decode_h200" | tail -60 ;;
-  decode-ab-curves)  # the small-batch curve as built, without the W_UK fold, and with the W_UV fold
+  decode-ab-curves)  # the small-batch curve as built and without the W_UK fold
     with() { mkdir -p "$OUT/$1"; timeout 170 python -c "import sys; from dsjax.model import dispatch
 from pallas_kernels.moe_decode import DecodeTiles; $2
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 4 8 --prompts 128 \
         --out-dir "$OUT/$1" | grep "decode-curve b"; }
     with built "pass"
-    with unfolded "dispatch.QUERY_FOLD_MAX_TOKENS = 0"
-    with values_folded "dispatch.VALUE_FOLD_MAX_TOKENS = 8" ;;
+    with unfolded "dispatch.QUERY_FOLD_MAX_TOKENS = 0" ;;
+  pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
+    timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
+    XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
+      --out "$OUT/pdl_probe_enable_pdl.json" 2>&1 | grep -v Warn | tail -12 ;;
   attention-decode)   # MLA decode sweep, every row profiled (about 4 minutes; results/attention_h200_decode.json)
     timeout 560 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20 ;;
   attention-prefill)  # MLA prefill sweep (results/attention_h200_prefill.json); attention_h200.json joins the halves

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import kernels_attention, kernels_gemv, kernels_moe
+from benchmarks import kernels_attention, kernels_gemv, kernels_moe, pdl_probe
 
 
 def test_attention_benchmark_quick(capsys):
@@ -37,6 +37,14 @@ def test_gemv_benchmark_quick():
         (r, impl) for r in (1, 2) for impl in ("attention, then w_uv", "merge + w_uv in one launch")]
     only = kernels_gemv.main(["--quick", "--only", "attention_values"])
     assert "attention_values" in only and "sweep" not in only and only["table"].startswith("| rows | impl | us |")
+
+
+def test_pdl_probe_lowers_each_variant_for_hopper():
+    """The PDL probe's kernels lower for an abstract H200 on CPU; only the grid-dependency variants ask
+    for a programmatic launch (the Mosaic GPU module's uses_pdl attribute)."""
+    result = pdl_probe.main(["--quick", "--tiles", "8"])
+    assert {v: r["uses_pdl"] for v, r in result.items()} == {"serial": False, "pdl": True, "pdl_trigger": True}
+    assert all(r["mosaic_calls"] > 0 for r in result.values())
 
 
 def test_moe_benchmark_quick(capsys):
