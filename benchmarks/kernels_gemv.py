@@ -6,8 +6,7 @@ through ``stacked_head_gemv`` against XLA's einsum on the layer's slice; the fus
 engine makes at one token (norm + q + kv_a; norm + f32 router + shared gate and up) over their splits
 and column tiles; and a MoE layer at one and
 two tokens (V2-Lite: top-6 of 64 routed experts plus the shared ones) through the grouped path against
-``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit); and MLA's decode attention up to the heads' values, the split merge and W_UV
-in one launch against the merge, then the per-head GEMV.
+``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit).
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
 2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
@@ -17,7 +16,7 @@ K-split partials); TB/s counts the layer's weight bytes.
 
     python benchmarks/kernels_gemv.py           # GPU: table + benchmarks/results/gemv_h200.json
     python benchmarks/kernels_gemv.py --quick   # tiny shapes in interpret mode (CPU smoke test)
-    python benchmarks/kernels_gemv.py --only moe_one_launch attention_values --out gemv_decode_h200
+    python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch --out gemv_decode_h200
 """
 
 from __future__ import annotations
@@ -239,47 +238,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
     return rows
 
 
-def attention_values(row_counts, *, quick: bool) -> list[dict]:
-    """MLA's absorbed decode at V2-Lite shapes (16 heads, 128-token contexts in 64-token pages, the layer
-    stack's w_uv read in place) up to each head's values: the attention kernel and its split merge, then
-    ``stacked_head_gemv`` and the sum of its partials (before) against the merge and W_UV in one launch
-    (``mla_paged(values=...)``). µs a call from a loop of calls (``device_time_us``: launch gaps included)."""
-    from benchmarks.common import device_time_us
-    from pallas_kernels.mla_decode import mla_paged
-
-    heads, latent, rope, head_dim, block_size = (4, 64, 16, 24, 8) if quick else (16, 512, 64, 128, 64)
-    # 128-token contexts in tables as wide as the engine's (2k tokens): the kernel's splits are the engine's
-    context, max_context, layers = (16, 32, 2) if quick else (128, 2048, LAYERS)
-    rng = np.random.default_rng(11)
-    mk = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
-    w_uv = mk(layers, latent, heads, head_dim) * 0.05
-    layer = jnp.int32(1 if quick else LAYER)
-    rows = []
-    for num_rows in row_counts:
-        pages = num_rows * max_context // block_size
-        c_kv, k_pe = mk(pages, block_size, latent), mk(pages, block_size, rope)
-        tables = jnp.arange(pages, dtype=jnp.int32).reshape(num_rows, -1)
-        seq_ids = jnp.arange(num_rows, dtype=jnp.int32)
-        positions = jnp.full((num_rows,), context - 1, jnp.int32)
-        q, q_pe = mk(num_rows, heads, latent), mk(num_rows, heads, rope)
-        attend = lambda q, values=None: mla_paged(q, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.07,
-                                                  values=values, interpret=quick)
-        variants = {"attention, then w_uv": lambda q: stacked_head_gemv(attend(q), w_uv, layer, contract_rows=True,
-                                                                       out_dtype=jnp.bfloat16, interpret=quick),
-                    "merge + w_uv in one launch": lambda q: attend(q, (w_uv, layer))}
-        for name, fn in variants.items():
-            if quick:
-                us = float("nan")
-                jax.block_until_ready(jax.jit(fn)(q))
-            else:
-                us = device_time_us(fn, (q,), estimate_s=20e-6)
-            rows.append(dict(rows=num_rows, impl=name, us=us))
-            print(f"  attention + values, {num_rows:>2} rows, {name:<27} {us:8.2f} us", flush=True)
-    return rows
-
-
-PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch",
-         "attention_values")
+PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -298,7 +257,6 @@ def main(argv: list[str] | None = None) -> dict:
         "fused_launches": lambda: fused_launches(QUICK_FUSED_LAUNCHES if quick else FUSED_LAUNCHES, quick=quick),
         "head_products": lambda: head_products(row_counts, QUICK_HEAD_CONFIGS if quick else HEAD_CONFIGS, quick=quick),
         "moe_one_launch": lambda: moe_one_launch((1, 2), QUICK_DECODE_TILES if quick else DECODE_TILES, quick=quick),
-        "attention_values": lambda: attention_values((1, 2) if quick else (1, 2, 8, 32, 64), quick=quick),
     }
     results = {part: runs[part]() for part in PARTS if part in only}
     tables = []
@@ -317,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
     columns = {"shared_mlp": ["impl", "us", "tb_per_s"], "rows_vs_xla": None,
                "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "us", "tb_per_s"],
                "head_products": ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"],
-               "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"], "attention_values": ["rows", "impl", "us"]}
+               "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"]}
     for part, cols in columns.items():
         if part in results:
             tables.append(markdown_table(results[part], cols or list(results[part][0])))

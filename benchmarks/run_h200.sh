@@ -17,17 +17,16 @@ case $part in
       | tee "$OUT/gpu_tests_model.log" | tail -15 ;;
   decode-round)  # after a change to the decode path: its GPU tests, a batch-1 step profile, the small-batch curve
     timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "stacked or moe_decode or write_latents or values or engine_pallas" 2>&1 | tee "$OUT/gpu_tests_decode.log" | tail -4
+      -k "stacked or moe_decode or write_latents or engine_pallas" 2>&1 | tee "$OUT/gpu_tests_decode.log" | tail -4
     timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --top 60 \
       --trace-dir /tmp/trace_b1 | grep -vi warn | tee "$OUT/profile_b1.txt" | head -30
     timeout 150 python -m dsjax.bench decode-curve --batches 1 2 4 8 16 32 64 --prompts 128 --out-dir "$OUT" \
       | grep "decode-curve b" ;;
-  decode-ab)  # round 9 (decode_profile.md): the folded head products and persistent moe_decode on the GPU,
-              # and the kernels A/B (about 6 minutes); then decode-ab-curves
+  decode-ab)  # the decode launches' GPU tests and the kernels A/B (about 6 minutes); then decode-ab-curves
     timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "stacked or moe_decode or write_latents or values or paged_decode_pallas" \
+      -k "stacked or moe_decode or write_latents or paged_decode_pallas" \
       2>&1 | tee "$OUT/gpu_tests_ab.log" | tail -4
-    timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch attention_values \
+    timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch \
       --out "$OUT/gemv_decode_h200" | tail -60 ;;
   decode-ab-curves)  # the small-batch curve as built and without the W_UK fold
     with() { mkdir -p "$OUT/$1"; timeout 170 python -c "import sys; from dsjax.model import dispatch

@@ -49,7 +49,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import mla_decode_8bit_mgpu, mla_decode_mgpu
 from pallas_kernels.common import dot_precision
 from pallas_kernels.kv_quant import dequantize_latent
-from pallas_kernels.stacked_gemv import stacked_head_gemv
 
 NUM_SMS = 132  # H100 / H200 SXM
 # Splits grow (by powers of two) until the grid has this many programs: one wave over the SMs.
@@ -320,39 +319,6 @@ def _combine_kernel(
     o_ref[...] = (o / jnp.where(denom == 0, 1.0, denom)).astype(o_ref.dtype)
 
 
-def _combine_values_kernel(layer_ref, m_ref, l_ref, acc_ref, w_ref, o_ref, *, splits_axis, num_splits, block_c,
-                           block_v, latent_dim, value_dim):
-    # m_ref, l_ref f32[B, Hp, S] (splits_axis 2) or [B, S, Hp]; acc_ref f32[B, Hp, S, C] or [B, S, Hp, C];
-    # w_ref: every layer's w_uv [L, C, H * V]; o_ref [B, H, V]. One program: query b, head h, a block_v
-    # tile of the head's value columns.
-    h, v_tile, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    # (query b, head h, every split, then ``more``): one indexer, as the Triton lowering takes
-    head = lambda ref, *more: ref.at[(b, h, slice(None), *more) if splits_axis == 2 else (b, slice(None), h, *more)]
-    m = plgpu.load(head(m_ref))  # [S]
-    weight = jnp.exp2(m - m.max())  # empty splits: l = 0 and acc = 0, so their weight is moot
-    denom = (weight * plgpu.load(head(l_ref))).sum()
-    inv_denom = 1.0 / jnp.where(denom == 0, 1.0, denom)
-    cols = v_tile * block_v + jnp.arange(block_v)
-    first_row = (jnp.arange(16) == 0)[:, None]
-    layer = layer_ref[0]
-
-    def body(i, acc_v):  # acc_v f32[16, block_v], row 0 real
-        c0 = pl.multiple_of(i * block_c, block_c)
-        c_ok = c0 + jnp.arange(block_c) < latent_dim
-        parts = plgpu.load(head(acc_ref, pl.ds(c0, block_c)), mask=c_ok[None, :], other=0)  # [S, block_c]
-        # the merged attention output, rounded to the queries' dtype as combine_splits stores it
-        latent = ((weight[:, None] * parts).sum(axis=0) * inv_denom).astype(o_ref.dtype)
-        x = jnp.where(first_row, latent[None, :], 0).astype(latent.dtype)  # [16, block_c]
-        w = plgpu.load(w_ref.at[layer, pl.ds(c0, block_c), pl.ds(h * value_dim + v_tile * block_v, block_v)],
-                       mask=c_ok[:, None] & (cols < value_dim)[None, :], other=0)
-        return acc_v + jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32,
-                               precision=dot_precision(x.dtype))
-
-    acc_v = jax.lax.fori_loop(0, pl.cdiv(latent_dim, block_c), body, jnp.zeros((16, block_v), jnp.float32))
-    plgpu.store(o_ref.at[b, h, pl.ds(v_tile * block_v, block_v)],
-                jnp.sum(jnp.where(first_row, acc_v, 0.0), axis=0).astype(o_ref.dtype), mask=cols < value_dim)
-
-
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -360,10 +326,9 @@ def _is_pow2(n: int) -> bool:
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
                    c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret,
                    compressed=None, pools=None, impl="auto", dot_dtype=None, length_offset=0,
-                   layer=None, layer_pages=None, paired=None, uniform_pages=None, values=None):
+                   layer=None, layer_pages=None, paired=None, uniform_pages=None):
     """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]+length_offset-1 of
-    table row seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype (with
-    ``values``, each head's output through its W_UV: [B, H, V], see ``combine_splits``). With
+    table row seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype. With
     ``layer_pages`` the tables hold layer ``layer``'s page ids and c_kv / k_pe every layer's pages, layer
     l's page p at row l * layer_pages + p (added inside the kernel, as the lengths' offset is).
     ``paired`` (an 8-bit cache in one pool): the kernel reads the latent rows as 16-bit byte pairs and
@@ -419,9 +384,9 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         lengths = lengths + length_offset
         if few_head_8bit:
             return _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
-                                              lengths, scale, num_splits=num_splits, values=values)
+                                              lengths, scale, num_splits=num_splits)
         return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
-                                     num_splits=num_splits, c_kv_scale=c_kv_scale, values=values)
+                                     num_splits=num_splits, c_kv_scale=c_kv_scale)
     if (dot_dtype is None and jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not pools
             and q_latent.dtype == jnp.bfloat16):
         dot_dtype = "float16"  # see the module docstring
@@ -501,11 +466,10 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
       *([jnp.asarray(layer, jnp.int32).reshape(1)] if pools or layer_pages else []),
       *([comp_c_kv.reshape(-1, latent_dim), comp_scale.reshape(-1).astype(jnp.float32)] if pools else []))
     if num_splits == 1:
-        return _values(partials[:, :num_heads], values, interpret)
+        return partials[:, :num_heads]
 
     m, l, acc = partials
-    return combine_splits(m, l, acc, q_latent.dtype, splits_axis=2, num_heads=num_heads, interpret=interpret,
-                          values=values)
+    return combine_splits(m, l, acc, q_latent.dtype, splits_axis=2, num_heads=num_heads, interpret=interpret)
 
 
 def _few_head_8bit(num_heads: int, cache_dtype) -> bool:
@@ -525,7 +489,7 @@ def mosaic_why_not(num_heads: int, latent_dim: int, rope_dim: int, block_size: i
 
 
 def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *, num_splits,
-                          c_kv_scale=None, values=None):
+                          c_kv_scale=None):
     """The Mosaic GPU kernel (Hopper, H a multiple of 64; a bf16 or an 8-bit cache) with its splits and
     their merge."""
     batch, num_heads = q_latent.shape[:2]
@@ -538,12 +502,12 @@ def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, len
                                           num_splits=num_splits, tokens_per_split=tokens_per_split,
                                           c_kv_scale=c_kv_scale)
     if num_splits == 1:
-        return _values(out.astype(q_latent.dtype), values, False)
-    return combine_splits(*out, q_latent.dtype, splits_axis=1, values=values)
+        return out.astype(q_latent.dtype)
+    return combine_splits(*out, q_latent.dtype, splits_axis=1)
 
 
 def _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale, *,
-                               num_splits, values=None):
+                               num_splits):
     """The Mosaic GPU kernel over an 8-bit cache (Hopper, a scale a token, few heads): it writes O^T
     (tokens on wgmma's M side), so its output and partials are transposed back here."""
     batch, num_heads = q_latent.shape[:2]
@@ -558,23 +522,16 @@ def _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tab
     out = mla_decode_8bit_mgpu.mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
                                                     lengths, scale, num_splits=num_splits)
     if num_splits == 1:
-        return _values(out.swapaxes(1, 2).astype(q_latent.dtype), values, False)
+        return out.swapaxes(1, 2).astype(q_latent.dtype)
     m, l, acc = out
-    return combine_splits(m, l, acc.swapaxes(2, 3), q_latent.dtype, splits_axis=1, values=values)
+    return combine_splits(m, l, acc.swapaxes(2, 3), q_latent.dtype, splits_axis=1)
 
 
-def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None = None, interpret: bool = False,
-                   values=None):
+def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None = None, interpret: bool = False):
     """Merges flash-decoding partials: m, l f32 (log2-unit running max, softmax denominator) and acc f32
     (unnormalized output), laid out [B, H, S] / [B, H, S, C] (splits_axis=2, the Triton kernel) or
     [B, S, H] / [B, S, H, C] (splits_axis=1, the Mosaic kernel) -> [B, H, C] in ``dtype``; only the first
-    ``num_heads`` heads (the rest are padding).
-
-    ``values`` = (every layer's w_uv [L, C, H, V], layer): each head's merged output goes on through its
-    W_UV in the same launch (MLA's absorbed value projection) -> [B, H, V] in ``dtype``, in place of a
-    merge launch, a per-head GEMV launch and the sum of its split-K partials."""
-    if values is not None:
-        return _combine_values(m, l, acc, dtype, values, splits_axis=splits_axis, interpret=interpret)
+    ``num_heads`` heads (the rest are padding)."""
     if splits_axis == 2:
         batch, _, num_splits, latent_dim = acc.shape
         row, row_block = (lambda h, c, b: (b, h, 0)), (None, None, num_splits)
@@ -602,41 +559,6 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
         interpret=interpret,
         name="mla_decode_combine",
     )(m, l, acc)
-
-
-# Value columns a program of the merge + W_UV launch owns: V2-Lite's 16 heads x 128 columns make 64
-# programs a query, each streaming a 512 x 32 slice of its head's W_UV.
-VALUE_TILE = 32
-_LATENT_STEP = 128  # latent columns a step of that launch merges and multiplies
-
-
-def _combine_values(m, l, acc, dtype, values, *, splits_axis: int, interpret: bool):
-    w_uv, layer = values
-    num_layers, latent_dim, num_heads, value_dim = w_uv.shape
-    batch, num_splits = acc.shape[0], acc.shape[splits_axis]
-    if acc.shape[-1] != latent_dim or not _is_pow2(num_splits):
-        raise ValueError(f"combine_splits: acc {acc.shape} and w_uv {w_uv.shape} do not match (latent dims), or "
-                         f"{num_splits} splits are not a power of two")
-    block_v = min(VALUE_TILE, pl.next_power_of_2(value_dim))
-    kernel = functools.partial(_combine_values_kernel, splits_axis=splits_axis, num_splits=num_splits,
-                               block_c=min(_LATENT_STEP, pl.next_power_of_2(latent_dim)), block_v=block_v,
-                               latent_dim=latent_dim, value_dim=value_dim)
-    return pl.pallas_call(
-        kernel,
-        grid=(num_heads, pl.cdiv(value_dim, block_v), batch),
-        out_shape=jax.ShapeDtypeStruct((batch, num_heads, value_dim), dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
-        interpret=interpret,
-        name="mla_decode_combine_values",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), m, l, acc, w_uv.reshape(num_layers, latent_dim, -1))
-
-
-def _values(out, values, interpret: bool):
-    """One split's attention output [B, H, C] through W_UV when ``values`` is given (see combine_splits)."""
-    if values is None:
-        return out
-    w_uv, layer = values
-    return stacked_head_gemv(out, w_uv, layer, contract_rows=True, out_dtype=out.dtype, interpret=interpret)
 
 
 _STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl", "dot_dtype",
@@ -673,7 +595,7 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
 def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
               compressed=None, pools=None, layer=None, layer_pages=None, num_splits=None, block_h=None, block_k=None,
               num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None, paired=None,
-              uniform_pages=None, values=None):
+              uniform_pages=None):
     """The engine's entry; the semantics of ``mla_paged_reference``.
 
     q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
@@ -684,15 +606,13 @@ def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scal
     ``mla_paged_pools_reference``; ``compressed`` = (c_kv_compressed, compressed_scale, layer),
     ``pools`` = (Nf, Nc). With ``layer_pages`` (one pool), c_kv / k_pe hold every layer's pages
     [L * layer_pages, bs, ...] and the tables layer ``layer``'s page ids (the kernel adds the offset).
-    ``values`` = (every layer's w_uv [L, C, H, V], layer): -> [T, H, V], each head's output through its
-    W_UV (merged with the splits in one launch, ``combine_splits``).
     """
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids.astype(jnp.int32),
                           positions.astype(jnp.int32), scale, compressed=compressed, pools=pools, length_offset=1,
                           layer=layer, layer_pages=layer_pages,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl,
-                          dot_dtype=dot_dtype, paired=paired, uniform_pages=uniform_pages, values=values)
+                          dot_dtype=dot_dtype, paired=paired, uniform_pages=uniform_pages)
 
 
 def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=None):

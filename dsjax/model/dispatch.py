@@ -68,14 +68,13 @@ def swiglu(x, w_gate, w_up, backend: str):
 STACKED_GEMV_MAX_TOKENS = 64
 
 
-# Steps of up to these many tokens fold one of MLA's per-head products into a neighbouring launch:
-# W_UK into write_latents (the absorbed queries), W_UV into the attention's split merge. Their programs
+# Steps of up to this many tokens fold MLA's W_UK into write_latents (the absorbed queries). Its programs
 # are per token, so each token reads the heads' slices again (from L2), where the stacked per-head GEMV
-# reads them once for all rows: a launch (and for W_UV a partial sum) saved against ~2 MB more L2
-# traffic a token. H200, V2-Lite (decode_profile.md round 10): the merge + W_UV launch took 23.6 µs at
-# one row against 12.6 for the attention's merge, then the per-head GEMV: that fold is off (0).
+# reads them once for all rows: a launch saved against ~1 MB more L2 traffic a token. H200, V2-Lite
+# (decode_profile.md round 10): write_latents with W_UK 4.0 µs a layer against 2.7 + 2.4 for the two
+# launches. (W_UV in the attention's split merge, the same move on the output side, took 23.6 µs
+# against 12.6 for the merge, then the per-head GEMV, and was removed.)
 QUERY_FOLD_MAX_TOKENS = 8
-VALUE_FOLD_MAX_TOKENS = 0
 
 
 def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
@@ -190,26 +189,20 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, bac
 
 
 def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str,
-                        c_kv_scale=None, compressed=None, pools=None, layer=None, layer_pages=None, values=None):
+                        c_kv_scale=None, compressed=None, pools=None, layer=None, layer_pages=None):
     """Absorbed MLA over the paged latent cache (8-bit c_kv with its c_kv_scale; or two pools, see
     ``mla_paged_pools_reference``); see ``mla_paged_reference`` for shapes. With ``layer_pages`` (one
-    pool) c_kv / k_pe hold every layer's pages and the tables layer ``layer``'s page ids. ``values`` =
-    (every layer's w_uv [L, C, H, V], layer index): each head's output goes on through its W_UV ->
-    [T, H, V] (the kernels merge the splits and multiply in one launch)."""
+    pool) c_kv / k_pe hold every layer's pages and the tables layer ``layer``'s page ids."""
     if backend == "reference":
         if pools:
-            out = mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
-                                            compressed, pools)
-        else:
-            if layer_pages:
-                block_tables = block_tables + layer * layer_pages
-            out = mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
-                                      c_kv_scale)
-        if values is None:
-            return out
-        return stacked_head_gemv_reference(out, *values, contract_rows=True).astype(out.dtype)
+            return mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                                             compressed, pools)
+        if layer_pages:
+            block_tables = block_tables + layer * layer_pages
+        return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                                   c_kv_scale)
     return mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=c_kv_scale,
-                     compressed=compressed, pools=pools, layer=layer, layer_pages=layer_pages, values=values,
+                     compressed=compressed, pools=pools, layer=layer, layer_pages=layer_pages,
                      interpret=backend == "interpret")
 
 

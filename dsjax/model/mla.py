@@ -107,11 +107,10 @@ class MLAttention(nnx.Module):
                                         norm=(stacked["norm"], norm.eps), partials=partials)
 
     @classmethod
-    def _folds(cls, token_shape, stacked, max_tokens: int) -> bool:
-        """A step of at most ``max_tokens`` tokens on the stacked kernels (``dispatch.QUERY_FOLD_MAX_TOKENS``:
-        W_UK goes into write_latents; ``dispatch.VALUE_FOLD_MAX_TOKENS``: W_UV into the attention's split
-        merge; each then has no per-head GEMV launch of its own)."""
-        return cls._stacked_fits(token_shape, stacked) and token_shape[0] <= max_tokens
+    def _folds_queries(cls, token_shape, stacked) -> bool:
+        """A step of at most ``dispatch.QUERY_FOLD_MAX_TOKENS`` tokens on the stacked kernels: W_UK goes into
+        write_latents (no per-head GEMV launch of its own)."""
+        return cls._stacked_fits(token_shape, stacked) and token_shape[0] <= dispatch.QUERY_FOLD_MAX_TOKENS
 
     def _decode_write(self, x, cache: PagedKVCache, layer, batch: PagedBatch, stacked, norm, backend):
         """``_decode_projections`` and the cache write of a few raw tokens x [T, D] into one unquantized
@@ -131,7 +130,7 @@ class MLAttention(nnx.Module):
         else:
             q, kv, squares = self._first_launch(x, stacked, norm, backend, partials=True)
             num_heads = stacked["q_proj"].shape[2]  # [L, D, H, Dqk]: this rank's heads
-            fold = self._folds(x.shape[:-1], stacked, dispatch.QUERY_FOLD_MAX_TOKENS)
+            fold = self._folds_queries(x.shape[:-1], stacked)
             c_kv, k_pe, queries, q_pe = write(kv, squares=squares, row_rms=(x.shape[-1], norm.eps), q=q,
                                               q_heads=(num_heads, self.nope_dim), w_uk=stacked["w_uk"] if fold else None)
             q_latent = queries if fold else self.absorb_query(queries, stacked, backend)  # absorbed, or q_nope
@@ -212,9 +211,6 @@ class MLAttention(nnx.Module):
         ([T, D] partial over tensor ranks, updated cache). ``stacked``: ``stacked_projections`` of the
         layer scan plus every layer's ``norm`` weights under "norm", or None."""
         stacked_step = self._stacked_fits(x.shape[:-1], stacked)
-        # Up to VALUE_FOLD_MAX_TOKENS tokens: the attention's last launch (the splits' merge) also applies W_UV
-        values = ((stacked["w_uv"], stacked["index"])
-                  if self._folds(x.shape[:-1], stacked, dispatch.VALUE_FOLD_MAX_TOKENS) else None)
         if stacked_step and cache.c_kv_scale is None and cache.pools is None:
             q_latent, q_pe, cache = self._decode_write(x, cache, layer, batch, stacked, norm, backend)
         else:
@@ -233,14 +229,12 @@ class MLAttention(nnx.Module):
             ctx = dispatch.mla_paged_attention(
                 q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables,
                 batch.seq_ids, batch.positions, self.scale, backend, pools=cache.pools,
-                compressed=(flat(cache.c_kv_compressed), flat(cache.compressed_scale), layer), values=values)
+                compressed=(flat(cache.c_kv_compressed), flat(cache.compressed_scale), layer))
         else:
             ctx = dispatch.mla_paged_attention(
                 q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables, batch.seq_ids,
                 batch.positions, self.scale, backend, c_kv_scale=flat(cache.c_kv_scale), layer=layer,
-                layer_pages=num_blocks, values=values)
-        if values is not None:
-            return self._stacked_o_proj(ctx, stacked, backend), cache
+                layer_pages=num_blocks)
         return self.output(ctx, stacked, backend), cache
 
 

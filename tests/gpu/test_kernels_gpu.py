@@ -43,25 +43,6 @@ def test_mla_decode_gpu(heads, impl, block_size, num_splits):
     assert _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("heads, impl, lengths", [(16, "auto", [1, 200, 2048]), (16, "auto", [150]),
-                                                  (128, "mosaic", [300, 1000])])
-def test_mla_paged_values_gpu(heads, impl, lengths):
-    """values: the splits' merge and W_UV in one launch (V2-Lite's 16 heads on the Triton kernel, one
-    query at a short context too; V3's 128 on the Mosaic one) against attention, then the per-head GEMV."""
-    from pallas_kernels.mla_decode import mla_paged, mla_paged_reference
-    from pallas_kernels.stacked_gemv import stacked_head_gemv_reference
-
-    rng = np.random.default_rng(heads + len(lengths))
-    q, q_pe, c_kv, k_pe, tables, positions = _paged(rng, len(lengths), heads, lengths)
-    positions, seq_ids = positions - 1, jnp.arange(len(lengths), dtype=jnp.int32)
-    w_uv = jnp.asarray(rng.standard_normal((3, 512, heads, 128)) * 0.05, jnp.bfloat16)
-    got = mla_paged(q, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1, impl=impl, values=(w_uv, jnp.int32(2)))
-    f32 = lambda a: a.astype(jnp.float32)
-    ctx = mla_paged_reference(f32(q), f32(q_pe), f32(c_kv), f32(k_pe), tables, seq_ids, positions, 0.1)
-    assert got.shape == (len(lengths), heads, 128) and got.dtype == jnp.bfloat16
-    assert _rel(got, stacked_head_gemv_reference(ctx, f32(w_uv), 2, contract_rows=True)) < 2e-2
-
-
 def test_mla_paged_mosaic_several_queries_per_sequence_gpu():
     """Chunked-prefill tails: several queries of one sequence at different positions, padding (-1)."""
     from pallas_kernels.mla_decode import mla_paged, mla_paged_reference

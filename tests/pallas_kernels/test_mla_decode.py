@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.mla_decode import (combine_splits, default_num_splits, mla_decode, mla_decode_reference, mla_paged,
+from pallas_kernels.mla_decode import (default_num_splits, mla_decode, mla_decode_reference, mla_paged,
                                        mla_paged_reference, split_range)
-from pallas_kernels.stacked_gemv import stacked_head_gemv_reference
 from tests.pallas_kernels.kernel_utils import lower_for_h200
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -143,39 +142,6 @@ def test_decode_blocks_switch_to_latency_blocks_for_one_sequence():
     assert decode_blocks(16, 2, batch=64) == decode_blocks(16, 2) == DECODE_BLOCKS[(2, 1)]
     assert decode_blocks(128, 2, batch=1) == DECODE_BLOCKS[(2, 64)]  # 8 head tiles already
     assert decode_blocks(16, 1, batch=1) == DECODE_BLOCKS[(2, 1)]  # 8-bit caches keep theirs
-
-
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_mla_paged_values_go_through_w_uv(num_splits):
-    """values = (w_uv stack, layer): each head's attention output through its W_UV, merged with the
-    splits in one launch (one split: the per-head GEMV after the kernel); 3 heads pad to 4 in the
-    decode kernel, the merge covers the 3."""
-    rng = np.random.default_rng(9)
-    num_heads, latent_dim, rope_dim, block_size, width = 3, 64, 16, 4, 6
-    c_kv, k_pe = make_cache(rng, 2 * width, block_size, latent_dim, rope_dim, jnp.float32)
-    tables = shuffled_tables(rng, 2, width, 2 * width)
-    seq_ids, positions = jnp.asarray([0, 1, 1], jnp.int32), jnp.asarray([21, 3, 4], jnp.int32)
-    q_latent = jnp.asarray(rng.standard_normal((3, num_heads, latent_dim)), jnp.float32)
-    q_pe = jnp.asarray(rng.standard_normal((3, num_heads, rope_dim)), jnp.float32)
-    w_uv = jnp.asarray(rng.standard_normal((2, latent_dim, num_heads, 24)) * 0.1, jnp.float32)
-    out = mla_paged(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1, num_splits=num_splits, block_k=8,
-                    values=(w_uv, jnp.int32(1)), interpret=True)
-    ctx = mla_paged_reference(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1)
-    assert_close(out, stacked_head_gemv_reference(ctx, w_uv, 1, contract_rows=True), jnp.float32)
-
-
-@pytest.mark.parametrize("splits_axis", [2, 1])
-def test_combine_splits_with_values_lowers_to_triton_for_h200(splits_axis):
-    """The merge + W_UV launch at V2-Lite's decode (16 heads, 8 splits, latent 512 -> 128 value columns;
-    the Triton kernel's partials) and V3's (128 heads, the Mosaic kernel's [B, S, H] partials)."""
-    shape = jax.ShapeDtypeStruct
-    heads, splits = (16, 8) if splits_axis == 2 else (128, 4)
-    rows = (1, heads, splits) if splits_axis == 2 else (1, splits, heads)
-    fn = lambda m, l, acc, w, layer: combine_splits(m, l, acc, jnp.bfloat16, splits_axis=splits_axis,
-                                                    values=(w, layer))
-    hlo = lower_for_h200(fn, shape(rows, jnp.float32), shape(rows, jnp.float32), shape((*rows, 512), jnp.float32),
-                         shape((26, 512, heads, 128), jnp.bfloat16), shape((), jnp.int32))
-    assert hlo.count("__gpu$xla.gpu.triton") == 1
 
 
 def test_mla_decode_lowers_to_triton_for_h200():
