@@ -196,10 +196,7 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
 
 DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128), DecodeTiles(block_k=64),
                 DecodeTiles(block_d=256), DecodeTiles(block_i=32, block_k=256, num_stages=2),
-                DecodeTiles(num_warps=8),
-                # narrower shared-expert tiles: 132 routed tiles fill the SMs once, the shared ones even out
-                DecodeTiles(shared_block_i=32), DecodeTiles(shared_block_i=16), DecodeTiles(shared_block_i=128),
-                DecodeTiles(num_warps=8, shared_block_i=32)]
+                DecodeTiles(num_warps=8)]
 QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
 
 
@@ -230,14 +227,12 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
         args = (x, weights, ids, stacks, shared, layer)
         distinct = len(set(np.asarray(ids).reshape(-1).tolist()))
         weight_bytes = (distinct * 3 * hidden * inter + 3 * hidden * shared_inter) * 2
-        for name, fn, tiles in [("grouped", grouped, None)] + [
-                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}"
-                 + (f" shared {c.shared_block_i}" if c.shared_block_i else ""),
-                 lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick), c)
+        for name, fn in [("grouped", grouped)] + [
+                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}",
+                 lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick))
                 for c in configs]:
             us, _ = _time(fn, args, quick=quick)
-            rows.append(dict(tokens=num_tokens, impl=name, us=us, tb_per_s=weight_bytes / us / 1e6,
-                             tiles=tiles._asdict() if tiles else None))
+            rows.append(dict(tokens=num_tokens, impl=name, us=us, tb_per_s=weight_bytes / us / 1e6))
             print(f"  MoE layer, {num_tokens} token(s), {name:<32} {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s",
                   flush=True)
     return rows

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-ab-curves|moe-decode-tiles|pdl|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-ab-curves|pdl|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -35,15 +35,6 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
         --out-dir "$OUT/$1" | grep "decode-curve b"; }
     with built "pass"
     with unfolded "dispatch.QUERY_FOLD_MAX_TOKENS = 0" ;;
-  moe-decode-tiles)  # moe_decode's tiles at one and two tokens (shared-expert widths among them), then the
-                     # batch 1-2 curve with the best one-token config (about 4 minutes)
-    timeout 200 python benchmarks/kernels_gemv.py --only moe_one_launch --out "$OUT/gemv_moe_decode_tiles" | tail -26
-    timeout 150 python -c "import json, sys; from dsjax.model import dispatch; from pallas_kernels.moe_decode import DecodeTiles
-rows = [r for r in json.load(open('$OUT/gemv_moe_decode_tiles.json'))['moe_one_launch'] if r['tokens'] == 1 and r['tiles']]
-best = min(rows, key=lambda r: r['us']); print('best one-token tiles:', best['impl'], round(best['us'], 2), 'us')
-dispatch.MOE_DECODE_TILES = DecodeTiles(**best['tiles'])
-from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 --prompts 128 \
-      --out-dir "$OUT/best_tiles" | grep -E "best|decode-curve b" ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

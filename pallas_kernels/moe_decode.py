@@ -42,10 +42,6 @@ class DecodeTiles(NamedTuple):
     block_d: int = 128  # output columns a down step produces
     num_warps: int = 4
     num_stages: int = 3
-    # intermediate columns a shared-expert program owns (0: block_i). V2-Lite at one token: 6 x 22
-    # routed tiles of 64 columns fill the H200's 132 SMs once and the shared experts' 44 more leave 44
-    # SMs a second tile; narrower shared tiles even the SMs' shares out
-    shared_block_i: int = 0
 
 
 def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles):
@@ -107,9 +103,8 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
     if shared_tiles:
         @pl.when(local >= top_k * routed_tiles)
         def _():
-            shared_tiling = tiles._replace(block_i=tiles.shared_block_i or tiles.block_i)
-            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * shared_tiling.block_i, scale=1.0,
-                 inter=shared_inter, tiles=shared_tiling)
+            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
+                 inter=shared_inter)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -128,7 +123,7 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *, til
                          "expected x [T, D], w_gate [L, E, D, I], w_down [L, E, I, D]")
     routed_tiles = pl.cdiv(inter, tiles.block_i)
     shared_inter = 0 if shared is None else shared[0].shape[-1]
-    shared_tiles = pl.cdiv(shared_inter, tiles.shared_block_i or tiles.block_i)
+    shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     per_token = top_k * routed_tiles + shared_tiles
     kernel = functools.partial(_decode_kernel, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared_tiles=shared_tiles, hidden=hidden, inter=inter, shared_inter=shared_inter,
