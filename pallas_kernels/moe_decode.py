@@ -36,7 +36,8 @@ class DecodeTiles(NamedTuple):
     """H200, V2-Lite layer (2026-12-01, kernels_gemv.moe_one_launch): these take 41.2 µs at one token
     (3.36 TB/s of the 139 MB read) and 65.1 at two; 32-column programs 44.8, 128-column 47.4, 8 warps
     40.5 (within the runs' noise). Persistent programs taking narrow tiles in turn (132 or 264 of them,
-    16-32 columns) were slower at every config: 48-106 µs (decode_profile.md round 10)."""
+    16-32 columns) were slower at every config: 48-106 µs, and so were shared-expert tiles of their own
+    width at two tokens (decode_profile.md round 10)."""
     block_i: int = 64  # intermediate columns a program owns
     block_k: int = 128  # hidden rows a gate/up step streams
     block_d: int = 128  # output columns a down step produces
