@@ -29,8 +29,7 @@ case $part in
     timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch \
       --out "$OUT/gemv_decode_h200" | tail -60 ;;
   decode-ab-curves)  # the small-batch curve as built and without the W_UK fold
-    with() { mkdir -p "$OUT/$1"; timeout 170 python -c "import sys; from dsjax.model import dispatch
-from pallas_kernels.moe_decode import DecodeTiles; $2
+    with() { mkdir -p "$OUT/$1"; timeout 170 python -c "import sys; from dsjax.model import dispatch; $2
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 4 8 --prompts 128 \
         --out-dir "$OUT/$1" | grep "decode-curve b"; }
     with built "pass"

@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import dot_precision, inv_rms, rms_norm, rotate, rotate_pair
+from pallas_kernels.stacked_gemv import stacked_head_gemv_reference
 
 # Programs a head's absorbed query takes (``w_uk``): each multiplies the nope query into C / 4 latent
 # columns (V2-Lite: a 128 x 128 slice of the head's W_UK, 32 KB).
@@ -213,5 +214,5 @@ def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_
     q_pe = _rope_at(q[..., nope:], positions, inv_freq, cos_sin_scale, interleave)
     q_nope = q[..., :nope].astype(dtype)
     if w_uk is not None:  # the absorbed query, rounded as the stacked per-head GEMV stores it
-        q_nope = jnp.einsum("thn,chn->thc", q_nope, w_uk[norm_index], preferred_element_type=jnp.float32).astype(dtype)
+        q_nope = stacked_head_gemv_reference(q_nope, w_uk, norm_index, contract_rows=False).astype(dtype)
     return pools + (q_nope, q_pe.astype(dtype))

@@ -147,21 +147,15 @@ class MLAttention(nnx.Module):
         """latent_ctx [..., H, C] -> [..., D]: W_UV, then o_proj over every head (a few tokens with the
         layer stack at hand: both through the stacked decode kernels, the layer's weights read in place)."""
         if self._stacked_fits(latent_ctx.shape[:-2], stacked):
-            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], stacked["index"], backend,
-                                                 contract_rows=True)
-            return self._stacked_o_proj(v_ctx.astype(latent_ctx.dtype), stacked, backend)
+            index = stacked["index"]
+            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend, contract_rows=True)
+            o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
+            out, = dispatch.stacked_matmuls(v_ctx.astype(latent_ctx.dtype).reshape(latent_ctx.shape[0], -1),
+                                            (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),), index, backend)
+            return out.astype(latent_ctx.dtype)
         v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
         flat = v_ctx.reshape(*v_ctx.shape[:-2], -1)  # [..., H * V] against o_proj [H, V, D]: one K axis
         return jnp.einsum("...k,kd->...d", flat, self.o_proj[...].reshape(flat.shape[-1], -1))
-
-    @staticmethod
-    def _stacked_o_proj(v_ctx, stacked, backend):
-        """A few tokens' per-head values v_ctx [T, H, V] through o_proj over every head -> [T, D]."""
-        o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
-        out, = dispatch.stacked_matmuls(v_ctx.reshape(v_ctx.shape[0], -1),
-                                        (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),), stacked["index"],
-                                        backend)
-        return out.astype(v_ctx.dtype)
 
     def __call__(self, x, positions, *, mode: str, backend: str):
         """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D], a
