@@ -50,6 +50,17 @@ def write_result(name: str, payload: dict, directory: Path = RESULTS) -> Path:
     return path
 
 
+def write_probe(rows: list[dict], table: str, out: str | None, **header) -> dict:
+    """A probe's payload (date, device, jax, ``header``, its rows and their markdown ``table``): printed,
+    and written as JSON to ``out`` when given."""
+    payload = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   **header, rows=rows, table=table)
+    print(table)
+    if out:
+        Path(out).write_text(json.dumps(payload, indent=1))
+    return payload
+
+
 def device_time_us(fn, args, *, estimate_s: float, repeats: int = 5, iters: int | None = None,
                    compiler_options: dict | None = None) -> float:
     """Median µs per call of fn(*args) over ``repeats`` runs of a jitted fori_loop of ``iters`` calls.

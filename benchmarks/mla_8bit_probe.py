@@ -9,6 +9,7 @@ an int8 cache.
 
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
+    python -m benchmarks.mla_8bit_probe --timings           # variant timings only (a minute)
 """
 import collections
 import glob
@@ -53,13 +54,15 @@ def errors(compute_wgs):
         for name, q, qpe in (("both", q0, qpe0), ("no rope", q0, zero(qpe0)), ("rope only", zero(q0), qpe0),
                              ("uniform", zero(q0), zero(qpe0)), ("small q", q0 * 0.05, qpe0 * 0.05)):
             want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-            for dequantize, wgs in [(d, n) for d in (False, True)
-                                    for n in (compute_wgs if name == "both" else compute_wgs[:1])]:
+            for dequantize, wgs, defer_sum in [(d, n, f) for d in (False, True)
+                                               for n in (compute_wgs if name == "both" else compute_wgs[:1])
+                                               for f in (False, True)]:
                 got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32),
-                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs)
+                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs,
+                                              defer_sum=defer_sum)
                 got = np.asarray(got.swapaxes(1, 2), np.float32)
                 per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}",
+                print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}", f"defer_sum {defer_sum}",
                       "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
         sys.stdout.flush()
 
@@ -98,16 +101,17 @@ def traced(call, trace_dir: str):
 
 
 def timings(inputs, variants):
-    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize) variant."""
+    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize, defer_sum) variant."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
     seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
         for v in variants:
-            wgs, stages, chunk, splits, dequantize = v
-            label = f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
+            wgs, stages, chunk, splits, dequantize, defer_sum = v
+            label = (f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
+                     f" defer_sum {defer_sum}")
             fn = lambda *a, v=v: k8.mla_decode_8bit_mgpu(
-                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4])
+                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4], defer_sum=v[5])
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
                 print(f"{label}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
@@ -181,11 +185,15 @@ def main():
               batch * context * (PagedKVCache.bytes_per_token(config, "bfloat16", "int8") // config.num_hidden_layers))
     if "--trace" in sys.argv[1:]:
         return trace_default(inputs, out)
-    # (compute warpgroups, stages, chunk, splits, dequantize): the default, one and four compute
-    # warpgroups, the rows dequantized (the chunk / splits sweep: session 21, docs/kv_memory.md)
+    if "--timings" in sys.argv[1:]:  # the scale-placement and denominator variants alone
+        return timings(inputs, [(2, None, 128, 2, False, False), (2, None, 128, 2, False, True),
+                                (1, None, 128, 2, False, False), (1, None, 128, 2, False, True)])
+    # (compute warpgroups, stages, chunk, splits, dequantize, defer_sum): the default, the denominators
+    # summed after the loop, one compute warpgroup both ways, the rows dequantized (four warpgroups and the
+    # chunk / splits sweep: sessions 21-23, docs/kv_memory.md)
     errors([2, 1, 4])
-    timings(inputs, [(2, None, 128, 2, False), (1, None, 128, 2, False), (4, None, 128, 2, False),
-                     (2, None, 128, 2, True)])
+    timings(inputs, [(2, None, 128, 2, False, False), (2, None, 128, 2, False, True), (1, None, 128, 2, False, False),
+                     (1, None, 128, 2, False, True), (2, None, 128, 2, True, True)])
     trace_default(inputs, out)
 
 

@@ -24,13 +24,11 @@ H200 on CPU (no GPU) and checks that the PDL variants carry the launch attribute
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
 import sys
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -38,14 +36,18 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from benchmarks.common import write_probe
+from pallas_kernels.common import lower_for_h200
+
 SLAB = (4, 64, 128)  # a CTA's weights: 64 KiB of bf16
 ROWS = (8, 128)  # a CTA's share of the carried activations (f32)
 VARIANTS = ("serial", "pdl", "pdl_trigger")
 
 
-def stream_step(x, w, *, variant: str):
-    """x f32[C, 8, 128] (the predecessor's output), w bf16[C, 4, 64, 128] -> x * 0.5 + 1, after every CTA's
-    weight slab has landed in shared memory."""
+def stream_step(x, w, *, variant: str, shift: int = 0, update=lambda rows: rows * 0.5 + 1.0):
+    """x f32[C, 8, 128] (the predecessor's output), w bf16[C, *slab] -> row c is update(x[(c + shift) % C]),
+    after CTA c's weight slab has landed in shared memory (``benchmarks/persistent_probe.py`` reads a
+    neighbour's row and adds one)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
     num_tiles = x.shape[0]
@@ -57,11 +59,11 @@ def stream_step(x, w, *, variant: str):
         plgpu.copy_gmem_to_smem(w_ref.at[c], w_smem, bars.at[0])  # independent of the predecessor
         if variant != "serial":
             plgpu.griddepcontrol_wait()  # the predecessor's writes are visible after this
-        plgpu.copy_gmem_to_smem(x_ref.at[c], x_smem, bars.at[1])
+        plgpu.copy_gmem_to_smem(x_ref.at[lax.rem(c + shift, num_tiles)], x_smem, bars.at[1])
         plgpu.barrier_wait(bars.at[1])
         rows = x_smem[...]
         plgpu.barrier_wait(bars.at[0])
-        x_smem[...] = rows * 0.5 + 1.0
+        x_smem[...] = update(rows)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(x_smem, o_ref.at[c])
         plgpu.wait_smem_to_gmem(0)
@@ -69,7 +71,7 @@ def stream_step(x, w, *, variant: str):
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct(x.shape, jnp.float32),
-        scratch_types=[plgpu.SMEM(SLAB, jnp.bfloat16), plgpu.SMEM(ROWS, jnp.float32),
+        scratch_types=[plgpu.SMEM(w.shape[1:], jnp.bfloat16), plgpu.SMEM(ROWS, jnp.float32),
                        plgpu.Barrier(num_barriers=2)],
         grid=(num_tiles,),
         grid_names=("c",),
@@ -115,13 +117,8 @@ def measure(variant: str, tiles: int, chain: int, reps: int) -> dict:
 
 def lower_only(variant: str, tiles: int) -> str:
     """The variant's StableHLO for an abstract H200 (no GPU needed)."""
-    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     args = (jax.ShapeDtypeStruct((tiles, *ROWS), jnp.float32), jax.ShapeDtypeStruct((tiles, *SLAB), jnp.bfloat16))
-    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
-            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
-        warnings.simplefilter("ignore", DeprecationWarning)
-        step = functools.partial(stream_step, variant=variant)
-        return jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return lower_for_h200(functools.partial(stream_step, variant=variant), *args)
 
 
 def table(rows: list[dict]) -> str:
@@ -147,13 +144,7 @@ def main(argv=None) -> dict:
         print(json.dumps(result))
         return result
     rows = [measure(v, tiles, args.chain, args.reps) for tiles in args.tiles for v in VARIANTS]
-    payload = dict(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   chain=args.chain, reps=args.reps, rows=rows, table=table(rows))
-    print(payload["table"])
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=1)
-    return payload
+    return write_probe(rows, table(rows), args.out, chain=args.chain, reps=args.reps)
 
 
 if __name__ == "__main__":

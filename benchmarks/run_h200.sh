@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-ab-curves|pdl|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-ab-curves|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -38,6 +38,8 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
       --out "$OUT/pdl_probe_enable_pdl.json" 2>&1 | grep -v Warn | tail -12 ;;
+  persistent) # a chain of weight-streaming phases: one launch each vs one persistent kernel with grid barriers (~3 minutes)
+    timeout 300 python benchmarks/persistent_probe.py --out "$OUT/persistent_probe.json" 2>&1 | grep -v Warn | tail -16 ;;
   attention-decode)   # MLA decode sweep, every row profiled (about 4 minutes; results/attention_h200_decode.json)
     timeout 560 python benchmarks/kernels_attention.py --only decode --out "$OUT/attention_h200_decode.json" | tail -20 ;;
   attention-prefill)  # MLA prefill sweep (results/attention_h200_prefill.json); attention_h200.json joins the halves

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,16 @@ def why_not_hopper() -> str | None:
 
 
 @functools.cache
+def lower_for_h200(fn, *args) -> str:
+    """StableHLO of fn lowered for an abstract H200 (no GPU needed): runs the Pallas Triton and Mosaic
+    GPU lowerings, which reject what the GPU could not run (non-power-of-two blocks, unsupported ops)."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
+            jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
+        warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 def _compute_capability() -> str:
     return str(getattr(jax.devices()[0], "compute_capability", ""))
 

@@ -100,6 +100,12 @@ DEQUANTIZE = {"int8": False, "float8_e4m3fn": False}
 # shapes, benchmarks/results/kvquant_kernels_h200.json: int8 98.2 us against the byte pairs' 120.8, fp8
 # 93.8 against 138.5).
 AUTO_DTYPES = ("int8", "float8_e4m3fn")
+# The softmax denominators: summed down the tokens every step (False), or kept as each thread's
+# per-token terms (8 registers a thread at 16 heads) and summed once after the loop (True), one of the
+# step's two cross-warp reductions fewer. H200, V2-Lite batch 64, 4k context, 2 splits (2026-12-02,
+# `python -m benchmarks.mla_8bit_probe --timings`): two compute warpgroups int8 99.6 -> 94.2 us, fp8
+# 95.5 -> 90.4; one warpgroup int8 151.4 -> 146.8, fp8 146.5 -> 141.0.
+DEFER_SUM = True
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -154,7 +160,7 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int):
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool):
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -190,7 +196,9 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         plgpu.barrier_wait(sm["q_bars"].at[1])
 
         def step(i, carry):
-            acc, m, l = carry  # O^T f32[width, H] (this warpgroup's rows); m (log2 units), l f32[H]
+            # O^T f32[width, H] (this warpgroup's rows); m (log2 units) f32[H]; l f32[H], or with
+            # defer_sum the per-token terms f32[64, H] (WGMMA layout) summed down the tokens after the loop
+            acc, m, l = carry
             slot = lax.rem(i, jnp.int32(stages))
             with jax.named_scope("wait"):  # the slab landed
                 plgpu.barrier_wait(sm["ckv_bars"].at[slot])
@@ -242,8 +250,11 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                     m_new = jnp.maximum(m, _column_reduce("max", s, reduce_smem))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
-                with jax.named_scope("sum"):
-                    l = l * alpha + _column_reduce("add", p, reduce_smem)
+                if defer_sum:  # each thread keeps its tokens' terms: no cross-warp round in the step
+                    l = l * lax.broadcast_in_dim(alpha, l.shape, [1]) + p
+                else:
+                    with jax.named_scope("sum"):
+                        l = l * alpha + _column_reduce("add", p, reduce_smem)
                 if not dequantize:
                     p = p * lax.broadcast_in_dim(kscale, s.shape, [0])
                 with jax.named_scope("store_p"):
@@ -259,8 +270,11 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 
         init = (plgpu.layout_cast(jnp.zeros((width, num_heads), f32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((num_heads,), _M_INIT, f32), column),
-                plgpu.layout_cast(jnp.zeros((num_heads,), f32), column))
+                plgpu.layout_cast(jnp.zeros((BLOCK_K, num_heads) if defer_sum else (num_heads,), f32),
+                                  plgpu.Layout.WGMMA if defer_sum else column))
         acc, m, l = lax.fori_loop(0, num_steps, step, init)
+        if defer_sum:
+            l = _column_reduce("add", l, reduce_smem)
         rows_smem = sm["rows"]
         if compute_wgs > 1:  # nobody reads the converted slab any more: the output staging may reuse it
             plgpu.barrier_arrive(sm["done_bar"])
@@ -300,7 +314,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
                          dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
-                         profile_dir: str | None = None):
+                         defer_sum: bool = DEFER_SUM, profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
@@ -309,6 +323,8 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     converted at a time; ``dequantize``: the scale applied to the converted rows (bf16 operands, one
     score accumulator) rather than to the scores and probabilities (None: per ``DEQUANTIZE``);
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
+    ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
+    tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON)."""
     if dequantize is None:
@@ -371,7 +387,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         sm["kbf"], sm["out"] = sm.pop("union")
         _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
                 scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-                dequantize=dequantize, compute_wgs=compute_wgs)
+                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum)
 
     return plgpu.kernel(
         kernel,

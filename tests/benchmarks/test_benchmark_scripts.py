@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import kernels_attention, kernels_gemv, kernels_moe, pdl_probe
+import pytest
+
+from benchmarks import kernels_attention, kernels_gemv, kernels_moe, pdl_probe, persistent_probe
 
 
 def test_attention_benchmark_quick(capsys):
@@ -43,6 +45,20 @@ def test_pdl_probe_lowers_each_variant_for_hopper():
     result = pdl_probe.main(["--quick", "--tiles", "8"])
     assert {v: r["uses_pdl"] for v, r in result.items()} == {"serial": False, "pdl": True, "pdl_trigger": True}
     assert all(r["mosaic_calls"] > 0 for r in result.values())
+
+
+def test_persistent_probe_lowers_each_variant_for_hopper():
+    """The persistent-chain probe's kernels (one launch a phase; one kernel whose CTAs meet at a global
+    semaphore between phases, with and without prefetched weight slabs) lower for an abstract H200 on CPU."""
+    result = persistent_probe.main(["--quick", "--ctas", "8", "--stages", "2"])
+    assert set(result) == {"launches/1/tma", *(f"{v}/{rows}" for v in ("barrier/1", "persistent/1", "prefetch/2")
+                                              for rows in ("tma", "ld"))}
+    assert all(r["mosaic_calls"] > 0 for r in result.values())
+
+
+def test_persistent_probe_refuses_bad_slabs():
+    with pytest.raises(ValueError, match="slab_kb=24: accepted multiples of 16"):
+        persistent_probe.main(["--quick", "--slab-kb", "24"])
 
 
 def test_moe_benchmark_quick(capsys):

@@ -120,18 +120,20 @@ def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):
 
 def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, compute_wgs):
     """The few-head 8-bit Mosaic kernel with each count of compute warpgroups against the reference: both
-    places for the scale, with one split and (the default scale placement) with split partials."""
+    places for the scale, the denominators summed every step or after the loop, with one split and (the
+    default scale placement) with split partials."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    for dequantize, wgs in itertools.product((False, True), compute_wgs):
+    for dequantize, wgs, defer_sum in itertools.product((False, True), compute_wgs, (False, True)):
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
-                                       lengths, 0.1, num_splits=splits, dequantize=dequantize, compute_wgs=wgs)
+                                       lengths, 0.1, num_splits=splits, dequantize=dequantize, compute_wgs=wgs,
+                                       defer_sum=defer_sum)
             if splits > 1:
                 m, l, acc = out
                 out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
-            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, splits)
+            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, splits, defer_sum)
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])

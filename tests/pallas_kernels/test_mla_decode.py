@@ -221,15 +221,17 @@ def _8bit_args(kind, heads=16, tokens=4, width=16):
             shape((tokens, width), jnp.int32), shape((tokens,), jnp.int32), shape((tokens,), jnp.int32))
 
 
-@pytest.mark.parametrize("kind, num_splits, compute_wgs", [("int8", 1, 2), ("fp8", 4, 2), ("int8", 4, 4),
-                                                          ("fp8", 1, 1)])
-def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs):
+@pytest.mark.parametrize("kind, num_splits, compute_wgs, defer_sum", [
+    ("int8", 1, 2, False), ("fp8", 4, 2, False), ("int8", 4, 4, False), ("fp8", 1, 1, False), ("int8", 2, 2, True),
+    ("fp8", 1, 1, True)])
+def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs, defer_sum):
     """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
-    transposed, the score parts' exchange, the column softmax, shared memory) runs without a GPU;
-    numerics in tests/gpu."""
+    transposed, the score parts' exchange, the column softmax, the deferred denominators, shared memory)
+    runs without a GPU; numerics in tests/gpu."""
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits, compute_wgs=compute_wgs)
+    fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits, compute_wgs=compute_wgs,
+                                         defer_sum=defer_sum)
     hlo = jax.jit(fn).trace(*_8bit_args(kind)).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
