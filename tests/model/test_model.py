@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -49,8 +50,10 @@ def _paged_logits(model, tokens, chunks, block_size=4, num_blocks=32):
     table = np.random.default_rng(1).permutation(num_blocks)[:-(-len(tokens) // block_size)].astype(np.int32)
     cache = PagedKVCache.zeros(model.config, num_blocks, block_size, jnp.float32)
     graphdef, state = nnx.split(model)
+    # Interpret-mode kernels are large CPU programs: XLA's -O0 compiles them several times faster.
+    fast = {"xla_backend_optimization_level": 0} if model.kernel_backend == "interpret" else None
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=fast)
     def step(state, cache, toks, positions):
         m = nnx.merge(graphdef, state)
         slots = jnp.asarray(table)[positions // block_size] * block_size + positions % block_size
