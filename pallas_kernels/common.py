@@ -20,7 +20,6 @@ def why_not_hopper() -> str | None:
     return None
 
 
-@functools.cache
 def lower_for_h200(fn, *args) -> str:
     """StableHLO of fn lowered for an abstract H200 (no GPU needed): runs the Pallas Triton and Mosaic
     GPU lowerings, which reject what the GPU could not run (non-power-of-two blocks, unsupported ops)."""
@@ -31,6 +30,7 @@ def lower_for_h200(fn, *args) -> str:
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+@functools.cache
 def _compute_capability() -> str:
     return str(getattr(jax.devices()[0], "compute_capability", ""))
 

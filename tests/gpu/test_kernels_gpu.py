@@ -120,12 +120,14 @@ def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):
 
 def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, compute_wgs):
     """The few-head 8-bit Mosaic kernel with each count of compute warpgroups against the reference: both
-    places for the scale, the denominators summed every step or after the loop, with one split and (the
-    default scale placement) with split partials."""
+    places for the scale, with one split and (the default scale placement) with split partials; the
+    denominators summed after the loop (the default) and, with the default scale placement and two
+    warpgroups, every step."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    for dequantize, wgs, defer_sum in itertools.product((False, True), compute_wgs, (False, True)):
+    variants = [(d, w, True) for d, w in itertools.product((False, True), compute_wgs)] + [(False, 2, False)]
+    for dequantize, wgs, defer_sum in variants:
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
                                        lengths, 0.1, num_splits=splits, dequantize=dequantize, compute_wgs=wgs,
