@@ -8,7 +8,7 @@ barrier between phases and stream the next phases' weights before they wait on i
 address does not depend on the activations). This probe measures what that buys before any decode
 kernel is rewritten.
 
-Each phase: every CTA (one an SM) has a weight slab of its own (``--slab-kb`` KiB of bf16) land in
+Each phase: every CTA (``--ctas``, by default one an SM) has a weight slab of its own (``--slab-kb`` KiB of bf16) land in
 shared memory, reads its right neighbour's row of the previous phase's output ([8, 128] f32) and
 writes its own row as that plus one. A CTA reading a row before its writer finished, or a stale row,
 leaves a count short; the result is checked exactly (x0 shifted by the phases, plus the phases).
@@ -74,8 +74,8 @@ def launch_step(x, w):
 
 
 def persistent_chain(x, weights, *, variant: str, stages: int = 1, rows: str = "tma"):
-    """Every phase of ``weights`` [P, C, *slab] in one kernel of C CTAs (all resident at once: C at
-    most the SMs): x f32[C, 8, 128] -> the last phase's rows. Between phases a grid-wide barrier on
+    """Every phase of ``weights`` [P, C, *slab] in one kernel of C CTAs (all resident at once, or the
+    barrier never opens: C at most what the SMs hold together): x f32[C, 8, 128] -> the last phase's rows. Between phases a grid-wide barrier on
     one global semaphore counting arrivals (phase k waits for C * (k + 1) of them). ``rows``: the
     phases' rows move by TMA ("tma", queued on the SM's copy engine behind its weight slabs) or by the
     threads' own loads and stores ("ld")."""
