@@ -100,6 +100,11 @@ def traced(call, trace_dir: str):
     print(f"{os.path.basename(trace_dir)}\n{summarize_trace(trace_dir)}")
 
 
+# (compute warpgroups, stages, chunk, splits, dequantize, defer_sum): two compute warpgroups (the default)
+# and one, each with the denominators summed every step and after the loop (the default)
+DENOMINATOR_VARIANTS = [(wgs, None, 128, 2, False, defer_sum) for wgs in (2, 1) for defer_sum in (False, True)]
+
+
 def timings(inputs, variants):
     """Device time of each (compute warpgroups, stages, chunk, splits, dequantize, defer_sum) variant."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
@@ -186,14 +191,11 @@ def main():
     if "--trace" in sys.argv[1:]:
         return trace_default(inputs, out)
     if "--timings" in sys.argv[1:]:  # the scale-placement and denominator variants alone
-        return timings(inputs, [(2, None, 128, 2, False, False), (2, None, 128, 2, False, True),
-                                (1, None, 128, 2, False, False), (1, None, 128, 2, False, True)])
-    # (compute warpgroups, stages, chunk, splits, dequantize, defer_sum): the default, the denominators
-    # summed after the loop, one compute warpgroup both ways, the rows dequantized (four warpgroups and the
-    # chunk / splits sweep: sessions 21-23, docs/kv_memory.md)
+        return timings(inputs, DENOMINATOR_VARIANTS)
     errors([2, 1, 4])
-    timings(inputs, [(2, None, 128, 2, False, False), (2, None, 128, 2, False, True), (1, None, 128, 2, False, False),
-                     (1, None, 128, 2, False, True), (2, None, 128, 2, True, True)])
+    # the rows dequantized beside them (four warpgroups and the chunk / splits sweep: sessions 21-23,
+    # docs/kv_memory.md)
+    timings(inputs, DENOMINATOR_VARIANTS + [(2, None, 128, 2, True, True)])
     trace_default(inputs, out)
 
 
