@@ -10,6 +10,8 @@ an int8 cache.
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
     python -m benchmarks.mla_8bit_probe --timings           # variant timings only (a minute)
+    python -m benchmarks.mla_8bit_probe --paired            # paired CTAs, barriers: errors and timings
+    python -m benchmarks.mla_8bit_probe --paired-errors     # their errors alone (--paired-timings: timings)
 """
 import collections
 import glob
@@ -100,29 +102,56 @@ def traced(call, trace_dir: str):
     print(f"{os.path.basename(trace_dir)}\n{summarize_trace(trace_dir)}")
 
 
-# (compute warpgroups, stages, chunk, splits, dequantize, defer_sum): two compute warpgroups (the default)
-# and one, each with the denominators summed every step and after the loop (the default)
-DENOMINATOR_VARIANTS = [(wgs, None, 128, 2, False, defer_sum) for wgs in (2, 1) for defer_sum in (False, True)]
+# Variants as the kernel's keyword arguments (besides them: stages as fit, chunks of 128, the scale on
+# the scores). The denominators summed every step and after the loop (the default), over two compute
+# warpgroups (the default) and one, 2 splits:
+DENOMINATOR_VARIANTS = [dict(compute_wgs=wgs, num_splits=2, defer_sum=defer_sum) for wgs in (2, 1)
+                        for defer_sum in (False, True)]
+# The default against the same kernel without Pallas's barriers around each shared-memory store, and
+# each as a cluster of two CTAs a query and pair of splits (paired), with 2 and 4 splits:
+PAIRED_VARIANTS = [dict(num_splits=splits, paired=paired, auto_barriers=auto) for splits in (2, 4)
+                   for paired in (False, True) for auto in (True, False)]
 
 
 def timings(inputs, variants):
-    """Device time of each (compute warpgroups, stages, chunk, splits, dequantize, defer_sum) variant."""
+    """Device time of each variant (keyword arguments of the kernel) over an int8 and an fp8 cache."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
     seq_ids = jnp.arange(qq.shape[0], dtype=jnp.int32)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(c, kind, 1)
         for v in variants:
-            wgs, stages, chunk, splits, dequantize, defer_sum = v
-            label = (f"{kind} wgs {wgs} stages {stages} chunk {chunk} splits {splits} dequantize {dequantize}"
-                     f" defer_sum {defer_sum}")
-            fn = lambda *a, v=v: k8.mla_decode_8bit_mgpu(
-                *a, 0.1, compute_wgs=v[0], stages=v[1], chunk=v[2], num_splits=v[3], dequantize=v[4], defer_sum=v[5])
+            label = f"{kind} " + " ".join(f"{k} {x}" for k, x in v.items())
+            fn = lambda *a, v=v: k8.mla_decode_8bit_mgpu(*a, 0.1, **v)
             try:
                 us = device_time_us(fn, (qq, qp, stored, kp, scale, tb, seq_ids, ln), estimate_s=1e-4)
                 print(f"{label}: {us:.1f} us {nbytes / us / 1e6:.2f} TB/s")
             except Exception as e:
                 print(f"{label}: failed {type(e).__name__}: {e}"[:300])
             sys.stdout.flush()
+
+
+def paired_errors():
+    """Per-query relative error against the reference of the paired and barrier variants (partials
+    merged), over contexts that leave a pair's splits empty, short and uneven."""
+    lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
+    rng = np.random.default_rng(1)
+    q, qpe, ckv, kpe, tables, lens = paged(rng, len(lengths), 16, lengths)
+    for kind in ("int8", "fp8"):
+        stored, scale = quantize_latent(ckv, kind, 1)
+        want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
+        for v in PAIRED_VARIANTS + [dict(num_splits=8, paired=True, auto_barriers=False),
+                                    dict(num_splits=1, auto_barriers=False)]:
+            out = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32), lens,
+                                          0.1, **v)
+            if v["num_splits"] > 1:
+                m, l, acc = out
+                out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1)
+            else:
+                out = out.swapaxes(1, 2)
+            got = np.asarray(out, np.float32)
+            per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
+            print(kind, v, "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
+        sys.stdout.flush()
 
 
 def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
@@ -192,10 +221,17 @@ def main():
         return trace_default(inputs, out)
     if "--timings" in sys.argv[1:]:  # the scale-placement and denominator variants alone
         return timings(inputs, DENOMINATOR_VARIANTS)
+    if "--paired-errors" in sys.argv[1:]:
+        return paired_errors()
+    if "--paired-timings" in sys.argv[1:]:
+        return timings(inputs, PAIRED_VARIANTS)
+    if "--paired" in sys.argv[1:]:  # the paired and barrier variants: errors, timings
+        paired_errors()
+        return timings(inputs, PAIRED_VARIANTS)
     errors([2, 1, 4])
     # the rows dequantized beside them (four warpgroups and the chunk / splits sweep: sessions 21-23,
     # docs/kv_memory.md)
-    timings(inputs, DENOMINATOR_VARIANTS + [(2, None, 128, 2, True, True)])
+    timings(inputs, DENOMINATOR_VARIANTS + [dict(num_splits=2, dequantize=True)])
     trace_default(inputs, out)
 
 
