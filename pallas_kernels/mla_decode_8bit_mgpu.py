@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
-from pallas_kernels.mla_decode_mgpu import load_slabs, slab_index
+from pallas_kernels.mla_decode_mgpu import load_slabs
 
 BLOCK_K = 64  # cache tokens a slab: wgmma's M
 MAX_STAGES = 4  # slabs in flight (40.25 KiB each), as many as fit
@@ -109,6 +109,9 @@ AUTO_DTYPES = ("int8", "float8_e4m3fn")
 # `python -m benchmarks.mla_8bit_probe --timings`): two compute warpgroups int8 99.6 -> 94.2 us, fp8
 # 95.5 -> 90.4; one warpgroup int8 151.4 -> 146.8, fp8 146.5 -> 141.0.
 DEFER_SUM = True
+# Each step's exchange and softmax with the next step's score products in flight (True), or every phase
+# of a step after the previous one (False).
+PIPELINED = False
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -130,16 +133,15 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
     return None
 
 
-def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32, paired: bool = False) -> int:
+def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32) -> int:
     """Shared memory the kernel asks for: queries, the ring (8-bit rows, k_pe, the scales), the converted
     slab (after the loop: the output staging), P, reduction scratch and the score parts of each compute
-    warpgroup, some slack. Paired, a CTA holds half the columns, and a ring and a slab for each split."""
-    latent, rope, copies = (LATENT_DIM // 2, ROPE_DIM // 2, compute_wgs) if paired else (LATENT_DIM, ROPE_DIM, 1)
-    ring = BLOCK_K * (latent + 4 + rope * 2)
-    staging = max(BLOCK_K * latent * 2, latent * num_heads * jnp.dtype(out_dtype).itemsize)
+    warpgroup, some slack."""
+    ring = BLOCK_K * (LATENT_DIM + 4 + ROPE_DIM * 2)
+    staging = max(BLOCK_K * LATENT_DIM * 2, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize)
     per_wg = num_heads * BLOCK_K * (2 + 2 * 4) + _REDUCE_SCRATCH * 4
-    return (num_heads * (latent + rope) * 2 + copies * (stages * ring + staging + 2 * num_heads * 4)
-            + compute_wgs * per_wg + _SMEM_SLACK)
+    return (num_heads * (LATENT_DIM + ROPE_DIM) * 2 + stages * ring + staging + compute_wgs * per_wg
+            + 2 * num_heads * 4 + _SMEM_SLACK)
 
 
 def _column_reduce(op: str, x, scratch):
@@ -164,117 +166,102 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool, paired: bool,
-            auto_barriers: bool):
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool, pipelined: bool):
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
-    t = lax.axis_index("t")
+    split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
     seq_id = seq_ids_ref[t]
     length = lengths_ref[t]
-    # paired: a cluster of two CTAs, CTA ``half`` holding latent columns [half * 256, half * 256 + 256) and
-    # rope columns [half * 32, half * 32 + 32) of two splits, compute warpgroup w split 2 * s + w
-    half = lax.axis_index("c") if paired else None
-
-    def split_of(w: int):
-        return 2 * lax.axis_index("s") + w if paired else lax.axis_index("s")
-
-    def split_range(split):
-        """Splits cut the query's own context into equal runs of whole slabs (mla_decode.split_range)."""
-        per_split = lax.div(lax.div(jnp.maximum(length, 1) + (num_splits - 1), jnp.int32(num_splits))
-                            + (BLOCK_K - 1), jnp.int32(BLOCK_K)) * BLOCK_K
-        start = split * per_split
-        end = jnp.minimum(start + per_split, length)
-        return start, end, lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), jnp.int32(BLOCK_K))
-
+    # Splits cut the query's own context into equal runs of whole slabs (mla_decode.split_range).
+    per_split = lax.div(lax.div(jnp.maximum(length, 1) + (num_splits - 1), jnp.int32(num_splits)) + (BLOCK_K - 1),
+                        jnp.int32(BLOCK_K)) * BLOCK_K
+    start = split * per_split
+    end = jnp.minimum(start + per_split, length)
+    num_steps = lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), jnp.int32(BLOCK_K))
     bf16, f32 = jnp.bfloat16, jnp.float32
-    q_smem, ks_smem = sm["q"], sm["ks"]
+    q_smem, ks_smem, kbf_smem = sm["q"], sm["ks"], sm["kbf"]  # kbf: the converted slab
     dot_dtype = q_smem.dtype  # the dots' operand type
     upcast_dtype = jnp.float16 if jnp.dtype(c8_ref.dtype) == jnp.float8_e4m3fn else jnp.bfloat16
     column = plgpu.Layout.WGMMA.reduce(0)  # a [H] vector of per-head statistics
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-token values
-    parts = 2 if paired else compute_wgs  # the score parts summed each step
-    width = LATENT_DIM // parts  # latent columns a compute warpgroup converts
-    rope_width = ROPE_DIM // 2 if paired else ROPE_DIM
+    width = LATENT_DIM // compute_wgs  # latent columns a warpgroup converts
     chunk = min(chunk, width)
 
     def compute(w: int):
         """Compute warpgroup w: latent columns [w * width, (w + 1) * width) of every slab, the last one
-        also the rope part; paired, split 2 * s + w over the CTA's half of the columns and of the rope."""
-        split = split_of(w)
-        start, end, num_steps = split_range(split)
-        mine = (lambda ref: ref.at[w]) if paired else (lambda ref: ref)  # this warpgroup's rings, P, staging
-        first = 0 if paired else w * width  # the warpgroup's first latent column in shared memory
+        also the rope part."""
+        first = w * width  # the warpgroup's first latent column
         own = pl.ds(first, width)
-        rope = paired or w == compute_wgs - 1
+        rope = w == compute_wgs - 1
         reduce_smem = sm["reduce"][w]
-        kbf_smem = sm["kbf"][w] if paired else sm["kbf"]  # the converted slab
         plgpu.set_max_registers(_COMPUTE_REGISTERS[compute_wgs], action="increase")
         if w == 0:
-            q_src, qpe_src = ((q_ref.at[t, :, pl.ds(half * width, width)],
-                               qpe_ref.at[t, :, pl.ds(half * rope_width, rope_width)]) if paired
-                              else (q_ref.at[t], qpe_ref.at[t]))
-            plgpu.copy_gmem_to_smem(q_src, q_smem, sm["q_bars"].at[0])
-            plgpu.copy_gmem_to_smem(qpe_src, sm["qpe"], sm["q_bars"].at[1])
+            plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
+            plgpu.copy_gmem_to_smem(qpe_ref.at[t], sm["qpe"], sm["q_bars"].at[1])
         plgpu.barrier_wait(sm["q_bars"].at[0])
         plgpu.barrier_wait(sm["q_bars"].at[1])
 
-        def step(i, carry):
-            # O^T f32[width, H] (this warpgroup's rows); m (log2 units) f32[H]; l f32[H], or with
-            # defer_sum the per-token terms f32[64, H] (WGMMA layout) summed down the tokens after the loop
-            acc, m, l = carry
+        def issue_scores(i, s_ref, rope_ref, store: bool):
+            """Waits for step i's slab and issues its score products (not waited for): the 8-bit rows
+            converted in registers (and into the 16-bit slab when ``store``), the rope part on the last
+            warpgroup. Returns the converted chunks and, with ``dequantize``, the scales."""
             slot = lax.rem(i, jnp.int32(stages))
             with jax.named_scope("wait"):  # the slab landed
-                plgpu.barrier_wait(mine(sm["ckv_bars"]).at[slot])
-                plgpu.barrier_wait(mine(sm["ks_bars"]).at[slot])
-                plgpu.barrier_wait(mine(sm["kpe_bars"]).at[slot])
-            if not auto_barriers:  # every warp's last value product has read the converted slab and P
-                plgpu.commit_smem()
-
-            def scores(s_ref, rope_ref):
-                kscale = plgpu.load(mine(ks_smem).at[slot], layout=row) if dequantize else None
-                for c in range(width // chunk):
-                    cols = pl.ds(first + c * chunk, chunk)
-                    keys = plgpu.load(mine(sm["c8"]).at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                    keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
-                    if dequantize:
-                        keys = (keys.astype(f32) * lax.broadcast_in_dim(kscale, keys.shape, [0])).astype(dot_dtype)
+                plgpu.barrier_wait(sm["ckv_bars"].at[slot])
+                plgpu.barrier_wait(sm["ks_bars"].at[slot])
+                plgpu.barrier_wait(sm["kpe_bars"].at[slot])
+            kscale = plgpu.load(ks_smem.at[slot], layout=row) if dequantize else None
+            chunks = []
+            for c in range(width // chunk):
+                cols = pl.ds(first + c * chunk, chunk)
+                keys = plgpu.load(sm["c8"].at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
+                if dequantize:
+                    keys = (keys.astype(f32) * lax.broadcast_in_dim(kscale, keys.shape, [0])).astype(dot_dtype)
+                if store:
                     kbf_smem[:, cols] = keys  # the value product's operand
-                    plgpu.wgmma(s_ref, keys, q_smem.at[:, pl.ds(c * chunk, chunk) if paired else cols]
-                                .transpose((1, 0)))
-                if rope:
-                    plgpu.wgmma(rope_ref, mine(sm["kpe"]).at[slot], sm["qpe"].transpose((1, 0)))
-                return s_ref[...] if dequantize or not rope else (s_ref[...], rope_ref[...])
+                chunks.append(keys)
+                plgpu.wgmma(s_ref, keys, q_smem.at[:, cols].transpose((1, 0)))
+            if rope:
+                plgpu.wgmma(rope_ref if rope_ref is not None else s_ref, sm["kpe"].at[slot],
+                            sm["qpe"].transpose((1, 0)))
+            return chunks
 
-            with jax.named_scope("scores"):  # S^T [64, H], or this warpgroup's part of it
-                acc_type = plgpu.ACC((BLOCK_K, num_heads), f32)
-                if dequantize:  # the rows carry their scale: the rope part adds into the same accumulator
-                    s = pl.run_scoped(lambda s_ref: scores(s_ref, s_ref), acc_type)
-                elif rope:  # the latent part x the token's scale, the rope part unscaled: two accumulators
-                    s, s_rope = pl.run_scoped(scores, acc_type, plgpu.ACC((BLOCK_K, num_heads), f32))
-                else:
-                    s = pl.run_scoped(lambda s_ref: scores(s_ref, None), acc_type)
-                if not dequantize:
-                    kscale = plgpu.load(mine(ks_smem).at[slot], layout=row)
-                    s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
-                    if rope:
-                        s = s + s_rope
-            plgpu.barrier_arrive(mine(sm["consumed_bars"]).at[slot])  # the slot's rows and scales are read
-            parity = lax.rem(i, jnp.int32(2))
-            if paired:
-                with jax.named_scope("exchange"):  # into the other CTA's shared memory; a + b == b + a
-                    plgpu.async_store_smem(s, sm["sx"].at[w, parity], sm["sx_bars"].at[w, parity],
-                                           cluster_idx=1 - half, cluster_dim="c")
-                    plgpu.barrier_wait(sm["sx_bars"].at[w, parity])
-                    s = s + plgpu.load(sm["sx"].at[w, parity], layout=plgpu.Layout.WGMMA)
-            elif compute_wgs > 1:
-                with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
-                    sm["sx"].at[parity, w][...] = s
-                    plgpu.commit_smem()
-                    plgpu.barrier_arrive(sm["sx_bars"].at[parity])
-                    plgpu.barrier_wait(sm["sx_bars"].at[parity])
-                    parts = [s if v == w else plgpu.load(sm["sx"].at[parity, v], layout=plgpu.Layout.WGMMA)
-                             for v in range(compute_wgs)]
-                    s = functools.reduce(lambda a, b: a + b, parts)
+        def store_chunks(chunks):
+            for c, keys in enumerate(chunks):
+                kbf_smem[:, pl.ds(first + c * chunk, chunk)] = keys
+
+        # the score accumulators of a step: with the scale left on the scores, the rope part apart
+        two_accs = rope and not dequantize
+        acc_types = (plgpu.ACC((BLOCK_K, num_heads), f32),) * (2 if two_accs else 1)
+
+        def finish_scores(i, s, s_rope):
+            """Step i's score part (x the tokens' scales unless the rows carry them) and the scales,
+            once its products are done; releases the slab's slot."""
+            slot = lax.rem(i, jnp.int32(stages))
+            kscale = plgpu.load(ks_smem.at[slot], layout=row)
+            if not dequantize:
+                s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
+                if two_accs:
+                    s = s + s_rope
+            plgpu.barrier_arrive(sm["consumed_bars"].at[slot])  # the slot's rows (k_pe) and scales are read
+            return s, kscale
+
+        def exchange(i, s):
+            if compute_wgs == 1:
+                return s
+            with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
+                parity = lax.rem(i, jnp.int32(2))
+                sm["sx"].at[parity, w][...] = s
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(sm["sx_bars"].at[parity])
+                plgpu.barrier_wait(sm["sx_bars"].at[parity])
+                parts = [s if v == w else plgpu.load(sm["sx"].at[parity, v], layout=plgpu.Layout.WGMMA)
+                         for v in range(compute_wgs)]
+                return functools.reduce(lambda a, b: a + b, parts)
+
+        def softmax(i, s, kscale, m, l):
+            """Step i's statistics and P^T (x the scales) in shared memory -> alpha, m, l."""
             with jax.named_scope("softmax"):  # (its parts as scopes of their own in a kernel trace)
                 tokens = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, num_heads), 0, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(tokens < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
@@ -292,52 +279,92 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                 with jax.named_scope("store_p"):
                     sm["p"].at[w].transpose((1, 0))[...] = p.astype(dot_dtype)
                     plgpu.commit_smem()  # the 16-bit slab and P^T, before wgmma reads them
+            return alpha, m_new, l
 
-            def values(acc_ref):
+        def values(acc, alpha):
+            def product(acc_ref):
                 plgpu.wgmma(acc_ref, kbf_smem.at[:, own].transpose((1, 0)), sm["p"].at[w].transpose((1, 0)))
 
             with jax.named_scope("values"):
-                acc = pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
-            return acc, m_new, l
+                return pl.run_state(product)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
+
+        def scores(i, store: bool = True):
+            """Step i's score part, products waited for: (s, scales)."""
+            def run(*refs):
+                issue_scores(i, refs[0], refs[1] if two_accs else None, store)
+                return tuple(r[...] for r in refs)
+
+            with jax.named_scope("scores"):  # S^T [64, H], or this warpgroup's part of it
+                got = pl.run_scoped(run, *acc_types)
+            return finish_scores(i, got[0], got[1] if two_accs else None)
+
+        def step(i, carry):
+            # O^T f32[width, H] (this warpgroup's rows); m (log2 units) f32[H]; l f32[H], or with
+            # defer_sum the per-token terms f32[64, H] (WGMMA layout) summed down the tokens after the loop
+            acc, m, l = carry
+            s, kscale = scores(i)
+            alpha, m, l = softmax(i, exchange(i, s), kscale, m, l)
+            return values(acc, alpha), m, l
+
+        def pipelined_step(i, carry):
+            """Step i's softmax and values with step i + 1's score products in flight: their conversion
+            and products overlap the exchange and softmax; the converted rows wait in registers until
+            the value product has read the 16-bit slab."""
+            acc, m, l, s, kscale = carry
+
+            def run(*refs):
+                chunks = issue_scores(i + 1, refs[0], refs[1] if two_accs else None, store=False)
+                stats = softmax(i, exchange(i, s), kscale, m, l)
+                return chunks, stats, tuple(r[...] for r in refs)
+
+            with jax.named_scope("overlap"):
+                chunks, (alpha, m, l), got = pl.run_scoped(run, *acc_types)
+            acc = values(acc, alpha)
+            store_chunks(chunks)
+            s, kscale = finish_scores(i + 1, got[0], got[1] if two_accs else None)
+            return acc, m, l, s, kscale
 
         init = (plgpu.layout_cast(jnp.zeros((width, num_heads), f32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((num_heads,), _M_INIT, f32), column),
                 plgpu.layout_cast(jnp.zeros((BLOCK_K, num_heads) if defer_sum else (num_heads,), f32),
                                   plgpu.Layout.WGMMA if defer_sum else column))
-        acc, m, l = lax.fori_loop(0, num_steps, step, init)
+        if not pipelined:
+            acc, m, l = lax.fori_loop(0, num_steps, step, init)
+        else:  # step 0's scores, then each step with the next one's scores in flight, then the last step
+            empty = (plgpu.layout_cast(jnp.zeros((BLOCK_K, num_heads), f32), plgpu.Layout.WGMMA),
+                     plgpu.layout_cast(jnp.zeros((BLOCK_K,), f32), row))
+            first_scores = lax.cond(num_steps > 0, lambda: scores(jnp.int32(0)), lambda: empty)
+            acc, m, l, s, kscale = lax.fori_loop(0, jnp.maximum(num_steps - 1, 0), pipelined_step,
+                                                 (*init, *first_scores))
+
+            def last(acc, m, l):
+                i = num_steps - 1
+                alpha, m, l = softmax(i, exchange(i, s), kscale, m, l)
+                return values(acc, alpha), m, l
+
+            acc, m, l = lax.cond(num_steps > 0, last, lambda *c: c, acc, m, l)
         if defer_sum:
             l = _column_reduce("add", l, reduce_smem)
-        rows_smem = mine(sm["rows"])
-        if paired:  # the staging reuses this warpgroup's own converted slab, once its warps are done with it
-            out_smem = sm["out"][w]
-            plgpu.commit_smem()
-        else:
-            out_smem = sm["out"]
-            if compute_wgs > 1:  # nobody reads the converted slab any more: the output staging may reuse it
-                plgpu.barrier_arrive(sm["done_bar"])
-                plgpu.barrier_wait(sm["done_bar"])
-            elif not auto_barriers:
-                plgpu.commit_smem()
-        out_cols = pl.ds(half * width, width) if paired else own
-        out_rows = slice(None) if paired else own
+        rows_smem = sm["rows"]
+        if compute_wgs > 1:  # nobody reads the converted slab any more: the output staging may reuse it
+            plgpu.barrier_arrive(sm["done_bar"])
+            plgpu.barrier_wait(sm["done_bar"])
+        out_smem = sm["out"]
         if num_splits == 1:
             (o_ref,) = outs
             denom = jnp.where(l == 0, 1.0, l)  # an empty context (padding) outputs zeros
-            out_smem.at[out_rows][...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [1])).astype(bf16)
+            out_smem.at[own][...] = (acc / lax.broadcast_in_dim(denom, acc.shape, [1])).astype(bf16)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[out_rows], o_ref.at[t, out_cols])
+            plgpu.copy_smem_to_gmem(out_smem.at[own], o_ref.at[t, own])
         else:
             m_ref, l_ref, acc_ref = outs
-            out_smem.at[out_rows][...] = acc
-            writes_rows = (half == 0) if paired else (w == 0)  # every part holds the same m and l
-            if paired or w == 0:
+            out_smem.at[own][...] = acc
+            if w == 0:  # with shared columns every compute warpgroup holds the same m and l
                 rows_smem.at[0][...] = m
                 rows_smem.at[1][...] = l
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[out_rows], acc_ref.at[t, split, out_cols])
-
-            @pl.when(writes_rows)
-            def _():
+            plgpu.copy_smem_to_gmem(out_smem.at[own], acc_ref.at[t, split, own])
+            if w == 0:
                 plgpu.copy_smem_to_gmem(rows_smem.at[0], m_ref.at[t, split])
                 plgpu.copy_smem_to_gmem(rows_smem.at[1], l_ref.at[t, split])
         plgpu.wait_smem_to_gmem(0)
@@ -348,42 +375,16 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     @pl.when(wg == compute_wgs)
     def _memory():
         plgpu.set_max_registers(_MEMORY_REGISTERS, action="decrease")
-        if not paired:
-            start, _, num_steps = split_range(split_of(0))
-            rings = [(c8_ref, sm["c8"], sm["ckv_bars"]), (ks_ref, ks_smem, sm["ks_bars"]),
-                     (kpe_ref, sm["kpe"], sm["kpe_bars"])]
-            load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, sm["consumed_bars"],
-                       rings, stages=stages, block_k=BLOCK_K)
-            return
-        # paired: both splits' slabs (their lengths differ by at most one slab), the CTA's half of the columns
-        ranges = [split_range(split_of(w)) for w in range(compute_wgs)]
-
-        def load(w, i):
-            slot = lax.rem(i, jnp.int32(stages))
-            slab = slab_index(tables_ref, seq_id * table_width, ranges[w][0] + i * BLOCK_K, slabs_per_page, BLOCK_K)
-            plgpu.copy_gmem_to_smem(c8_ref.at[slab, :, pl.ds(half * width, width)], sm["c8"].at[w, slot],
-                                    sm["ckv_bars"].at[w, slot])
-            plgpu.copy_gmem_to_smem(ks_ref.at[slab], ks_smem.at[w, slot], sm["ks_bars"].at[w, slot])
-            plgpu.copy_gmem_to_smem(kpe_ref.at[slab, :, pl.ds(half * rope_width, rope_width)], sm["kpe"].at[w, slot],
-                                    sm["kpe_bars"].at[w, slot])
-
-        for i in range(stages):
-            for w in range(compute_wgs):
-                pl.when(i < ranges[w][2])(functools.partial(load, w, jnp.int32(i)))
-
-        @pl.loop(stages, jnp.maximum(functools.reduce(jnp.maximum, [r[2] for r in ranges]), stages))
-        def _(i):
-            for w in range(compute_wgs):
-                @pl.when(i < ranges[w][2])
-                def _():
-                    plgpu.barrier_wait(sm["consumed_bars"].at[w, lax.rem(i, jnp.int32(stages))])
-                    load(w, i)
+        rings = [(c8_ref, sm["c8"], sm["ckv_bars"]), (ks_ref, ks_smem, sm["ks_bars"]),
+                 (kpe_ref, sm["kpe"], sm["kpe_bars"])]
+        load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, sm["consumed_bars"], rings,
+                   stages=stages, block_k=BLOCK_K)
 
 
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
                          dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
-                         defer_sum: bool = DEFER_SUM, paired: bool = False, auto_barriers: bool = True,
+                         defer_sum: bool = DEFER_SUM, pipelined: bool = PIPELINED,
                          profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
@@ -395,12 +396,9 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
     tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
-    ``paired``: a cluster of two CTAs a query and pair of splits (an even ``num_splits``, two compute
-    warpgroups), CTA c holding latent columns [256c, 256c + 256) and rope columns [32c, 32c + 32) of both
-    splits, compute warpgroup w split 2s + w, the score parts exchanged through the other CTA's shared
-    memory: each SM runs two independent splits' steps instead of one split's two halves in lockstep;
-    ``auto_barriers``: False drops the warpgroup barriers Pallas puts around every shared-memory store
-    (the kernel places the ones it needs);
+    ``pipelined``: each step's exchange and softmax run with the next step's score products in flight
+    (the next slab converted in registers, stored into the 16-bit slab once the value product has read
+    it), else each step's phases run one after another;
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON)."""
     if dequantize is None:
@@ -417,47 +415,39 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not dequantize else bf16
     if compute_wgs not in _COMPUTE_REGISTERS:
         raise ValueError(f"compute_wgs={compute_wgs} is not one of {tuple(_COMPUTE_REGISTERS)}")
-    if paired and (compute_wgs != 2 or num_splits % 2):
-        raise ValueError(f"paired=True takes compute_wgs=2 and an even num_splits, got compute_wgs={compute_wgs}, "
-                         f"num_splits={num_splits}")
-    width = LATENT_DIM // (2 if paired else compute_wgs)
+    width = LATENT_DIM // compute_wgs
     if chunk % 128 or width % min(chunk, width):
         raise ValueError(f"chunk={chunk} is not a multiple of 128 (an 8-bit row tile) dividing the "
                          f"{width} latent columns of a compute warpgroup")
     out_dtype = bf16 if num_splits == 1 else f32
-    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype, paired)
+    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype)
     if stages is None:
         stages = max([n for n in range(1, MAX_STAGES + 1) if need(n) <= SMEM_BYTES], default=1)
     if need(stages) > SMEM_BYTES:
         raise ValueError(f"stages={stages} with compute_wgs={compute_wgs} and {num_heads} "
                          f"heads needs {need(stages)} bytes of shared memory, more than the {SMEM_BYTES} a block has")
-    latent, rope = (LATENT_DIM // 2, ROPE_DIM // 2) if paired else (LATENT_DIM, ROPE_DIM)
-    ring = (compute_wgs, stages) if paired else (stages,)  # paired: a ring for each split
-    staging = lambda: plgpu.RefUnion(_smem((BLOCK_K, latent), dot_dtype), _smem((latent, num_heads), out_dtype))
     # (scratch by name: the keys' sorted order, a pytree's, is the order shared memory is laid out in)
     sm = dict(
-        q=_smem((num_heads, latent), dot_dtype),  # q_latent: B of the scores, read transposed
-        qpe=_smem((num_heads, rope), bf16),
-        c8=_smem((*ring, BLOCK_K, latent), c_kv.dtype),  # the 8-bit ring
-        ks=plgpu.SMEM((*ring, BLOCK_K), f32),  # scales
+        q=_smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
+        qpe=_smem((num_heads, ROPE_DIM), bf16),
+        c8=_smem((stages, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit ring
+        ks=plgpu.SMEM((stages, BLOCK_K), f32),  # scales
         p=_smem((compute_wgs, num_heads, BLOCK_K), dot_dtype),  # P (x scale) of each compute warpgroup: B of
         # its values, read transposed
         reduce=[plgpu.SMEM((_REDUCE_SCRATCH,), f32) for _ in range(compute_wgs)],  # each one's reductions
-        rows=plgpu.SMEM((compute_wgs, 2, num_heads) if paired else (2, num_heads), f32),  # m, l of a split
-        ckv_bars=plgpu.Barrier(num_barriers=ring),  # 8-bit slab landed
-        ks_bars=plgpu.Barrier(num_barriers=ring),  # scales landed
+        rows=plgpu.SMEM((2, num_heads), f32),  # m, l of a split
+        ckv_bars=plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
+        ks_bars=plgpu.Barrier(num_barriers=stages),  # scales landed
         q_bars=plgpu.Barrier(num_barriers=2),  # queries landed
-        consumed_bars=plgpu.Barrier(num_arrivals=1 if paired else compute_wgs, num_barriers=ring),  # slot read by
-        # every compute warpgroup (paired: by its split's)
+        consumed_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),  # slot read by every compute
+        # warpgroup
         done_bar=plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slab)
         # the converted slab (A of the values, read transposed); after the loop, the output staging
-        union=[staging() for _ in range(compute_wgs)] if paired else staging(),
-        kpe=_smem((*ring, BLOCK_K, rope), bf16),
-        kpe_bars=plgpu.Barrier(num_barriers=ring),  # k_pe landed
-        # score parts by step parity: paired, the other CTA's part of each split (its asynchronous stores
-        # arrive, the barrier counting their bytes); else each compute warpgroup's part
-        sx=_smem((compute_wgs, 2, BLOCK_K, num_heads) if paired else (2, compute_wgs, BLOCK_K, num_heads), f32),
-        sx_bars=plgpu.Barrier(num_arrivals=1 if paired else compute_wgs, num_barriers=(compute_wgs, 2) if paired else 2),
+        union=plgpu.RefUnion(_smem((BLOCK_K, LATENT_DIM), dot_dtype), _smem((LATENT_DIM, num_heads), out_dtype)),
+        kpe=_smem((stages, BLOCK_K, ROPE_DIM), bf16),
+        kpe_bars=plgpu.Barrier(num_barriers=stages),  # k_pe landed
+        sx=_smem((2, compute_wgs, BLOCK_K, num_heads), f32),  # score parts, by step parity
+        sx_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2),  # score parts written, by parity
     )
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, latent_dim, num_heads), out_dtype)
@@ -468,24 +458,21 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
 
     def kernel(*refs):
         sm = dict(refs[-1])
-        union = sm.pop("union")
-        sm["kbf"], sm["out"] = ([u[0] for u in union], [u[1] for u in union]) if paired else union
+        sm["kbf"], sm["out"] = sm.pop("union")
         _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
                 scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum, paired=paired,
-                auto_barriers=auto_barriers)
+                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum, pipelined=pipelined)
 
     return plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=[sm],
-        grid=(num_splits // 2 if paired else num_splits, num_tokens),
+        grid=(num_splits, num_tokens),
         grid_names=("s", "t"),
-        **(dict(cluster=(2,), cluster_names=("c",)) if paired else {}),
         num_threads=compute_wgs + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, unsafe_no_auto_barriers=not auto_barriers,
+            approx_math=True,
             **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
     )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
       c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
