@@ -11,7 +11,7 @@ or 512 (8 or 32 instructions a wait). The table gives ns an instruction (the ker
 instructions of one warpgroup) and the SM's tensor throughput in TFLOP/s over the whole GPU, against
 the H200's ~990 dense bf16 (660 measured for a large matmul).
 
-    python -m benchmarks.wgmma_probe --out benchmarks/results/wgmma_probe_h200.json
+    python -m benchmarks.wgmma_probe --out benchmarks/results/wgmma_probe_h200.json   # or: bash benchmarks/run_h200.sh wgmma
     python -m benchmarks.wgmma_probe --quick      # lowers every variant on CPU (no GPU)
 """
 
@@ -114,19 +114,20 @@ def variants():
         yield 16, 512, True, warpgroups
 
 
-def main():
+def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=256, help="products a warpgroup, each waited for")
     parser.add_argument("--out", help="JSON of the rows (benchmarks/results/wgmma_probe_h200.json)")
     parser.add_argument("--quick", action="store_true", help="lower every variant for an abstract H200 and stop")
-    args = parser.parse_args()
-    if args.quick:
+    args = parser.parse_args(argv)
+    if args.quick:  # {variant: mosaic_gpu mentions in its lowering}
+        lowered = {}
         for n, k, regs, wgs in variants():
             text = lower_for_h200(lambda a, b: product_chain(a, b, reps=2, a_in_registers=regs, warpgroups=wgs),
                                   *_inputs(n, k))
-            assert "mosaic_gpu" in text
-        print("lowered", len(list(variants())), "variants")
-        return
+            lowered[(n, k, "registers" if regs else "smem", wgs)] = text.count("mosaic_gpu")
+        print("lowered", len(lowered), "variants")
+        return lowered
     rows = []
     for n, k, regs, wgs in variants():
         try:
@@ -135,7 +136,7 @@ def main():
         except Exception as e:  # a variant that does not compile is reported, the rest still run
             print(f"n={n} k={k} registers={regs} warpgroups={wgs}: failed {type(e).__name__}: {e}"[:300], flush=True)
     table = markdown_table(rows, ["n", "k", "a", "warpgroups", "reps", "us", "ns_per_wgmma", "tflops"])
-    write_probe(rows, table, args.out, sms=NUM_SMS)
+    return write_probe(rows, table, args.out, sms=NUM_SMS)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,13 @@ exchanging the parts, ~12% value product, ~4% waiting for slabs: each warpgroup 
 in sequence, and that chain, not HBM, sets the time of a step. Summing the softmax denominators once
 after the loop (``DEFER_SUM``, 2026-12-02) took one of the two reductions out of it: int8 94 us (1.79
 TB/s), fp8 90 (1.87), bf16 rows 95 in the same run (``kvquant_kernels_h200.json``).
+
+Measured on the H200 and dropped (2026-12-02, ``benchmarks/results/mla8_overlap_h200.md``): paired
+CTAs (a cluster a query and pair of splits, score parts through the other CTA's shared memory) 124-135
+us; Pallas's store barriers left out, no change; each step's softmax with the next step's score
+products in flight, 95-105 us (spills). A step's wgmma work is ~0.8 us of its ~2.8 (m64n16k16 costs
+~13.5 ns an SM, ``benchmarks/wgmma_probe.py``) and its bytes 1.28 us at the copy rate: the chain of
+phases sets it, and overlapping steps needs a second converted slab that shared memory cannot hold.
 """
 
 from __future__ import annotations
@@ -109,9 +116,6 @@ AUTO_DTYPES = ("int8", "float8_e4m3fn")
 # `python -m benchmarks.mla_8bit_probe --timings`): two compute warpgroups int8 99.6 -> 94.2 us, fp8
 # 95.5 -> 90.4; one warpgroup int8 151.4 -> 146.8, fp8 146.5 -> 141.0.
 DEFER_SUM = True
-# Each step's exchange and softmax with the next step's score products in flight (True), or every phase
-# of a step after the previous one (False).
-PIPELINED = False
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -166,7 +170,7 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool, pipelined: bool):
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool):
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -201,67 +205,54 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         plgpu.barrier_wait(sm["q_bars"].at[0])
         plgpu.barrier_wait(sm["q_bars"].at[1])
 
-        def issue_scores(i, s_ref, rope_ref, store: bool):
-            """Waits for step i's slab and issues its score products (not waited for): the 8-bit rows
-            converted in registers (and into the 16-bit slab when ``store``), the rope part on the last
-            warpgroup. Returns the converted chunks and, with ``dequantize``, the scales."""
+        def step(i, carry):
+            # O^T f32[width, H] (this warpgroup's rows); m (log2 units) f32[H]; l f32[H], or with
+            # defer_sum the per-token terms f32[64, H] (WGMMA layout) summed down the tokens after the loop
+            acc, m, l = carry
             slot = lax.rem(i, jnp.int32(stages))
             with jax.named_scope("wait"):  # the slab landed
                 plgpu.barrier_wait(sm["ckv_bars"].at[slot])
                 plgpu.barrier_wait(sm["ks_bars"].at[slot])
                 plgpu.barrier_wait(sm["kpe_bars"].at[slot])
-            kscale = plgpu.load(ks_smem.at[slot], layout=row) if dequantize else None
-            chunks = []
-            for c in range(width // chunk):
-                cols = pl.ds(first + c * chunk, chunk)
-                keys = plgpu.load(sm["c8"].at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
-                if dequantize:
-                    keys = (keys.astype(f32) * lax.broadcast_in_dim(kscale, keys.shape, [0])).astype(dot_dtype)
-                if store:
+
+            def scores(s_ref, rope_ref):
+                kscale = plgpu.load(ks_smem.at[slot], layout=row) if dequantize else None
+                for c in range(width // chunk):
+                    cols = pl.ds(first + c * chunk, chunk)
+                    keys = plgpu.load(sm["c8"].at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
+                    keys = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)  # exact
+                    if dequantize:
+                        keys = (keys.astype(f32) * lax.broadcast_in_dim(kscale, keys.shape, [0])).astype(dot_dtype)
                     kbf_smem[:, cols] = keys  # the value product's operand
-                chunks.append(keys)
-                plgpu.wgmma(s_ref, keys, q_smem.at[:, cols].transpose((1, 0)))
-            if rope:
-                plgpu.wgmma(rope_ref if rope_ref is not None else s_ref, sm["kpe"].at[slot],
-                            sm["qpe"].transpose((1, 0)))
-            return chunks
+                    plgpu.wgmma(s_ref, keys, q_smem.at[:, cols].transpose((1, 0)))
+                if rope:
+                    plgpu.wgmma(rope_ref, sm["kpe"].at[slot], sm["qpe"].transpose((1, 0)))
+                return s_ref[...] if dequantize or not rope else (s_ref[...], rope_ref[...])
 
-        def store_chunks(chunks):
-            for c, keys in enumerate(chunks):
-                kbf_smem[:, pl.ds(first + c * chunk, chunk)] = keys
-
-        # the score accumulators of a step: with the scale left on the scores, the rope part apart
-        two_accs = rope and not dequantize
-        acc_types = (plgpu.ACC((BLOCK_K, num_heads), f32),) * (2 if two_accs else 1)
-
-        def finish_scores(i, s, s_rope):
-            """Step i's score part (x the tokens' scales unless the rows carry them) and the scales,
-            once its products are done; releases the slab's slot."""
-            slot = lax.rem(i, jnp.int32(stages))
-            kscale = plgpu.load(ks_smem.at[slot], layout=row)
-            if not dequantize:
-                s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
-                if two_accs:
-                    s = s + s_rope
-            plgpu.barrier_arrive(sm["consumed_bars"].at[slot])  # the slot's rows (k_pe) and scales are read
-            return s, kscale
-
-        def exchange(i, s):
-            if compute_wgs == 1:
-                return s
-            with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
-                parity = lax.rem(i, jnp.int32(2))
-                sm["sx"].at[parity, w][...] = s
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(sm["sx_bars"].at[parity])
-                plgpu.barrier_wait(sm["sx_bars"].at[parity])
-                parts = [s if v == w else plgpu.load(sm["sx"].at[parity, v], layout=plgpu.Layout.WGMMA)
-                         for v in range(compute_wgs)]
-                return functools.reduce(lambda a, b: a + b, parts)
-
-        def softmax(i, s, kscale, m, l):
-            """Step i's statistics and P^T (x the scales) in shared memory -> alpha, m, l."""
+            with jax.named_scope("scores"):  # S^T [64, H], or this warpgroup's part of it
+                acc_type = plgpu.ACC((BLOCK_K, num_heads), f32)
+                if dequantize:  # the rows carry their scale: the rope part adds into the same accumulator
+                    s = pl.run_scoped(lambda s_ref: scores(s_ref, s_ref), acc_type)
+                elif rope:  # the latent part x the token's scale, the rope part unscaled: two accumulators
+                    s, s_rope = pl.run_scoped(scores, acc_type, plgpu.ACC((BLOCK_K, num_heads), f32))
+                else:
+                    s = pl.run_scoped(lambda s_ref: scores(s_ref, None), acc_type)
+                if not dequantize:
+                    kscale = plgpu.load(ks_smem.at[slot], layout=row)
+                    s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
+                    if rope:
+                        s = s + s_rope
+            plgpu.barrier_arrive(sm["consumed_bars"].at[slot])  # the slot's 8-bit rows (k_pe) and scales are read
+            if compute_wgs > 1:
+                with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
+                    parity = lax.rem(i, jnp.int32(2))
+                    sm["sx"].at[parity, w][...] = s
+                    plgpu.commit_smem()
+                    plgpu.barrier_arrive(sm["sx_bars"].at[parity])
+                    plgpu.barrier_wait(sm["sx_bars"].at[parity])
+                    parts = [s if v == w else plgpu.load(sm["sx"].at[parity, v], layout=plgpu.Layout.WGMMA)
+                             for v in range(compute_wgs)]
+                    s = functools.reduce(lambda a, b: a + b, parts)
             with jax.named_scope("softmax"):  # (its parts as scopes of their own in a kernel trace)
                 tokens = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, num_heads), 0, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(tokens < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
@@ -279,70 +270,19 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                 with jax.named_scope("store_p"):
                     sm["p"].at[w].transpose((1, 0))[...] = p.astype(dot_dtype)
                     plgpu.commit_smem()  # the 16-bit slab and P^T, before wgmma reads them
-            return alpha, m_new, l
 
-        def values(acc, alpha):
-            def product(acc_ref):
+            def values(acc_ref):
                 plgpu.wgmma(acc_ref, kbf_smem.at[:, own].transpose((1, 0)), sm["p"].at[w].transpose((1, 0)))
 
             with jax.named_scope("values"):
-                return pl.run_state(product)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
-
-        def scores(i, store: bool = True):
-            """Step i's score part, products waited for: (s, scales)."""
-            def run(*refs):
-                issue_scores(i, refs[0], refs[1] if two_accs else None, store)
-                return tuple(r[...] for r in refs)
-
-            with jax.named_scope("scores"):  # S^T [64, H], or this warpgroup's part of it
-                got = pl.run_scoped(run, *acc_types)
-            return finish_scores(i, got[0], got[1] if two_accs else None)
-
-        def step(i, carry):
-            # O^T f32[width, H] (this warpgroup's rows); m (log2 units) f32[H]; l f32[H], or with
-            # defer_sum the per-token terms f32[64, H] (WGMMA layout) summed down the tokens after the loop
-            acc, m, l = carry
-            s, kscale = scores(i)
-            alpha, m, l = softmax(i, exchange(i, s), kscale, m, l)
-            return values(acc, alpha), m, l
-
-        def pipelined_step(i, carry):
-            """Step i's softmax and values with step i + 1's score products in flight: their conversion
-            and products overlap the exchange and softmax; the converted rows wait in registers until
-            the value product has read the 16-bit slab."""
-            acc, m, l, s, kscale = carry
-
-            def run(*refs):
-                chunks = issue_scores(i + 1, refs[0], refs[1] if two_accs else None, store=False)
-                stats = softmax(i, exchange(i, s), kscale, m, l)
-                return chunks, stats, tuple(r[...] for r in refs)
-
-            with jax.named_scope("overlap"):
-                chunks, (alpha, m, l), got = pl.run_scoped(run, *acc_types)
-            acc = values(acc, alpha)
-            store_chunks(chunks)
-            s, kscale = finish_scores(i + 1, got[0], got[1] if two_accs else None)
-            return acc, m, l, s, kscale
+                acc = pl.run_state(values)(plgpu.ACC.init(acc * lax.broadcast_in_dim(alpha, acc.shape, [1])))
+            return acc, m_new, l
 
         init = (plgpu.layout_cast(jnp.zeros((width, num_heads), f32), plgpu.Layout.WGMMA),
                 plgpu.layout_cast(jnp.full((num_heads,), _M_INIT, f32), column),
                 plgpu.layout_cast(jnp.zeros((BLOCK_K, num_heads) if defer_sum else (num_heads,), f32),
                                   plgpu.Layout.WGMMA if defer_sum else column))
-        if not pipelined:
-            acc, m, l = lax.fori_loop(0, num_steps, step, init)
-        else:  # step 0's scores, then each step with the next one's scores in flight, then the last step
-            empty = (plgpu.layout_cast(jnp.zeros((BLOCK_K, num_heads), f32), plgpu.Layout.WGMMA),
-                     plgpu.layout_cast(jnp.zeros((BLOCK_K,), f32), row))
-            first_scores = lax.cond(num_steps > 0, lambda: scores(jnp.int32(0)), lambda: empty)
-            acc, m, l, s, kscale = lax.fori_loop(0, jnp.maximum(num_steps - 1, 0), pipelined_step,
-                                                 (*init, *first_scores))
-
-            def last(acc, m, l):
-                i = num_steps - 1
-                alpha, m, l = softmax(i, exchange(i, s), kscale, m, l)
-                return values(acc, alpha), m, l
-
-            acc, m, l = lax.cond(num_steps > 0, last, lambda *c: c, acc, m, l)
+        acc, m, l = lax.fori_loop(0, num_steps, step, init)
         if defer_sum:
             l = _column_reduce("add", l, reduce_smem)
         rows_smem = sm["rows"]
@@ -384,8 +324,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
                          dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
-                         defer_sum: bool = DEFER_SUM, pipelined: bool = PIPELINED,
-                         profile_dir: str | None = None):
+                         defer_sum: bool = DEFER_SUM, profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
@@ -396,9 +335,6 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
     tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
-    ``pipelined``: each step's exchange and softmax run with the next step's score products in flight
-    (the next slab converted in registers, stored into the 16-bit slab once the value product has read
-    it), else each step's phases run one after another;
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON)."""
     if dequantize is None:
@@ -461,7 +397,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         sm["kbf"], sm["out"] = sm.pop("union")
         _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
                 scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum, pipelined=pipelined)
+                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum)
 
     return plgpu.kernel(
         kernel,

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import kernels_attention, kernels_gemv, kernels_moe, pdl_probe, persistent_probe
+from benchmarks import kernels_attention, kernels_gemv, kernels_moe, pdl_probe, persistent_probe, wgmma_probe
 
 
 def test_attention_benchmark_quick(capsys):
@@ -54,6 +54,15 @@ def test_persistent_probe_lowers_each_variant_for_hopper():
     assert set(result) == {"launches/1/tma", *(f"{v}/{rows}" for v in ("barrier/1", "persistent/1", "prefetch/2")
                                               for rows in ("tma", "ld"))}
     assert all(r["mosaic_calls"] > 0 for r in result.values())
+
+
+def test_wgmma_probe_lowers_each_variant_for_hopper():
+    """The wgmma probe's kernels (A in shared memory for N = 16 ... 256 within shared memory, A in
+    registers at N = 16; one and two warpgroups) lower for an abstract H200 on CPU."""
+    result = wgmma_probe.main(["--quick"])
+    assert (16, 512, "registers", 2) in result and (256, 128, "smem", 1) in result
+    assert (256, 512, "smem", 1) not in result  # B [256, 512] alone is 256 KiB of shared memory
+    assert all(count > 0 for count in result.values())
 
 
 def test_persistent_probe_refuses_bad_slabs():
