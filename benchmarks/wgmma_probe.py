@@ -11,7 +11,8 @@ or 512 (8 or 32 instructions a wait). The table gives ns an instruction (the ker
 instructions of one warpgroup) and the SM's tensor throughput in TFLOP/s over the whole GPU, against
 the H200's ~990 dense bf16 (660 measured for a large matmul).
 
-    python -m benchmarks.wgmma_probe --out benchmarks/results/wgmma_probe_h200.json   # or: bash benchmarks/run_h200.sh wgmma
+    python -m benchmarks.wgmma_probe --out benchmarks/results/wgmma_probe_h200.json
+    bash benchmarks/run_h200.sh wgmma               # the same on the GPU machine, into $OUT
     python -m benchmarks.wgmma_probe --quick      # lowers every variant on CPU (no GPU)
 """
 
