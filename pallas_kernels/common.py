@@ -41,13 +41,6 @@ def inv_rms(sum_of_squares, depth: int, eps: float):
     return jax.lax.rsqrt(sum_of_squares / depth + eps)
 
 
-def normed_rows(x, g, row_scale):
-    """RMSNorm'd rows [T, D] from raw rows x, the norm's weights g [D] and each row's 1 / rms f32[T]:
-    g * (x * (1 / rms)), each product rounded to x's dtype (the stacked GEMVs' normed rows, which the
-    kernels that fold the norm in reproduce exactly)."""
-    return g * (x.astype(jnp.float32) * row_scale[:, None]).astype(x.dtype)
-
-
 def rms_norm(x, weight, eps: float):
     """x [..., D] over its last axis, in f32 and scaled in x's dtype (as transformers does), times weight
     [D]: the model's RMSNorm (``dsjax.model.norms``) and the references of the kernels that fuse it."""

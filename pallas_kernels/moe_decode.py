@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_precision, normed_rows
+from pallas_kernels.common import dot_precision
 from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.swiglu import swiglu_reference
 
@@ -45,10 +45,9 @@ class DecodeTiles(NamedTuple):
     num_stages: int = 3
 
 
-def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles, norm):
+def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles):
     """x_ref[token] through columns [i0, i0 + block_i) of one expert (wg / wu [..., D, I] and wd
-    [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program].
-    ``norm`` = (g_ref [L, D], layer, the token's 1 / rms) or None: the rows are RMSNorm'd as they load."""
+    [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program]."""
     block_i, block_k, block_d = tiles.block_i, tiles.block_k, tiles.block_d
     col_ok = i0 + jnp.arange(block_i) < inter
     first_row = (jnp.arange(16) == 0)[:, None]
@@ -59,11 +58,6 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
         k0 = pl.multiple_of(i * block_k, block_k)
         k_ok = k0 + jnp.arange(block_k) < hidden
         x = plgpu.load(x_ref.at[token, pl.ds(k0, block_k)], mask=k_ok, other=0)
-        if norm is not None:  # g * (x * (1 / rms)) rounded as stacked_gemvs' normed rows are
-            g_ref, layer, row_scale = norm
-            g = plgpu.load(g_ref.at[layer, pl.ds(k0, block_k)], mask=k_ok, other=0)
-            scaled = (x.astype(jnp.float32) * row_scale).astype(x.dtype)
-            x = (g.astype(jnp.float32) * scaled.astype(jnp.float32)).astype(x.dtype)
         x = jnp.where(first_row, x[None, :], 0).astype(x.dtype)  # [16, block_k]: the token in row 0
         mask = k_ok[:, None] & col_ok[None, :]
         at = (*prefix, pl.ds(k0, block_k), pl.ds(i0, block_i))
@@ -89,17 +83,14 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
 
 
 def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k, num_experts,
-                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, normed):
-    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, then (g [L, D], inv_rms f32[T])
-    # when normed, then out f32[T * P, D].
-    refs = list(refs)
-    out_ref = refs.pop()
+                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles):
+    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, then out f32[T * P, D].
+    out_ref = refs[-1]
     program, layer = pl.program_id(0), layer_ref[0]
     per_token = top_k * routed_tiles + shared_tiles
     token, local = program // per_token, program % per_token
-    norm = (refs[-2], layer, refs[-1][token]) if normed else None
     tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
-                             tiles=tiles, norm=norm)
+                             tiles=tiles)
 
     @pl.when(local < top_k * routed_tiles)
     def _():
@@ -118,17 +109,12 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, norm=None, *,
-               tiles: DecodeTiles = DecodeTiles(), interpret: bool = False):
+def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *, tiles: DecodeTiles = DecodeTiles(),
+               interpret: bool = False):
     """x [T, D] (T <= ``MAX_TOKENS``), weights f32[T, k], ids i32[T, k] (E marks an empty slot), every
     layer's routed experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index,
     and optionally the shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) -> [T, D]: the routed
-    experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``.
-
-    ``norm`` = (every layer's RMSNorm weights g [L, D], each row's 1 / rms f32[T]): x is the raw rows and
-    every program normalizes them as it loads them, g * (x * (1 / rms)) in x's dtype (the rows
-    ``stacked_gemvs`` returns with ``norm``; the 1 / rms from ``moe_routing.route`` over the router's
-    split-K partials), so no launch of its own forms them."""
+    experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     if not 1 <= num_tokens <= MAX_TOKENS:
@@ -140,12 +126,9 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, norm=N
     shared_inter = 0 if shared is None else shared[0].shape[-1]
     shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     per_token = top_k * routed_tiles + shared_tiles
-    if norm is not None and (norm[0].shape != (w_gate.shape[0], hidden) or norm[1].shape != (num_tokens,)):
-        raise ValueError(f"moe_decode: norm takes g [L={w_gate.shape[0]}, D={hidden}] and inv_rms "
-                         f"[T={num_tokens}]; got {norm[0].shape}, {norm[1].shape}")
     kernel = functools.partial(_decode_kernel, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared_tiles=shared_tiles, hidden=hidden, inter=inter, shared_inter=shared_inter,
-                               tiles=tiles, normed=norm is not None)
+                               tiles=tiles)
     partials = pl.pallas_call(
         kernel,
         grid=(num_tokens * per_token,),
@@ -154,14 +137,11 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, norm=N
         interpret=interpret,
         name="moe_decode",
     )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
-      weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()),
-      *((norm[0], norm[1].astype(jnp.float32)) if norm is not None else ()))
+      weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()))
     return partials.reshape(num_tokens, per_token, hidden).sum(axis=1).astype(x.dtype)
 
 
-def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, norm=None):
-    if norm is not None:
-        x = normed_rows(x, norm[0][layer], norm[1])
+def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None):
     out = moe_experts_reference(x, weights, ids, w_gate[layer], w_up[layer], w_down[layer]).astype(jnp.float32)
     if shared is not None:
         w_gate_s, w_up_s, w_down_s = (w[layer] for w in shared)

@@ -16,8 +16,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import inv_rms
-
 
 class RoutingSpec(NamedTuple):
     """Static routing choices (hashable, so it can be a jit static argument)."""
@@ -148,15 +146,12 @@ def _allowed_experts(choice, col, spec: RoutingSpec, num_experts: int):
 
 
 def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, block_tokens: int,
-                  has_bias: bool, row_rms: tuple[int, float] | None):
-    refs = list(refs)
-    logits_ref = refs.pop(0)
-    squares_ref = refs.pop(0) if row_rms else None
-    bias_ref = refs.pop(0) if has_bias else None
-    weights_ref, ids_ref = refs[:2]
-    # logits_ref [T, E] (whole array), or with row_rms the split-K partials [S, T, E] of the RMSNorm'd
-    # rows' logits before their 1 / rms, squares_ref f32[S, T] the rows' partial sums of squares;
-    # bias_ref f32[E]; weights_ref f32[T, k], ids_ref i32[T, k]; with row_rms then inv_rms_ref f32[T]
+                  has_bias: bool):
+    if has_bias:
+        logits_ref, bias_ref, weights_ref, ids_ref = refs
+    else:
+        (logits_ref, weights_ref, ids_ref), bias_ref = refs, None
+    # logits_ref [T, E] (whole array), bias_ref f32[E], weights_ref f32[T, k], ids_ref i32[T, k]
     padded_experts = pl.next_power_of_2(num_experts)
     padded_k = pl.next_power_of_2(spec.top_k)
     token0 = pl.program_id(0) * block_tokens
@@ -164,17 +159,10 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
     token_ok = rows < num_tokens
     col = jnp.arange(padded_experts)[None, :]  # [1, Ep]
     col_ok = col < num_experts
-    tile = (pl.ds(token0, block_tokens), pl.ds(0, padded_experts))
-    if row_rms:  # the splits summed in order, then each row's 1 / rms (as stacked_gemvs finishes them)
-        splits = [jnp.int32(s) for s in range(logits_ref.shape[0])]
-        logits = sum(plgpu.load(logits_ref.at[(s, *tile)], mask=token_ok & col_ok, other=0.0) for s in splits)
-        squares = sum(plgpu.load(squares_ref.at[s, tile[0]], mask=token_ok[:, 0], other=0.0) for s in splits)
-        scale = inv_rms(squares, *row_rms)  # [bt]
-        logits = jnp.where(col_ok, scale[:, None] * logits, _NEG_INF)
-        plgpu.store(refs[2].at[pl.ds(token0, block_tokens)], scale, mask=token_ok[:, 0])
-    else:
-        # Padding experts read -inf, which softmax and sigmoid both send to a score of 0.
-        logits = plgpu.load(logits_ref.at[tile], mask=token_ok & col_ok, other=jnp.where(col_ok, 0.0, _NEG_INF))
+
+    # Padding experts read -inf, which softmax and sigmoid both send to a score of 0.
+    logits = plgpu.load(logits_ref.at[pl.ds(token0, block_tokens), pl.ds(0, padded_experts)],
+                        mask=token_ok & col_ok, other=jnp.where(col_ok, 0.0, _NEG_INF))
     logits = logits.astype(jnp.float32)  # [bt, Ep]
     if spec.scoring_func == "softmax":
         row_max = jnp.max(logits, axis=-1, keepdims=True)
@@ -205,11 +193,7 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
         weights = jnp.where(slot == j, _key_value(best), weights)
     if spec.topk_method == "noaux_tc":
         # Weights come from the unbiased scores: recompute them from the k picked logits (an L2 hit).
-        at = (jnp.minimum(rows, num_tokens - 1), ids)
-        if row_rms:
-            picked = scale[:, None] * sum(plgpu.load(logits_ref.at[(s, *at)]) for s in splits)
-        else:
-            picked = plgpu.load(logits_ref.at[at])
+        picked = plgpu.load(logits_ref.at[jnp.minimum(rows, num_tokens - 1), ids])
         weights = jnp.where(slot < spec.top_k, score_of(picked.astype(jnp.float32)), 0.0)
     if spec.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
@@ -237,25 +221,15 @@ def _check_spec(spec: RoutingSpec, num_experts: int):
             raise ValueError(f"topk_group={spec.topk_group} must be in [1, n_group={spec.n_group}]")
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "row_rms", "block_tokens", "num_warps", "interpret"))
-def route(logits, bias, spec: RoutingSpec, *, squares=None, row_rms: tuple[int, float] | None = None,
-          block_tokens: int | None = None, num_warps: int | None = None, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("spec", "block_tokens", "num_warps", "interpret"))
+def route(logits, bias, spec: RoutingSpec, *, block_tokens: int | None = None,
+          num_warps: int | None = None, interpret: bool = False):
     """Fused router: logits [T, E], bias f32[E] or None -> (weights f32[T, k], ids i32[T, k]).
 
     Same results as ``route_reference`` (ids exactly, ties to the lower expert or group id), in one
     pass over the logits: each program holds block_tokens full rows of scores in registers.
-
-    ``squares`` f32[S, T] with ``row_rms`` = (depth, eps): logits are instead the split-K partials
-    f32[S, T, E] of an RMSNorm'd router product before the rows' 1 / rms (``stacked_gemvs(...,
-    partials=True)`` reshaped), squares the rows' partial sums of squares; the kernel sums both and
-    scales the logits (``route_from_partials_reference``), and returns each row's 1 / rms f32[T] third,
-    for the experts to normalize their rows themselves (``moe_decode(norm=...)``).
     """
-    if (squares is None) != (row_rms is None) or (squares is not None and (
-            logits.ndim != 3 or squares.shape != logits.shape[:2])):
-        raise ValueError(f"route: split-K logits [S, T, E] need squares [S, T] and row_rms; got logits "
-                         f"{logits.shape}, squares {None if squares is None else squares.shape}, row_rms={row_rms}")
-    num_tokens, num_experts = logits.shape[-2:]
+    num_tokens, num_experts = logits.shape
     _check_spec(spec, num_experts)
     padded_experts = pl.next_power_of_2(num_experts)
     if padded_experts > 512:
@@ -265,12 +239,10 @@ def route(logits, bias, spec: RoutingSpec, *, squares=None, row_rms: tuple[int, 
     spread = max(8, pl.next_power_of_2(pl.cdiv(num_tokens, _MIN_PROGRAMS)))
     block_tokens = block_tokens or min(default_tokens, spread)
     has_bias = spec.topk_method == "noaux_tc" and bias is not None
-    kernel = functools.partial(_route_kernel, spec=spec, num_tokens=num_tokens, num_experts=num_experts,
-                               block_tokens=block_tokens, has_bias=has_bias, row_rms=row_rms)
+    kernel = functools.partial(_route_kernel, spec=spec, num_tokens=num_tokens,
+                               num_experts=num_experts, block_tokens=block_tokens, has_bias=has_bias)
     out_shape = (jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.float32),
                  jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.int32))
-    if row_rms:
-        out_shape += (jax.ShapeDtypeStruct((num_tokens,), jnp.float32),)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, block_tokens),),
@@ -278,11 +250,4 @@ def route(logits, bias, spec: RoutingSpec, *, squares=None, row_rms: tuple[int, 
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_warps, num_stages=1),
         interpret=interpret,
         name="moe_route",
-    )(logits, *([squares] if row_rms else []), *([bias] if has_bias else []))
-
-
-def route_from_partials_reference(logits, squares, bias, spec: RoutingSpec, row_rms: tuple[int, float]):
-    """``route`` over split-K partials (logits f32[S, T, E], squares f32[S, T]): the splits summed, the
-    logits scaled by each row's 1 / rms -> (weights, ids, inv_rms f32[T])."""
-    scale = inv_rms(squares.sum(axis=0), *row_rms)
-    return (*route_reference(scale[:, None] * logits.sum(axis=0), bias, spec), scale)
+    )(logits, *([bias] if has_bias else []))

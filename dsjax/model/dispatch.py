@@ -28,7 +28,7 @@ from pallas_kernels.moe_decode import moe_decode as moe_decode_kernel
 from pallas_kernels.moe_decode import moe_decode_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
-from pallas_kernels.moe_routing import RoutingSpec, route, route_from_partials_reference, route_reference
+from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
 from pallas_kernels.stacked_gemv import (stacked_gemv_reference, stacked_gemvs, stacked_head_gemv,
                                          stacked_head_gemv_reference)
 from pallas_kernels.swiglu import swiglu as swiglu_kernel
@@ -134,26 +134,21 @@ MOE_DECODE_MAX_TOKENS = 2
 MOE_DECODE_TILES = DecodeTiles()
 
 
-def moe_decode(x, weights, ids, experts, shared, layer, backend: str, norm=None):
+def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
     """x [T, D] (T <= ``MOE_DECODE_MAX_TOKENS``) through its routed experts (weights / ids [T, k]) and
     the shared experts, one layer of the stacks ``experts`` (w_gate, w_up [L, E, D, I], w_down [L, E, I, D])
-    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]. ``norm``
-    = (every layer's RMSNorm weights [L, D], each row's 1 / rms f32[T]): x is raw and normalized inside."""
+    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]."""
     if backend == "reference":
-        return moe_decode_reference(x, weights, ids, *experts, layer, shared, norm)
-    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, norm, tiles=MOE_DECODE_TILES,
+        return moe_decode_reference(x, weights, ids, *experts, layer, shared)
+    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, tiles=MOE_DECODE_TILES,
                              interpret=backend == "interpret")
 
 
-def moe_route(logits, bias, spec: RoutingSpec, backend: str, squares=None, row_rms=None):
-    """logits f32[T, E], bias f32[E] | None -> (weights f32[T, k], ids i32[T, k]). Given the router launch's
-    split-K partials (logits f32[S, T, E] before the rows' 1 / rms, squares f32[S, T], row_rms = (depth,
-    eps)) it sums and scales them itself and also returns each row's 1 / rms f32[T]."""
+def moe_route(logits, bias, spec: RoutingSpec, backend: str):
+    """logits f32[T, E], bias f32[E] | None -> (weights f32[T, k], ids i32[T, k])."""
     if backend == "reference":
-        if squares is not None:
-            return route_from_partials_reference(logits, squares, bias, spec, row_rms)
         return route_reference(logits, bias, spec)
-    return route(logits, bias, spec, squares=squares, row_rms=row_rms, interpret=backend == "interpret")
+    return route(logits, bias, spec, interpret=backend == "interpret")
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str, layer=None,

@@ -69,9 +69,9 @@ class MoE(nnx.Module):
         """x [T, D] -> (weights f32[T, k], expert ids i32[T, k])."""
         return self._route_logits(jnp.dot(x.astype(jnp.float32), self.router[...]), backend)
 
-    def _route_logits(self, logits, backend: str, **partials):
+    def _route_logits(self, logits, backend: str):
         bias = None if self.score_bias is None else self.score_bias[...]
-        return dispatch.moe_route(logits, bias, self.spec, backend, **partials)
+        return dispatch.moe_route(logits, bias, self.spec, backend)
 
     def __call__(self, x, *, backend: str, stacked_experts=None, stacked_shared=None):
         """x [T, D] -> [T, D] (a partial sum over tensor ranks). ``stacked_experts`` = (w_gate, w_up,
@@ -93,25 +93,15 @@ class MoE(nnx.Module):
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
         one stacked-GEMV launch normalizes x and computes the f32 router logits and the shared experts'
         gate and up products; the routed experts then take the normed rows. At the smallest steps
-        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch,
-        and the router launch's split-K partials go to the routing kernel as they are: it sums them,
-        scales the logits by each row's 1 / rms and hands that on, and the experts' launch normalizes
-        the raw rows as it loads them (four XLA fusions a layer fewer: the sums, the scaling, the rows)."""
+        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch."""
         one_launch = x.shape[0] <= dispatch.MOE_DECODE_MAX_TOKENS and axis_size(EXPERT) == 1
-        if one_launch:
-            logits, squares = dispatch.stacked_matmuls(x, (stack.router,), stack.index, backend,
-                                                       norm=(stack.mlp_norm, eps), partials=True)
-            splits = squares.shape[0] // x.shape[0]
-            weights, ids, row_scale = self._route_logits(
-                logits.reshape(splits, x.shape[0], -1), backend, squares=squares.reshape(splits, -1),
-                row_rms=(x.shape[-1], eps))
-            shared_experts = stack.mlp if self.shared is not None else None
-            return dispatch.moe_decode(x, weights, ids, stack.experts, shared_experts, stack.index, backend,
-                                       norm=(stack.mlp_norm, row_scale))
-        shared = stack.mlp[:2] if self.shared is not None else ()
+        shared = stack.mlp[:2] if self.shared is not None and not one_launch else ()
         logits, *gate_up, normed = dispatch.stacked_matmuls(x, (stack.router, *shared), stack.index, backend,
                                                             norm=(stack.mlp_norm, eps))
         weights, ids = self._route_logits(logits, backend)
+        if one_launch:  # routed and shared experts together (pallas_kernels/moe_decode.py)
+            shared_experts = stack.mlp if self.shared is not None else None
+            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend)
         out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
                                    expert_dispatch=self.expert_dispatch)
         if self.shared is not None:

@@ -420,31 +420,6 @@ def test_moe_decode_gpu(tokens):
     up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
     want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
     assert _rel(got, want) < 2e-2
-    # raw rows normalized in the kernel (norm=(g, 1 / rms)): exactly the launch over the normed rows
-    from pallas_kernels.common import normed_rows
-
-    g = jnp.asarray(1 + rng.standard_normal((2, 2048)) * 0.1, jnp.bfloat16)
-    row_scale = 1 / jnp.sqrt(jnp.mean(x.astype(jnp.float32) ** 2, axis=-1) + 1e-6)
-    fused = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared, (g, row_scale))
-    normed = moe_decode(normed_rows(x, g[1], row_scale), weights, ids, *experts, jnp.int32(1), shared)
-    np.testing.assert_array_equal(np.asarray(fused, np.float32), np.asarray(normed, np.float32))
-
-
-def test_route_from_router_partials_gpu():
-    """Batch 1's router launch finished in the routing kernel: V2-Lite's 64 experts (softmax top-6) and
-    V3's 256 (sigmoid, groups, bias) over 32 split-K partials and their sums of squares."""
-    from pallas_kernels.moe_routing import RoutingSpec, route, route_from_partials_reference
-
-    rng = np.random.default_rng(3)
-    for experts, spec in ((64, RoutingSpec(6)), (256, RoutingSpec(8, "sigmoid", "noaux_tc", 8, 4, True, 2.5))):
-        logits = jnp.asarray(rng.standard_normal((32, 2, experts)) * 0.3, jnp.float32)
-        squares = jnp.asarray(rng.random((32, 2)) * 64, jnp.float32)
-        bias = jnp.asarray(rng.standard_normal(experts) * 0.1, jnp.float32)
-        got = route(logits, bias, spec, squares=squares, row_rms=(2048, 1e-6))
-        want = route_from_partials_reference(logits, squares, bias, spec, (2048, 1e-6))
-        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6)
 
 
 def test_write_latents_gpu():

@@ -83,9 +83,7 @@ def test_paged_decode_kernels_match_reference(q_lora_rank):
     (XLA's projections, over STACKED_GEMV_MAX_TOKENS) and steps of 3 and 1 tokens (each sublayer's
     RMSNorm fused into one stacked-GEMV launch with q / q_a and kv_a, or with the router and the
     shared experts' gate and up; the 1-token step runs routed and shared experts in one launch,
-    pallas_kernels/moe_decode.py, the router's split-K partials finished in the routing kernel and the
-    rows normalized in the experts' launch), with a q LoRA (q_b's launch fuses q_a_norm) and without
-    (q_proj)."""
+    pallas_kernels/moe_decode.py), with a q LoRA (q_b's launch fuses q_a_norm) and without (q_proj)."""
     import dataclasses
 
     from dsjax.config import ModelConfig

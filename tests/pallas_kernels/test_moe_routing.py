@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_routing import RoutingSpec, route, route_from_partials_reference, route_reference
+from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
 from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 
@@ -54,28 +54,6 @@ def test_route_continuous_logits_bf16_and_default_blocks():
     np.testing.assert_allclose(weights, ref_weights, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("num_experts,spec,with_bias", [SPECS[0], SPECS[4], SPECS[2]],
-                         ids=["greedy", "noaux_tc", "group_limited"])
-def test_route_sums_and_scales_split_k_partials(num_experts, spec, with_bias):
-    """The router launch's split-K partials (logits of x * g before each row's 1 / rms, and the rows'
-    partial sums of squares) summed and scaled in the kernel: the same picks and weights as the
-    reference over the summed logits, and each row's 1 / rms handed on."""
-    rng = np.random.default_rng(num_experts)
-    splits, tokens, depth, eps = 4, 19, 96, 1e-6
-    logits = jnp.asarray(rng.standard_normal((splits, tokens, num_experts)), jnp.float32)
-    squares = jnp.asarray(rng.random((splits, tokens)) * depth / splits, jnp.float32)
-    bias = jnp.asarray(rng.standard_normal(num_experts) * 0.1, jnp.float32) if with_bias else None
-    got, want = run_fast(lambda l, q, b: (
-        route(l, b, spec, squares=q, row_rms=(depth, eps), block_tokens=8, interpret=True),
-        route_from_partials_reference(l, q, b, spec, (depth, eps))), logits, squares, bias)
-    np.testing.assert_array_equal(got[1], want[1])
-    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
-    np.testing.assert_allclose(want[2], jax.lax.rsqrt(squares.sum(0) / depth + eps), rtol=1e-6)
-    with pytest.raises(ValueError, match=r"split-K logits \[S, T, E\] need squares \[S, T\]"):
-        route(logits, bias, spec, squares=squares[:, :5], row_rms=(depth, eps), interpret=True)
-
-
 def test_route_rejects_bad_spec():
     with pytest.raises(ValueError, match="n_group=3 must divide num_experts=16"):
         route(jnp.zeros((4, 16)), None, RoutingSpec(2, "sigmoid", "noaux_tc", 3, 1), interpret=True)
@@ -92,9 +70,4 @@ def test_route_lowers_to_triton_for_h200(num_experts, spec):
     args = (jax.ShapeDtypeStruct((8192, num_experts), jnp.float32),
             jax.ShapeDtypeStruct((num_experts,), jnp.float32))
     hlo = lower_for_h200(lambda logits, bias: route(logits, bias, spec), *args)
-    assert hlo.count("__gpu$xla.gpu.triton") == 1
-    # batch 1's router launch finished in the kernel: 32 split-K partials and their sums of squares
-    partials = (jax.ShapeDtypeStruct((32, 1, num_experts), jnp.float32), jax.ShapeDtypeStruct((32, 1), jnp.float32),
-                args[1])
-    hlo = lower_for_h200(lambda l, q, b: route(l, b, spec, squares=q, row_rms=(2048, 1e-6)), *partials)
     assert hlo.count("__gpu$xla.gpu.triton") == 1
