@@ -10,6 +10,7 @@ an int8 cache.
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
     python -m benchmarks.mla_8bit_probe --timings           # variant timings only (a minute)
+    python -m benchmarks.mla_8bit_probe --split-q           # split queries: errors and timings (two minutes)
 """
 import collections
 import glob
@@ -107,6 +108,12 @@ DENOMINATOR_VARIANTS = [dict(compute_wgs=wgs, num_splits=2, defer_sum=defer_sum)
                         for defer_sum in (False, True)]
 
 
+# The scores on the 8-bit tensor cores against split queries (split_q) beside the default, over 2, 1
+# and 4 compute warpgroups (every one then computes the whole scores; no exchange):
+SPLIT_Q_VARIANTS = [dict(num_splits=2, compute_wgs=wgs, split_q=split_q) for wgs in (2, 1, 4)
+                    for split_q in (False, True)]
+
+
 def timings(inputs, variants):
     """Device time of each variant (keyword arguments of the kernel) over an int8 and an fp8 cache."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
@@ -122,6 +129,29 @@ def timings(inputs, variants):
             except Exception as e:
                 print(f"{label}: failed {type(e).__name__}: {e}"[:300])
             sys.stdout.flush()
+
+
+def variant_errors(variants):
+    """Per-query relative error against the reference of each variant (keyword arguments of the kernel;
+    partials merged), over contexts that leave splits empty, short and uneven."""
+    lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
+    rng = np.random.default_rng(1)
+    q, qpe, ckv, kpe, tables, lens = paged(rng, len(lengths), 16, lengths)
+    for kind in ("int8", "fp8"):
+        stored, scale = quantize_latent(ckv, kind, 1)
+        want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
+        for v in variants:
+            out = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32), lens,
+                                          0.1, **v)
+            if v.get("num_splits", 1) > 1:
+                m, l, acc = out
+                out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1)
+            else:
+                out = out.swapaxes(1, 2)
+            got = np.asarray(out, np.float32)
+            per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
+            print(kind, v, "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
+        sys.stdout.flush()
 
 
 def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
@@ -191,6 +221,9 @@ def main():
         return trace_default(inputs, out)
     if "--timings" in sys.argv[1:]:  # the scale-placement and denominator variants alone
         return timings(inputs, DENOMINATOR_VARIANTS)
+    if "--split-q" in sys.argv[1:]:  # split queries on the 8-bit tensor cores: errors (one split too), timings
+        variant_errors(SPLIT_Q_VARIANTS + [dict(num_splits=1, split_q=True)])
+        return timings(inputs, SPLIT_Q_VARIANTS)
     errors([2, 1, 4])
     # the rows dequantized beside them (four warpgroups and the chunk / splits sweep: sessions 21-23,
     # docs/kv_memory.md)
