@@ -108,10 +108,11 @@ DENOMINATOR_VARIANTS = [dict(compute_wgs=wgs, num_splits=2, defer_sum=defer_sum)
                         for defer_sum in (False, True)]
 
 
-# The scores on the 8-bit tensor cores against split queries (split_q) beside the default, over 2, 1
-# and 4 compute warpgroups (every one then computes the whole scores; no exchange):
-SPLIT_Q_VARIANTS = [dict(num_splits=2, compute_wgs=wgs, split_q=split_q) for wgs in (2, 1, 4)
-                    for split_q in (False, True)]
+# The scores on the 8-bit tensor cores against split queries (split_q "whole": each compute warpgroup
+# all of them, no exchange; "parts": its columns' part, exchanged) beside the default, over 2, 1 and 4
+# compute warpgroups:
+SPLIT_Q_VARIANTS = [dict(num_splits=2, compute_wgs=wgs, split_q=mode) for wgs in (2, 1, 4)
+                    for mode in ("off", "whole", "parts") if wgs > 1 or mode != "parts"]
 
 
 def timings(inputs, variants):
@@ -222,7 +223,7 @@ def main():
     if "--timings" in sys.argv[1:]:  # the scale-placement and denominator variants alone
         return timings(inputs, DENOMINATOR_VARIANTS)
     if "--split-q" in sys.argv[1:]:  # split queries on the 8-bit tensor cores: errors (one split too), timings
-        variant_errors(SPLIT_Q_VARIANTS + [dict(num_splits=1, split_q=True)])
+        variant_errors(SPLIT_Q_VARIANTS + [dict(num_splits=1, split_q=mode) for mode in ("whole", "parts")])
         return timings(inputs, SPLIT_Q_VARIANTS)
     errors([2, 1, 4])
     # the rows dequantized beside them (four warpgroups and the chunk / splits sweep: sessions 21-23,

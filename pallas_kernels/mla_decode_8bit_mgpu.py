@@ -74,11 +74,12 @@ phases sets it, and overlapping steps needs a second converted slab that shared 
 ``split_q`` (built 2026-12-02, lowered for the H200, not yet run on it) shortens that chain instead: the
 scores go to the 8-bit tensor cores, the slab against two 8-bit parts of the queries (``split_queries``:
 q ~= hi * s_hi + lo * s_lo a (token, head), about as exact as bf16 queries), both operands straight from
-shared memory, so no score waits for a conversion; each compute warpgroup computes all of S^T (36
-wgmmas; with the value products ~1.4 us of an SM's tensor time a step at wgmma_probe's ~13.5 ns, where
-splitting the columns again would take ~0.9 plus the exchange) while its threads convert its own
-columns for the value product, and with no score parts to exchange the warpgroups no longer run in
-lockstep (and the freed 16 KB make a third ring stage fit). ``python -m benchmarks.mla_8bit_probe --split-q`` measures it.
+shared memory, so no score waits for a conversion. With "whole" each compute warpgroup computes all
+of S^T (36 wgmmas; with the value products ~1.4 us of an SM's tensor time a step at wgmma_probe's
+~13.5 ns) while its threads convert its own columns for the value product, and with no score parts to
+exchange the warpgroups no longer run in lockstep (and the freed 16 KB make a third ring stage fit);
+with "parts" each computes its columns' part (~0.9 us in all) and they exchange as before.
+``python -m benchmarks.mla_8bit_probe --split-q`` measures them.
 """
 
 from __future__ import annotations
@@ -125,10 +126,11 @@ AUTO_DTYPES = ("int8", "float8_e4m3fn")
 # `python -m benchmarks.mla_8bit_probe --timings`): two compute warpgroups int8 99.6 -> 94.2 us, fp8
 # 95.5 -> 90.4; one warpgroup int8 151.4 -> 146.8, fp8 146.5 -> 141.0.
 DEFER_SUM = True
-# The scores on the 8-bit tensor cores against two 8-bit parts of the queries (True), or the rows
-# converted to 16 bits for them (False). Built 2026-12-02 (session 27) and lowered for the H200; not yet
-# run on it, so not the default.
-SPLIT_Q = False
+# The scores on the 8-bit tensor cores against two 8-bit parts of the queries, every compute warpgroup all
+# of them ("whole") or its columns' part ("parts"), or from the rows converted to 16 bits ("off"). Built
+# 2026-12-02 (session 27) and lowered for the H200; not yet run on it, so not the default.
+SPLIT_Q_MODES = ("off", "whole", "parts")
+SPLIT_Q = "off"
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -171,15 +173,15 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
     return None
 
 
-def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32, split_q: bool = False) -> int:
+def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32, split_q: str = "off") -> int:
     """Shared memory the kernel asks for: queries (split_q: two 8-bit parts and their scales), the ring
     (8-bit rows, k_pe, the scales), the converted slab (after the loop: the output staging), P, reduction
-    scratch and (unless split_q) the score parts of each compute warpgroup, some slack."""
+    scratch and (unless split_q is "whole") the score parts of each compute warpgroup, some slack."""
     ring = BLOCK_K * (LATENT_DIM + 4 + ROPE_DIM * 2)
     staging = max(BLOCK_K * LATENT_DIM * 2, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize)
-    per_wg = num_heads * BLOCK_K * (2 + (0 if split_q else 2 * 4)) + _REDUCE_SCRATCH * 4
+    per_wg = num_heads * BLOCK_K * (2 + (0 if split_q == "whole" else 2 * 4)) + _REDUCE_SCRATCH * 4
     return (num_heads * (LATENT_DIM + ROPE_DIM) * 2 + stages * ring + staging + compute_wgs * per_wg
-            + 2 * num_heads * 4 * (2 if split_q else 1) + _SMEM_SLACK)
+            + 2 * num_heads * 4 * (1 if split_q == "off" else 2) + _SMEM_SLACK)
 
 
 def _column_reduce(op: str, x, scratch):
@@ -204,9 +206,11 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool, split_q: bool):
-    # split_q: q_ref holds the queries as two 8-bit parts [T, 2, H, 512] and refs[0] their scales f32[T, 2, H]
-    qs_ref, refs = (refs[0], refs[1:]) if split_q else (None, refs)
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool, split_q: str):
+    # split_q "whole" / "parts": q_ref holds the queries as two 8-bit parts [T, 2, H, 512] and refs[0]
+    # their scales f32[T, 2, H]
+    whole = split_q == "whole"
+    qs_ref, refs = (refs[0], refs[1:]) if split_q != "off" else (None, refs)
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -238,13 +242,13 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         plgpu.set_max_registers(_COMPUTE_REGISTERS[compute_wgs], action="increase")
         if w == 0:
             plgpu.copy_gmem_to_smem(qpe_ref.at[t], sm["qpe"], sm["q_bars"].at[1])
-            if split_q:  # (a copy of each part: TMA strides at most 5 dimensions)
+            if split_q != "off":  # (a copy of each part: TMA strides at most 5 dimensions)
                 for part in range(2):
                     plgpu.copy_gmem_to_smem(q_ref.at[t, part], q_smem.at[part], sm["q_bars"].at[(0, 3)[part]])
                 plgpu.copy_gmem_to_smem(qs_ref.at[t], sm["qs"], sm["q_bars"].at[2])
             else:
                 plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
-        for b in range(4 if split_q else 2):
+        for b in range(2 if split_q == "off" else 4):
             plgpu.barrier_wait(sm["q_bars"].at[b])
 
         def step(i, carry):
@@ -271,24 +275,29 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                     plgpu.wgmma(rope_ref, sm["kpe"].at[slot], sm["qpe"].transpose((1, 0)))
                 return s_ref[...] if dequantize or not rope else (s_ref[...], rope_ref[...])
 
-            def split_q_scores(hi_ref, lo_ref, rope_ref):
-                """S^T over all 512 columns on the 8-bit tensor cores (the slab times each 8-bit part of
-                the queries, both operands in shared memory) and the rope part, issued first; this
-                warpgroup's columns converted into the 16-bit slab while they run."""
-                plgpu.wgmma(hi_ref, sm["c8"].at[slot], q_smem.at[0].transpose((1, 0)))
-                plgpu.wgmma(lo_ref, sm["c8"].at[slot], q_smem.at[1].transpose((1, 0)))
-                plgpu.wgmma(rope_ref, sm["kpe"].at[slot], sm["qpe"].transpose((1, 0)))
+            def split_q_scores(hi_ref, lo_ref, rope_ref=None):
+                """S^T on the 8-bit tensor cores (the slab times each 8-bit part of the queries, both
+                operands in shared memory; "whole": all 512 columns, "parts": this warpgroup's) and the
+                rope part, issued first; this warpgroup's columns converted into the 16-bit slab while
+                they run."""
+                cols = slice(None) if whole else own
+                for part, part_ref in enumerate((hi_ref, lo_ref)):
+                    plgpu.wgmma(part_ref, sm["c8"].at[slot, :, cols], q_smem.at[part, :, cols].transpose((1, 0)))
+                if rope_ref is not None:
+                    plgpu.wgmma(rope_ref, sm["kpe"].at[slot], sm["qpe"].transpose((1, 0)))
                 for c in range(width // chunk):
                     cols = pl.ds(first + c * chunk, chunk)
                     keys = plgpu.load(sm["c8"].at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
                     kbf_smem[:, cols] = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)
-                return hi_ref[...], lo_ref[...], rope_ref[...]
+                return tuple(r[...] for r in (hi_ref, lo_ref, rope_ref) if r is not None)
 
             with jax.named_scope("scores"):  # S^T [64, H], or this warpgroup's part of it
                 acc_type = plgpu.ACC((BLOCK_K, num_heads), f32)
-                if split_q:  # the parts' integer (int8) or f32 (e4m3) sums, x each head's part scale
+                if split_q != "off":  # the parts' integer (int8) or f32 (e4m3) sums, x each head's part scale
                     part_type = plgpu.ACC((BLOCK_K, num_heads), jnp.int32 if integer_cache else f32)
-                    hi, lo, s_rope = pl.run_scoped(split_q_scores, part_type, part_type, acc_type)
+                    hi, lo, *s_rope = pl.run_scoped(split_q_scores, part_type, part_type,
+                                                    *([acc_type] if whole or rope else []))
+                    s_rope = s_rope[0] if s_rope else None
                     head_scale = lambda p: lax.broadcast_in_dim(
                         plgpu.load(sm["qs"].at[p], layout=column), (BLOCK_K, num_heads), [1])
                     s = hi.astype(f32) * head_scale(0) + lo.astype(f32) * head_scale(1)
@@ -301,10 +310,10 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                 if not dequantize:
                     kscale = plgpu.load(ks_smem.at[slot], layout=row)
                     s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
-                    if rope or split_q:
+                    if rope or whole:
                         s = s + s_rope
             plgpu.barrier_arrive(sm["consumed_bars"].at[slot])  # the slot's 8-bit rows (k_pe) and scales are read
-            if compute_wgs > 1 and not split_q:  # (split_q: every warpgroup has the whole scores)
+            if compute_wgs > 1 and not whole:  # (split_q "whole": every warpgroup has all of the scores)
                 with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
                     parity = lax.rem(i, jnp.int32(2))
                     sm["sx"].at[parity, w][...] = s
@@ -385,7 +394,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
                          dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
-                         defer_sum: bool = DEFER_SUM, split_q: bool = SPLIT_Q, profile_dir: str | None = None):
+                         defer_sum: bool = DEFER_SUM, split_q: str = SPLIT_Q, profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
@@ -396,10 +405,11 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
     tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
-    ``split_q``: the scores on the 8-bit tensor cores, the queries split into two 8-bit parts with a scale
-    a (token, head) each (``split_queries``), the slab and both parts read from shared memory; every
-    compute warpgroup computes all of S^T (no exchange) while it converts its own columns into the
-    16-bit slab for the values (with ``dequantize`` off);
+    ``split_q`` (one of ``SPLIT_Q_MODES``): "off", the scores from the converted rows; "whole" / "parts",
+    the scores on the 8-bit tensor cores, the queries split into two 8-bit parts with a scale a (token,
+    head) each (``split_queries``), the slab and both parts read from shared memory, each compute
+    warpgroup computing all of S^T (no exchange; "whole") or its columns' part (exchanged; "parts")
+    while it converts its own columns into the 16-bit slab for the values (with ``dequantize`` off);
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON)."""
     if dequantize is None:
@@ -421,8 +431,10 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         raise ValueError(f"chunk={chunk} is not a multiple of 128 (an 8-bit row tile) dividing the "
                          f"{width} latent columns of a compute warpgroup")
     out_dtype = bf16 if num_splits == 1 else f32
-    if split_q and dequantize:
-        raise ValueError("split_q=True puts the scale on the scores; it takes dequantize=False")
+    if split_q not in SPLIT_Q_MODES:
+        raise ValueError(f"split_q={split_q!r} is not one of {SPLIT_Q_MODES}")
+    if split_q != "off" and dequantize:
+        raise ValueError(f"split_q={split_q!r} puts the scale on the scores; it takes dequantize=False")
     need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype, split_q)
     if stages is None:
         stages = max([n for n in range(1, MAX_STAGES + 1) if need(n) <= SMEM_BYTES], default=1)
@@ -432,7 +444,8 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     # (scratch by name: the keys' sorted order, a pytree's, is the order shared memory is laid out in)
     sm = dict(
         # q_latent: B of the scores, read transposed (split_q: its two 8-bit parts)
-        q=_smem((2, num_heads, LATENT_DIM), c_kv.dtype) if split_q else _smem((num_heads, LATENT_DIM), dot_dtype),
+        q=(_smem((num_heads, LATENT_DIM), dot_dtype) if split_q == "off"
+           else _smem((2, num_heads, LATENT_DIM), c_kv.dtype)),
         qpe=_smem((num_heads, ROPE_DIM), bf16),
         c8=_smem((stages, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit ring
         ks=plgpu.SMEM((stages, BLOCK_K), f32),  # scales
@@ -442,7 +455,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         rows=plgpu.SMEM((2, num_heads), f32),  # m, l of a split
         ckv_bars=plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
         ks_bars=plgpu.Barrier(num_barriers=stages),  # scales landed
-        q_bars=plgpu.Barrier(num_barriers=4 if split_q else 2),  # queries (their parts, their scales) landed
+        q_bars=plgpu.Barrier(num_barriers=2 if split_q == "off" else 4),  # queries (their parts, their scales) landed
         consumed_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),  # slot read by every compute
         # warpgroup
         done_bar=plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slab)
@@ -451,9 +464,9 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         kpe=_smem((stages, BLOCK_K, ROPE_DIM), bf16),
         kpe_bars=plgpu.Barrier(num_barriers=stages),  # k_pe landed
     )
-    if split_q:
+    if split_q != "off":
         sm["qs"] = plgpu.SMEM((2, num_heads), f32)  # each query part's scale a head
-    else:
+    if split_q != "whole":
         sm["sx"] = _smem((2, compute_wgs, BLOCK_K, num_heads), f32)  # score parts, by step parity
         sm["sx_bars"] = plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2)  # score parts written, by parity
     if num_splits == 1:
@@ -463,7 +476,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
                     jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
                     jax.ShapeDtypeStruct((num_tokens, num_splits, latent_dim, num_heads), f32))
 
-    if split_q:  # the query parts go where q_latent goes, their scales after the cache's
+    if split_q != "off":  # the query parts go where q_latent goes, their scales after the cache's
         parts, part_scales = split_queries(q_latent, c_kv.dtype)
         queries, query_scales = (parts,), (part_scales,)
     else:

@@ -126,8 +126,9 @@ def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, co
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    variants = ([(d, w, True, False) for d, w in itertools.product((False, True), compute_wgs)]
-                + [(False, 2, False, False)] + [(False, w, True, True) for w in compute_wgs])
+    variants = ([(d, w, True, "off") for d, w in itertools.product((False, True), compute_wgs)]
+                + [(False, 2, False, "off")]
+                + [(False, w, True, mode) for w in compute_wgs for mode in ("whole", "parts")])
     for dequantize, wgs, defer_sum, split_q in variants:
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),

@@ -222,9 +222,10 @@ def _8bit_args(kind, heads=16, tokens=4, width=16):
 
 
 @pytest.mark.parametrize("kind, num_splits, compute_wgs, defer_sum, split_q", [
-    ("int8", 1, 2, False, False), ("fp8", 4, 2, False, False), ("int8", 4, 4, False, False),
-    ("fp8", 1, 1, False, False), ("int8", 2, 2, True, False), ("fp8", 1, 1, True, False),
-    ("int8", 2, 2, True, True), ("fp8", 1, 2, True, True), ("int8", 1, 1, False, True), ("fp8", 4, 4, True, True)])
+    ("int8", 1, 2, False, "off"), ("fp8", 4, 2, False, "off"), ("int8", 4, 4, False, "off"),
+    ("fp8", 1, 1, False, "off"), ("int8", 2, 2, True, "off"), ("fp8", 1, 1, True, "off"),
+    ("int8", 2, 2, True, "whole"), ("fp8", 1, 2, True, "whole"), ("int8", 1, 1, False, "whole"),
+    ("fp8", 4, 4, True, "whole"), ("int8", 2, 2, True, "parts"), ("fp8", 1, 4, True, "parts")])
 def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs, defer_sum, split_q):
     """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
     transposed, the score parts' exchange, the column softmax, the deferred denominators, shared memory;
@@ -245,7 +246,8 @@ def test_mosaic_8bit_decode_refuses_bad_options():
                              ({"chunk": 64}, "chunk=64 is not a multiple of 128"),
                              ({"stages": 4}, "stages=4 with compute_wgs=2 and 16 heads needs"),
                              ({"compute_wgs": 4, "heads": 32}, "stages=1 with compute_wgs=4 and 32"),
-                             ({"split_q": True, "dequantize": True}, "split_q=True puts the scale on the scores")):
+                             ({"split_q": "whole", "dequantize": True}, "split_q='whole' puts the scale on the"),
+                             ({"split_q": True}, r"split_q=True is not one of \('off', 'whole', 'parts'\)")):
         heads = options.pop("heads", 16)
         with pytest.raises(ValueError, match=message):
             jax.eval_shape(lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=2, **options),
