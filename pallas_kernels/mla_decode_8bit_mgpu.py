@@ -241,13 +241,13 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         reduce_smem = sm["reduce"][w]
         plgpu.set_max_registers(_COMPUTE_REGISTERS[compute_wgs], action="increase")
         if w == 0:
-            plgpu.copy_gmem_to_smem(qpe_ref.at[t], sm["qpe"], sm["q_bars"].at[1])
-            if split_q != "off":  # (a copy of each part: TMA strides at most 5 dimensions)
+            if split_q == "off":
+                plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
+            else:  # (a copy of each part: TMA strides at most 5 dimensions)
                 for part in range(2):
                     plgpu.copy_gmem_to_smem(q_ref.at[t, part], q_smem.at[part], sm["q_bars"].at[(0, 3)[part]])
                 plgpu.copy_gmem_to_smem(qs_ref.at[t], sm["qs"], sm["q_bars"].at[2])
-            else:
-                plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
+            plgpu.copy_gmem_to_smem(qpe_ref.at[t], sm["qpe"], sm["q_bars"].at[1])
         for b in range(2 if split_q == "off" else 4):
             plgpu.barrier_wait(sm["q_bars"].at[b])
 
