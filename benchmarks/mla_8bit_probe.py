@@ -43,12 +43,30 @@ def paged(rng, batch, heads, lengths, bs=64):
         jnp.asarray(lengths, jnp.int32)
 
 
+# Contexts that leave a split empty, short or uneven: the probe's error checks run over these.
+ERROR_LENGTHS = [1, 63, 64, 65, 128, 700, 1500, 2048]
+
+
+def _decode(q, qpe, stored, kpe, scale, tables, lens, **options):
+    """The kernel's output [T, H, C] f32 (partials merged) for the keyword ``options``."""
+    out = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(len(lens), dtype=jnp.int32), lens,
+                                  0.1, **options)
+    if options.get("num_splits", 1) > 1:
+        m, l, acc = out
+        return np.asarray(combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1), np.float32)
+    return np.asarray(out.swapaxes(1, 2), np.float32)
+
+
+def _per_query(got, want) -> str:
+    """Each query's relative error, as the probe prints it."""
+    return " ".join(f"{np.linalg.norm(g - w) / np.linalg.norm(w):.3g}" for g, w in zip(got, want))
+
+
 def errors(compute_wgs):
     """Per-query relative error against the reference, each part of the scores switched off in turn, for
     each count of compute warpgroups in ``compute_wgs`` (the other parts with the first of them)."""
-    lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
     rng = np.random.default_rng(0)
-    q0, qpe0, ckv, kpe, tables, lens = paged(rng, len(lengths), 16, lengths)
+    q0, qpe0, ckv, kpe, tables, lens = paged(rng, len(ERROR_LENGTHS), 16, ERROR_LENGTHS)
     zero = lambda a: jnp.zeros_like(a)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(ckv, kind, 1)
@@ -58,13 +76,10 @@ def errors(compute_wgs):
             for dequantize, wgs, defer_sum in [(d, n, f) for d in (False, True)
                                                for n in (compute_wgs if name == "both" else compute_wgs[:1])
                                                for f in (False, True)]:
-                got = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32),
-                                              lens, 0.1, num_splits=1, dequantize=dequantize, compute_wgs=wgs,
-                                              defer_sum=defer_sum)
-                got = np.asarray(got.swapaxes(1, 2), np.float32)
-                per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
+                got = _decode(q, qpe, stored, kpe, scale, tables, lens, num_splits=1, dequantize=dequantize,
+                              compute_wgs=wgs, defer_sum=defer_sum)
                 print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}", f"defer_sum {defer_sum}",
-                      "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
+                      "per-query rel err", _per_query(got, want))
         sys.stdout.flush()
 
 
@@ -135,23 +150,14 @@ def timings(inputs, variants):
 def variant_errors(variants):
     """Per-query relative error against the reference of each variant (keyword arguments of the kernel;
     partials merged), over contexts that leave splits empty, short and uneven."""
-    lengths = [1, 63, 64, 65, 128, 700, 1500, 2048]
     rng = np.random.default_rng(1)
-    q, qpe, ckv, kpe, tables, lens = paged(rng, len(lengths), 16, lengths)
+    q, qpe, ckv, kpe, tables, lens = paged(rng, len(ERROR_LENGTHS), 16, ERROR_LENGTHS)
     for kind in ("int8", "fp8"):
         stored, scale = quantize_latent(ckv, kind, 1)
         want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
         for v in variants:
-            out = k8.mla_decode_8bit_mgpu(q, qpe, stored, kpe, scale, tables, jnp.arange(8, dtype=jnp.int32), lens,
-                                          0.1, **v)
-            if v.get("num_splits", 1) > 1:
-                m, l, acc = out
-                out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1)
-            else:
-                out = out.swapaxes(1, 2)
-            got = np.asarray(out, np.float32)
-            per_q = [float(np.linalg.norm(got[b] - want[b]) / np.linalg.norm(want[b])) for b in range(len(lengths))]
-            print(kind, v, "per-query rel err", " ".join(f"{e:.3g}" for e in per_q))
+            got = _decode(q, qpe, stored, kpe, scale, tables, lens, **v)
+            print(kind, v, "per-query rel err", _per_query(got, want))
         sys.stdout.flush()
 
 

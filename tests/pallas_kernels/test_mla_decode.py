@@ -168,7 +168,7 @@ def test_mosaic_decode_lowers_for_hopper(num_splits):
             shape((100, 128, 512), jnp.bfloat16), shape((100, 128, 64), jnp.bfloat16),
             shape((tokens, width), jnp.int32), shape((tokens,), jnp.int32), shape((tokens,), jnp.int32))
     fn = lambda *a: mla_decode_mgpu(*a, 0.07, num_splits=num_splits, tokens_per_split=width * 128 // num_splits)
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = lower_for_h200(fn, *args)
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
 
@@ -182,7 +182,7 @@ def test_mosaic_decode_lowers_for_hopper_8bit_many_heads(kind, num_splits):
     args = _8bit_args(kind, heads=128)
     fn = lambda *a: mla_decode_mgpu(*a[:4], *a[5:], 0.07, c_kv_scale=a[4], num_splits=num_splits,
                                     tokens_per_split=16 * 64 // num_splits)
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = lower_for_h200(fn, *args)
     assert hlo.count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match="a int8 cache takes c_kv_scale"):
         jax.eval_shape(lambda *a: mla_decode_mgpu(*a[:4], *a[5:], 0.07, num_splits=1, tokens_per_split=1024),
@@ -235,7 +235,7 @@ def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs, def
 
     fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits, compute_wgs=compute_wgs,
                                          defer_sum=defer_sum, split_q=split_q)
-    hlo = jax.jit(fn).trace(*_8bit_args(kind)).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = lower_for_h200(fn, *_8bit_args(kind))
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
 

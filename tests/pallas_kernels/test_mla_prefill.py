@@ -59,7 +59,7 @@ def test_mosaic_prefill_lowers_for_hopper(block_kv, stages):
     args = (shape((b, t, h, 128), jnp.bfloat16), shape((b, t, h, 64), jnp.bfloat16),
             shape((b, t, h, 128), jnp.bfloat16), shape((b, t, 64), jnp.bfloat16), shape((b, t, h, 128), jnp.bfloat16))
     fn = lambda *a: mla_prefill_mgpu(*a, 0.07, block_kv=block_kv, stages=stages)
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    hlo = lower_for_h200(fn, *args)
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
 
