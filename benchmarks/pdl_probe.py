@@ -28,7 +28,6 @@ import functools
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks.common import write_probe
+from benchmarks.common import best_seconds, write_probe
 from pallas_kernels.common import lower_for_h200
 
 SLAB = (4, 64, 128)  # a CTA's weights: 64 KiB of bf16
@@ -104,12 +103,7 @@ def measure(variant: str, tiles: int, chain: int, reps: int) -> dict:
     fn = chain_fn(variant, chain, reps)
     got = fn(x0, weights).block_until_ready()  # compiles
     error = float(jnp.abs(got - expected(x0, chain * reps)).max())
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn(x0, weights).block_until_ready()
-        times.append(time.perf_counter() - start)
-    us = min(times) / (chain * reps) * 1e6
+    us = best_seconds(fn, x0, weights) / (chain * reps) * 1e6
     weight_bytes = tiles * np.prod(SLAB) * 2
     return dict(variant=variant, tiles=tiles, weight_mb=weight_bytes / 1e6, us_per_kernel=us,
                 tb_per_s=weight_bytes / us / 1e6, max_error=error, xla_flags=os.environ.get("XLA_FLAGS", ""))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks.common import write_probe
+from benchmarks.common import best_seconds, write_probe
 from benchmarks.pdl_probe import ROWS, stream_step
 from pallas_kernels.common import lower_for_h200
 
@@ -181,15 +180,11 @@ def measure(variant: str, ctas: int, slab_kb: int, phases: int, reps: int, stage
     fn = chain_fn(variant, reps, stages, rows)
     got = fn(x0, weights).block_until_ready()  # compiles
     wrong = int(jnp.sum(got != expected(x0, phases * reps)))
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn(x0, weights).block_until_ready()
-        times.append(time.perf_counter() - start)
-    us = min(times) / (phases * reps) * 1e6
+    us = best_seconds(fn, x0, weights) / (phases * reps) * 1e6
     weight_bytes = 0 if variant == "barrier" else ctas * int(np.prod(slab)) * 2
     return dict(variant=variant, rows="tma" if variant == "launches" else rows, ctas=ctas, slab_kb=slab_kb,
-                phases=phases, stages=stages if variant == "prefetch" else None, weight_mb=weight_bytes / 1e6, us_per_phase=us, tb_per_s=weight_bytes / us / 1e6, wrong_values=wrong)
+                phases=phases, stages=stages if variant == "prefetch" else None, weight_mb=weight_bytes / 1e6,
+                us_per_phase=us, tb_per_s=weight_bytes / us / 1e6, wrong_values=wrong)
 
 
 def lower_only(variant: str, ctas: int, slab_kb: int, phases: int, stages: int, rows: str) -> str:
