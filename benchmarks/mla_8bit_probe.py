@@ -10,7 +10,6 @@ an int8 cache.
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
     python -m benchmarks.mla_8bit_probe --timings           # variant timings only (a minute)
-    python -m benchmarks.mla_8bit_probe --split-q           # split queries: errors and timings (two minutes)
 """
 import collections
 import glob
@@ -123,13 +122,6 @@ DENOMINATOR_VARIANTS = [dict(compute_wgs=wgs, num_splits=2, defer_sum=defer_sum)
                         for defer_sum in (False, True)]
 
 
-# The scores on the 8-bit tensor cores against split queries (split_q "whole": each compute warpgroup
-# all of them, no exchange; "parts": its columns' part, exchanged) beside the default, over 2, 1 and 4
-# compute warpgroups:
-SPLIT_Q_VARIANTS = [dict(num_splits=2, compute_wgs=wgs, split_q=mode) for wgs in (2, 1, 4)
-                    for mode in ("off", "whole", "parts") if wgs > 1 or mode != "parts"]
-
-
 def timings(inputs, variants):
     """Device time of each variant (keyword arguments of the kernel) over an int8 and an fp8 cache."""
     (c, kp, qq, qp, tb, ln), nbytes = inputs
@@ -145,20 +137,6 @@ def timings(inputs, variants):
             except Exception as e:
                 print(f"{label}: failed {type(e).__name__}: {e}"[:300])
             sys.stdout.flush()
-
-
-def variant_errors(variants):
-    """Per-query relative error against the reference of each variant (keyword arguments of the kernel;
-    partials merged), over contexts that leave splits empty, short and uneven."""
-    rng = np.random.default_rng(1)
-    q, qpe, ckv, kpe, tables, lens = paged(rng, len(ERROR_LENGTHS), 16, ERROR_LENGTHS)
-    for kind in ("int8", "fp8"):
-        stored, scale = quantize_latent(ckv, kind, 1)
-        want = np.asarray(mla_decode_reference(f32(q), f32(qpe), stored, f32(kpe), tables, lens, 0.1, scale))
-        for v in variants:
-            got = _decode(q, qpe, stored, kpe, scale, tables, lens, **v)
-            print(kind, v, "per-query rel err", _per_query(got, want))
-        sys.stdout.flush()
 
 
 def many_heads(batch: int = 128, context: int = 2048, num_splits: int = 1):
@@ -228,9 +206,6 @@ def main():
         return trace_default(inputs, out)
     if "--timings" in sys.argv[1:]:  # the scale-placement and denominator variants alone
         return timings(inputs, DENOMINATOR_VARIANTS)
-    if "--split-q" in sys.argv[1:]:  # split queries on the 8-bit tensor cores: errors (one split too), timings
-        variant_errors(SPLIT_Q_VARIANTS + [dict(num_splits=1, split_q=mode) for mode in ("whole", "parts")])
-        return timings(inputs, SPLIT_Q_VARIANTS)
     errors([2, 1, 4])
     # the rows dequantized beside them (four warpgroups and the chunk / splits sweep: sessions 21-23,
     # docs/kv_memory.md)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-ab-curves|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-split-q|mla8-many|wgmma|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-ab-curves|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -75,8 +75,6 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
     timeout 420 python -m benchmarks.mla_8bit_probe 2>&1 | grep -v Warning | grep -v "^  " | tee "$OUT/mla8_probe.txt" | tail -80 ;;
   wgmma)      # one wgmma's cost by N (few-head decode's heads): 1-2 warpgroups an SM, A in smem / registers (a minute)
     timeout 200 python -m benchmarks.wgmma_probe --out "$OUT/wgmma_probe_h200.json" 2>&1 | grep -v Warning | tail -24 ;;
-  mla8-split-q)  # the 8-bit kernel's scores against split queries on the 8-bit tensor cores: errors, timings
-    timeout 300 python -m benchmarks.mla_8bit_probe --split-q 2>&1 | grep -v Warning | tee "$OUT/mla8_split_q.txt" | tail -40 ;;
   mla8-many)  # the many-head Mosaic decode kernel over bf16 / int8 / fp8 caches, traces of bf16 and int8 (a minute)
     timeout 200 python -m benchmarks.mla_8bit_probe --many-heads 2>&1 | grep -v Warning | tee "$OUT/mla8_many.txt" | tail -60 ;;
   parallel)   # 2 GPUs (kind nvidia-h200-x2): one GPU, TP=2, EP=2 at batch 256 / 1024, op profiles at 1024 (~3 min)
@@ -85,6 +83,6 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
     cp benchmarks/results/parallel_h200x2.json "$OUT/" 2>/dev/null || true ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
-  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-split-q|mla8-many|wgmma|parallel|host" >&2
+  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|parallel|host" >&2
      exit 2 ;;
 esac

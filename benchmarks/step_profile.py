@@ -10,6 +10,7 @@ import argparse
 import glob
 import gzip
 import json
+import os
 import time
 from collections import defaultdict
 
@@ -36,6 +37,13 @@ def top_ops(trace_file: str, limit: int = 25) -> list[tuple[str, float, int]]:
         totals[e["name"]] += e["dur"]
         counts[e["name"]] += 1
     return sorted(((n, totals[n], counts[n]) for n in totals), key=lambda x: -x[1])[:limit]
+
+
+def latest_trace(trace_dir: str) -> str | None:
+    """The perfetto trace last written under trace_dir (each profiler run adds a folder of its own, so a
+    reused trace_dir holds earlier runs' traces too), or None."""
+    return max(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True), key=os.path.getmtime,
+               default=None)
 
 
 def busy_us(trace_file: str) -> list[float]:
@@ -114,14 +122,14 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
         for _ in range(steps):
             res = runner.launch(t, inputs)
         jax.block_until_ready((runner.cache, res))
-    files = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
+    trace = latest_trace(trace_dir)
     ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps}
-           for name, us, count in (top_ops(files[0], limit) if files else [])]
+           for name, us, count in (top_ops(trace, limit) if trace else [])]
     return {"device_ms": device_s * 1e3, "prepare_ms": prepare_s * 1e3, "steps": steps,
             # host time inside each launch() of the back-to-back loop above (its share of device_ms)
             "launch_call_ms": launch_s / repeats * 1e3,
-            "busy_ms_per_gpu": [us / steps / 1e3 for us in busy_us(files[0])] if files else None,
-            "trace": files[0] if files else None, "ops": ops}
+            "busy_ms_per_gpu": [us / steps / 1e3 for us in busy_us(trace)] if trace else None,
+            "trace": trace, "ops": ops}
 
 
 if __name__ == "__main__":

@@ -70,16 +70,6 @@ us; Pallas's store barriers left out, no change; each step's softmax with the ne
 products in flight, 95-105 us (spills). A step's wgmma work is ~0.8 us of its ~2.8 (m64n16k16 costs
 ~13.5 ns an SM, ``benchmarks/wgmma_probe.py``) and its bytes 1.28 us at the copy rate: the chain of
 phases sets it, and overlapping steps needs a second converted slab that shared memory cannot hold.
-
-``split_q`` (built 2026-12-02, lowered for the H200, not yet run on it) shortens that chain instead: the
-scores go to the 8-bit tensor cores, the slab against two 8-bit parts of the queries (``split_queries``:
-q ~= hi * s_hi + lo * s_lo a (token, head), about as exact as bf16 queries), both operands straight from
-shared memory, so no score waits for a conversion. With "whole" each compute warpgroup computes all
-of S^T (36 wgmmas; with the value products ~1.4 us of an SM's tensor time a step at wgmma_probe's
-~13.5 ns) while its threads convert its own columns for the value product, and with no score parts to
-exchange the warpgroups no longer run in lockstep (and the freed 16 KB make a third ring stage fit);
-with "parts" each computes its columns' part (~0.9 us in all) and they exchange as before.
-``python -m benchmarks.mla_8bit_probe --split-q`` measures them.
 """
 
 from __future__ import annotations
@@ -126,34 +116,8 @@ AUTO_DTYPES = ("int8", "float8_e4m3fn")
 # `python -m benchmarks.mla_8bit_probe --timings`): two compute warpgroups int8 99.6 -> 94.2 us, fp8
 # 95.5 -> 90.4; one warpgroup int8 151.4 -> 146.8, fp8 146.5 -> 141.0.
 DEFER_SUM = True
-# The scores on the 8-bit tensor cores against two 8-bit parts of the queries, every compute warpgroup all
-# of them ("whole") or its columns' part ("parts"), or from the rows converted to 16 bits ("off"). Built
-# 2026-12-02 (session 27) and lowered for the H200; not yet run on it, so not the default.
-SPLIT_Q_MODES = ("off", "whole", "parts")
-SPLIT_Q = "off"
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
-
-
-def split_queries(q, dtype):
-    """q [T, H, C] -> (parts [T, 2, H, C] in the 8-bit ``dtype``, scales f32[T, 2, H]) with q ~= parts[:, 0]
-    * scales[:, 0] + parts[:, 1] * scales[:, 1] per (token, head): the first part q's 8-bit rounding at a
-    scale of max|q| / the format's largest value, the second that rounding's residual the same way.
-    int8: q to ~2^-15 of max|q|; e4m3 (3 mantissa bits): to ~2^-8 of each value, about bf16's own."""
-    dtype = jnp.dtype(dtype)
-    top = 127.0 if dtype == jnp.int8 else float(jnp.finfo(dtype).max)
-    to_8bit = (lambda v: jnp.clip(jnp.round(v), -127, 127).astype(dtype)) if dtype == jnp.int8 else \
-        (lambda v: v.astype(dtype))
-
-    def part(v):
-        scale = jnp.max(jnp.abs(v), axis=-1) / top
-        scale = jnp.where(scale > 0, scale, 1.0)
-        return to_8bit(v / scale[..., None]), scale
-
-    q = q.astype(jnp.float32)
-    hi, hi_scale = part(q)
-    lo, lo_scale = part(q - hi.astype(jnp.float32) * hi_scale[..., None])
-    return jnp.stack([hi, lo], axis=1), jnp.stack([hi_scale, lo_scale], axis=1)
 
 
 def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype, num_groups: int) -> str | None:
@@ -173,15 +137,15 @@ def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dt
     return None
 
 
-def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32, split_q: str = "off") -> int:
-    """Shared memory the kernel asks for: queries (split_q: two 8-bit parts and their scales), the ring
-    (8-bit rows, k_pe, the scales), the converted slab (after the loop: the output staging), P, reduction
-    scratch and (unless split_q is "whole") the score parts of each compute warpgroup, some slack."""
+def smem_bytes(num_heads: int, stages: int, compute_wgs: int, out_dtype=jnp.float32) -> int:
+    """Shared memory the kernel asks for: queries, the ring (8-bit rows, k_pe, the scales), the converted
+    slab (after the loop: the output staging), P, reduction scratch and the score parts of each compute
+    warpgroup, some slack."""
     ring = BLOCK_K * (LATENT_DIM + 4 + ROPE_DIM * 2)
     staging = max(BLOCK_K * LATENT_DIM * 2, LATENT_DIM * num_heads * jnp.dtype(out_dtype).itemsize)
-    per_wg = num_heads * BLOCK_K * (2 + (0 if split_q == "whole" else 2 * 4)) + _REDUCE_SCRATCH * 4
+    per_wg = num_heads * BLOCK_K * (2 + 2 * 4) + _REDUCE_SCRATCH * 4
     return (num_heads * (LATENT_DIM + ROPE_DIM) * 2 + stages * ring + staging + compute_wgs * per_wg
-            + 2 * num_heads * 4 * (1 if split_q == "off" else 2) + _SMEM_SLACK)
+            + 2 * num_heads * 4 + _SMEM_SLACK)
 
 
 def _column_reduce(op: str, x, scratch):
@@ -206,11 +170,7 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool, split_q: str):
-    # split_q "whole" / "parts": q_ref holds the queries as two 8-bit parts [T, 2, H, 512] and refs[0]
-    # their scales f32[T, 2, H]
-    whole = split_q == "whole"
-    qs_ref, refs = (refs[0], refs[1:]) if split_q != "off" else (None, refs)
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool):
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -224,9 +184,8 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
     num_steps = lax.div(jnp.maximum(end - start, 0) + (BLOCK_K - 1), jnp.int32(BLOCK_K))
     bf16, f32 = jnp.bfloat16, jnp.float32
     q_smem, ks_smem, kbf_smem = sm["q"], sm["ks"], sm["kbf"]  # kbf: the converted slab
-    dot_dtype = kbf_smem.dtype  # the 16-bit operands' type
+    dot_dtype = q_smem.dtype  # the dots' operand type
     upcast_dtype = jnp.float16 if jnp.dtype(c8_ref.dtype) == jnp.float8_e4m3fn else jnp.bfloat16
-    integer_cache = jnp.dtype(c8_ref.dtype) == jnp.int8
     column = plgpu.Layout.WGMMA.reduce(0)  # a [H] vector of per-head statistics
     row = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-token values
     width = LATENT_DIM // compute_wgs  # latent columns a warpgroup converts
@@ -241,15 +200,10 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         reduce_smem = sm["reduce"][w]
         plgpu.set_max_registers(_COMPUTE_REGISTERS[compute_wgs], action="increase")
         if w == 0:
-            if split_q == "off":
-                plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
-            else:  # (a copy of each part: TMA strides at most 5 dimensions)
-                for part in range(2):
-                    plgpu.copy_gmem_to_smem(q_ref.at[t, part], q_smem.at[part], sm["q_bars"].at[(0, 3)[part]])
-                plgpu.copy_gmem_to_smem(qs_ref.at[t], sm["qs"], sm["q_bars"].at[2])
+            plgpu.copy_gmem_to_smem(q_ref.at[t], q_smem, sm["q_bars"].at[0])
             plgpu.copy_gmem_to_smem(qpe_ref.at[t], sm["qpe"], sm["q_bars"].at[1])
-        for b in range(2 if split_q == "off" else 4):
-            plgpu.barrier_wait(sm["q_bars"].at[b])
+        plgpu.barrier_wait(sm["q_bars"].at[0])
+        plgpu.barrier_wait(sm["q_bars"].at[1])
 
         def step(i, carry):
             # O^T f32[width, H] (this warpgroup's rows); m (log2 units) f32[H]; l f32[H], or with
@@ -275,33 +229,9 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                     plgpu.wgmma(rope_ref, sm["kpe"].at[slot], sm["qpe"].transpose((1, 0)))
                 return s_ref[...] if dequantize or not rope else (s_ref[...], rope_ref[...])
 
-            def split_q_scores(hi_ref, lo_ref, rope_ref=None):
-                """S^T on the 8-bit tensor cores (the slab times each 8-bit part of the queries, both
-                operands in shared memory; "whole": all 512 columns, "parts": this warpgroup's) and the
-                rope part, issued first; this warpgroup's columns converted into the 16-bit slab while
-                they run."""
-                cols = slice(None) if whole else own
-                for part, part_ref in enumerate((hi_ref, lo_ref)):
-                    plgpu.wgmma(part_ref, sm["c8"].at[slot, :, cols], q_smem.at[part, :, cols].transpose((1, 0)))
-                if rope_ref is not None:
-                    plgpu.wgmma(rope_ref, sm["kpe"].at[slot], sm["qpe"].transpose((1, 0)))
-                for c in range(width // chunk):
-                    cols = pl.ds(first + c * chunk, chunk)
-                    keys = plgpu.load(sm["c8"].at[slot, :, cols], layout=plgpu.Layout.WGMMA_UPCAST_2X)
-                    kbf_smem[:, cols] = plgpu.layout_cast(keys.astype(upcast_dtype), plgpu.Layout.WGMMA)
-                return tuple(r[...] for r in (hi_ref, lo_ref, rope_ref) if r is not None)
-
             with jax.named_scope("scores"):  # S^T [64, H], or this warpgroup's part of it
                 acc_type = plgpu.ACC((BLOCK_K, num_heads), f32)
-                if split_q != "off":  # the parts' integer (int8) or f32 (e4m3) sums, x each head's part scale
-                    part_type = plgpu.ACC((BLOCK_K, num_heads), jnp.int32 if integer_cache else f32)
-                    hi, lo, *s_rope = pl.run_scoped(split_q_scores, part_type, part_type,
-                                                    *([acc_type] if whole or rope else []))
-                    s_rope = s_rope[0] if s_rope else None
-                    head_scale = lambda p: lax.broadcast_in_dim(
-                        plgpu.load(sm["qs"].at[p], layout=column), (BLOCK_K, num_heads), [1])
-                    s = hi.astype(f32) * head_scale(0) + lo.astype(f32) * head_scale(1)
-                elif dequantize:  # the rows carry their scale: the rope part adds into the same accumulator
+                if dequantize:  # the rows carry their scale: the rope part adds into the same accumulator
                     s = pl.run_scoped(lambda s_ref: scores(s_ref, s_ref), acc_type)
                 elif rope:  # the latent part x the token's scale, the rope part unscaled: two accumulators
                     s, s_rope = pl.run_scoped(scores, acc_type, plgpu.ACC((BLOCK_K, num_heads), f32))
@@ -310,10 +240,10 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                 if not dequantize:
                     kscale = plgpu.load(ks_smem.at[slot], layout=row)
                     s = s * lax.broadcast_in_dim(kscale, s.shape, [0])
-                    if rope or whole:
+                    if rope:
                         s = s + s_rope
             plgpu.barrier_arrive(sm["consumed_bars"].at[slot])  # the slot's 8-bit rows (k_pe) and scales are read
-            if compute_wgs > 1 and not whole:  # (split_q "whole": every warpgroup has all of the scores)
+            if compute_wgs > 1:
                 with jax.named_scope("exchange"):  # every warpgroup sums the parts in the same order
                     parity = lax.rem(i, jnp.int32(2))
                     sm["sx"].at[parity, w][...] = s
@@ -394,7 +324,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
                          dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
-                         defer_sum: bool = DEFER_SUM, split_q: str = SPLIT_Q, profile_dir: str | None = None):
+                         defer_sum: bool = DEFER_SUM, profile_dir: str | None = None):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
@@ -405,11 +335,6 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
     tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
-    ``split_q`` (one of ``SPLIT_Q_MODES``): "off", the scores from the converted rows; "whole" / "parts",
-    the scores on the 8-bit tensor cores, the queries split into two 8-bit parts with a scale a (token,
-    head) each (``split_queries``), the slab and both parts read from shared memory, each compute
-    warpgroup computing all of S^T (no exchange; "whole") or its columns' part (exchanged; "parts")
-    while it converts its own columns into the 16-bit slab for the values (with ``dequantize`` off);
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON)."""
     if dequantize is None:
@@ -431,11 +356,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         raise ValueError(f"chunk={chunk} is not a multiple of 128 (an 8-bit row tile) dividing the "
                          f"{width} latent columns of a compute warpgroup")
     out_dtype = bf16 if num_splits == 1 else f32
-    if split_q not in SPLIT_Q_MODES:
-        raise ValueError(f"split_q={split_q!r} is not one of {SPLIT_Q_MODES}")
-    if split_q != "off" and dequantize:
-        raise ValueError(f"split_q={split_q!r} puts the scale on the scores; it takes dequantize=False")
-    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype, split_q)
+    need = lambda n: smem_bytes(num_heads, n, compute_wgs, out_dtype)
     if stages is None:
         stages = max([n for n in range(1, MAX_STAGES + 1) if need(n) <= SMEM_BYTES], default=1)
     if need(stages) > SMEM_BYTES:
@@ -443,9 +364,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
                          f"heads needs {need(stages)} bytes of shared memory, more than the {SMEM_BYTES} a block has")
     # (scratch by name: the keys' sorted order, a pytree's, is the order shared memory is laid out in)
     sm = dict(
-        # q_latent: B of the scores, read transposed (split_q: its two 8-bit parts)
-        q=(_smem((num_heads, LATENT_DIM), dot_dtype) if split_q == "off"
-           else _smem((2, num_heads, LATENT_DIM), c_kv.dtype)),
+        q=_smem((num_heads, LATENT_DIM), dot_dtype),  # q_latent: B of the scores, read transposed
         qpe=_smem((num_heads, ROPE_DIM), bf16),
         c8=_smem((stages, BLOCK_K, LATENT_DIM), c_kv.dtype),  # the 8-bit ring
         ks=plgpu.SMEM((stages, BLOCK_K), f32),  # scales
@@ -455,7 +374,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         rows=plgpu.SMEM((2, num_heads), f32),  # m, l of a split
         ckv_bars=plgpu.Barrier(num_barriers=stages),  # 8-bit slab landed
         ks_bars=plgpu.Barrier(num_barriers=stages),  # scales landed
-        q_bars=plgpu.Barrier(num_barriers=2 if split_q == "off" else 4),  # queries (their parts, their scales) landed
+        q_bars=plgpu.Barrier(num_barriers=2),  # queries landed
         consumed_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=stages),  # slot read by every compute
         # warpgroup
         done_bar=plgpu.Barrier(num_arrivals=compute_wgs),  # the loops are done (the output staging reuses the slab)
@@ -463,12 +382,9 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         union=plgpu.RefUnion(_smem((BLOCK_K, LATENT_DIM), dot_dtype), _smem((LATENT_DIM, num_heads), out_dtype)),
         kpe=_smem((stages, BLOCK_K, ROPE_DIM), bf16),
         kpe_bars=plgpu.Barrier(num_barriers=stages),  # k_pe landed
+        sx=_smem((2, compute_wgs, BLOCK_K, num_heads), f32),  # score parts, by step parity
+        sx_bars=plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2),  # score parts written, by parity
     )
-    if split_q != "off":
-        sm["qs"] = plgpu.SMEM((2, num_heads), f32)  # each query part's scale a head
-    if split_q != "whole":
-        sm["sx"] = _smem((2, compute_wgs, BLOCK_K, num_heads), f32)  # score parts, by step parity
-        sm["sx_bars"] = plgpu.Barrier(num_arrivals=compute_wgs, num_barriers=2)  # score parts written, by parity
     if num_splits == 1:
         out_type = jax.ShapeDtypeStruct((num_tokens, latent_dim, num_heads), out_dtype)
     else:
@@ -476,18 +392,12 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
                     jax.ShapeDtypeStruct((num_tokens, num_splits, num_heads), f32),
                     jax.ShapeDtypeStruct((num_tokens, num_splits, latent_dim, num_heads), f32))
 
-    if split_q != "off":  # the query parts go where q_latent goes, their scales after the cache's
-        parts, part_scales = split_queries(q_latent, c_kv.dtype)
-        queries, query_scales = (parts,), (part_scales,)
-    else:
-        queries, query_scales = (q_latent.astype(dot_dtype),), ()
-
     def kernel(*refs):
         sm = dict(refs[-1])
         sm["kbf"], sm["out"] = sm.pop("union")
         _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
                 scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum, split_q=split_q)
+                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum)
 
     return plgpu.kernel(
         kernel,
@@ -500,7 +410,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
             **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
-    )(block_tables.reshape(-1), seq_ids, lengths, *queries, q_pe.astype(bf16),
+    )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
       c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
       k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM),
-      c_kv_scale.astype(f32).reshape(num_pages * slabs_per_page, BLOCK_K), *query_scales)
+      c_kv_scale.astype(f32).reshape(num_pages * slabs_per_page, BLOCK_K))

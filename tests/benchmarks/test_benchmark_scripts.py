@@ -106,3 +106,20 @@ def test_host_overhead_benchmark_times_the_engine_without_its_device(tmp_path):
     assert row["batch"] == 8 and row["cpu_ms"] > 0 and row["us_per_sequence"] > 0
     assert row["python_calls_per_step"] > 8 and any("_complete" in e["function"] for e in row["top"])
     assert json.loads((tmp_path / "host.json").read_text())["rows"][0]["batch"] == 8
+
+
+def test_step_profile_reads_the_latest_trace(tmp_path):
+    """A reused trace folder keeps earlier runs' traces: the profile reads the one written last."""
+    import os
+
+    from benchmarks.step_profile import latest_trace
+
+    assert latest_trace(str(tmp_path)) is None
+    paths = []
+    for run, age in (("2026_12_02_05_30_00", 10), ("2026_12_02_05_25_59", 100), ("2026_12_02_05_40_00", 50)):
+        path = tmp_path / "plugins" / "profile" / run / "perfetto_trace.json.gz"
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"")
+        os.utime(path, (1e9 - age, 1e9 - age))
+        paths.append(str(path))
+    assert latest_trace(str(tmp_path)) == paths[0]

@@ -221,20 +221,17 @@ def _8bit_args(kind, heads=16, tokens=4, width=16):
             shape((tokens, width), jnp.int32), shape((tokens,), jnp.int32), shape((tokens,), jnp.int32))
 
 
-@pytest.mark.parametrize("kind, num_splits, compute_wgs, defer_sum, split_q", [
-    ("int8", 1, 2, False, "off"), ("fp8", 4, 2, False, "off"), ("int8", 4, 4, False, "off"),
-    ("fp8", 1, 1, False, "off"), ("int8", 2, 2, True, "off"), ("fp8", 1, 1, True, "off"),
-    ("int8", 2, 2, True, "whole"), ("fp8", 1, 2, True, "whole"), ("int8", 1, 1, False, "whole"),
-    ("fp8", 4, 4, True, "whole"), ("int8", 2, 2, True, "parts"), ("fp8", 1, 4, True, "parts")])
-def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs, defer_sum, split_q):
+@pytest.mark.parametrize("kind, num_splits, compute_wgs, defer_sum", [
+    ("int8", 1, 2, False), ("fp8", 4, 2, False), ("int8", 4, 4, False), ("fp8", 1, 1, False), ("int8", 2, 2, True),
+    ("fp8", 1, 1, True)])
+def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs, defer_sum):
     """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
-    transposed, the score parts' exchange, the column softmax, the deferred denominators, shared memory;
-    with split_q the 8-bit wgmmas against the query parts, int32 or f32 accumulators) runs without a GPU;
-    numerics in tests/gpu."""
+    transposed, the score parts' exchange, the column softmax, the deferred denominators, shared memory)
+    runs without a GPU; numerics in tests/gpu."""
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
     fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits, compute_wgs=compute_wgs,
-                                         defer_sum=defer_sum, split_q=split_q)
+                                         defer_sum=defer_sum)
     hlo = lower_for_h200(fn, *_8bit_args(kind))
     assert hlo.count("custom_call @mosaic_gpu") == 1
 
@@ -245,38 +242,11 @@ def test_mosaic_8bit_decode_refuses_bad_options():
     for options, message in (({"compute_wgs": 3}, "compute_wgs=3 is not one of"),
                              ({"chunk": 64}, "chunk=64 is not a multiple of 128"),
                              ({"stages": 4}, "stages=4 with compute_wgs=2 and 16 heads needs"),
-                             ({"compute_wgs": 4, "heads": 32}, "stages=1 with compute_wgs=4 and 32"),
-                             ({"split_q": "whole", "dequantize": True}, "split_q='whole' puts the scale on the"),
-                             ({"split_q": True}, r"split_q=True is not one of \('off', 'whole', 'parts'\)")):
+                             ({"compute_wgs": 4, "heads": 32}, "stages=1 with compute_wgs=4 and 32")):
         heads = options.pop("heads", 16)
         with pytest.raises(ValueError, match=message):
             jax.eval_shape(lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=2, **options),
                            *_8bit_args("int8", heads))
-
-
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_split_queries_reconstruct_the_queries(kind):
-    """The 8-bit kernel's split_q queries: two 8-bit parts with a scale a (token, head) each give q back
-    to ~2^-15 of its largest value (int8) or to ~2^-8 of each value (e4m3, about bf16's rounding), also
-    for a head of zeros and values spanning many binades."""
-    from pallas_kernels.mla_decode_8bit_mgpu import split_queries
-
-    rng = np.random.default_rng(5)
-    q = rng.standard_normal((3, 4, 512)) * np.exp(rng.uniform(-4, 4, (3, 4, 512)))
-    q[1, 2] = 0.0
-    q = jnp.asarray(q, jnp.bfloat16)
-    dtype = jnp.int8 if kind == "int8" else jnp.float8_e4m3fn
-    parts, scales = split_queries(q, dtype)
-    assert parts.shape == (3, 2, 4, 512) and parts.dtype == dtype and scales.shape == (3, 2, 4)
-    back = (parts.astype(jnp.float32) * scales[..., None]).sum(axis=1)
-    q32 = np.asarray(q, np.float32)
-    err = np.abs(np.asarray(back) - q32)
-    top = np.abs(q32).max(axis=-1, keepdims=True)
-    if kind == "int8":
-        assert (err <= top * 2e-5).all()
-    else:
-        assert (err <= np.abs(q32) * 2.0 ** -7 + top * 1e-6).all()
-    assert (np.asarray(back)[1, 2] == 0).all()
 
 
 def test_mosaic_8bit_decode_supports(monkeypatch):
