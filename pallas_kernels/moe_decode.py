@@ -82,14 +82,9 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
     jax.lax.fori_loop(0, pl.cdiv(hidden, block_d), down, 0)
 
 
-def _decode_kernel(layer_ref, *refs, top_k, num_experts, routed_tiles, shared_tiles, hidden, inter, shared_inter,
-                   tiles):
-    # refs: (ids, weights) when top_k, x, (routed wg, wu, wd [L, E, ...]) when top_k, (shared wg [L, D, S], wu,
-    # wd [L, S, D]) when shared_tiles, then out f32[T * P, D].
-    if top_k:
-        ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs = refs
-    else:
-        x_ref, *refs = refs
+def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k, num_experts,
+                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles):
+    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, then out f32[T * P, D].
     out_ref = refs[-1]
     program, layer = pl.program_id(0), layer_ref[0]
     per_token = top_k * routed_tiles + shared_tiles
@@ -97,15 +92,14 @@ def _decode_kernel(layer_ref, *refs, top_k, num_experts, routed_tiles, shared_ti
     tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
                              tiles=tiles)
 
-    if top_k:
-        @pl.when(local < top_k * routed_tiles)
-        def _():
-            slot = token * top_k + local // routed_tiles
-            expert = ids_ref[slot]
-            # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
-            scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
-            tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
-                 i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
+    @pl.when(local < top_k * routed_tiles)
+    def _():
+        slot = token * top_k + local // routed_tiles
+        expert = ids_ref[slot]
+        # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
+        scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
+        tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
+             i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
 
     if shared_tiles:
         @pl.when(local >= top_k * routed_tiles)
@@ -114,16 +108,21 @@ def _decode_kernel(layer_ref, *refs, top_k, num_experts, routed_tiles, shared_ti
                  inter=shared_inter)
 
 
-def _partials(x, layer, routed, shared, tiles: DecodeTiles, interpret: bool):
-    """One launch over the routed experts (``routed`` = (weights, ids, w_gate, w_up, w_down) or None) and
-    the shared ones (or None) -> f32[T, P, D], each program's partial row."""
-    num_tokens, hidden = x.shape
-    top_k, inter, routed_tiles, num_experts, routed_args = 0, 0, 0, 0, ()
-    if routed is not None:
-        weights, ids, w_gate, w_up, w_down = routed
-        top_k, (num_experts, _, inter) = ids.shape[1], w_gate.shape[1:]
-        routed_tiles = pl.cdiv(inter, tiles.block_i)
-        routed_args = (ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32))
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *, tiles: DecodeTiles = DecodeTiles(),
+               interpret: bool = False):
+    """x [T, D] (T <= ``MAX_TOKENS``), weights f32[T, k], ids i32[T, k] (E marks an empty slot), every
+    layer's routed experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index,
+    and optionally the shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) -> [T, D]: the routed
+    experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``."""
+    num_tokens, top_k = ids.shape
+    num_experts, hidden, inter = w_gate.shape[1:]
+    if not 1 <= num_tokens <= MAX_TOKENS:
+        raise ValueError(f"moe_decode: x has {num_tokens} tokens; accepted 1 to {MAX_TOKENS} (decode steps)")
+    if x.shape != (num_tokens, hidden) or w_down.shape[1:] != (num_experts, inter, hidden):
+        raise ValueError(f"moe_decode: x {x.shape}, w_gate {w_gate.shape}, w_down {w_down.shape} do not match; "
+                         "expected x [T, D], w_gate [L, E, D, I], w_down [L, E, I, D]")
+    routed_tiles = pl.cdiv(inter, tiles.block_i)
     shared_inter = 0 if shared is None else shared[0].shape[-1]
     shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     per_token = top_k * routed_tiles + shared_tiles
@@ -136,34 +135,10 @@ def _partials(x, layer, routed, shared, tiles: DecodeTiles, interpret: bool):
         out_shape=jax.ShapeDtypeStruct((num_tokens * per_token, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name="moe_decode_shared" if routed is None else "moe_decode",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), *routed_args, x, *(routed[2:] if routed else ()), *(shared or ()))
-    return partials.reshape(num_tokens, per_token, hidden)
-
-
-@functools.partial(jax.jit, static_argnames=("tiles", "shared_apart", "interpret"))
-def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *, tiles: DecodeTiles = DecodeTiles(),
-               shared_apart: bool = False, shared_x=None, interpret: bool = False):
-    """x [T, D] (T <= ``MAX_TOKENS``), weights f32[T, k], ids i32[T, k] (E marks an empty slot), every
-    layer's routed experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index,
-    and optionally the shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) -> [T, D]: the routed
-    experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``. ``shared_apart``:
-    the shared experts in a launch of their own, which needs only x (not the routing), so that a
-    scheduler running independent launches concurrently can stream them beside the routing."""
-    num_tokens, top_k = ids.shape
-    num_experts, hidden, inter = w_gate.shape[1:]
-    if not 1 <= num_tokens <= MAX_TOKENS:
-        raise ValueError(f"moe_decode: x has {num_tokens} tokens; accepted 1 to {MAX_TOKENS} (decode steps)")
-    if x.shape != (num_tokens, hidden) or w_down.shape[1:] != (num_experts, inter, hidden):
-        raise ValueError(f"moe_decode: x {x.shape}, w_gate {w_gate.shape}, w_down {w_down.shape} do not match; "
-                         "expected x [T, D], w_gate [L, E, D, I], w_down [L, E, I, D]")
-    routed = (weights, ids, w_gate, w_up, w_down)
-    if shared is None or not shared_apart:
-        out = _partials(x, layer, routed, shared, tiles, interpret).sum(axis=1)
-    else:
-        out = (_partials(x, layer, routed, None, tiles, interpret).sum(axis=1)
-               + _partials(x if shared_x is None else shared_x, layer, None, shared, tiles, interpret).sum(axis=1))
-    return out.astype(x.dtype)
+        name="moe_decode",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
+      weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()))
+    return partials.reshape(num_tokens, per_token, hidden).sum(axis=1).astype(x.dtype)
 
 
 def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None):

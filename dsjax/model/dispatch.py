@@ -132,21 +132,16 @@ def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_d
 MOE_DECODE_MAX_TOKENS = 2
 # Its tiles (pallas_kernels.moe_decode.DecodeTiles: the H200 sweep's best).
 MOE_DECODE_TILES = DecodeTiles()
-# The shared experts in a launch of their own (pallas_kernels.moe_decode's shared_apart): it depends on
-# the normed rows only, so a command-buffer scheduler that runs independent launches concurrently
-# (XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT) can stream them beside the routing.
-MOE_DECODE_SHARED_APART = False
-MOE_DECODE_SHARED_OWN_NORM = False
 
 
-def moe_decode(x, weights, ids, experts, shared, layer, backend: str, shared_x=None):
+def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
     """x [T, D] (T <= ``MOE_DECODE_MAX_TOKENS``) through its routed experts (weights / ids [T, k]) and
     the shared experts, one layer of the stacks ``experts`` (w_gate, w_up [L, E, D, I], w_down [L, E, I, D])
     and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]."""
     if backend == "reference":
         return moe_decode_reference(x, weights, ids, *experts, layer, shared)
     return moe_decode_kernel(x, weights, ids, *experts, layer, shared, tiles=MOE_DECODE_TILES,
-                             shared_apart=MOE_DECODE_SHARED_APART, shared_x=shared_x, interpret=backend == "interpret")
+                             interpret=backend == "interpret")
 
 
 def moe_route(logits, bias, spec: RoutingSpec, backend: str):

@@ -101,12 +101,7 @@ class MoE(nnx.Module):
         weights, ids = self._route_logits(logits, backend)
         if one_launch:  # routed and shared experts together (pallas_kernels/moe_decode.py)
             shared_experts = stack.mlp if self.shared is not None else None
-            shared_x = None
-            if dispatch.MOE_DECODE_SHARED_OWN_NORM:
-                from pallas_kernels.common import rms_norm
-                shared_x = rms_norm(x, stack.mlp_norm[stack.index], eps)
-            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend,
-                                       shared_x=shared_x)
+            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend)
         out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
                                    expert_dispatch=self.expert_dispatch)
         if self.shared is not None:
