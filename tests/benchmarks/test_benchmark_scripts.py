@@ -123,3 +123,11 @@ def test_step_profile_reads_the_latest_trace(tmp_path):
         os.utime(path, (1e9 - age, 1e9 - age))
         paths.append(str(path))
     assert latest_trace(str(tmp_path)) == paths[0]
+
+
+def test_l2_staging_probe_quick():
+    from benchmarks import l2_staging_probe
+
+    payload = l2_staging_probe.main(["--quick"])
+    assert [r["staged"] for r in payload["rows"]] == list(l2_staging_probe.STAGED)
+    assert payload["rows"][0]["staged_mb"] == 0 and all(r["staged_mb"] > 0 for r in payload["rows"][1:])

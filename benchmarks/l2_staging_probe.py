@@ -1,0 +1,115 @@
+"""Do weights read into L2 ahead of time make batch 1's expert launch faster?
+
+At batch 1 a V2-Lite layer's attention block is a chain of small launches that leaves HBM mostly idle
+(~22 µs a layer at ~1 TB/s, decode_profile.md round 13), and the expert launch that follows
+(``pallas_kernels/moe_decode.py``) streams 139 MB at ~3.5 TB/s. The shared experts' 34.6 MB do not
+depend on the routing, so something running beside the attention chain (a concurrent launch, or idle
+programs of the chain's own kernels) could read them into the H200's 50 MB L2 first. This probe prices
+the outcome before any of that is built: the expert launch's own kernel time with L2 flushed before it
+(``cold``), and after a launch that reads (stages) part of its weights once L2 is flushed:
+
+- ``shared``: both shared experts (gate, up, down: 34.6 MB);
+- ``shared gate/up``: their gate and up columns (23.1 MB);
+- ``shared down``: their down rows (11.5 MB);
+- ``routed 2``: two of the six routed experts the token picked (34.6 MB), to tell L2 hits from the
+  position of the staged tiles in the launch.
+
+The flush is a reduction over a 256 MB buffer, the staging a reduction over the staged weights (both
+XLA launches); ``lax.optimization_barrier`` orders flush, staging and experts. Kernel times come from a
+profiler trace of back-to-back calls (``benchmarks.common.kernel_time_us``): the expert launch's µs
+and its rate over the layer's bytes, beside the cold launch of the same call.
+
+    python -m benchmarks.l2_staging_probe --out benchmarks/results/l2_staging_h200.json
+    python -m benchmarks.l2_staging_probe --quick      # tiny shapes in interpret mode (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import kernel_time_us, markdown_table, write_probe
+from pallas_kernels.moe_decode import DecodeTiles, moe_decode
+
+# (hidden, moe intermediate, routed experts, top-k, shared intermediate, flush MB)
+V2_LITE = (2048, 1408, 64, 6, 2816, 256)
+QUICK = (64, 32, 8, 2, 64, 1)
+QUICK_TILES = DecodeTiles(block_i=16, block_k=16, block_d=32, num_warps=4, num_stages=2)
+STAGED = ("cold", "shared", "shared gate/up", "shared down", "routed 2")
+
+
+def _inputs(shape, seed: int = 0):
+    hidden, inter, experts, top_k, shared_inter, flush_mb = shape
+    rng = np.random.default_rng(seed)
+    key = iter(jax.random.split(jax.random.key(seed), 8))
+    mk = lambda *s: (jax.random.normal(next(key), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    routed = (mk(1, experts, hidden, inter), mk(1, experts, hidden, inter), mk(1, experts, inter, hidden))
+    shared = (mk(1, hidden, shared_inter), mk(1, hidden, shared_inter), mk(1, shared_inter, hidden))
+    x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
+    weights = jnp.asarray(rng.random((1, top_k)), jnp.float32)
+    ids = jnp.asarray(rng.permutation(experts)[:top_k][None], jnp.int32)
+    flush = jnp.ones((flush_mb * 2**20 // 2,), jnp.bfloat16)
+    return x, weights, ids, routed, shared, flush
+
+
+def _staged_arrays(staged: str, ids, routed, shared):
+    """The weights a variant reads into L2 before the expert launch."""
+    if staged == "shared":
+        return list(shared)
+    if staged == "shared gate/up":
+        return list(shared[:2])
+    if staged == "shared down":
+        return [shared[2]]
+    if staged == "routed 2":
+        return [w[0, ids[0, j]] for w in routed for j in range(2)]
+    return []
+
+
+def layer_call(staged: str, tiles: DecodeTiles, interpret: bool):
+    """fn(x, weights, ids, routed, shared, flush): L2 flushed, ``staged`` read, then the experts."""
+    def fn(x, weights, ids, routed, shared, flush):
+        done = jnp.max(flush)
+        stage = _staged_arrays(staged, ids, routed, shared)
+        if stage:
+            done, stage = jax.lax.optimization_barrier((done, stage))
+            done = done + sum(jnp.max(w).astype(done.dtype) for w in stage)
+        x, routed, shared = jax.lax.optimization_barrier((x, routed, shared, done))[:3]
+        return moe_decode(x, weights, ids, *routed, jnp.int32(0), shared, tiles=tiles, interpret=interpret)
+    return fn
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    args = parser.parse_args(argv)
+    shape, tiles = (QUICK, QUICK_TILES) if args.quick else (V2_LITE, DecodeTiles())
+    inputs = _inputs(shape)
+    x, weights, ids, routed, shared, _ = inputs
+    layer_bytes = sum(int(np.prod(w.shape[2:])) * 2 for w in routed) * shape[3] + sum(w.size * 2 for w in shared)
+    staged_mb = {s: sum(w.size * 2 for w in _staged_arrays(s, ids, routed, shared)) / 1e6 for s in STAGED}
+    rows, cold = [], None
+    for staged in STAGED:
+        fn = layer_call(staged, tiles, args.quick)
+        if args.quick:  # staging reorders launches, never the experts' result
+            got = np.asarray(jax.jit(fn)(*inputs), np.float32)
+            cold = got if cold is None else cold
+            np.testing.assert_array_equal(got, cold)
+            rows.append(dict(staged=staged, staged_mb=round(staged_mb[staged], 3)))
+            continue
+        times = kernel_time_us(fn, inputs, calls=args.calls)
+        us = sum(t for name, t in times.items() if name.startswith("moe_decode"))
+        rows.append(dict(staged=staged, staged_mb=round(staged_mb[staged], 1), moe_decode_us=round(us, 2),
+                         tb_s=round(layer_bytes / us / 1e6, 2)))
+        print(rows[-1], flush=True)
+    columns = ["staged", "staged_mb"] + ([] if args.quick else ["moe_decode_us", "tb_s"])
+    return write_probe(rows, markdown_table(rows, columns), args.out, layer_mb=round(layer_bytes / 1e6, 1),
+                       command="python -m benchmarks.l2_staging_probe")
+
+
+if __name__ == "__main__":
+    main()
