@@ -196,11 +196,7 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
 
 DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128), DecodeTiles(block_k=64),
                 DecodeTiles(block_d=256), DecodeTiles(block_i=32, block_k=256, num_stages=2),
-                DecodeTiles(num_warps=8),
-                # programs owning 88 (one an SM: 6 x 16 + 32 = 128) or 44 columns (two an SM: 256) of wider
-                # register tiles, against the default's 176 programs (1.33 an SM)
-                DecodeTiles(block_i=128, cols=88), DecodeTiles(block_i=64, cols=44),
-                DecodeTiles(block_i=128, cols=88, num_warps=8), DecodeTiles(block_i=128, cols=88, block_k=64, num_stages=4)]
+                DecodeTiles(num_warps=8)]
 QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
 
 
@@ -232,8 +228,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
         distinct = len(set(np.asarray(ids).reshape(-1).tolist()))
         weight_bytes = (distinct * 3 * hidden * inter + 3 * hidden * shared_inter) * 2
         for name, fn in [("grouped", grouped)] + [
-                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}"
-                 + (f" cols {c.cols}" if c.cols else ""),
+                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}",
                  lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick))
                 for c in configs]:
             us, _ = _time(fn, args, quick=quick)

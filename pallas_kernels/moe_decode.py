@@ -38,23 +38,18 @@ class DecodeTiles(NamedTuple):
     40.5 (within the runs' noise). Persistent programs taking narrow tiles in turn (132 or 264 of them,
     16-32 columns) were slower at every config: 48-106 µs, and so were shared-expert tiles of their own
     width at two tokens (decode_profile.md round 10)."""
-    block_i: int = 64  # intermediate columns a program's register tiles hold
+    block_i: int = 64  # intermediate columns a program owns
     block_k: int = 128  # hidden rows a gate/up step streams
     block_d: int = 128  # output columns a down step produces
     num_warps: int = 4
     num_stages: int = 3
-    cols: int | None = None  # intermediate columns a program owns (<= block_i, the rest masked); None: block_i
-
-    @property
-    def program_cols(self) -> int:
-        return self.cols or self.block_i
 
 
 def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles):
-    """x_ref[token] through columns [i0, i0 + tiles.program_cols) of one expert (wg / wu [..., D, I] and wd
+    """x_ref[token] through columns [i0, i0 + block_i) of one expert (wg / wu [..., D, I] and wd
     [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program]."""
     block_i, block_k, block_d = tiles.block_i, tiles.block_k, tiles.block_d
-    col_ok = (jnp.arange(block_i) < tiles.program_cols) & (i0 + jnp.arange(block_i) < inter)
+    col_ok = i0 + jnp.arange(block_i) < inter
     first_row = (jnp.arange(16) == 0)[:, None]
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=dot_precision(x_ref.dtype))
 
@@ -104,12 +99,12 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
         # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
         scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
         tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
-             i0=(local % routed_tiles) * tiles.program_cols, scale=scale, inter=inter)
+             i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
 
     if shared_tiles:
         @pl.when(local >= top_k * routed_tiles)
         def _():
-            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.program_cols, scale=1.0,
+            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
                  inter=shared_inter)
 
 
@@ -127,11 +122,9 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *, til
     if x.shape != (num_tokens, hidden) or w_down.shape[1:] != (num_experts, inter, hidden):
         raise ValueError(f"moe_decode: x {x.shape}, w_gate {w_gate.shape}, w_down {w_down.shape} do not match; "
                          "expected x [T, D], w_gate [L, E, D, I], w_down [L, E, I, D]")
-    if not 1 <= tiles.program_cols <= tiles.block_i:
-        raise ValueError(f"moe_decode: tiles.cols={tiles.cols} must be in [1, block_i={tiles.block_i}] (or None)")
-    routed_tiles = pl.cdiv(inter, tiles.program_cols)
+    routed_tiles = pl.cdiv(inter, tiles.block_i)
     shared_inter = 0 if shared is None else shared[0].shape[-1]
-    shared_tiles = pl.cdiv(shared_inter, tiles.program_cols)
+    shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     per_token = top_k * routed_tiles + shared_tiles
     kernel = functools.partial(_decode_kernel, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared_tiles=shared_tiles, hidden=hidden, inter=inter, shared_inter=shared_inter,

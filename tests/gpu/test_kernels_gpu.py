@@ -404,10 +404,10 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
     assert _rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("tokens, cols", [(1, None), (2, None), (1, 88)])
-def test_moe_decode_gpu(tokens, cols):
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_moe_decode_gpu(tokens):
     """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place."""
-    from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference
+    from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
 
     rng = np.random.default_rng(tokens)
     mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
@@ -416,8 +416,7 @@ def test_moe_decode_gpu(tokens, cols):
     x = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
     weights = jnp.asarray(rng.random((tokens, 6)), jnp.float32)
     ids = jnp.asarray(np.stack([rng.permutation(64)[:6] for _ in range(tokens)]), jnp.int32)
-    tiles = DecodeTiles(block_i=128, cols=cols) if cols else DecodeTiles()  # cols: 88 of 128 columns a program
-    got = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared, tiles=tiles)
+    got = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared)
     up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
     want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
     assert _rel(got, want) < 2e-2
