@@ -196,8 +196,13 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
 
 DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128), DecodeTiles(block_k=64),
                 DecodeTiles(block_d=256), DecodeTiles(block_i=32, block_k=256, num_stages=2),
-                DecodeTiles(num_warps=8)]
-QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
+                DecodeTiles(num_warps=8),
+                # the products as multiply-adds on the CUDA cores (no 16-row padded dots, no operand staging)
+                DecodeTiles(block_k=32, fma=True), DecodeTiles(block_k=16, fma=True), DecodeTiles(block_k=64, fma=True),
+                DecodeTiles(block_k=32, fma=True, num_warps=8), DecodeTiles(block_k=32, block_d=256, fma=True),
+                DecodeTiles(block_i=32, block_k=64, fma=True)]
+QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2),
+                      DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2, fma=True)]
 
 
 def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
@@ -228,7 +233,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
         distinct = len(set(np.asarray(ids).reshape(-1).tolist()))
         weight_bytes = (distinct * 3 * hidden * inter + 3 * hidden * shared_inter) * 2
         for name, fn in [("grouped", grouped)] + [
-                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}",
+                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}{' fma' if c.fma else ''}",
                  lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick))
                 for c in configs]:
             us, _ = _time(fn, args, quick=quick)

@@ -404,10 +404,11 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
     assert _rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("tokens", [1, 2])
-def test_moe_decode_gpu(tokens):
-    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place."""
-    from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
+@pytest.mark.parametrize("tokens, fma", [(1, False), (2, False), (1, True), (2, True)])
+def test_moe_decode_gpu(tokens, fma):
+    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place
+    (the products as padded dots, or as multiply-adds)."""
+    from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference
 
     rng = np.random.default_rng(tokens)
     mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
@@ -416,7 +417,8 @@ def test_moe_decode_gpu(tokens):
     x = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
     weights = jnp.asarray(rng.random((tokens, 6)), jnp.float32)
     ids = jnp.asarray(np.stack([rng.permutation(64)[:6] for _ in range(tokens)]), jnp.int32)
-    got = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared)
+    got = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared,
+                     tiles=DecodeTiles(block_k=32, fma=True) if fma else DecodeTiles())
     up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
     want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
     assert _rel(got, want) < 2e-2
