@@ -63,6 +63,8 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
         k0 = pl.multiple_of(i * block_k, block_k)
         k_ok = k0 + jnp.arange(block_k) < hidden
         x = plgpu.load(x_ref.at[token, pl.ds(k0, block_k)], mask=k_ok, other=0)
+        if not tiles.fma:
+            x = jnp.where(first_row, x[None, :], 0).astype(x.dtype)  # [16, block_k]: the token in row 0
         mask = k_ok[:, None] & col_ok[None, :]
         at = (*prefix, pl.ds(k0, block_k), pl.ds(i0, block_i))
         g = plgpu.load(wg.at[at], mask=mask, other=0)
@@ -70,7 +72,6 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
         if tiles.fma:  # [block_k, block_i] products, summed down the rows once after the loop
             x = x.astype(jnp.float32)[:, None]
             return acc_g + x * g.astype(jnp.float32), acc_u + x * u.astype(jnp.float32)
-        x = jnp.where(first_row, x[None, :], 0).astype(x.dtype)  # [16, block_k]: the token in row 0
         return acc_g + dot(x, g), acc_u + dot(x, u)
 
     zeros = jnp.zeros((block_k if tiles.fma else 16, block_i), jnp.float32)
