@@ -156,10 +156,20 @@ def fused_launches(launches: dict, *, quick: bool) -> list[dict]:
                     interpret=quick)
                 us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
                 rows.append(dict(launch=name, block_n=block_n, num_stages=stages, num_splits=splits,
-                                 default=splits == auto and stages == stage_options[0], us=us,
+                                 default=splits == auto and stages == stage_options[0], fma=False, us=us,
                                  tb_per_s=weight_bytes / us / 1e6))
                 print(f"  {name:<20} {block_n:>4} cols, s{stages}, {splits:>3} splits{'*' if splits == auto else ' '}"
                       f" {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
+        # the products as multiply-adds (stacked_gemvs(fma=True)) at the default splits and stages
+        for block_n, block_k in itertools.product((32,) if quick else (64, 128), (32,) if quick else (64, 128)):
+            splits = default_splits(depth, sum(n for _, n, _ in shapes), block_n, block_k)
+            fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k): stacked_gemvs(
+                x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], fma=True, interpret=quick)
+            us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
+            rows.append(dict(launch=name, block_n=block_n, num_stages=stage_options[0], num_splits=splits,
+                             default=False, fma=True, us=us, tb_per_s=weight_bytes / us / 1e6))
+            print(f"  {name:<20} {block_n:>4} cols, k{block_k}, {splits:>3} splits, fma {us:8.2f} us "
+                  f"{rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
     return rows
 
 
@@ -278,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
                                        f"splits {b['num_splits']}") for s, b in best.items()]
         tables.append(markdown_table(table_rows, list(table_rows[0])))
     columns = {"shared_mlp": ["impl", "us", "tb_per_s"], "rows_vs_xla": None,
-               "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "us", "tb_per_s"],
+               "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "fma", "us", "tb_per_s"],
                "head_products": ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"],
                "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"]}
     for part, cols in columns.items():

@@ -53,7 +53,7 @@ class _Weight(NamedTuple):
     k_per_split: int
 
 
-def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled):
+def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled, fma):
     # layer_ref i32[1]; x_ref [M, K]; then (every layer's norm weights g [L, K]) when scaled; one stacked
     # w_ref [L, K, N_i] per weight; outputs: f32[S * M, N_i] per weight (split s's partial at rows
     # s*M..), then (f32[S * M]: split s's sum of x*x per row) when scaled. Scaled, the products are of
@@ -76,23 +76,34 @@ def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, nu
             k_start = split * weight.k_per_split
             block_k = weight.block_k
 
-            def body(i, carry):  # acc f32[block_m, block_n], sum of squares f32[block_m]
+            def body(i, carry):  # acc f32[block_m, block_n] (fma: [block_k, block_n]), squares f32[block_m]
                 acc, squares = carry
                 k0 = pl.multiple_of(k_start + i * block_k, block_k)
                 ks = k0 + jnp.arange(block_k)
                 k_ok = ks < depth
-                x = plgpu.load(x_ref.at[safe_rows, ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
-                if scaled:
-                    x32 = x.astype(jnp.float32)
-                    squares = squares + jnp.sum(x32 * x32, axis=1)
-                    x = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)[None, :] * x
+                if fma:  # the one row as a column: x[k] times w's row k, summed down the rows after the loop
+                    x = plgpu.load(x_ref.at[jnp.int32(0), pl.ds(k0, block_k)], mask=k_ok, other=0)
+                    if scaled:
+                        x32 = x.astype(jnp.float32)
+                        squares = squares + jnp.where(rows == 0, jnp.sum(x32 * x32), 0.0)
+                        x = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0) * x
+                else:
+                    x = plgpu.load(x_ref.at[safe_rows, ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
+                    if scaled:
+                        x32 = x.astype(jnp.float32)
+                        squares = squares + jnp.sum(x32 * x32, axis=1)
+                        x = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)[None, :] * x
                 mask = k_ok[:, None] if weight.width % block_n == 0 else k_ok[:, None] & (cols < weight.width)[None, :]
                 w = plgpu.load(w_ref.at[layer, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=mask, other=0)
+                if fma:
+                    return acc + x.astype(jnp.float32)[:, None] * w.astype(jnp.float32), squares
                 return acc + _dot(x, w), squares
 
             acc, squares = jax.lax.fori_loop(
                 0, weight.k_per_split // block_k, body,
-                (jnp.zeros((block_m, block_n), jnp.float32), jnp.zeros((block_m,), jnp.float32)))
+                (jnp.zeros((block_k if fma else block_m, block_n), jnp.float32), jnp.zeros((block_m,), jnp.float32)))
+            if fma:  # row 0 of the [block_m, block_n] tile the store below takes
+                acc = jnp.where(rows[:, None] == 0, jnp.sum(acc, axis=0)[None, :], 0.0)
             # Padding rows point past this split's rows (into the next split's, or past the array): masked
             # off. (Aliasing them onto row 0 would let interpret mode's masked scatter write row 0 back.)
             out_rows = split * num_rows + rows
@@ -132,9 +143,9 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_splits", "block_n", "block_k", "num_warps", "num_stages",
-                                             "partials", "interpret"))
+                                             "partials", "fma", "interpret"))
 def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=BLOCK_K,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, interpret=False):
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, fma=False, interpret=False):
     """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for each stacked w [L, K, N_i] of ``ws`` (any float
     dtypes), one launch for all -> tuple of f32[M, N_i]. The layer's weights are read in place (no slice
     copy), once for all M rows.
@@ -148,7 +159,12 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
 
     ``partials``: the unsummed split-K partials come back instead, f32[S * M, N_i] per weight (split s's
     rows at s * M), then with ``norm`` the rows' partial sums of squares f32[S * M] (of x, not x * g),
-    for a consumer that adds them itself (``latent_write.write_latents``)."""
+    for a consumer that adds them itself (``latent_write.write_latents``).
+
+    ``fma`` (one row only): the products as multiply-adds on the CUDA cores ([block_k, block_n] f32
+    accumulators summed once after the K loop) instead of dots of the row padded to 16, whose operands
+    Triton stages through shared memory. Built 2026-12-02 (session 28), not yet timed on the H200:
+    ``benchmarks/kernels_gemv.py``'s fused launches time it."""
     ws = tuple(ws)
     num_rows, depth = x.shape
     for w in ws:
@@ -156,6 +172,8 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
             raise ValueError(f"stacked_gemvs: w has shape {w.shape}; expected [L={ws[0].shape[0]}, K={depth}, N]")
     if not 1 <= num_rows <= MAX_ROWS:
         raise ValueError(f"stacked_gemvs: x has {num_rows} rows; accepted 1 to {MAX_ROWS} (decode sizes)")
+    if fma and num_rows != 1:
+        raise ValueError(f"stacked_gemvs: fma=True takes one row; x has {num_rows}")
     if (norm is None) != (eps is None) or (norm is not None and norm.shape != (ws[0].shape[0], depth)):
         raise ValueError(f"stacked_gemvs: norm needs eps and shape [L, K={depth}]; got "
                          f"{None if norm is None else norm.shape}, eps={eps}")
@@ -170,7 +188,7 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
         start += tiles * splits
     kernel = functools.partial(_gemvs_kernel, weights=tuple(weights), splits=splits,
                                block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, num_rows=num_rows,
-                               depth=depth, scaled=norm is not None)
+                               depth=depth, scaled=norm is not None, fma=fma)
     out_shape = [jax.ShapeDtypeStruct((splits * num_rows, w.shape[2]), jnp.float32) for w in ws]
     if norm is not None:
         out_shape.append(jax.ShapeDtypeStruct((splits * num_rows,), jnp.float32))

@@ -371,10 +371,11 @@ def test_stacked_gemv_gpu(rows, depth, width):
     assert _rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("rows", [1, 64])
-def test_stacked_gemvs_fused_norm_gpu(rows):
+@pytest.mark.parametrize("rows, fma", [(1, False), (64, False), (1, True)])
+def test_stacked_gemvs_fused_norm_gpu(rows, fma):
     """V2-Lite's MoE decode launch: RMSNorm fused, the f32 router beside the shared experts' gate and
-    up (different tile depths in one grid), and the normed rows handed on."""
+    up (different tile depths in one grid), and the normed rows handed on (one row's products also as
+    multiply-adds)."""
     from dsjax.model.norms import rms_norm
     from pallas_kernels.stacked_gemv import stacked_gemv_reference, stacked_gemvs
 
@@ -383,7 +384,7 @@ def test_stacked_gemvs_fused_norm_gpu(rows):
     ws = (jnp.asarray(rng.standard_normal((3, 2048, 64)) * 0.02, jnp.float32),
           *(jnp.asarray(rng.standard_normal((3, 2048, 2816)) * 0.02, jnp.bfloat16) for _ in range(2)))
     norm = jnp.asarray(1 + 0.1 * rng.standard_normal((3, 2048)), jnp.bfloat16)
-    *got, normed = stacked_gemvs(x, ws, jnp.int32(2), norm, eps=1e-6)
+    *got, normed = stacked_gemvs(x, ws, jnp.int32(2), norm, eps=1e-6, fma=fma)
     want = rms_norm(x, norm[2], 1e-6)
     assert _rel(normed, want) < 1e-2
     for g, w in zip(got, ws):
