@@ -28,12 +28,13 @@ case $part in
       2>&1 | tee "$OUT/gpu_tests_ab.log" | tail -4
     timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch \
       --out "$OUT/gemv_decode_h200" | tail -60 ;;
-  decode-ab-curves)  # the small-batch curve as built and without the W_UK fold
+  decode-ab-curves)  # the small-batch curve as built and with one-token products as multiply-adds (fma)
     with() { mkdir -p "$OUT/$1"; timeout 170 python -c "import sys; from dsjax.model import dispatch; $2
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 4 8 --prompts 128 \
         --out-dir "$OUT/$1" | grep "decode-curve b"; }
     with built "pass"
-    with unfolded "dispatch.QUERY_FOLD_MAX_TOKENS = 0" ;;
+    with fma "from pallas_kernels.moe_decode import DecodeTiles; dispatch.STACKED_GEMV_FMA_MAX_TOKENS = 1
+dispatch.MOE_DECODE_TILES = DecodeTiles(block_k=32, fma=True)" ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
