@@ -220,18 +220,25 @@ def test_engine_pallas_matches_reference_f32(kv_cache_dtype):
     assert outs["pallas"] == outs["reference"]
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 96])
-def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank, fma", [(None, False), (96, False), (None, True)])
+def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, fma, monkeypatch):
     """The paged forward with the decode kernels (f32, steps of 3 and 1 tokens after a 70-token chunk)
     against the reference backend, with a q LoRA and without (q_proj's split-K partials then go to
-    write_latents unsummed, which finishes the queries too)."""
+    write_latents unsummed, which finishes the queries too); fma: the 1-token step's stacked GEMVs and
+    experts as multiply-adds (the dispatch knobs)."""
     import dataclasses
 
     from flax import nnx
 
     from dsjax.config import ModelConfig
+    from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
+    from pallas_kernels.moe_decode import DecodeTiles
     from tests.model.test_model import _paged_logits
+
+    if fma:
+        monkeypatch.setattr(dispatch, "STACKED_GEMV_FMA_MAX_TOKENS", 1)
+        monkeypatch.setattr(dispatch, "MOE_DECODE_TILES", DecodeTiles(block_k=32, fma=True))
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
