@@ -161,7 +161,7 @@ def fused_launches(launches: dict, *, quick: bool) -> list[dict]:
                 print(f"  {name:<20} {block_n:>4} cols, s{stages}, {splits:>3} splits{'*' if splits == auto else ' '}"
                       f" {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
         # the products as multiply-adds (stacked_gemvs(fma=True)) at the default splits and stages
-        for block_n, block_k in itertools.product((32,) if quick else (64, 128), (32,) if quick else (64, 128)):
+        for block_n, block_k in itertools.product((32,) if quick else (64, 128), (32,) if quick else (32, 64)):
             splits = default_splits(depth, sum(n for _, n, _ in shapes), block_n, block_k)
             fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k): stacked_gemvs(
                 x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], fma=True, interpret=quick)

@@ -38,6 +38,7 @@ TARGET_WAVES = 2
 # GPU tests and the engine numbers ran with. The kernel alone streams ~3.4 TB/s at q_proj's 12.6 MB;
 # summing the partials adds ~1 µs.
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
+FMA_BLOCK_K = 32  # stacked_gemvs(fma=True): [32, 128] f32 accumulators are 32 registers a thread at 4 warps
 # A launch with the RMSNorm folded in and at least this many output columns in all takes 128-column
 # tiles: H200, one token (2026-12-01, kernels_gemv.fused_launches): norm + q + kv_a 9.4 µs against 12.2
 # at 64 columns, norm + router + shared gate / up 13.6 against 15.9.
@@ -144,7 +145,7 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_splits", "block_n", "block_k", "num_warps", "num_stages",
                                              "partials", "fma", "interpret"))
-def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=BLOCK_K,
+def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=None,
                   num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, fma=False, interpret=False):
     """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for each stacked w [L, K, N_i] of ``ws`` (any float
     dtypes), one launch for all -> tuple of f32[M, N_i]. The layer's weights are read in place (no slice
@@ -164,7 +165,8 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
     ``fma`` (one row only): the products as multiply-adds on the CUDA cores ([block_k, block_n] f32
     accumulators summed once after the K loop) instead of dots of the row padded to 16, whose operands
     Triton stages through shared memory. Built 2026-12-02 (session 28), not yet timed on the H200:
-    ``benchmarks/kernels_gemv.py``'s fused launches time it."""
+    ``benchmarks/kernels_gemv.py``'s fused launches time it. block_k unset: ``FMA_BLOCK_K`` with fma
+    (the accumulators hold block_k x block_n f32), else ``BLOCK_K``."""
     ws = tuple(ws)
     num_rows, depth = x.shape
     for w in ws:
@@ -177,6 +179,7 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
     if (norm is None) != (eps is None) or (norm is not None and norm.shape != (ws[0].shape[0], depth)):
         raise ValueError(f"stacked_gemvs: norm needs eps and shape [L, K={depth}]; got "
                          f"{None if norm is None else norm.shape}, eps={eps}")
+    block_k = block_k or (FMA_BLOCK_K if fma else BLOCK_K)
     blocks_k = [shrink_for_itemsize(block_k, num_stages, w.dtype.itemsize)[0] for w in ws]
     width = sum(w.shape[2] for w in ws)
     block_n = block_n or (WIDE_BLOCK_N if norm is not None and width >= WIDE_MIN_WIDTH else BLOCK_N)
