@@ -54,7 +54,8 @@ def test_moe_decode_lowers_to_triton_for_h200(tiles):
     (products as padded dots, or as multiply-adds)."""
     shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
     shared = (shape((26, 2048, 2816), bf16), shape((26, 2048, 2816), bf16), shape((26, 2816, 2048), bf16))
-    hlo = lower_for_h200(functools.partial(moe_decode, tiles=tiles), shape((1, 2048), bf16), shape((1, 6), jnp.float32), shape((1, 6), jnp.int32),
-                         shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16),
-                         shape((26, 64, 1408, 2048), bf16), shape((), jnp.int32), shared)
+    hlo = lower_for_h200(functools.partial(moe_decode, tiles=tiles), shape((1, 2048), bf16), shape((1, 6), jnp.float32),
+                         shape((1, 6), jnp.int32), shape((26, 64, 2048, 1408), bf16),
+                         shape((26, 64, 2048, 1408), bf16), shape((26, 64, 1408, 2048), bf16), shape((), jnp.int32),
+                         shared)
     assert hlo.count("__gpu$xla.gpu.triton") == 1

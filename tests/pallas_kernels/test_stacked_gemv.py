@@ -72,7 +72,8 @@ def test_stacked_gemvs_several_weights_and_fused_norm(rows, dtype, tol, fma):
             assert got.dtype == jnp.float32
             want_product = stacked_gemv_reference(want.astype(w.dtype), w, layer)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want_product), rtol=tol, atol=tol * np.sqrt(depth))
-    plain = stacked_gemvs(x, ws[1:], jnp.int32(1), block_k=32, fma=fma, interpret=True)  # without the norm: products only
+    # without the norm: products only
+    plain = stacked_gemvs(x, ws[1:], jnp.int32(1), block_k=32, fma=fma, interpret=True)
     assert len(plain) == 2
     np.testing.assert_allclose(np.asarray(plain[1]), np.asarray(stacked_gemv_reference(x, ws[2], 1), np.float32),
                                rtol=tol, atol=tol * np.sqrt(depth))
