@@ -147,29 +147,26 @@ def fused_launches(launches: dict, *, quick: bool) -> list[dict]:
         norm = jnp.ones((ws[0].shape[0], depth), jnp.bfloat16)
         weight_bytes = sum(w.size // w.shape[0] * w.dtype.itemsize for w in ws)
         stage_options = (2,) if quick else (3, 1)  # the kernel's default first
+        width = sum(n for _, n, _ in shapes)
+        configs = []  # (block_n, block_k, stages, splits, fma, default)
         for block_n, stages in itertools.product((32,) if quick else (64, 128), stage_options):
             block_k = 32 if quick else 128
-            auto = default_splits(depth, sum(n for _, n, _ in shapes), block_n, block_k)
-            for splits in sorted({auto, max(1, auto // 2), min(2 * auto, max(1, depth // block_k))}):
-                fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k, stages): stacked_gemvs(
-                    x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], num_stages=c[3],
-                    interpret=quick)
-                us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
-                rows.append(dict(launch=name, block_n=block_n, num_stages=stages, num_splits=splits,
-                                 default=splits == auto and stages == stage_options[0], fma=False, us=us,
-                                 tb_per_s=weight_bytes / us / 1e6))
-                print(f"  {name:<20} {block_n:>4} cols, s{stages}, {splits:>3} splits{'*' if splits == auto else ' '}"
-                      f" {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
+            auto = default_splits(depth, width, block_n, block_k)
+            configs += [(block_n, block_k, stages, splits, False, splits == auto and stages == stage_options[0])
+                        for splits in sorted({auto, max(1, auto // 2), min(2 * auto, max(1, depth // block_k))})]
         # the products as multiply-adds (stacked_gemvs(fma=True)) at the default splits and stages
-        for block_n, block_k in itertools.product((32,) if quick else (64, 128), (32,) if quick else (32, 64)):
-            splits = default_splits(depth, sum(n for _, n, _ in shapes), block_n, block_k)
-            fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k): stacked_gemvs(
-                x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], fma=True, interpret=quick)
+        fma_tiles = itertools.product((32,) if quick else (64, 128), (32,) if quick else (32, 64))
+        configs += [(block_n, block_k, stage_options[0], default_splits(depth, width, block_n, block_k), True, False)
+                    for block_n, block_k in fma_tiles]
+        for block_n, block_k, stages, splits, fma, default in configs:
+            fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k, stages, fma): stacked_gemvs(
+                x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], num_stages=c[3],
+                fma=c[4], interpret=quick)
             us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
-            rows.append(dict(launch=name, block_n=block_n, num_stages=stage_options[0], num_splits=splits,
-                             default=False, fma=True, us=us, tb_per_s=weight_bytes / us / 1e6))
-            print(f"  {name:<20} {block_n:>4} cols, k{block_k}, {splits:>3} splits, fma {us:8.2f} us "
-                  f"{rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
+            rows.append(dict(launch=name, block_n=block_n, num_stages=stages, num_splits=splits, default=default,
+                             fma=fma, us=us, tb_per_s=weight_bytes / us / 1e6))
+            print(f"  {name:<20} {block_n:>4} cols, k{block_k}, s{stages}, {splits:>3} splits{'*' if default else ' '}"
+                  f"{' fma' if fma else ''} {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
     return rows
 
 

@@ -68,9 +68,10 @@ Measured on the H200 and dropped (2026-12-02, ``benchmarks/results/mla8_overlap_
 CTAs (a cluster a query and pair of splits, score parts through the other CTA's shared memory) 124-135
 us; Pallas's store barriers left out, no change; each step's softmax with the next step's score
 products in flight, 95-105 us (spills); the scores on the 8-bit tensor cores against two 8-bit parts of
-the queries (``split_q``, code in git 27bdf49), 106-139 us against 91-94. A step's wgmma work is ~0.8 us of its ~2.8 (m64n16k16 costs
-~13.5 ns an SM, ``benchmarks/wgmma_probe.py``) and its bytes 1.28 us at the copy rate: the chain of
-phases sets it, and overlapping steps needs a second converted slab that shared memory cannot hold.
+the queries (``split_q``, code in git 27bdf49), 106-139 us against 91-94. A step's wgmma work is ~0.8
+us of its ~2.8 (m64n16k16 costs ~13.5 ns an SM, ``benchmarks/wgmma_probe.py``) and its bytes 1.28 us at
+the copy rate: the chain of phases sets it, and overlapping steps needs a second converted slab that
+shared memory cannot hold.
 """
 
 from __future__ import annotations

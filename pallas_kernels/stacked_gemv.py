@@ -84,16 +84,14 @@ def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, nu
                 k_ok = ks < depth
                 if fma:  # the one row as a column: x[k] times w's row k, summed down the rows after the loop
                     x = plgpu.load(x_ref.at[jnp.int32(0), pl.ds(k0, block_k)], mask=k_ok, other=0)
-                    if scaled:
-                        x32 = x.astype(jnp.float32)
-                        squares = squares + jnp.where(rows == 0, jnp.sum(x32 * x32), 0.0)
-                        x = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0) * x
                 else:
                     x = plgpu.load(x_ref.at[safe_rows, ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
-                    if scaled:
-                        x32 = x.astype(jnp.float32)
-                        squares = squares + jnp.sum(x32 * x32, axis=1)
-                        x = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)[None, :] * x
+                if scaled:
+                    x32 = x.astype(jnp.float32)
+                    row_squares = jnp.sum(x32 * x32, axis=-1)  # [block_m], or the one row's with fma
+                    squares = squares + (jnp.where(rows == 0, row_squares, 0.0) if fma else row_squares)
+                    g = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)
+                    x = (g if fma else g[None, :]) * x
                 mask = k_ok[:, None] if weight.width % block_n == 0 else k_ok[:, None] & (cols < weight.width)[None, :]
                 w = plgpu.load(w_ref.at[layer, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=mask, other=0)
                 if fma:
