@@ -2,13 +2,22 @@
 LLMEngine.step() (host included), and records a jax.profiler trace of a few decode steps.
 
     python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --trace-dir /tmp/trace
+
+With ``--variant``, an A/B of trace-time knobs instead: the one engine's step recompiled under each
+variant (module attributes set to Python literals), its device time taken in turns over ``--rounds``
+(so drift between runs falls on every variant alike):
+
+    python -m benchmarks.step_profile --batch 1 --rounds 3 --variant built \
+        --variant "fma: dsjax.model.dispatch.STACKED_GEMV_FMA_MAX_TOKENS=1"
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import glob
 import gzip
+import importlib
 import json
 import os
 import time
@@ -72,6 +81,11 @@ def main(argv=None):
     parser.add_argument("--trace-dir", default="/tmp/dsjax_trace")
     parser.add_argument("--num-kv-blocks", type=int, default=4096)
     parser.add_argument("--top", type=int, default=25, help="device ops to list")
+    parser.add_argument("--variant", action="append", default=[], type=parse_variant,
+                        help="'NAME[: module.ATTR=LITERAL ...]': A/B these knob settings instead of profiling")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (with --variant)")
+    parser.add_argument("--repeats", type=int, default=200, help="launches a timing (with --variant)")
+    parser.add_argument("--out", help="JSON of the A/B under this path (with --variant)")
     args = parser.parse_args(argv)
     b = args.batch
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
@@ -88,6 +102,16 @@ def main(argv=None):
         start = time.perf_counter()
         engine.step()
         host.append(time.perf_counter() - start)
+    if args.variant:
+        rows = ab_compiled_steps(engine, args.variant, rounds=args.rounds, repeats=args.repeats)
+        payload = {"batch": b, "preset": args.preset, "device": jax.devices()[0].device_kind,
+                   "jax": jax.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows,
+                   "table": ab_table(rows)}
+        print(payload["table"])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(payload, f, indent=1)
+        return payload
     profile = profile_compiled_step(engine, args.trace_dir, limit=args.top)
     print(f"batch {b}: engine.step {np.median(host) * 1e3:.2f} ms, compiled step alone "
           f"{profile['device_ms']:.2f} ms, prepare {profile['prepare_ms']:.3f} ms")
@@ -95,6 +119,108 @@ def main(argv=None):
         print(f"top device ops over {profile['steps']} steps ({profile['trace']}):")
         for op in profile["ops"]:
             print(f"  {op['us_per_step']:10.1f} us/step  x{op['count_per_step']:5.0f}  {op['name'][:110]}")
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, object]]:
+    """'NAME: module.ATTR=LITERAL module.ATTR.FIELD=LITERAL ...' (no settings: the code as built) ->
+    (NAME, {target: value}); ATTR.FIELD sets one field of a NamedTuple (its other fields as built)."""
+    name, _, rest = text.partition(":")
+    settings = {}
+    for item in rest.split():
+        target, eq, value = item.partition("=")
+        if not eq or "." not in target:
+            raise argparse.ArgumentTypeError(f"variant {name!r}: {item!r} is not module.ATTR[.FIELD]=LITERAL")
+        try:
+            settings[target] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(f"variant {name!r}: {value!r} is not a Python literal") from None
+    if not name.strip():
+        raise argparse.ArgumentTypeError(f"variant {text!r} has no name (NAME[: module.ATTR=LITERAL ...])")
+    return name.strip(), settings
+
+
+def _knob(target: str) -> tuple[object, str, str | None]:
+    """'module.ATTR' or 'module.ATTR.FIELD' -> (the module, ATTR, FIELD or None): the longest importable
+    prefix is the module."""
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            module = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        rest = parts[cut:]
+        if len(rest) <= 2 and hasattr(module, rest[0]):
+            return module, rest[0], rest[1] if len(rest) == 2 else None
+        break
+    raise ValueError(f"knob {target!r}: expected module.ATTR or module.ATTR.FIELD of an importable module")
+
+
+def time_compiled_step(engine, t: int, inputs, repeats: int) -> tuple[float, float]:
+    """Device ms a launch of the prepared step (mean of ``repeats`` back to back, after 3 warm-up
+    launches) and host ms each launch call holds."""
+    runner = engine.runner
+    for _ in range(3):
+        res = runner.launch(t, inputs)
+    jax.block_until_ready(res)
+    start, launch_s = time.perf_counter(), 0.0
+    for _ in range(repeats):
+        call = time.perf_counter()
+        res = runner.launch(t, inputs)
+        launch_s += time.perf_counter() - call
+    jax.block_until_ready((runner.cache, res))
+    return (time.perf_counter() - start) / repeats * 1e3, launch_s / repeats * 1e3
+
+
+def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[dict]:
+    """The engine's next step, prepared once, recompiled under each variant ((name, {target: value})
+    from parse_variant) and timed, the variants taken in turns for ``rounds``: one row a variant and
+    round. Every knob a variant sets is put back before the next and at the end (the step compiled as
+    built again)."""
+    knobs = {target: _knob(target) for _, settings in variants for target in settings}
+    original = {(module, attr): getattr(module, attr) for module, attr, _ in knobs.values()}
+    runner = engine.runner
+    out = engine.scheduler.schedule()
+    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+
+    def apply(settings):
+        for (module, attr), value in original.items():
+            setattr(module, attr, value)
+        for target, value in settings.items():
+            module, attr, field = knobs[target]
+            setattr(module, attr, getattr(module, attr)._replace(**{field: value}) if field else value)
+        jax.clear_caches()  # the knobs are read while tracing: every kernel and the step trace again
+        runner._compiled.clear()
+        start = time.perf_counter()
+        runner.compile_all()
+        return time.perf_counter() - start
+
+    rows = []
+    try:
+        for turn in range(rounds):
+            for name, settings in variants:
+                compile_s = apply(settings)
+                device_ms, launch_ms = time_compiled_step(engine, t, inputs, repeats)
+                rows.append({"variant": name, "round": turn, "device_ms": device_ms, "launch_call_ms": launch_ms,
+                             "compile_s": compile_s, "settings": {k: repr(v) for k, v in settings.items()}})
+                print(f"round {turn} {name:<16} compiled step {device_ms:.4f} ms", flush=True)
+    finally:
+        apply({})
+    return rows
+
+
+def ab_table(rows: list[dict]) -> str:
+    """Markdown: each variant's device ms by round, their median and the settings."""
+    names = list(dict.fromkeys(r["variant"] for r in rows))
+    rounds = sorted({r["round"] for r in rows})
+    lines = ["| variant | " + " | ".join(f"round {i} ms" for i in rounds) + " | median ms | settings |",
+             "|---|" + "---|" * (len(rounds) + 2)]
+    for name in names:
+        mine = [r for r in rows if r["variant"] == name]
+        times = [f"{r['device_ms']:.4f}" for r in sorted(mine, key=lambda r: r["round"])]
+        settings = " ".join(f"{k}={v}" for k, v in mine[0]["settings"].items()) or "as built"
+        lines.append(f"| {name} | " + " | ".join(times) + f" | {np.median([r['device_ms'] for r in mine]):.4f} | "
+                     f"{settings} |")
+    return "\n".join(lines)
 
 
 def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: int = 20, limit: int = 25) -> dict:
@@ -108,16 +234,7 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
     start = time.perf_counter()
     t, inputs, _ = runner.prepare(out, rows, engine._pending_rows)
     prepare_s = time.perf_counter() - start
-    for _ in range(3):
-        res = runner.launch(t, inputs)
-    jax.block_until_ready(res)
-    start, launch_s = time.perf_counter(), 0.0
-    for _ in range(repeats):
-        call = time.perf_counter()
-        res = runner.launch(t, inputs)
-        launch_s += time.perf_counter() - call
-    jax.block_until_ready((runner.cache, res))
-    device_s = (time.perf_counter() - start) / repeats
+    device_ms, launch_ms = time_compiled_step(engine, t, inputs, repeats)
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(steps):
             res = runner.launch(t, inputs)
@@ -125,9 +242,9 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
     trace = latest_trace(trace_dir)
     ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps}
            for name, us, count in (top_ops(trace, limit) if trace else [])]
-    return {"device_ms": device_s * 1e3, "prepare_ms": prepare_s * 1e3, "steps": steps,
-            # host time inside each launch() of the back-to-back loop above (its share of device_ms)
-            "launch_call_ms": launch_s / repeats * 1e3,
+    return {"device_ms": device_ms, "prepare_ms": prepare_s * 1e3, "steps": steps,
+            # host time inside each launch() of the back-to-back loop (its share of device_ms)
+            "launch_call_ms": launch_ms,
             "busy_ms_per_gpu": [us / steps / 1e3 for us in busy_us(trace)] if trace else None,
             "trace": trace, "ops": ops}
 

@@ -131,3 +131,41 @@ def test_l2_staging_probe_quick():
     payload = l2_staging_probe.main(["--quick"])
     assert [r["staged"] for r in payload["rows"]] == list(l2_staging_probe.STAGED)
     assert payload["rows"][0]["staged_mb"] == 0 and all(r["staged_mb"] > 0 for r in payload["rows"][1:])
+
+
+def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path, monkeypatch):
+    """--variant: each variant's settings hold while the step compiles and is timed, in turns over the
+    rounds; the knobs are as built afterwards."""
+    from benchmarks import step_profile
+    from dsjax.model import dispatch
+
+    built = dispatch.STACKED_GEMV_MAX_TOKENS
+    built_tiles = dispatch.MOE_DECODE_TILES
+    seen = []
+    original_ab = step_profile.ab_compiled_steps
+
+    def recording_ab(engine, variants, **kw):
+        inner = engine.runner.compile_all
+        monkeypatch.setattr(engine.runner, "compile_all",
+                            lambda: (seen.append((dispatch.STACKED_GEMV_MAX_TOKENS,
+                                                  dispatch.MOE_DECODE_TILES)), inner())[1])
+        return original_ab(engine, variants, **kw)
+
+    monkeypatch.setattr(step_profile, "ab_compiled_steps", recording_ab)
+    out = tmp_path / "ab.json"
+    payload = step_profile.main(["--preset", "tiny", "--batch", "2", "--num-kv-blocks", "64", "--rounds", "2",
+                                 "--repeats", "2", "--variant", "built",
+                                 "--variant", "off: dsjax.model.dispatch.STACKED_GEMV_MAX_TOKENS=0 "
+                                 "dsjax.model.dispatch.MOE_DECODE_TILES.num_warps=8",
+                                 "--out", str(out)])
+    assert [(r["variant"], r["round"]) for r in payload["rows"]] == [("built", 0), ("off", 0), ("built", 1),
+                                                                      ("off", 1)]
+    changed = (0, built_tiles._replace(num_warps=8))
+    assert seen == [(built, built_tiles), changed, (built, built_tiles), changed, (built, built_tiles)]
+    assert (dispatch.STACKED_GEMV_MAX_TOKENS, dispatch.MOE_DECODE_TILES) == (built, built_tiles)
+    assert all(r["device_ms"] > 0 for r in payload["rows"])
+    assert "| off |" in payload["table"] and json.loads(out.read_text())["rows"] == payload["rows"]
+    with pytest.raises(SystemExit):
+        step_profile.main(["--preset", "tiny", "--variant", "bad: dispatch.X=not a literal"])
+    with pytest.raises(ValueError, match="dispatch.NO_SUCH'.*importable module"):
+        original_ab(None, [("x", {"dsjax.model.dispatch.NO_SUCH": 1})], rounds=1, repeats=1)
