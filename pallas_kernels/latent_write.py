@@ -29,8 +29,18 @@ from pallas_kernels.common import dot_precision, inv_rms, rms_norm, rotate, rota
 from pallas_kernels.stacked_gemv import stacked_head_gemv_reference
 
 # Programs a head's absorbed query takes (``w_uk``): each multiplies the nope query into C / 4 latent
-# columns (V2-Lite: a 128 x 128 slice of the head's W_UK, 32 KB).
-ABSORB_TILES = 4
+# columns (V2-Lite: a 128 x 128 slice of the head's W_UK, 32 KB); a step of one token, C / 8. H200,
+# V2-Lite compiled decode step (decode_profile.md round 14): 8 tiles 2.299 ms at batch 1 against 2.311
+# for 4 and 2.322 for 16; at batch 8, 5.573 against 5.551 for 4.
+ABSORB_TILES, ONE_TOKEN_ABSORB_TILES = 4, 8
+MIN_ABSORB_COLUMNS = 16  # a tile's latent columns (a dot's N)
+
+
+def absorb_tiles(num_tokens: int, latent_dim: int) -> int:
+    """Programs a head's absorbed query takes at ``num_tokens`` tokens: ``ONE_TOKEN_ABSORB_TILES`` for
+    one, else ``ABSORB_TILES``, at most latent_dim / ``MIN_ABSORB_COLUMNS``."""
+    tiles = ONE_TOKEN_ABSORB_TILES if num_tokens == 1 else ABSORB_TILES
+    return max(1, min(tiles, latent_dim // MIN_ABSORB_COLUMNS))
 
 
 def _write_kernel(layer_ref, norm_index_ref, slots_ref, positions_ref, kv_ref, norm_ref, inv_freq_ref, *refs,
@@ -138,7 +148,7 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, 
     [S * T, H * (Dn + R)] with ``q_heads`` = (H, Dn): the same partials of the queries; then -> (c_kv,
     k_pe, q_nope [T, H, Dn], q_pe [T, H, R] rotated), in the pools' dtype. With ``w_uk`` (the layer
     stack's [Ln, C, H, Dn], read at ``norm_index``) the nope queries come back absorbed, q_latent [T, H,
-    C] = q_nope W_UK (MLA's absorbed query): ``ABSORB_TILES`` programs a head, each a tile of C."""
+    C] = q_nope W_UK (MLA's absorbed query): ``absorb_tiles(T, C)`` programs a head, each a tile of C."""
     num_blocks, block_size, latent_dim = c_kv.shape[1:]
     rope_dim = k_pe.shape[-1]
     num_tokens = slots.shape[0]
@@ -156,11 +166,11 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, 
     if w_uk is not None and (q is None or w_uk.shape[1:] != (latent_dim, *q_heads)):
         raise ValueError(f"write_latents: w_uk {w_uk.shape} comes with q and q_heads={q_heads}; expected "
                          f"[Ln, C={latent_dim}, H, Dn]")
-    absorb_tiles = ABSORB_TILES if w_uk is not None else 0
+    tiles = absorb_tiles(num_tokens, latent_dim) if w_uk is not None else 0
     kernel = functools.partial(_write_kernel, latent_dim=latent_dim, rope_dim=rope_dim, eps=eps,
                                cos_sin_scale=cos_sin_scale, interleave=interleave, block_size=block_size,
                                num_slots=num_blocks * block_size, num_tokens=num_tokens, splits=splits,
-                               rms=row_rms, q_heads=q_heads, absorb_tiles=absorb_tiles)
+                               rms=row_rms, q_heads=q_heads, absorb_tiles=tiles)
     extra = ([squares.astype(jnp.float32)] if row_rms is not None else []) + \
         ([q.astype(jnp.float32)] if q is not None else []) + \
         ([w_uk.reshape(*w_uk.shape[:2], -1)] if w_uk is not None else [])
@@ -172,7 +182,7 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, *, 
     first_pool = 7 + len(extra)
     return tuple(pl.pallas_call(
         kernel,
-        grid=(num_tokens, 1 + (q_heads[0] * (absorb_tiles or 1) if q is not None else 0)),
+        grid=(num_tokens, 1 + (q_heads[0] * (tiles or 1) if q is not None else 0)),
         out_shape=out_shape,
         input_output_aliases={first_pool: 0, first_pool + 1: 1},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),

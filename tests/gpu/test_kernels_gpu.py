@@ -454,21 +454,22 @@ def test_write_latents_gpu():
         assert _rel(g, w) < 1e-4  # and nothing else moved
 
 
-@pytest.mark.parametrize("absorb", [False, True])
-def test_write_latents_with_query_partials_gpu(absorb):
+@pytest.mark.parametrize("absorb, tokens", [(False, 2), (True, 2), (True, 1)])
+def test_write_latents_with_query_partials_gpu(absorb, tokens):
     """V2-Lite's first attention launch's output as it leaves stacked_gemvs (16 split-K partials of
     q: 16 heads x 192, and of kv_a: 576, with the rows' sums of squares) finished by write_latents:
-    the latents written, q_nope (or, absorbed through W_UK, q_latent) and the rotated q_pe returned."""
+    the latents written, q_nope (or, absorbed through W_UK, q_latent) and the rotated q_pe returned
+    (absorbed at one token: 8 programs a head, at two: 4)."""
     from pallas_kernels.latent_write import write_latents, write_latents_reference
 
     rng = np.random.default_rng(1)
-    splits, tokens = 16, 2
+    splits = 16
     c_kv = jnp.asarray(rng.standard_normal((3, 8, 64, 512)), jnp.bfloat16)
     k_pe = jnp.asarray(rng.standard_normal((3, 8, 64, 64)), jnp.bfloat16)
     kv = jnp.asarray(rng.standard_normal((splits * tokens, 576)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((splits * tokens, 16 * 192)), jnp.float32)
     squares = jnp.asarray(rng.uniform(10, 100, splits * tokens), jnp.float32)
-    slots, positions = jnp.asarray([3, 300], jnp.int32), jnp.asarray([3, 900], jnp.int32)
+    slots, positions = jnp.asarray([3, 300][:tokens], jnp.int32), jnp.asarray([3, 900][:tokens], jnp.int32)
     norm = jnp.asarray(1 + 0.1 * rng.standard_normal((2, 512)), jnp.bfloat16)
     options = dict(eps=1e-6, inv_freq=tuple(float(f) for f in 1.0 / 10000 ** (np.arange(0, 64, 2) / 64)),
                    cos_sin_scale=1.0, interleave=True, squares=squares, row_rms=(2048, 1e-6), q=q, q_heads=(16, 128))

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import latent_write
 from pallas_kernels.latent_write import write_latents, write_latents_reference
 from tests.pallas_kernels.kernel_utils import lower_for_h200
 
@@ -58,7 +59,7 @@ def test_write_latents_lowers_to_triton_for_h200_in_place():
 
 
 @pytest.mark.parametrize("interleave", [True, False])
-def test_write_latents_finishes_split_partials_and_queries(interleave):
+def test_write_latents_finishes_split_partials_and_queries(interleave, monkeypatch):
     """kv_a's and q's products as stacked_gemvs's unsummed split-K partials of the attention's
     RMSNorm-scaled rows (3 splits): the kernel adds them, applies 1 / rms, writes the latents and
     returns q_nope and the rotated q_pe, as norm-then-project through the references does."""
@@ -105,6 +106,23 @@ def test_write_latents_finishes_split_partials_and_queries(interleave):
     q_latent = jnp.einsum("thn,chn->thc", want[2], w_uk[1])
     for a, b in zip(absorbed, want[:2] + (q_latent, want[3])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    # one token takes ONE_TOKEN_ABSORB_TILES programs a head (here 2, tiles of 32)
+    monkeypatch.setattr(latent_write, "ONE_TOKEN_ABSORB_TILES", 2)
+    q_one, kv_one, squares_one = stacked_gemvs(x[:1], (w_q, w_kv), jnp.int32(1), g, eps=1e-5, num_splits=3,
+                                               block_n=16, block_k=16, partials=True, interpret=True)
+    one = write_latents(*_pools(np.random.default_rng(1), jnp.float32), kv_one, slots[:1], positions[:1],
+                        jnp.int32(2), norm, jnp.int32(1), squares=squares_one, row_rms=(depth, 1e-5), q=q_one,
+                        q_heads=(heads, nope), w_uk=w_uk, interpret=True, **options)
+    np.testing.assert_allclose(np.asarray(one[2]), np.asarray(q_latent[:1]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(one[3]), np.asarray(want[3][:1]), rtol=1e-4, atol=1e-4)
+
+
+def test_absorb_tiles_by_tokens():
+    """Eight programs a head at one token, four at more (V2-Lite's 512 latent columns); never tiles of
+    fewer than MIN_ABSORB_COLUMNS columns."""
+    assert [latent_write.absorb_tiles(t, 512) for t in (1, 2, 8)] == [8, 4, 4]
+    assert [latent_write.absorb_tiles(t, 64) for t in (1, 2)] == [4, 4]
+    assert latent_write.absorb_tiles(1, 16) == 1
 
 
 def test_write_latents_with_queries_lowers_to_triton_for_h200_in_place():
