@@ -147,26 +147,19 @@ def fused_launches(launches: dict, *, quick: bool) -> list[dict]:
         norm = jnp.ones((ws[0].shape[0], depth), jnp.bfloat16)
         weight_bytes = sum(w.size // w.shape[0] * w.dtype.itemsize for w in ws)
         stage_options = (2,) if quick else (3, 1)  # the kernel's default first
-        width = sum(n for _, n, _ in shapes)
-        configs = []  # (block_n, block_k, stages, splits, fma, default)
         for block_n, stages in itertools.product((32,) if quick else (64, 128), stage_options):
             block_k = 32 if quick else 128
-            auto = default_splits(depth, width, block_n, block_k)
-            configs += [(block_n, block_k, stages, splits, False, splits == auto and stages == stage_options[0])
-                        for splits in sorted({auto, max(1, auto // 2), min(2 * auto, max(1, depth // block_k))})]
-        # the products as multiply-adds (stacked_gemvs(fma=True)) at the default splits and stages
-        fma_tiles = itertools.product((32,) if quick else (64, 128), (32,) if quick else (32, 64))
-        configs += [(block_n, block_k, stage_options[0], default_splits(depth, width, block_n, block_k), True, False)
-                    for block_n, block_k in fma_tiles]
-        for block_n, block_k, stages, splits, fma, default in configs:
-            fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k, stages, fma): stacked_gemvs(
-                x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], num_stages=c[3],
-                fma=c[4], interpret=quick)
-            us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
-            rows.append(dict(launch=name, block_n=block_n, num_stages=stages, num_splits=splits, default=default,
-                             fma=fma, us=us, tb_per_s=weight_bytes / us / 1e6))
-            print(f"  {name:<20} {block_n:>4} cols, k{block_k}, s{stages}, {splits:>3} splits{'*' if default else ' '}"
-                  f"{' fma' if fma else ''} {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
+            auto = default_splits(depth, sum(n for _, n, _ in shapes), block_n, block_k)
+            for splits in sorted({auto, max(1, auto // 2), min(2 * auto, max(1, depth // block_k))}):
+                fn = lambda x, ws, layer, norm, c=(splits, block_n, block_k, stages): stacked_gemvs(
+                    x, ws, layer, norm, eps=1e-6, num_splits=c[0], block_n=c[1], block_k=c[2], num_stages=c[3],
+                    interpret=quick)
+                us, _ = _time(fn, (x, ws, jnp.int32(1 if quick else LAYER), norm), quick=quick)
+                rows.append(dict(launch=name, block_n=block_n, num_stages=stages, num_splits=splits,
+                                 default=splits == auto and stages == stage_options[0], us=us,
+                                 tb_per_s=weight_bytes / us / 1e6))
+                print(f"  {name:<20} {block_n:>4} cols, s{stages}, {splits:>3} splits{'*' if splits == auto else ' '}"
+                      f" {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
     return rows
 
 
@@ -203,13 +196,8 @@ def head_products(row_counts, configs, *, quick: bool) -> list[dict]:
 
 DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128), DecodeTiles(block_k=64),
                 DecodeTiles(block_d=256), DecodeTiles(block_i=32, block_k=256, num_stages=2),
-                DecodeTiles(num_warps=8),
-                # the products as multiply-adds on the CUDA cores (no 16-row padded dots, no operand staging)
-                DecodeTiles(block_k=32, fma=True), DecodeTiles(block_k=16, fma=True), DecodeTiles(block_k=64, fma=True),
-                DecodeTiles(block_k=32, fma=True, num_warps=8), DecodeTiles(block_k=32, block_d=256, fma=True),
-                DecodeTiles(block_i=32, block_k=64, fma=True)]
-QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2),
-                      DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2, fma=True)]
+                DecodeTiles(num_warps=8)]
+QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
 
 
 def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
@@ -240,8 +228,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
         distinct = len(set(np.asarray(ids).reshape(-1).tolist()))
         weight_bytes = (distinct * 3 * hidden * inter + 3 * hidden * shared_inter) * 2
         for name, fn in [("grouped", grouped)] + [
-                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}"
-                 + (" fma" if c.fma else ""),
+                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}",
                  lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick))
                 for c in configs]:
             us, _ = _time(fn, args, quick=quick)
@@ -286,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
                                        f"splits {b['num_splits']}") for s, b in best.items()]
         tables.append(markdown_table(table_rows, list(table_rows[0])))
     columns = {"shared_mlp": ["impl", "us", "tb_per_s"], "rows_vs_xla": None,
-               "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "fma", "us", "tb_per_s"],
+               "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "us", "tb_per_s"],
                "head_products": ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"],
                "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"]}
     for part, cols in columns.items():

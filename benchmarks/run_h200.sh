@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-ab-step|decode-knobs|decode-absorb|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -22,17 +22,12 @@ case $part in
       --trace-dir /tmp/trace_b1 | grep -vi warn | tee "$OUT/profile_b1.txt" | head -30
     timeout 150 python -m dsjax.bench decode-curve --batches 1 2 4 8 16 32 64 --prompts 128 --out-dir "$OUT" \
       | grep "decode-curve b" ;;
-  decode-ab)  # the decode launches' GPU tests and the kernels A/B (about 6 minutes); then decode-ab-step
+  decode-ab)  # the decode launches' GPU tests and the kernels A/B (about 6 minutes)
     timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "stacked or moe_decode or write_latents or paged_decode_pallas" \
       2>&1 | tee "$OUT/gpu_tests_ab.log" | tail -4
     timeout 300 python benchmarks/kernels_gemv.py --only fused_launches moe_one_launch \
       --out "$OUT/gemv_decode_h200" | tail -60 ;;
-  decode-ab-step)  # the batch-1 compiled step with one-token products as multiply-adds (fma), A/B in turns
-    fma="dsjax.model.dispatch.STACKED_GEMV_FMA_MAX_TOKENS=1 pallas_kernels.stacked_gemv.FMA_BLOCK_K"
-    timeout 500 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 3 --variant built --variant "fma k32: $fma=32" --variant "fma k64: $fma=64" \
-      --out "$OUT/step_ab_fma_h200.json" 2>&1 | grep -E "^round|^\|" ;;
   decode-knobs)  # the batch-1 compiled step under the decode kernels' trace-time tile knobs, A/B in turns (~4 minutes)
     g=pallas_kernels.stacked_gemv; m=pallas_kernels.mla_decode; d=dsjax.model.dispatch
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
@@ -41,18 +36,17 @@ case $part in
       --variant "gemv 1 wave: $g.TARGET_WAVES=1" --variant "gemv 4 waves: $g.TARGET_WAVES=4" \
       --variant "gemv 64 cols: $g.WIDE_MIN_WIDTH=1000000" --variant "gemv 128 cols: $g.BLOCK_N=128" \
       --variant "gemv k64: $g.BLOCK_K=64" --variant "gemv k256: $g.BLOCK_K=256" \
-      --variant "absorb 2: pallas_kernels.latent_write.ABSORB_TILES=2" \
-      --variant "absorb 8: pallas_kernels.latent_write.ABSORB_TILES=8" \
+      --variant "absorb 4: pallas_kernels.latent_write.ONE_TOKEN_ABSORB_TILES=4" \
+      --variant "absorb 16: pallas_kernels.latent_write.ONE_TOKEN_ABSORB_TILES=16" \
       --variant "attn 66 programs: $m.TARGET_PROGRAMS=66" --variant "attn 264 programs: $m.TARGET_PROGRAMS=264" \
       --variant "attn latency k64: $m.LATENCY_BLOCKS.block_k=64" \
       --out "$OUT/step_ab_knobs_h200.json" 2>&1 | grep -E "^round|^\||Error" ;;
-  decode-absorb)  # write_latents' programs a head (ABSORB_TILES) at batches 1 and 8, A/B in turns (~3 minutes)
-    a=pallas_kernels.latent_write.ABSORB_TILES
+  decode-absorb)  # write_latents' programs a head: one token's at batch 1, more tokens' at batch 8, A/B in turns (~3 minutes)
     for b in 1 8; do
+      a=pallas_kernels.latent_write.$([ $b = 1 ] && echo ONE_TOKEN_ABSORB_TILES || echo ABSORB_TILES)
       timeout 270 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "absorb 8: $a=8" --variant "absorb 16: $a=16" \
-        --variant "absorb 8, attn 66 programs: $a=8 pallas_kernels.mla_decode.TARGET_PROGRAMS=66" \
-        --out "$OUT/step_ab_absorb_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
+        --rounds 3 --variant built --variant "absorb 4: $a=4" --variant "absorb 8: $a=8" \
+        --variant "absorb 16: $a=16" --out "$OUT/step_ab_absorb_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
     done ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12

@@ -8,7 +8,8 @@ variant (module attributes set to Python literals), its device time taken in tur
 (so drift between runs falls on every variant alike):
 
     python -m benchmarks.step_profile --batch 1 --rounds 3 --variant built \
-        --variant "fma: dsjax.model.dispatch.STACKED_GEMV_FMA_MAX_TOKENS=1"
+        --variant "absorb 8: pallas_kernels.latent_write.ONE_TOKEN_ABSORB_TILES=8" \
+        --variant "moe 8 warps: dsjax.model.dispatch.MOE_DECODE_TILES.num_warps=8"
 """
 
 from __future__ import annotations

@@ -37,17 +37,14 @@ class DecodeTiles(NamedTuple):
     (3.36 TB/s of the 139 MB read) and 65.1 at two; 32-column programs 44.8, 128-column 47.4, 8 warps
     40.5 (within the runs' noise). Persistent programs taking narrow tiles in turn (132 or 264 of them,
     16-32 columns) were slower at every config: 48-106 µs, and so were shared-expert tiles of their own
-    width at two tokens (decode_profile.md round 10)."""
+    width at two tokens (decode_profile.md round 10); and so were the products as multiply-adds on the
+    CUDA cores instead of dots of the token padded to 16 rows: 65-126 µs (round 14, code in git 75b3671).
+    In the compiled batch-1 step (round 14) 8 warps cost 2.409 ms and 256-row K steps 2.503, against 2.309."""
     block_i: int = 64  # intermediate columns a program owns
     block_k: int = 128  # hidden rows a gate/up step streams
     block_d: int = 128  # output columns a down step produces
     num_warps: int = 4
     num_stages: int = 3
-    # The products as multiply-adds on the CUDA cores ([block_k, block_i] f32 accumulators a matrix, summed
-    # once after the gate/up loop; the down rows summed each step) instead of dots of the token padded to
-    # 16 rows, whose operands Triton stages through shared memory. Built 2026-12-02 (session 28) and
-    # lowered for the H200, not yet run on it: benchmarks/kernels_gemv.py's DECODE_TILES time it.
-    fma: bool = False
 
 
 def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles):
@@ -63,33 +60,25 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
         k0 = pl.multiple_of(i * block_k, block_k)
         k_ok = k0 + jnp.arange(block_k) < hidden
         x = plgpu.load(x_ref.at[token, pl.ds(k0, block_k)], mask=k_ok, other=0)
-        if not tiles.fma:
-            x = jnp.where(first_row, x[None, :], 0).astype(x.dtype)  # [16, block_k]: the token in row 0
+        x = jnp.where(first_row, x[None, :], 0).astype(x.dtype)  # [16, block_k]: the token in row 0
         mask = k_ok[:, None] & col_ok[None, :]
         at = (*prefix, pl.ds(k0, block_k), pl.ds(i0, block_i))
         g = plgpu.load(wg.at[at], mask=mask, other=0)
         u = plgpu.load(wu.at[at], mask=mask, other=0)
-        if tiles.fma:  # [block_k, block_i] products, summed down the rows once after the loop
-            x = x.astype(jnp.float32)[:, None]
-            return acc_g + x * g.astype(jnp.float32), acc_u + x * u.astype(jnp.float32)
         return acc_g + dot(x, g), acc_u + dot(x, u)
 
-    zeros = jnp.zeros((block_k if tiles.fma else 16, block_i), jnp.float32)
+    zeros = jnp.zeros((16, block_i), jnp.float32)
     acc_g, acc_u = jax.lax.fori_loop(0, pl.cdiv(hidden, block_k), gate_up, (zeros, zeros))
-    if tiles.fma:
-        acc_g, acc_u = jnp.sum(acc_g, axis=0), jnp.sum(acc_u, axis=0)
-    h = (jax.nn.silu(acc_g) * acc_u * scale).astype(x_ref.dtype)  # [16, block_i], row 0 real ([block_i] with fma)
+    h = (jax.nn.silu(acc_g) * acc_u * scale).astype(x_ref.dtype)  # [16, block_i], row 0 real
 
     def down(j, carry):
         d0 = pl.multiple_of(j * block_d, block_d)
         d_ok = d0 + jnp.arange(block_d) < hidden
         w = plgpu.load(wd.at[(*prefix, pl.ds(i0, block_i), pl.ds(d0, block_d))],
                        mask=col_ok[:, None] & d_ok[None, :], other=0)
-        if tiles.fma:
-            y = jnp.sum(h.astype(jnp.float32)[:, None] * w.astype(jnp.float32), axis=0)
-        else:
-            y = jnp.sum(jnp.where(first_row, dot(h, w), 0.0), axis=0)  # [16, block_d] -> row 0
-        plgpu.store(out_ref.at[program, pl.ds(d0, block_d)], y, mask=d_ok)
+        y = dot(h, w)  # [16, block_d]
+        plgpu.store(out_ref.at[program, pl.ds(d0, block_d)], jnp.sum(jnp.where(first_row, y, 0.0), axis=0),
+                    mask=d_ok)
         return carry
 
     jax.lax.fori_loop(0, pl.cdiv(hidden, block_d), down, 0)

@@ -36,9 +36,10 @@ TARGET_WAVES = 2
 # configs): the best per shape beat these by 3-6% (15% less time at the shared experts' 2816 -> 2048 down
 # projection, with 128 x 128 tiles and 8 splits), and none was best everywhere; these are the ones the
 # GPU tests and the engine numbers ran with. The kernel alone streams ~3.4 TB/s at q_proj's 12.6 MB;
-# summing the partials adds ~1 µs.
+# summing the partials adds ~1 µs. In the compiled batch-1 step (decode_profile.md round 14: 2.309 ms
+# as built) no other tile or split knob was faster, and one row's products as multiply-adds instead of
+# padded dots cost 2.350-2.448 ms (code in git 75b3671).
 BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 128, 4, 3
-FMA_BLOCK_K = 32  # stacked_gemvs(fma=True): [32, 128] f32 accumulators are 32 registers a thread at 4 warps
 # A launch with the RMSNorm folded in and at least this many output columns in all takes 128-column
 # tiles: H200, one token (2026-12-01, kernels_gemv.fused_launches): norm + q + kv_a 9.4 µs against 12.2
 # at 64 columns, norm + router + shared gate / up 13.6 against 15.9.
@@ -54,7 +55,7 @@ class _Weight(NamedTuple):
     k_per_split: int
 
 
-def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled, fma):
+def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled):
     # layer_ref i32[1]; x_ref [M, K]; then (every layer's norm weights g [L, K]) when scaled; one stacked
     # w_ref [L, K, N_i] per weight; outputs: f32[S * M, N_i] per weight (split s's partial at rows
     # s*M..), then (f32[S * M]: split s's sum of x*x per row) when scaled. Scaled, the products are of
@@ -77,32 +78,23 @@ def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, nu
             k_start = split * weight.k_per_split
             block_k = weight.block_k
 
-            def body(i, carry):  # acc f32[block_m, block_n] (fma: [block_k, block_n]), squares f32[block_m]
+            def body(i, carry):  # acc f32[block_m, block_n], sum of squares f32[block_m]
                 acc, squares = carry
                 k0 = pl.multiple_of(k_start + i * block_k, block_k)
                 ks = k0 + jnp.arange(block_k)
                 k_ok = ks < depth
-                if fma:  # the one row as a column: x[k] times w's row k, summed down the rows after the loop
-                    x = plgpu.load(x_ref.at[jnp.int32(0), pl.ds(k0, block_k)], mask=k_ok, other=0)
-                else:
-                    x = plgpu.load(x_ref.at[safe_rows, ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
+                x = plgpu.load(x_ref.at[safe_rows, ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
                 if scaled:
                     x32 = x.astype(jnp.float32)
-                    row_squares = jnp.sum(x32 * x32, axis=-1)  # [block_m], or the one row's with fma
-                    squares = squares + (jnp.where(rows == 0, row_squares, 0.0) if fma else row_squares)
-                    g = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)
-                    x = (g if fma else g[None, :]) * x
+                    squares = squares + jnp.sum(x32 * x32, axis=1)
+                    x = plgpu.load(norm_ref.at[layer, ks], mask=k_ok, other=0)[None, :] * x
                 mask = k_ok[:, None] if weight.width % block_n == 0 else k_ok[:, None] & (cols < weight.width)[None, :]
                 w = plgpu.load(w_ref.at[layer, pl.ds(k0, block_k), pl.ds(n0, block_n)], mask=mask, other=0)
-                if fma:
-                    return acc + x.astype(jnp.float32)[:, None] * w.astype(jnp.float32), squares
                 return acc + _dot(x, w), squares
 
             acc, squares = jax.lax.fori_loop(
                 0, weight.k_per_split // block_k, body,
-                (jnp.zeros((block_k if fma else block_m, block_n), jnp.float32), jnp.zeros((block_m,), jnp.float32)))
-            if fma:  # row 0 of the [block_m, block_n] tile the store below takes
-                acc = jnp.where(rows[:, None] == 0, jnp.sum(acc, axis=0)[None, :], 0.0)
+                (jnp.zeros((block_m, block_n), jnp.float32), jnp.zeros((block_m,), jnp.float32)))
             # Padding rows point past this split's rows (into the next split's, or past the array): masked
             # off. (Aliasing them onto row 0 would let interpret mode's masked scatter write row 0 back.)
             out_rows = split * num_rows + rows
@@ -142,9 +134,9 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_splits", "block_n", "block_k", "num_warps", "num_stages",
-                                             "partials", "fma", "interpret"))
-def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=None,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, fma=False, interpret=False):
+                                             "partials", "interpret"))
+def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=BLOCK_K,
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, interpret=False):
     """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for each stacked w [L, K, N_i] of ``ws`` (any float
     dtypes), one launch for all -> tuple of f32[M, N_i]. The layer's weights are read in place (no slice
     copy), once for all M rows.
@@ -158,13 +150,7 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
 
     ``partials``: the unsummed split-K partials come back instead, f32[S * M, N_i] per weight (split s's
     rows at s * M), then with ``norm`` the rows' partial sums of squares f32[S * M] (of x, not x * g),
-    for a consumer that adds them itself (``latent_write.write_latents``).
-
-    ``fma`` (one row only): the products as multiply-adds on the CUDA cores ([block_k, block_n] f32
-    accumulators summed once after the K loop) instead of dots of the row padded to 16, whose operands
-    Triton stages through shared memory. Built 2026-12-02 (session 28), not yet timed on the H200:
-    ``benchmarks/kernels_gemv.py``'s fused launches time it. block_k unset: ``FMA_BLOCK_K`` with fma
-    (the accumulators hold block_k x block_n f32), else ``BLOCK_K``."""
+    for a consumer that adds them itself (``latent_write.write_latents``)."""
     ws = tuple(ws)
     num_rows, depth = x.shape
     for w in ws:
@@ -172,12 +158,9 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
             raise ValueError(f"stacked_gemvs: w has shape {w.shape}; expected [L={ws[0].shape[0]}, K={depth}, N]")
     if not 1 <= num_rows <= MAX_ROWS:
         raise ValueError(f"stacked_gemvs: x has {num_rows} rows; accepted 1 to {MAX_ROWS} (decode sizes)")
-    if fma and num_rows != 1:
-        raise ValueError(f"stacked_gemvs: fma=True takes one row; x has {num_rows}")
     if (norm is None) != (eps is None) or (norm is not None and norm.shape != (ws[0].shape[0], depth)):
         raise ValueError(f"stacked_gemvs: norm needs eps and shape [L, K={depth}]; got "
                          f"{None if norm is None else norm.shape}, eps={eps}")
-    block_k = block_k or (FMA_BLOCK_K if fma else BLOCK_K)
     blocks_k = [shrink_for_itemsize(block_k, num_stages, w.dtype.itemsize)[0] for w in ws]
     width = sum(w.shape[2] for w in ws)
     block_n = block_n or (WIDE_BLOCK_N if norm is not None and width >= WIDE_MIN_WIDTH else BLOCK_N)
@@ -189,7 +172,7 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
         start += tiles * splits
     kernel = functools.partial(_gemvs_kernel, weights=tuple(weights), splits=splits,
                                block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, num_rows=num_rows,
-                               depth=depth, scaled=norm is not None, fma=fma)
+                               depth=depth, scaled=norm is not None)
     out_shape = [jax.ShapeDtypeStruct((splits * num_rows, w.shape[2]), jnp.float32) for w in ws]
     if norm is not None:
         out_shape.append(jax.ShapeDtypeStruct((splits * num_rows,), jnp.float32))

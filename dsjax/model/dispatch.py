@@ -66,10 +66,6 @@ def swiglu(x, w_gate, w_up, backend: str):
 # (benchmarks/results/gemv_h200.json, `benchmarks/kernels_gemv.py`): q_proj 5.0/6.9/10.0 µs at 1/32/64
 # rows against 12.1/14.4/15.3 for XLA's sliced GEMM; the kernel takes at most 64 rows.
 STACKED_GEMV_MAX_TOKENS = 64
-# Steps of up to this many tokens (0 or 1) run those launches' products as multiply-adds instead of
-# dots of the rows padded to 16 (stacked_gemvs(fma=True)); 0 until the H200 has timed it (built
-# 2026-12-02, session 28; benchmarks/kernels_gemv.py's fused launches and run_h200.sh decode-ab-curves).
-STACKED_GEMV_FMA_MAX_TOKENS = 0
 
 
 # Steps of up to this many tokens fold MLA's W_UK into write_latents (the absorbed queries). Its programs
@@ -115,8 +111,7 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = Fals
             x = rms_norm(x, norm[0][layer], norm[1])
         return tuple(stacked_gemv_reference(x, w, layer) for w in ws) + ((x,) if norm is not None else ())
     weights, eps = norm if norm is not None else (None, None)
-    return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials,
-                         fma=x.shape[0] <= min(STACKED_GEMV_FMA_MAX_TOKENS, 1), interpret=backend == "interpret")
+    return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials, interpret=backend == "interpret")
 
 
 def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32):

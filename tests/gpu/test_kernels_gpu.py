@@ -220,25 +220,18 @@ def test_engine_pallas_matches_reference_f32(kv_cache_dtype):
     assert outs["pallas"] == outs["reference"]
 
 
-@pytest.mark.parametrize("q_lora_rank, fma", [(None, False), (96, False), (None, True)])
-def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, fma, monkeypatch):
+@pytest.mark.parametrize("q_lora_rank", [None, 96])
+def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank):
     """The paged forward with the decode kernels (f32, steps of 3 and 1 tokens after a 70-token chunk)
     against the reference backend, with a q LoRA and without (q_proj's split-K partials then go to
-    write_latents unsummed, which finishes the queries too); fma: the 1-token step's stacked GEMVs and
-    experts as multiply-adds (the dispatch knobs)."""
+    write_latents unsummed, which finishes the queries too)."""
     import dataclasses
 
     from flax import nnx
 
     from dsjax.config import ModelConfig
-    from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
-    from pallas_kernels.moe_decode import DecodeTiles
     from tests.model.test_model import _paged_logits
-
-    if fma:
-        monkeypatch.setattr(dispatch, "STACKED_GEMV_FMA_MAX_TOKENS", 1)
-        monkeypatch.setattr(dispatch, "MOE_DECODE_TILES", DecodeTiles(block_k=32, fma=True))
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
@@ -378,11 +371,10 @@ def test_stacked_gemv_gpu(rows, depth, width):
     assert _rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("rows, fma", [(1, False), (64, False), (1, True)])
-def test_stacked_gemvs_fused_norm_gpu(rows, fma):
+@pytest.mark.parametrize("rows", [1, 64])
+def test_stacked_gemvs_fused_norm_gpu(rows):
     """V2-Lite's MoE decode launch: RMSNorm fused, the f32 router beside the shared experts' gate and
-    up (different tile depths in one grid), and the normed rows handed on (one row's products also as
-    multiply-adds)."""
+    up (different tile depths in one grid), and the normed rows handed on."""
     from dsjax.model.norms import rms_norm
     from pallas_kernels.stacked_gemv import stacked_gemv_reference, stacked_gemvs
 
@@ -391,7 +383,7 @@ def test_stacked_gemvs_fused_norm_gpu(rows, fma):
     ws = (jnp.asarray(rng.standard_normal((3, 2048, 64)) * 0.02, jnp.float32),
           *(jnp.asarray(rng.standard_normal((3, 2048, 2816)) * 0.02, jnp.bfloat16) for _ in range(2)))
     norm = jnp.asarray(1 + 0.1 * rng.standard_normal((3, 2048)), jnp.bfloat16)
-    *got, normed = stacked_gemvs(x, ws, jnp.int32(2), norm, eps=1e-6, fma=fma)
+    *got, normed = stacked_gemvs(x, ws, jnp.int32(2), norm, eps=1e-6)
     want = rms_norm(x, norm[2], 1e-6)
     assert _rel(normed, want) < 1e-2
     for g, w in zip(got, ws):
@@ -412,11 +404,10 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
     assert _rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("tokens, fma", [(1, False), (2, False), (1, True), (2, True)])
-def test_moe_decode_gpu(tokens, fma):
-    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place
-    (the products as padded dots, or as multiply-adds)."""
-    from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_moe_decode_gpu(tokens):
+    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place."""
+    from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
 
     rng = np.random.default_rng(tokens)
     mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
@@ -425,8 +416,7 @@ def test_moe_decode_gpu(tokens, fma):
     x = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
     weights = jnp.asarray(rng.random((tokens, 6)), jnp.float32)
     ids = jnp.asarray(np.stack([rng.permutation(64)[:6] for _ in range(tokens)]), jnp.int32)
-    got = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared,
-                     tiles=DecodeTiles(block_k=32, fma=True) if fma else DecodeTiles())
+    got = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared)
     up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
     want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
     assert _rel(got, want) < 2e-2

@@ -13,21 +13,18 @@ from pallas_kernels.stacked_gemv import (MAX_ROWS, default_splits, stacked_gemv,
 from tests.pallas_kernels.kernel_utils import lower_for_h200, run_fast
 
 
-@pytest.mark.parametrize("rows, depth, width, splits, dtype, tol, fma", [
-    (1, 256, 192, None, jnp.float32, 1e-5, False),  # default splits: every K block its own program
-    (3, 200, 100, 2, jnp.float32, 1e-5, False),  # K and N not multiples of the blocks
-    (16, 128, 64, 4, jnp.float32, 1e-5, False),  # more splits than K blocks (empty splits)
-    (40, 96, 64, 2, jnp.float32, 1e-5, False),  # rows padded to 64
-    (5, 96, 576, None, jnp.bfloat16, 2e-2, False),
-    (1, 200, 100, 2, jnp.float32, 1e-5, True),  # multiply-adds instead of dots, ragged K and N
-    (1, 256, 192, None, jnp.bfloat16, 2e-2, True),
+@pytest.mark.parametrize("rows, depth, width, splits, dtype, tol", [
+    (1, 256, 192, None, jnp.float32, 1e-5),  # default splits: every K block its own program
+    (3, 200, 100, 2, jnp.float32, 1e-5),  # K and N not multiples of the blocks
+    (16, 128, 64, 4, jnp.float32, 1e-5),  # more splits than K blocks (empty splits)
+    (40, 96, 64, 2, jnp.float32, 1e-5),  # rows padded to 64
+    (5, 96, 576, None, jnp.bfloat16, 2e-2),
 ])
-def test_stacked_gemv_matches_reference(rows, depth, width, splits, dtype, tol, fma):
+def test_stacked_gemv_matches_reference(rows, depth, width, splits, dtype, tol):
     rng = np.random.default_rng(rows)
     x = jnp.asarray(rng.standard_normal((rows, depth)), dtype)
     w = jnp.asarray(rng.standard_normal((3, depth, width)) / np.sqrt(depth), dtype)
-    fn = lambda x, w, layer: (stacked_gemv(x, w, layer, num_splits=splits, block_k=32, block_n=64, fma=fma,
-                                           interpret=True),
+    fn = lambda x, w, layer: (stacked_gemv(x, w, layer, num_splits=splits, block_k=32, block_n=64, interpret=True),
                               stacked_gemv_reference(x, w, layer))
     for layer in (0, 2):  # a traced index: the same program reads another layer's slice
         out, ref = run_fast(fn, x, w, jnp.int32(layer))
@@ -43,17 +40,14 @@ def test_stacked_gemv_refuses_bad_shapes():
         stacked_gemv(jnp.zeros((1, 48)), w, 0, interpret=True)
     with pytest.raises(ValueError, match=r"norm needs eps and shape \[L, K=64\]"):
         stacked_gemvs(jnp.zeros((1, 64)), (w,), 0, jnp.ones((2, 32)), eps=1e-6, interpret=True)
-    with pytest.raises(ValueError, match="fma=True takes one row; x has 2"):
-        stacked_gemv(jnp.zeros((2, 64)), w, 0, fma=True, interpret=True)
 
 
-@pytest.mark.parametrize("rows, dtype, tol, fma", [(1, jnp.float32, 1e-5, False), (5, jnp.bfloat16, 2e-2, False),
-                                             (1, jnp.float32, 1e-5, True), (1, jnp.bfloat16, 2e-2, True)])
-def test_stacked_gemvs_several_weights_and_fused_norm(rows, dtype, tol, fma):
+@pytest.mark.parametrize("rows, dtype, tol", [(1, jnp.float32, 1e-5), (5, jnp.bfloat16, 2e-2)])
+def test_stacked_gemvs_several_weights_and_fused_norm(rows, dtype, tol):
     """A decode step's shapes in small: one launch for the attention's q and kv_a projections, or the
     MoE's f32 router beside the shared experts' gate and up; rows RMS-normalized inside the kernel
     (with a layer's own norm weights) equal RMSNorm then three separate products, and the normed rows
-    come back. fma: one row's products as multiply-adds instead of dots."""
+    come back."""
     rng = np.random.default_rng(rows)
     layers, depth = 3, 96
     x = jnp.asarray(rng.standard_normal((rows, depth)) * 3, dtype)
@@ -63,8 +57,7 @@ def test_stacked_gemvs_several_weights_and_fused_norm(rows, dtype, tol, fma):
     norm = jnp.asarray(1 + 0.1 * rng.standard_normal((layers, depth)), dtype)
     rms = RMSNorm(depth, 1e-6, "embed", dtype)
     for layer in (0, 2):
-        *products, normed = stacked_gemvs(x, ws, jnp.int32(layer), norm, eps=1e-6, block_k=32, fma=fma,
-                                          interpret=True)
+        *products, normed = stacked_gemvs(x, ws, jnp.int32(layer), norm, eps=1e-6, block_k=32, interpret=True)
         rms.weight[...] = norm[layer]
         want = rms(x)
         np.testing.assert_allclose(np.asarray(normed, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
@@ -72,8 +65,7 @@ def test_stacked_gemvs_several_weights_and_fused_norm(rows, dtype, tol, fma):
             assert got.dtype == jnp.float32
             want_product = stacked_gemv_reference(want.astype(w.dtype), w, layer)
             np.testing.assert_allclose(np.asarray(got), np.asarray(want_product), rtol=tol, atol=tol * np.sqrt(depth))
-    # without the norm: products only
-    plain = stacked_gemvs(x, ws[1:], jnp.int32(1), block_k=32, fma=fma, interpret=True)
+    plain = stacked_gemvs(x, ws[1:], jnp.int32(1), block_k=32, interpret=True)  # without the norm: products only
     assert len(plain) == 2
     np.testing.assert_allclose(np.asarray(plain[1]), np.asarray(stacked_gemv_reference(x, ws[2], 1), np.float32),
                                rtol=tol, atol=tol * np.sqrt(depth))
@@ -94,14 +86,12 @@ def test_stacked_gemv_lowers_to_triton_for_h200(rows):
     assert hlo.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("fma", [False, True])
-def test_stacked_gemvs_with_norm_lowers_to_triton_for_h200(fma):
-    """The MoE decode launch at V2-Lite shapes: f32 router beside bf16 gate and up, norm fused (products as
-    dots, or as multiply-adds)."""
+def test_stacked_gemvs_with_norm_lowers_to_triton_for_h200():
+    """The MoE decode launch at V2-Lite shapes: f32 router beside bf16 gate and up, norm fused."""
     shape = jax.ShapeDtypeStruct
     ws = (shape((26, 2048, 64), jnp.float32), shape((26, 2048, 2816), jnp.bfloat16),
           shape((26, 2048, 2816), jnp.bfloat16))
-    fn = lambda x, ws, layer, norm: stacked_gemvs(x, ws, layer, norm, eps=1e-6, fma=fma)
+    fn = lambda x, ws, layer, norm: stacked_gemvs(x, ws, layer, norm, eps=1e-6)
     hlo = lower_for_h200(fn, shape((1, 2048), jnp.bfloat16), ws, shape((), jnp.int32), shape((26, 2048), jnp.bfloat16))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
 
