@@ -83,7 +83,7 @@ def main(argv=None):
     parser.add_argument("--num-kv-blocks", type=int, default=4096)
     parser.add_argument("--top", type=int, default=25, help="device ops to list")
     parser.add_argument("--variant", action="append", default=[], type=parse_variant,
-                        help="'NAME[: module.ATTR=LITERAL ...]': A/B these knob settings instead of profiling")
+                        help="'NAME[: module.ATTR[.FIELD]=LITERAL ...]': A/B these knob settings instead of profiling")
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (with --variant)")
     parser.add_argument("--repeats", type=int, default=200, help="launches a timing (with --variant)")
     parser.add_argument("--out", help="JSON of the A/B under this path (with --variant)")
