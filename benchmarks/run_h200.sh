@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|decode-folds|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -55,6 +55,18 @@ case $part in
       --variant "dense first: $t.MOE_LAYERS_FIRST_IN_CACHE=False" \
       --variant "neither: $t.LAYER_INDEX_IN_CARRY=False $t.MOE_LAYERS_FIRST_IN_CACHE=False" \
       --out "$OUT/step_ab_scan_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  decode-folds)  # the MoE norm finished in the routing kernel / the residual in the experts' sum: GPU tests, then
+                 # batch 1 and 2 step A/Bs in turns (~5 minutes)
+    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "route_finishes or moe_decode_gpu or paged_decode_pallas" 2>&1 | tee "$OUT/gpu_tests_folds.log" | tail -3
+    d=dsjax.model.dispatch
+    for b in 1 2; do
+      timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
+        --rounds 3 --variant built --variant "norm in route: $d.ROUTER_NORM_IN_ROUTE=True" \
+        --variant "residual in sum: $d.MOE_DECODE_RESIDUAL=True" \
+        --variant "both: $d.ROUTER_NORM_IN_ROUTE=True $d.MOE_DECODE_RESIDUAL=True" \
+        --out "$OUT/step_ab_folds_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
+    done ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

@@ -9,12 +9,15 @@ weights from the unbiased scores, optional renormalization, routed_scaling_facto
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import inv_rms
 
 
 class RoutingSpec(NamedTuple):
@@ -79,6 +82,26 @@ _ROUTE_BLOCKS = {64: (64, 4), 128: (32, 4), 256: (32, 8), 512: (16, 8)}
 _MIN_PROGRAMS = 64  # about half the SMs of an H100/H200: below this a route is launch- and latency-bound
 _NEG_INF = float("-inf")
 _TAKEN = jnp.iinfo(jnp.int32).min  # below every ordered key, -inf's included
+
+
+class NormRows(NamedTuple):
+    """The MoE sublayer's RMSNorm finished in the routing kernel (``route(..., norm_rows=...)``): the
+    router's products came from rows x * g (``stacked_gemvs`` partials), so the logits still lack each
+    row's 1 / rms, and the experts still need the normed rows."""
+
+    x: jax.Array  # the raw rows [T, D]
+    norm: jax.Array  # every layer's RMSNorm weights g [L, D]
+    layer: jax.Array  # i32 scalar: the layer of ``norm``
+
+
+def route_norm_reference(logits, bias, spec: RoutingSpec, rows: NormRows, eps: float):
+    """``route`` with ``norm_rows``: logits f32[T, E + 1] (the router's products of x * g, then each row's
+    sum of squares of x) -> (weights, ids, normed rows [T, D] in x's dtype), as ``stacked_gemvs``
+    scales its normed products and rows."""
+    scale = inv_rms(logits[:, -1], rows.x.shape[-1], eps)[:, None]
+    weights, ids = route_reference(logits[:, :-1] * scale, bias, spec)
+    g = jax.lax.dynamic_index_in_dim(rows.norm, rows.layer, keepdims=False)
+    return weights, ids, g * (rows.x.astype(jnp.float32) * scale).astype(rows.x.dtype)
 
 
 def _ordered_key(values):
@@ -146,12 +169,15 @@ def _allowed_experts(choice, col, spec: RoutingSpec, num_experts: int):
 
 
 def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, block_tokens: int,
-                  has_bias: bool):
-    if has_bias:
-        logits_ref, bias_ref, weights_ref, ids_ref = refs
-    else:
-        (logits_ref, weights_ref, ids_ref), bias_ref = refs, None
-    # logits_ref [T, E] (whole array), bias_ref f32[E], weights_ref f32[T, k], ids_ref i32[T, k]
+                  has_bias: bool, norm_eps: float | None, depth: int, block_d: int):
+    refs = list(refs)
+    logits_ref = refs.pop(0)
+    bias_ref = refs.pop(0) if has_bias else None
+    x_ref, norm_ref, layer_ref = (refs.pop(0) for _ in range(3)) if norm_eps is not None else (None,) * 3
+    weights_ref, ids_ref, *normed_ref = refs
+    # logits_ref [T, E] (whole array; with norm_eps [T, E + 1], the rows' sums of squares last), bias_ref
+    # f32[E]; with norm_eps x_ref [T, D], norm_ref [L, D], layer_ref i32[1]; weights_ref f32[T, k], ids_ref
+    # i32[T, k], with norm_eps normed_ref [T, D]
     padded_experts = pl.next_power_of_2(num_experts)
     padded_k = pl.next_power_of_2(spec.top_k)
     token0 = pl.program_id(0) * block_tokens
@@ -164,6 +190,19 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
     logits = plgpu.load(logits_ref.at[pl.ds(token0, block_tokens), pl.ds(0, padded_experts)],
                         mask=token_ok & col_ok, other=jnp.where(col_ok, 0.0, _NEG_INF))
     logits = logits.astype(jnp.float32)  # [bt, Ep]
+    scale = None
+    if norm_eps is not None:  # the RMSNorm's 1 / rms on the logits, and the normed rows for the experts
+        token_rows = pl.ds(token0, block_tokens)
+        squares = plgpu.load(logits_ref.at[token_rows, pl.ds(num_experts, 1)], mask=token_ok, other=0.0)
+        scale = inv_rms(squares.astype(jnp.float32), depth, norm_eps)  # [bt, 1]
+        logits = jnp.where(col_ok, logits * scale, logits)
+        layer = layer_ref[0]
+        for start in range(0, depth, block_d):  # block_d divides depth
+            x = plgpu.load(x_ref.at[token_rows, pl.ds(start, block_d)], mask=token_ok, other=0.0)
+            g = plgpu.load(norm_ref.at[layer, pl.ds(start, block_d)])[None, :]
+            scaled = (x.astype(jnp.float32) * scale).astype(x_ref.dtype).astype(jnp.float32)
+            plgpu.store(normed_ref[0].at[token_rows, pl.ds(start, block_d)],
+                        (g.astype(jnp.float32) * scaled).astype(normed_ref[0].dtype), mask=token_ok)
     if spec.scoring_func == "softmax":
         row_max = jnp.max(logits, axis=-1, keepdims=True)
         row_sum = jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True)
@@ -193,8 +232,10 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
         weights = jnp.where(slot == j, _key_value(best), weights)
     if spec.topk_method == "noaux_tc":
         # Weights come from the unbiased scores: recompute them from the k picked logits (an L2 hit).
-        picked = plgpu.load(logits_ref.at[jnp.minimum(rows, num_tokens - 1), ids])
-        weights = jnp.where(slot < spec.top_k, score_of(picked.astype(jnp.float32)), 0.0)
+        picked = plgpu.load(logits_ref.at[jnp.minimum(rows, num_tokens - 1), ids]).astype(jnp.float32)
+        if scale is not None:
+            picked = picked * scale
+        weights = jnp.where(slot < spec.top_k, score_of(picked), 0.0)
     if spec.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     weights = weights * spec.routed_scaling_factor
@@ -221,15 +262,30 @@ def _check_spec(spec: RoutingSpec, num_experts: int):
             raise ValueError(f"topk_group={spec.topk_group} must be in [1, n_group={spec.n_group}]")
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "block_tokens", "num_warps", "interpret"))
-def route(logits, bias, spec: RoutingSpec, *, block_tokens: int | None = None,
-          num_warps: int | None = None, interpret: bool = False):
+NORM_BLOCK_D = 512  # columns of the normed rows a step writes at most (route's norm_rows; a divisor of D)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "norm_eps", "block_tokens", "num_warps", "interpret"))
+def route(logits, bias, spec: RoutingSpec, *, norm_rows: NormRows | None = None, norm_eps: float | None = None,
+          block_tokens: int | None = None, num_warps: int | None = None, interpret: bool = False):
     """Fused router: logits [T, E], bias f32[E] or None -> (weights f32[T, k], ids i32[T, k]).
 
     Same results as ``route_reference`` (ids exactly, ties to the lower expert or group id), in one
     pass over the logits: each program holds block_tokens full rows of scores in registers.
+
+    ``norm_rows`` (a ``NormRows``) with ``norm_eps``: the MoE sublayer's RMSNorm finishes here instead
+    of in XLA launches: logits are [T, E + 1], the router's products of x * g and then each row's sum
+    of squares of x; the logits are scaled by 1 / rms before scoring and the normed rows [T, D] come
+    back third (``route_norm_reference``).
     """
     num_tokens, num_experts = logits.shape
+    if (norm_rows is None) != (norm_eps is None):
+        raise ValueError(f"route: norm_rows and norm_eps come together; got norm_eps={norm_eps}")
+    if norm_rows is not None:
+        num_experts -= 1  # the last column is the rows' sums of squares
+        if norm_rows.x.shape[0] != num_tokens or norm_rows.norm.shape[-1] != norm_rows.x.shape[-1]:
+            raise ValueError(f"route: norm_rows x {norm_rows.x.shape} / norm {norm_rows.norm.shape} do not match "
+                             f"logits {logits.shape}; expected x [T={num_tokens}, D] and norm [L, D]")
     _check_spec(spec, num_experts)
     padded_experts = pl.next_power_of_2(num_experts)
     if padded_experts > 512:
@@ -239,15 +295,22 @@ def route(logits, bias, spec: RoutingSpec, *, block_tokens: int | None = None,
     spread = max(8, pl.next_power_of_2(pl.cdiv(num_tokens, _MIN_PROGRAMS)))
     block_tokens = block_tokens or min(default_tokens, spread)
     has_bias = spec.topk_method == "noaux_tc" and bias is not None
-    kernel = functools.partial(_route_kernel, spec=spec, num_tokens=num_tokens,
-                               num_experts=num_experts, block_tokens=block_tokens, has_bias=has_bias)
-    out_shape = (jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.float32),
-                 jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.int32))
-    return pl.pallas_call(
+    depth = norm_rows.x.shape[-1] if norm_rows is not None else 0
+    kernel = functools.partial(_route_kernel, spec=spec, num_tokens=num_tokens, num_experts=num_experts,
+                               block_tokens=block_tokens, has_bias=has_bias,
+                               norm_eps=norm_eps, depth=depth,
+                               block_d=math.gcd(depth, NORM_BLOCK_D))
+    out_shape = [jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.float32),
+                 jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.int32)]
+    extra = []
+    if norm_rows is not None:
+        out_shape.append(jax.ShapeDtypeStruct(norm_rows.x.shape, norm_rows.x.dtype))
+        extra = [norm_rows.x, norm_rows.norm, jnp.asarray(norm_rows.layer, jnp.int32).reshape(1)]
+    return tuple(pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_tokens, block_tokens),),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_warps, num_stages=1),
         interpret=interpret,
-        name="moe_route",
-    )(logits, *([bias] if has_bias else []))
+        name="moe_route_norm" if norm_rows is not None else "moe_route",
+    )(logits, *([bias] if has_bias else []), *extra))

@@ -28,7 +28,7 @@ from pallas_kernels.moe_decode import moe_decode as moe_decode_kernel
 from pallas_kernels.moe_decode import moe_decode_reference
 from pallas_kernels.moe_experts import moe_experts as moe_experts_kernel
 from pallas_kernels.moe_experts import moe_experts_reference
-from pallas_kernels.moe_routing import RoutingSpec, route, route_reference
+from pallas_kernels.moe_routing import NormRows, RoutingSpec, route, route_norm_reference, route_reference
 from pallas_kernels.stacked_gemv import (stacked_gemv_reference, stacked_gemvs, stacked_head_gemv,
                                          stacked_head_gemv_reference)
 from pallas_kernels.swiglu import swiglu as swiglu_kernel
@@ -132,23 +132,37 @@ def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_d
 MOE_DECODE_MAX_TOKENS = 2
 # Its tiles (pallas_kernels.moe_decode.DecodeTiles: the H200 sweep's best).
 MOE_DECODE_TILES = DecodeTiles()
+# One-launch MoE steps (above): the router's split-K partials summed with the rows' squares in one XLA
+# reduction and the RMSNorm finished in the routing kernel (logits x 1 / rms, the normed rows), instead
+# of XLA's two sums and two scalings (decode_profile.md round 12, launches 11-13 and 15); and the layer's
+# residual added as one more partial of moe_decode's sum instead of a launch of its own (launch 18).
+# Built 2026-12-02 (session 29), off until the H200 has timed them (`run_h200.sh decode-folds`).
+ROUTER_NORM_IN_ROUTE = False
+MOE_DECODE_RESIDUAL = False
 
 
-def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
+def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):
     """x [T, D] (T <= ``MOE_DECODE_MAX_TOKENS``) through its routed experts (weights / ids [T, k]) and
     the shared experts, one layer of the stacks ``experts`` (w_gate, w_up [L, E, D, I], w_down [L, E, I, D])
-    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]."""
+    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]; plus
+    ``residual`` [T, D] before the rounding to x's dtype when given."""
     if backend == "reference":
-        return moe_decode_reference(x, weights, ids, *experts, layer, shared)
-    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, tiles=MOE_DECODE_TILES,
+        out = moe_decode_reference(x, weights, ids, *experts, layer, shared)
+        return out if residual is None else (out.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
+    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, residual, tiles=MOE_DECODE_TILES,
                              interpret=backend == "interpret")
 
 
-def moe_route(logits, bias, spec: RoutingSpec, backend: str):
-    """logits f32[T, E], bias f32[E] | None -> (weights f32[T, k], ids i32[T, k])."""
+def moe_route(logits, bias, spec: RoutingSpec, backend: str, norm_rows: NormRows | None = None,
+              norm_eps: float | None = None):
+    """logits f32[T, E], bias f32[E] | None -> (weights f32[T, k], ids i32[T, k]). With ``norm_rows``
+    and ``norm_eps`` the MoE sublayer's RMSNorm finishes here: logits f32[T, E + 1] (the products of
+    x * g, then the rows' sums of squares) -> (weights, ids, normed rows [T, D]); see ``route``."""
     if backend == "reference":
+        if norm_rows is not None:
+            return route_norm_reference(logits, bias, spec, norm_rows, norm_eps)
         return route_reference(logits, bias, spec)
-    return route(logits, bias, spec, interpret=backend == "interpret")
+    return route(logits, bias, spec, norm_rows=norm_rows, norm_eps=norm_eps, interpret=backend == "interpret")
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str, layer=None,

@@ -220,18 +220,23 @@ def test_engine_pallas_matches_reference_f32(kv_cache_dtype):
     assert outs["pallas"] == outs["reference"]
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 96])
-def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank, folds", [(None, False), (96, False), (None, True)])
+def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, folds, monkeypatch):
     """The paged forward with the decode kernels (f32, steps of 3 and 1 tokens after a 70-token chunk)
     against the reference backend, with a q LoRA and without (q_proj's split-K partials then go to
-    write_latents unsummed, which finishes the queries too)."""
+    write_latents unsummed, which finishes the queries too); folds: the 1-token step's MoE norm
+    finished in the routing kernel and its residual in the experts' sum (the dispatch knobs)."""
     import dataclasses
 
     from flax import nnx
 
     from dsjax.config import ModelConfig
+    from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
     from tests.model.test_model import _paged_logits
+
+    monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", folds)
+    monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL", folds)
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
@@ -406,7 +411,8 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_moe_decode_gpu(tokens):
-    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place."""
+    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place
+    (and with a residual added to the sum)."""
     from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
 
     rng = np.random.default_rng(tokens)
@@ -420,6 +426,29 @@ def test_moe_decode_gpu(tokens):
     up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
     want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
     assert _rel(got, want) < 2e-2
+    residual = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
+    with_residual = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared, residual)
+    assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
+
+
+def test_route_finishes_the_norm_gpu():
+    """V2-Lite's router at one token with the MoE norm finished in the routing kernel: the summed
+    products of x * g with the row's sum of squares last (64 + 1 columns), 2048-wide normed rows."""
+    from pallas_kernels.moe_routing import NormRows, RoutingSpec, route, route_norm_reference
+
+    rng = np.random.default_rng(3)
+    spec = RoutingSpec(top_k=6)
+    for tokens in (1, 2):
+        x = jnp.asarray(rng.standard_normal((tokens, 2048)) * 4, jnp.bfloat16)
+        norm = jnp.asarray(1 + 0.1 * rng.standard_normal((3, 2048)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((2048, 64)) * 0.05, jnp.float32)
+        x32 = x.astype(jnp.float32)
+        logits = jnp.concatenate([(x32 * norm[1].astype(jnp.float32)) @ w, jnp.sum(x32 * x32, -1, keepdims=True)], -1)
+        rows = NormRows(x, norm, jnp.int32(1))
+        got = route(logits, None, spec, norm_rows=rows, norm_eps=1e-6)
+        want = route_norm_reference(logits, None, spec, rows, 1e-6)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        assert _rel(got[0], want[0]) < 1e-4 and _rel(got[2], want[2]) < 1e-2
 
 
 def test_write_latents_gpu():

@@ -71,3 +71,52 @@ def test_route_lowers_to_triton_for_h200(num_experts, spec):
             jax.ShapeDtypeStruct((num_experts,), jnp.float32))
     hlo = lower_for_h200(lambda logits, bias: route(logits, bias, spec), *args)
     assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("num_experts,spec,with_bias", [SPECS[0], SPECS[4]],
+                         ids=lambda v: v.topk_method + "-" + v.scoring_func
+                         if isinstance(v, RoutingSpec) else None)
+def test_route_finishes_the_norm(num_experts, spec, with_bias):
+    """norm_rows: the router's products of x * g with each row's sum of squares as a last column; the
+    kernel scales the logits by 1 / rms before scoring (V3's picked weights too) and returns the normed
+    rows, as route_norm_reference and as routing RMSNorm(x) @ w does."""
+    from pallas_kernels.common import rms_norm
+    from pallas_kernels.moe_routing import NormRows, route_norm_reference
+
+    rng = np.random.default_rng(7)
+    tokens, depth = 11, 96  # a depth that is no power of two: the last column step is masked
+    x = jnp.asarray(rng.standard_normal((tokens, depth)) * 3, jnp.bfloat16)
+    norm = jnp.asarray(1 + 0.2 * rng.standard_normal((3, depth)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((depth, num_experts)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(num_experts) * 0.1, jnp.float32) if with_bias else None
+    x32 = x.astype(jnp.float32)
+    logits = jnp.concatenate([(x32 * norm[2].astype(jnp.float32)) @ w, jnp.sum(x32 * x32, -1, keepdims=True)], -1)
+    rows = NormRows(x, norm, jnp.int32(2))
+    got = run_fast(lambda l, b, r: route(l, b, spec, norm_rows=r, norm_eps=1e-6, block_tokens=8, interpret=True),
+                   logits, bias, rows)
+    want = route_norm_reference(logits, bias, spec, rows, 1e-6)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(got[2], np.float32), np.asarray(want[2], np.float32))
+    normed = rms_norm(x, norm[2], 1e-6)
+    np.testing.assert_allclose(np.asarray(got[2], np.float32), np.asarray(normed, np.float32), rtol=1e-2, atol=1e-2)
+    plain = route_reference(normed.astype(jnp.float32) @ w, bias, spec)
+    assert np.mean(np.asarray(got[1]) == np.asarray(plain[1])) > 0.9  # bf16 rows vs x * g then 1 / rms
+    with pytest.raises(ValueError, match="norm_rows and norm_eps come together"):
+        route(logits, bias, spec, norm_rows=rows, interpret=True)
+
+
+@pytest.mark.parametrize("tokens, spec", [(1, RoutingSpec(top_k=6)),
+                                          (2, RoutingSpec(8, "sigmoid", "noaux_tc", 8, 4, True, 2.5))])
+def test_route_with_norm_rows_lowers_to_triton_for_h200(tokens, spec):
+    """The norm-finishing router at V2-Lite's (64 experts + the squares column, 2048-wide rows) and V3's
+    (256 + 1, 7168) decode shapes: one Triton call."""
+    from pallas_kernels.moe_routing import NormRows
+
+    experts, depth = (64, 2048) if spec.top_k == 6 else (256, 7168)
+    shape = jax.ShapeDtypeStruct
+    hlo = lower_for_h200(lambda logits, bias, x, norm, layer: route(
+        logits, bias, spec, norm_rows=NormRows(x, norm, layer), norm_eps=1e-6),
+        shape((tokens, experts + 1), jnp.float32), shape((experts,), jnp.float32),
+        shape((tokens, depth), jnp.bfloat16), shape((26, depth), jnp.bfloat16), shape((), jnp.int32))
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
