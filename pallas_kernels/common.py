@@ -45,8 +45,13 @@ def rms_norm(x, weight, eps: float):
     """x [..., D] over its last axis, in f32 and scaled in x's dtype (as transformers does), times weight
     [D]: the model's RMSNorm (``dsjax.model.norms``) and the references of the kernels that fuse it."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * inv_rms(jnp.sum(x32 * x32, axis=-1, keepdims=True), x.shape[-1], eps)
-    return weight * x32.astype(x.dtype)
+    return scale_rows(x, weight, inv_rms(jnp.sum(x32 * x32, axis=-1, keepdims=True), x.shape[-1], eps))
+
+
+def scale_rows(x, weight, scale):
+    """RMSNorm's output from each row's 1 / rms ``scale`` [..., 1] (f32): x * scale in f32, rounded to
+    x's dtype, times weight [D] (``rms_norm``; the kernels that sum the squares apart finish with it)."""
+    return weight * (x.astype(jnp.float32) * scale).astype(x.dtype)
 
 
 def rotate_pair(x1, x2, freqs, cos_sin_scale: float):

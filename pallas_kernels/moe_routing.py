@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import inv_rms
+from pallas_kernels.common import inv_rms, scale_rows
 
 
 class RoutingSpec(NamedTuple):
@@ -101,7 +101,7 @@ def route_norm_reference(logits, bias, spec: RoutingSpec, rows: NormRows, eps: f
     scale = inv_rms(logits[:, -1], rows.x.shape[-1], eps)[:, None]
     weights, ids = route_reference(logits[:, :-1] * scale, bias, spec)
     g = jax.lax.dynamic_index_in_dim(rows.norm, rows.layer, keepdims=False)
-    return weights, ids, g * (rows.x.astype(jnp.float32) * scale).astype(rows.x.dtype)
+    return weights, ids, scale_rows(rows.x, g, scale)
 
 
 def _ordered_key(values):
@@ -195,7 +195,7 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
         token_rows = pl.ds(token0, block_tokens)
         squares = plgpu.load(logits_ref.at[token_rows, pl.ds(num_experts, 1)], mask=token_ok, other=0.0)
         scale = inv_rms(squares.astype(jnp.float32), depth, norm_eps)  # [bt, 1]
-        logits = jnp.where(col_ok, logits * scale, logits)
+        logits = logits * scale  # the padding experts' -inf stays -inf
         layer = layer_ref[0]
         for start in range(0, depth, block_d):  # block_d divides depth
             x = plgpu.load(x_ref.at[token_rows, pl.ds(start, block_d)], mask=token_ok, other=0.0)

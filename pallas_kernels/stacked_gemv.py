@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import dot_precision, inv_rms, shrink_for_itemsize
+from pallas_kernels.common import dot_precision, inv_rms, scale_rows, shrink_for_itemsize
 
 MAX_ROWS = 64  # token rows a call takes (the engine uses it up to dispatch.STACKED_GEMV_MAX_TOKENS)
 NUM_SMS = 132  # H100 / H200 SXM
@@ -192,7 +192,7 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
     # RMSNorm(x) @ w = (1 / rms) * ((x * g) @ w): each row's scale, once the splits' squares are summed.
     scale = inv_rms(outs[-1].reshape(splits, num_rows).sum(axis=0), depth, eps)[:, None]
     g = jax.lax.dynamic_index_in_dim(norm, layer, keepdims=False)
-    return tuple(scale * p for p in products) + (g * (x.astype(jnp.float32) * scale).astype(x.dtype),)
+    return tuple(scale * p for p in products) + (scale_rows(x, g, scale),)
 
 
 def stacked_gemv(x, w, layer, **options):

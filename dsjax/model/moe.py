@@ -71,9 +71,9 @@ class MoE(nnx.Module):
         """x [T, D] -> (weights f32[T, k], expert ids i32[T, k])."""
         return self._route_logits(jnp.dot(x.astype(jnp.float32), self.router[...]), backend)
 
-    def _route_logits(self, logits, backend: str):
+    def _route_logits(self, logits, backend: str, norm_rows: NormRows | None = None, norm_eps: float | None = None):
         bias = None if self.score_bias is None else self.score_bias[...]
-        return dispatch.moe_route(logits, bias, self.spec, backend)
+        return dispatch.moe_route(logits, bias, self.spec, backend, norm_rows, norm_eps)
 
     def __call__(self, x, *, backend: str, stacked_experts=None, stacked_shared=None):
         """x [T, D] -> [T, D] (a partial sum over tensor ranks). ``stacked_experts`` = (w_gate, w_up,
@@ -108,9 +108,7 @@ class MoE(nnx.Module):
             splits, (num_tokens, num_experts) = squares.shape[0] // x.shape[0], (x.shape[0], stack.router.shape[-1])
             summed = jnp.concatenate([logits.reshape(splits, num_tokens, num_experts),
                                       squares.reshape(splits, num_tokens, 1)], axis=-1).sum(axis=0)
-            bias = None if self.score_bias is None else self.score_bias[...]
-            weights, ids, normed = dispatch.moe_route(summed, bias, self.spec, backend,
-                                                      NormRows(x, stack.mlp_norm, stack.index), eps)
+            weights, ids, normed = self._route_logits(summed, backend, NormRows(x, stack.mlp_norm, stack.index), eps)
         else:
             logits, *gate_up, normed = dispatch.stacked_matmuls(x, (stack.router, *shared), stack.index, backend,
                                                                 norm=(stack.mlp_norm, eps))
