@@ -55,16 +55,15 @@ case $part in
       --variant "dense first: $t.MOE_LAYERS_FIRST_IN_CACHE=False" \
       --variant "neither: $t.LAYER_INDEX_IN_CARRY=False $t.MOE_LAYERS_FIRST_IN_CACHE=False" \
       --out "$OUT/step_ab_scan_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  decode-folds)  # the MoE norm finished in the routing kernel / the residual in the experts' sum: GPU tests, then
-                 # batch 1 and 2 step A/Bs in turns (~5 minutes)
+  decode-folds)  # the MoE norm finished in the routing kernel (as built) or in the stacked GEMV: GPU tests, then
+                 # batch 1 and 2 step A/Bs in turns (~4 minutes; the residual-in-the-sum fold measured with it
+                 # 2026-12-02 lost 39 µs and is gone, git 1740334)
     timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "route_finishes or moe_decode_gpu or paged_decode_pallas" 2>&1 | tee "$OUT/gpu_tests_folds.log" | tail -3
     d=dsjax.model.dispatch
     for b in 1 2; do
       timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "norm in route: $d.ROUTER_NORM_IN_ROUTE=True" \
-        --variant "residual in sum: $d.MOE_DECODE_RESIDUAL=True" \
-        --variant "both: $d.ROUTER_NORM_IN_ROUTE=True $d.MOE_DECODE_RESIDUAL=True" \
+        --rounds 3 --variant built --variant "norm in stacked gemv: $d.ROUTER_NORM_IN_ROUTE=False" \
         --out "$OUT/step_ab_folds_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
     done ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)

@@ -111,15 +111,12 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None, *,
+def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *,
                tiles: DecodeTiles = DecodeTiles(), interpret: bool = False):
     """x [T, D] (T <= ``MAX_TOKENS``), weights f32[T, k], ids i32[T, k] (E marks an empty slot), every
     layer's routed experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index,
     and optionally the shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) -> [T, D]: the routed
-    experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``.
-
-    ``residual`` [T, D]: added to the sum before its rounding to x's dtype, as one more partial of the
-    sum's reduction (XLA then sums and adds in one launch instead of two)."""
+    experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     if not 1 <= num_tokens <= MAX_TOKENS:
@@ -143,12 +140,7 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residu
         name="moe_decode",
     )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
       weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()))
-    partials = partials.reshape(num_tokens, per_token, hidden)
-    if residual is not None:
-        if residual.shape != x.shape:
-            raise ValueError(f"moe_decode: residual {residual.shape}; expected x's shape {x.shape}")
-        partials = jnp.concatenate([partials, residual.astype(jnp.float32)[:, None]], axis=1)
-    return partials.sum(axis=1).astype(x.dtype)
+    return partials.reshape(num_tokens, per_token, hidden).sum(axis=1).astype(x.dtype)
 
 
 def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None):

@@ -134,22 +134,19 @@ MOE_DECODE_MAX_TOKENS = 2
 MOE_DECODE_TILES = DecodeTiles()
 # One-launch MoE steps (above): the router's split-K partials summed with the rows' squares in one XLA
 # reduction and the RMSNorm finished in the routing kernel (logits x 1 / rms, the normed rows), instead
-# of XLA's two sums and two scalings (decode_profile.md round 12, launches 11-13 and 15); and the layer's
-# residual added as one more partial of moe_decode's sum instead of a launch of its own (launch 18).
-# Built 2026-12-02 (session 29), off until the H200 has timed them (`run_h200.sh decode-folds`).
-ROUTER_NORM_IN_ROUTE = False
-MOE_DECODE_RESIDUAL = False
+# of XLA's two sums and two scalings (decode_profile.md rounds 12 and 15). H200, V2-Lite batch-1
+# compiled step (results/step_ab_folds_b1_h200.json, three rounds in turns): 2.240 ms against 2.274;
+# batch 2: 2.856 against 2.876.
+ROUTER_NORM_IN_ROUTE = True
 
 
-def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):
+def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
     """x [T, D] (T <= ``MOE_DECODE_MAX_TOKENS``) through its routed experts (weights / ids [T, k]) and
     the shared experts, one layer of the stacks ``experts`` (w_gate, w_up [L, E, D, I], w_down [L, E, I, D])
-    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]; plus
-    ``residual`` [T, D] before the rounding to x's dtype when given."""
+    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]."""
     if backend == "reference":
-        out = moe_decode_reference(x, weights, ids, *experts, layer, shared)
-        return out if residual is None else (out.astype(jnp.float32) + residual.astype(jnp.float32)).astype(x.dtype)
-    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, residual, tiles=MOE_DECODE_TILES,
+        return moe_decode_reference(x, weights, ids, *experts, layer, shared)
+    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, tiles=MOE_DECODE_TILES,
                              interpret=backend == "interpret")
 
 

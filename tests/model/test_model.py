@@ -77,23 +77,22 @@ def test_paged_forward_matches_full_forward():
     assert np.abs(got - full).max() <= 1e-4 * np.abs(full).max()
 
 
-@pytest.mark.parametrize("q_lora_rank, folds", [(None, False), (96, False), (None, True)])
-def test_paged_decode_kernels_match_reference(q_lora_rank, folds, monkeypatch):
+@pytest.mark.parametrize("q_lora_rank, norm_in_route", [(None, True), (96, True), (None, False)])
+def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, monkeypatch):
     """The kernels' paged forward (interpret mode) equals the reference backend's: a 70-token chunk
     (XLA's projections, over STACKED_GEMV_MAX_TOKENS) and steps of 3 and 1 tokens (each sublayer's
     RMSNorm fused into one stacked-GEMV launch with q / q_a and kv_a, or with the router and the
     shared experts' gate and up; the 1-token step runs routed and shared experts in one launch,
     pallas_kernels/moe_decode.py), with a q LoRA (q_b's launch fuses q_a_norm) and without (q_proj);
-    folds: the 1-token step's MoE norm finished in the routing kernel and its residual added in the
-    experts' sum (dispatch.ROUTER_NORM_IN_ROUTE, MOE_DECODE_RESIDUAL)."""
+    norm_in_route: the 1-token step's MoE norm finished in the routing kernel
+    (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or in the stacked GEMV."""
     import dataclasses
 
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
 
-    monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", folds)
-    monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL", folds)
+    monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

@@ -37,26 +37,6 @@ def test_moe_decode_matches_reference(tokens, dtype, tol, with_shared):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol * scale)
 
 
-def test_moe_decode_adds_the_residual_before_rounding():
-    """residual: the sum of the experts plus the residual, rounded once to x's dtype (bf16)."""
-    rng = np.random.default_rng(5)
-    w_gate, w_up, w_down, shared = _weights(rng, jnp.bfloat16)
-    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.bfloat16)
-    residual = jnp.asarray(rng.standard_normal((2, 64)) * 8, jnp.bfloat16)
-    weights = jnp.asarray(rng.random((2, 2)), jnp.float32)
-    ids = jnp.asarray(rng.integers(0, 8, (2, 2)), jnp.int32)
-    args = (x, weights, ids, w_gate, w_up, w_down, jnp.int32(1), shared)
-    run = jax.jit(lambda r: moe_decode(*args, r, tiles=TILES, interpret=True),
-                  compiler_options={"xla_backend_optimization_level": 0})
-    got, plain = run(residual), moe_decode(*args, tiles=TILES, interpret=True)
-    assert got.dtype == jnp.bfloat16
-    # the f32 sum, before its rounding: x's experts (the same partials as without a residual) plus the residual
-    want = np.asarray(plain, np.float32) + np.asarray(residual, np.float32)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=0.05)
-    with pytest.raises(ValueError, match="residual"):
-        moe_decode(*args, residual[:1], tiles=TILES, interpret=True)
-
-
 def test_moe_decode_refuses_bad_shapes():
     w_gate, w_up, w_down, _ = _weights(np.random.default_rng(0), jnp.float32)
     ids, weights = jnp.zeros((MAX_TOKENS + 1, 2), jnp.int32), jnp.zeros((MAX_TOKENS + 1, 2))
