@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|decode-folds|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|decode-folds|decode-residual|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -66,6 +66,18 @@ case $part in
         --rounds 3 --variant built --variant "norm in stacked gemv: $d.ROUTER_NORM_IN_ROUTE=False" \
         --out "$OUT/step_ab_folds_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
     done ;;
+  decode-residual)  # the MoE residual added by the experts' launch (as built at one token): GPU tests, batch 1 / 2 step A/Bs in turns, then
+                    # the batch-1 step's op profile as built (~6 minutes)
+    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_decode_gpu or paged_decode_pallas" \
+      2>&1 | tee "$OUT/gpu_tests_residual.log" | tail -3
+    d=dsjax.model.dispatch
+    for b in 1 2; do
+      timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
+        --rounds 3 --variant built --variant "residual after the sum: $d.MOE_DECODE_RESIDUAL_MAX_TOKENS=0" \
+        --out "$OUT/step_ab_residual_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
+    done
+    timeout 120 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --top 60 \
+      --trace-dir /tmp/trace_b1 | grep -vi warn > "$OUT/profile_b1.txt"; head -40 "$OUT/profile_b1.txt" ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

@@ -47,9 +47,11 @@ class DecodeTiles(NamedTuple):
     num_stages: int = 3
 
 
-def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles):
+def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles,
+                 residual_ref=None, adds_residual=False):
     """x_ref[token] through columns [i0, i0 + block_i) of one expert (wg / wu [..., D, I] and wd
-    [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program]."""
+    [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program];
+    plus residual_ref[token] where ``adds_residual`` (a traced bool) holds."""
     block_i, block_k, block_d = tiles.block_i, tiles.block_k, tiles.block_d
     col_ok = i0 + jnp.arange(block_i) < inter
     first_row = (jnp.arange(16) == 0)[:, None]
@@ -76,23 +78,28 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
         d_ok = d0 + jnp.arange(block_d) < hidden
         w = plgpu.load(wd.at[(*prefix, pl.ds(i0, block_i), pl.ds(d0, block_d))],
                        mask=col_ok[:, None] & d_ok[None, :], other=0)
-        y = dot(h, w)  # [16, block_d]
-        plgpu.store(out_ref.at[program, pl.ds(d0, block_d)], jnp.sum(jnp.where(first_row, y, 0.0), axis=0),
-                    mask=d_ok)
+        y = jnp.sum(jnp.where(first_row, dot(h, w), 0.0), axis=0)  # [block_d]: row 0 of the [16, block_d] dot
+        if residual_ref is not None:  # one program a token: its load is predicated off in the others
+            r = plgpu.load(residual_ref.at[token, pl.ds(d0, block_d)], mask=d_ok & adds_residual, other=0)
+            y = y + r.astype(jnp.float32)
+        plgpu.store(out_ref.at[program, pl.ds(d0, block_d)], y, mask=d_ok)
         return carry
 
     jax.lax.fori_loop(0, pl.cdiv(hidden, block_d), down, 0)
 
 
 def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k, num_experts,
-                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles):
-    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, then out f32[T * P, D].
+                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, with_residual):
+    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, (residual [T, D]) when
+    # with_residual, then out f32[T * P, D].
     out_ref = refs[-1]
+    residual_ref = refs[-2] if with_residual else None
     program, layer = pl.program_id(0), layer_ref[0]
     per_token = top_k * routed_tiles + shared_tiles
     token, local = program // per_token, program % per_token
+    # a token's first program adds its residual row to its partial
     tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
-                             tiles=tiles)
+                             tiles=tiles, residual_ref=residual_ref, adds_residual=local == 0)
 
     @pl.when(local < top_k * routed_tiles)
     def _():
@@ -111,12 +118,15 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *,
+def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None, *,
                tiles: DecodeTiles = DecodeTiles(), interpret: bool = False):
     """x [T, D] (T <= ``MAX_TOKENS``), weights f32[T, k], ids i32[T, k] (E marks an empty slot), every
     layer's routed experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index,
     and optionally the shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) -> [T, D]: the routed
-    experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``."""
+    experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``.
+
+    ``residual`` [T, D]: added in f32 by each token's first program to its partial, so the sum, rounded
+    once to x's dtype, includes it (the layer's residual add without a launch of its own)."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     if not 1 <= num_tokens <= MAX_TOKENS:
@@ -127,10 +137,12 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *,
     routed_tiles = pl.cdiv(inter, tiles.block_i)
     shared_inter = 0 if shared is None else shared[0].shape[-1]
     shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"moe_decode: residual {residual.shape}; expected x's shape {x.shape}")
     per_token = top_k * routed_tiles + shared_tiles
     kernel = functools.partial(_decode_kernel, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared_tiles=shared_tiles, hidden=hidden, inter=inter, shared_inter=shared_inter,
-                               tiles=tiles)
+                               tiles=tiles, with_residual=residual is not None)
     partials = pl.pallas_call(
         kernel,
         grid=(num_tokens * per_token,),
@@ -139,13 +151,16 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, *,
         interpret=interpret,
         name="moe_decode",
     )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
-      weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()))
+      weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()),
+      *(() if residual is None else (residual,)))
     return partials.reshape(num_tokens, per_token, hidden).sum(axis=1).astype(x.dtype)
 
 
-def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None):
+def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None):
     out = moe_experts_reference(x, weights, ids, w_gate[layer], w_up[layer], w_down[layer]).astype(jnp.float32)
     if shared is not None:
         w_gate_s, w_up_s, w_down_s = (w[layer] for w in shared)
         out = out + jnp.dot(swiglu_reference(x, w_gate_s, w_up_s), w_down_s, preferred_element_type=jnp.float32)
+    if residual is not None:
+        out = out + residual.astype(jnp.float32)
     return out.astype(x.dtype)

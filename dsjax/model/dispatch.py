@@ -138,15 +138,22 @@ MOE_DECODE_TILES = DecodeTiles()
 # compiled step (results/step_ab_folds_b1_h200.json, three rounds in turns): 2.240 ms against 2.274;
 # batch 2: 2.856 against 2.876.
 ROUTER_NORM_IN_ROUTE = True
+# One-launch steps of up to this many tokens (0: none) have the layer's residual added to the experts'
+# sum by each token's first program, instead of XLA's add after the sum (round 12's launch 18). H200,
+# V2-Lite compiled step (results/step_ab_residual_b{1,2}_h200.json, 3 rounds in turns): batch 1 2.214
+# ms against 2.236; batch 2 2.846 against 2.841 (no gain), so one token only. The residual as one more
+# partial concatenated before the sum lost 39 µs a step (session 29, step_ab_folds_b1_h200.json).
+MOE_DECODE_RESIDUAL_MAX_TOKENS = 1
 
 
-def moe_decode(x, weights, ids, experts, shared, layer, backend: str):
+def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):
     """x [T, D] (T <= ``MOE_DECODE_MAX_TOKENS``) through its routed experts (weights / ids [T, k]) and
     the shared experts, one layer of the stacks ``experts`` (w_gate, w_up [L, E, D, I], w_down [L, E, I, D])
-    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]."""
+    and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]; plus
+    ``residual`` [T, D] in f32 before the sum's rounding to x's dtype when given."""
     if backend == "reference":
-        return moe_decode_reference(x, weights, ids, *experts, layer, shared)
-    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, tiles=MOE_DECODE_TILES,
+        return moe_decode_reference(x, weights, ids, *experts, layer, shared, residual)
+    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, residual, tiles=MOE_DECODE_TILES,
                              interpret=backend == "interpret")
 
 

@@ -31,13 +31,15 @@ class MLP(nnx.Module):
         h = dispatch.swiglu(x, self.w_gate[...], self.w_up[...], backend)
         return jnp.dot(h, self.w_down[...])
 
-    def decode(self, x, stack, eps: float, backend: str):
+    def decode(self, x, stack, eps: float, backend: str, add_residual: bool = False):
         """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
-        the norm and the gate and up products in one stacked-GEMV launch, then the down GEMV."""
+        the norm and the gate and up products in one stacked-GEMV launch, then the down GEMV (plus x
+        with ``add_residual``)."""
         w_gate, w_up, w_down = stack.mlp
         gate, up, normed = dispatch.stacked_matmuls(x, (w_gate, w_up), stack.index, backend, norm=(stack.mlp_norm, eps))
-        return dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype)
+        out = dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype)
+        return x + out if add_residual else out
 
 
 def routing_spec(config: ModelConfig) -> RoutingSpec:
@@ -88,14 +90,16 @@ class MoE(nnx.Module):
             out = out + self.shared(x, backend=backend, stacked=stacked_shared)
         return out
 
-    def decode(self, x, stack, eps: float, backend: str):
+    def decode(self, x, stack, eps: float, backend: str, add_residual: bool = False):
         """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
         one stacked-GEMV launch normalizes x and computes the f32 router logits and the shared experts'
         gate and up products; the routed experts then take the normed rows. At the smallest steps
-        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch
-        and the routing kernel finishes the norm (``dispatch.ROUTER_NORM_IN_ROUTE``): the stacked GEMV
-        then computes only the router's products of x * g and the rows' sums of squares."""
+        (``dispatch.MOE_DECODE_MAX_TOKENS``, local experts) routed and shared experts run in one launch,
+        the routing kernel finishes the norm (``dispatch.ROUTER_NORM_IN_ROUTE``: the stacked GEMV then
+        computes only the router's products of x * g and the rows' sums of squares), and with
+        ``add_residual`` (x plus the sublayer's output comes back) the experts' launch may add x to its
+        sum (``dispatch.MOE_DECODE_RESIDUAL_MAX_TOKENS``)."""
         one_launch = x.shape[0] <= dispatch.MOE_DECODE_MAX_TOKENS and axis_size(EXPERT) == 1
         shared = stack.mlp[:2] if self.shared is not None and not one_launch else ()
         if one_launch and dispatch.ROUTER_NORM_IN_ROUTE and backend != "reference":
@@ -112,9 +116,12 @@ class MoE(nnx.Module):
             weights, ids = self._route_logits(logits, backend)
         if one_launch:  # routed and shared experts together (pallas_kernels/moe_decode.py)
             shared_experts = stack.mlp if self.shared is not None else None
-            return dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend)
+            fold = add_residual and x.shape[0] <= dispatch.MOE_DECODE_RESIDUAL_MAX_TOKENS and backend != "reference"
+            out = dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend,
+                                      residual=x if fold else None)
+            return out if fold or not add_residual else x + out
         out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
                                    expert_dispatch=self.expert_dispatch)
         if self.shared is not None:
             out = out + dispatch.stacked_swiglu_down(*gate_up, stack.mlp[2], stack.index, backend, normed.dtype)
-        return out
+        return x + out if add_residual else out

@@ -28,9 +28,9 @@ from dsjax.model.moe import MLP, MoE
 from dsjax.model.norms import RMSNorm
 from dsjax.model.paged import PagedBatch, PagedKVCache
 from dsjax.model.params import INIT_STD, logical_axes, param
-from dsjax.parallel.collectives import embed_lookup, gather_vocab, psum_tensor
+from dsjax.parallel.collectives import embed_lookup, gather_vocab, is_manual, psum_tensor
 from dsjax.parallel.expert import ExpertDispatch
-from dsjax.parallel.mesh import num_batch_shards
+from dsjax.parallel.mesh import TENSOR, num_batch_shards
 from dsjax.parallel.sharding import batch_spec, checks_vma, logical_to_spec, param_shardings, param_specs
 
 
@@ -77,7 +77,9 @@ class DecoderLayer(nnx.Module):
                                           stacked=stacked and stacked.attn)
         h = x + psum_tensor(attn_out)
         if stacked is not None and h.shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS:
-            return h + psum_tensor(self.mlp.decode(h, stacked, self.mlp_norm.eps, backend)), cache
+            if is_manual(TENSOR):  # the ranks' partial outputs are summed before the residual joins them
+                return h + psum_tensor(self.mlp.decode(h, stacked, self.mlp_norm.eps, backend)), cache
+            return self.mlp.decode(h, stacked, self.mlp_norm.eps, backend, add_residual=True), cache
         return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked)), cache
 
 

@@ -220,13 +220,15 @@ def test_engine_pallas_matches_reference_f32(kv_cache_dtype):
     assert outs["pallas"] == outs["reference"]
 
 
-@pytest.mark.parametrize("q_lora_rank, norm_in_route", [(None, True), (96, True), (None, False)])
-def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, monkeypatch):
+@pytest.mark.parametrize("q_lora_rank, norm_in_route, residual_in_sum",
+                         [(None, True, True), (96, True, True), (None, False, True), (None, True, False)])
+def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, residual_in_sum, monkeypatch):
     """The paged forward with the decode kernels (f32, steps of 3 and 1 tokens after a 70-token chunk)
     against the reference backend, with a q LoRA and without (q_proj's split-K partials then go to
     write_latents unsummed, which finishes the queries too); norm_in_route: the 1-token step's MoE
     norm finished in the routing kernel (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or by the
-    stacked GEMV."""
+    stacked GEMV; residual_in_sum: its residual added by the experts' launch
+    (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built)."""
     import dataclasses
 
     from flax import nnx
@@ -237,6 +239,7 @@ def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, m
     from tests.model.test_model import _paged_logits
 
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
+    monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
@@ -411,7 +414,8 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
 
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_moe_decode_gpu(tokens):
-    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place."""
+    """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place
+    (and with the residual added by each token's first program)."""
     from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
 
     rng = np.random.default_rng(tokens)
@@ -425,6 +429,9 @@ def test_moe_decode_gpu(tokens):
     up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
     want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
     assert _rel(got, want) < 2e-2
+    residual = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
+    with_residual = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared, residual)
+    assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
 
 
 def test_route_finishes_the_norm_gpu():

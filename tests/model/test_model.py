@@ -77,15 +77,18 @@ def test_paged_forward_matches_full_forward():
     assert np.abs(got - full).max() <= 1e-4 * np.abs(full).max()
 
 
-@pytest.mark.parametrize("q_lora_rank, norm_in_route", [(None, True), (96, True), (None, False)])
-def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, monkeypatch):
+@pytest.mark.parametrize("q_lora_rank, norm_in_route, residual_in_sum",
+                         [(None, True, True), (96, True, True), (None, False, True), (None, True, False)])
+def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residual_in_sum, monkeypatch):
     """The kernels' paged forward (interpret mode) equals the reference backend's: a 70-token chunk
     (XLA's projections, over STACKED_GEMV_MAX_TOKENS) and steps of 3 and 1 tokens (each sublayer's
     RMSNorm fused into one stacked-GEMV launch with q / q_a and kv_a, or with the router and the
     shared experts' gate and up; the 1-token step runs routed and shared experts in one launch,
     pallas_kernels/moe_decode.py), with a q LoRA (q_b's launch fuses q_a_norm) and without (q_proj);
     norm_in_route: the 1-token step's MoE norm finished in the routing kernel
-    (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or in the stacked GEMV."""
+    (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or in the stacked GEMV; residual_in_sum: its residual
+    added by the experts' launch (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built: a residual added twice
+    or not at all fails it)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -93,6 +96,7 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, monkey
     from dsjax.model.transformer import DeepseekForCausalLM
 
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
+    monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

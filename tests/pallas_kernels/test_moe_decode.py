@@ -37,6 +37,28 @@ def test_moe_decode_matches_reference(tokens, dtype, tol, with_shared):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol * scale)
 
 
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_moe_decode_adds_the_residual(dtype, tol):
+    """residual: each token's own row added once, in f32 before the rounding, by the token's first
+    program, also where that program's slot is empty (token 0's first slot here)."""
+    rng = np.random.default_rng(5)
+    w_gate, w_up, w_down, shared = _weights(rng, dtype)
+    x = jnp.asarray(rng.standard_normal((3, 64)), dtype)
+    residual = jnp.asarray(rng.standard_normal((3, 64)) * 8, dtype)
+    weights = jnp.asarray(rng.random((3, 2)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 8, (3, 2)), jnp.int32).at[0, 0].set(8)
+    args = (x, weights, ids, w_gate, w_up, w_down, jnp.int32(1), shared)
+    got = moe_decode(*args, residual, tiles=TILES, interpret=True)
+    want = moe_decode_reference(*args, residual)
+    assert got.dtype == dtype
+    scale = float(jnp.abs(want.astype(jnp.float32)).max())
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol * scale)
+    plain = np.asarray(moe_decode_reference(*args), np.float32)
+    assert np.abs(np.asarray(got, np.float32) - plain - np.asarray(residual, np.float32)).max() <= 2 * tol * scale
+    with pytest.raises(ValueError, match="residual"):
+        moe_decode(*args, residual[:1], tiles=TILES, interpret=True)
+
+
 def test_moe_decode_refuses_bad_shapes():
     w_gate, w_up, w_down, _ = _weights(np.random.default_rng(0), jnp.float32)
     ids, weights = jnp.zeros((MAX_TOKENS + 1, 2), jnp.int32), jnp.zeros((MAX_TOKENS + 1, 2))
@@ -54,3 +76,8 @@ def test_moe_decode_lowers_to_triton_for_h200():
                          shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16),
                          shape((26, 64, 1408, 2048), bf16), shape((), jnp.int32), shared)
     assert hlo.count("__gpu$xla.gpu.triton") == 1
+    with_residual = lower_for_h200(
+        moe_decode, shape((2, 2048), bf16), shape((2, 6), jnp.float32), shape((2, 6), jnp.int32),
+        shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16), shape((26, 64, 1408, 2048), bf16),
+        shape((), jnp.int32), shared, shape((2, 2048), bf16))
+    assert with_residual.count("__gpu$xla.gpu.triton") == 1
