@@ -49,7 +49,6 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import mla_decode_8bit_mgpu, mla_decode_mgpu
 from pallas_kernels.common import dot_precision
 from pallas_kernels.kv_quant import dequantize_latent
-from pallas_kernels.stacked_gemv import stacked_head_gemv
 
 NUM_SMS = 132  # H100 / H200 SXM
 # Splits grow (by powers of two) until the grid has this many programs: one wave over the SMs.
@@ -320,31 +319,6 @@ def _combine_kernel(
     o_ref[...] = (o / jnp.where(denom == 0, 1.0, denom)).astype(o_ref.dtype)
 
 
-def _combine_uv_kernel(
-    layer_ref,  # i32[1]
-    m_ref,  # f32[num_splits] (log2 units)
-    l_ref,  # f32[num_splits]
-    acc_ref,  # f32[num_splits, C]
-    w_ref,  # W_UV of every layer [L, C, H, V], indexed by hand
-    o_ref,  # [block_v]
-    *, block_c: int, block_v: int,
-):
-    """One (head, block_v output columns, token): the splits merged as in ``_combine_kernel`` and rounded
-    to the output's dtype, then through the head's W_UV columns, a block_c-row slab at a time."""
-    head, v0 = pl.program_id(0), pl.program_id(1) * block_v
-    m = m_ref[...]
-    weight = jnp.exp2(m - m.max())
-    denom = (weight * l_ref[...]).sum()
-    denom = jnp.where(denom == 0, 1.0, denom)
-    out = jnp.zeros((block_v,), jnp.float32)
-    for c0 in range(0, acc_ref.shape[-1], block_c):  # static: the latent width's slabs
-        o = (weight[:, None] * acc_ref[:, pl.ds(c0, block_c)]).sum(axis=0) / denom
-        o = o.astype(o_ref.dtype).astype(jnp.float32)
-        w = plgpu.load(w_ref.at[layer_ref[0], pl.ds(c0, block_c), head, pl.ds(v0, block_v)])
-        out += (o[:, None] * w.astype(jnp.float32)).sum(axis=0)
-    o_ref[...] = out.astype(o_ref.dtype)
-
-
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
@@ -352,10 +326,9 @@ def _is_pow2(n: int) -> bool:
 def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *,
                    c_kv_scale, num_splits, block_h, block_k, num_warps, num_stages, interpret,
                    compressed=None, pools=None, impl="auto", dot_dtype=None, length_offset=0,
-                   layer=None, layer_pages=None, paired=None, uniform_pages=None, w_uv=None):
+                   layer=None, layer_pages=None, paired=None, uniform_pages=None):
     """Shared body of mla_decode / mla_paged: query b attends keys 0..lengths[b]+length_offset-1 of
-    table row seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype, or with
-    ``w_uv`` (W_UV [L, C, H, V], layer) through that layer's W_UV: [B, H, V] (``combine_splits``). With
+    table row seq_ids[b]. q_latent [B, H, C], q_pe [B, H, R] -> [B, H, C] in q_latent.dtype. With
     ``layer_pages`` the tables hold layer ``layer``'s page ids and c_kv / k_pe every layer's pages, layer
     l's page p at row l * layer_pages + p (added inside the kernel, as the lengths' offset is).
     ``paired`` (an 8-bit cache in one pool): the kernel reads the latent rows as 16-bit byte pairs and
@@ -411,9 +384,9 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         lengths = lengths + length_offset
         if few_head_8bit:
             return _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
-                                              lengths, scale, num_splits=num_splits, w_uv=w_uv)
+                                              lengths, scale, num_splits=num_splits)
         return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
-                                     num_splits=num_splits, c_kv_scale=c_kv_scale, w_uv=w_uv)
+                                     num_splits=num_splits, c_kv_scale=c_kv_scale)
     if (dot_dtype is None and jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not pools
             and q_latent.dtype == jnp.bfloat16):
         dot_dtype = "float16"  # see the module docstring
@@ -493,11 +466,10 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
       *([jnp.asarray(layer, jnp.int32).reshape(1)] if pools or layer_pages else []),
       *([comp_c_kv.reshape(-1, latent_dim), comp_scale.reshape(-1).astype(jnp.float32)] if pools else []))
     if num_splits == 1:
-        return _through_uv(partials[:, :num_heads], w_uv, interpret)
+        return partials[:, :num_heads]
 
     m, l, acc = partials
-    return combine_splits(m, l, acc, q_latent.dtype, splits_axis=2, num_heads=num_heads, interpret=interpret,
-                          w_uv=w_uv)
+    return combine_splits(m, l, acc, q_latent.dtype, splits_axis=2, num_heads=num_heads, interpret=interpret)
 
 
 def _few_head_8bit(num_heads: int, cache_dtype) -> bool:
@@ -517,7 +489,7 @@ def mosaic_why_not(num_heads: int, latent_dim: int, rope_dim: int, block_size: i
 
 
 def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *, num_splits,
-                          c_kv_scale=None, w_uv=None):
+                          c_kv_scale=None):
     """The Mosaic GPU kernel (Hopper, H a multiple of 64; a bf16 or an 8-bit cache) with its splits and
     their merge."""
     batch, num_heads = q_latent.shape[:2]
@@ -530,12 +502,12 @@ def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, len
                                           num_splits=num_splits, tokens_per_split=tokens_per_split,
                                           c_kv_scale=c_kv_scale)
     if num_splits == 1:
-        return _through_uv(out.astype(q_latent.dtype), w_uv, False)
-    return combine_splits(*out, q_latent.dtype, splits_axis=1, w_uv=w_uv)
+        return out.astype(q_latent.dtype)
+    return combine_splits(*out, q_latent.dtype, splits_axis=1)
 
 
 def _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale, *,
-                               num_splits, w_uv=None):
+                               num_splits):
     """The Mosaic GPU kernel over an 8-bit cache (Hopper, a scale a token, few heads): it writes O^T
     (tokens on wgmma's M side), so its output and partials are transposed back here."""
     batch, num_heads = q_latent.shape[:2]
@@ -550,20 +522,16 @@ def _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tab
     out = mla_decode_8bit_mgpu.mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
                                                     lengths, scale, num_splits=num_splits)
     if num_splits == 1:
-        return _through_uv(out.swapaxes(1, 2).astype(q_latent.dtype), w_uv, False)
+        return out.swapaxes(1, 2).astype(q_latent.dtype)
     m, l, acc = out
-    return combine_splits(m, l, acc.swapaxes(2, 3), q_latent.dtype, splits_axis=1, w_uv=w_uv)
+    return combine_splits(m, l, acc.swapaxes(2, 3), q_latent.dtype, splits_axis=1)
 
 
-def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None = None, interpret: bool = False,
-                   w_uv=None):
+def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None = None, interpret: bool = False):
     """Merges flash-decoding partials: m, l f32 (log2-unit running max, softmax denominator) and acc f32
     (unnormalized output), laid out [B, H, S] / [B, H, S, C] (splits_axis=2, the Triton kernel) or
     [B, S, H] / [B, S, H, C] (splits_axis=1, the Mosaic kernel) -> [B, H, C] in ``dtype``; only the first
-    ``num_heads`` heads (the rest are padding). With ``w_uv`` = (W_UV of every layer [L, C, H, V], a
-    traced layer index) each head's merged row, rounded to ``dtype``, goes on through that layer's W_UV
-    in the same launch -> [B, H, V] in ``dtype`` (f32 products, as ``stacked_head_gemv`` with
-    contract_rows), so no launch of its own and no split-K partials to sum."""
+    ``num_heads`` heads (the rest are padding)."""
     if splits_axis == 2:
         batch, _, num_splits, latent_dim = acc.shape
         row, row_block = (lambda h, c, b: (b, h, 0)), (None, None, num_splits)
@@ -575,9 +543,6 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
         tile = lambda h, c, b: (b, 0, h, c)
         tile_block = lambda block_c: (None, num_splits, None, block_c)
     num_heads = num_heads or acc.shape[3 - splits_axis]
-    if w_uv is not None:
-        return _combine_through_uv(m, l, acc, dtype, w_uv, row, row_block, tile, tile_block, batch, num_heads,
-                                   num_splits, latent_dim, interpret)
     # Columns a program: all splits of block_c columns in registers, but halved (down to 32) until the
     # grid covers the SMs (H200 batch 1, 16 heads, 64 splits: 128 columns 2.8 us, 32 columns 2.1 us).
     block_c = min(latent_dim, max(1, _COMBINE_TILE // num_splits))
@@ -594,46 +559,6 @@ def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None 
         interpret=interpret,
         name="mla_decode_combine",
     )(m, l, acc)
-
-
-# The merge through W_UV (``combine_splits(w_uv=...)``): output columns a program and latent rows a slab.
-# Built 2026-12-02 (session 30), untimed: V2-Lite at one token gives 16 heads x 128 / 16 = 128 programs,
-# each reading its head's 512 x 16 slice of W_UV (16 KiB) and the 8 splits' rows (16 KiB).
-UV_BLOCK_V = 16
-UV_BLOCK_C = 128
-
-
-def _combine_through_uv(m, l, acc, dtype, w_uv, row, row_block, tile, tile_block, batch, num_heads, num_splits,
-                        latent_dim, interpret):
-    w, layer = w_uv
-    if w.ndim != 4 or w.shape[1] != latent_dim or w.shape[2] != num_heads:
-        raise ValueError(f"combine_splits: w_uv has shape {w.shape}; expected [L, C, H, V] with C = "
-                         f"{latent_dim} latent rows and H = {num_heads} heads")
-    value_dim = w.shape[3]
-    block_v, block_c = min(UV_BLOCK_V, value_dim), min(UV_BLOCK_C, latent_dim)
-    if value_dim % block_v or latent_dim % block_c:
-        raise ValueError(f"combine_splits: W_UV's {value_dim} value columns and {latent_dim} latent rows must be "
-                         f"multiples of {block_v} and {block_c} (pallas_kernels.mla_decode.UV_BLOCK_V / UV_BLOCK_C)")
-    grid_row = lambda h, v, b: row(h, 0, b)
-    return pl.pallas_call(
-        functools.partial(_combine_uv_kernel, block_c=block_c, block_v=block_v),
-        grid=(num_heads, value_dim // block_v, batch),
-        in_specs=[pl.BlockSpec(), pl.BlockSpec(row_block, grid_row), pl.BlockSpec(row_block, grid_row),
-                  pl.BlockSpec(tile_block(latent_dim), lambda h, v, b: tile(h, 0, b)), pl.BlockSpec()],
-        out_specs=pl.BlockSpec((None, None, block_v), lambda h, v, b: (b, h, v)),
-        out_shape=jax.ShapeDtypeStruct((batch, num_heads, value_dim), dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="mla_decode_combine_uv",
-    )(jnp.asarray(layer, jnp.int32).reshape(1), m, l, acc, w)
-
-
-def _through_uv(out, w_uv, interpret: bool):
-    """A merged output [B, H, C] (one split) through layer ``w_uv[1]``'s W_UV: the unfused path."""
-    if w_uv is None:
-        return out
-    w, layer = w_uv
-    return stacked_head_gemv(out, w, layer, contract_rows=True, out_dtype=out.dtype, interpret=interpret)
 
 
 _STATIC = ("scale", "num_splits", "block_h", "block_k", "num_warps", "num_stages", "interpret", "impl", "dot_dtype",
@@ -670,7 +595,7 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
 def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, *, c_kv_scale=None,
               compressed=None, pools=None, layer=None, layer_pages=None, num_splits=None, block_h=None, block_k=None,
               num_warps=None, num_stages=None, interpret=False, impl="auto", dot_dtype=None, paired=None,
-              uniform_pages=None, w_uv=None):
+              uniform_pages=None):
     """The engine's entry; the semantics of ``mla_paged_reference``.
 
     q_latent [T, H, C], q_pe [T, H, R], c_kv [N, bs, C], k_pe [N, bs, R], block_tables i32[S, W],
@@ -681,15 +606,13 @@ def mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scal
     ``mla_paged_pools_reference``; ``compressed`` = (c_kv_compressed, compressed_scale, layer),
     ``pools`` = (Nf, Nc). With ``layer_pages`` (one pool), c_kv / k_pe hold every layer's pages
     [L * layer_pages, bs, ...] and the tables layer ``layer``'s page ids (the kernel adds the offset).
-    ``w_uv`` = (W_UV of every layer [L, C, H, V], a layer index): the heads' outputs go on through that
-    layer's W_UV in the splits' merge -> [T, H, V] (``combine_splits``).
     """
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids.astype(jnp.int32),
                           positions.astype(jnp.int32), scale, compressed=compressed, pools=pools, length_offset=1,
                           layer=layer, layer_pages=layer_pages,
                           c_kv_scale=c_kv_scale, num_splits=num_splits, block_h=block_h, block_k=block_k,
                           num_warps=num_warps, num_stages=num_stages, interpret=interpret, impl=impl,
-                          dot_dtype=dot_dtype, paired=paired, uniform_pages=uniform_pages, w_uv=w_uv)
+                          dot_dtype=dot_dtype, paired=paired, uniform_pages=uniform_pages)
 
 
 def mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=None):

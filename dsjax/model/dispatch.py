@@ -206,34 +206,21 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, bac
                                 interpret=backend == "interpret", **rope_and_norm)
 
 
-# Decode steps of up to this many tokens (0: none) merge the attention's splits and apply W_UV in one
-# launch (pallas_kernels.mla_decode.combine_splits(w_uv=...)) instead of the merge, the per-head W_UV
-# GEMV and the sum of its split-K partials (decode_profile.md round 15: 1.47 + 2.53 + 1.27 µs a layer at
-# batch 1). Built 2026-12-02 (session 30), off until the H200 has timed it (`run_h200.sh decode-uv`).
-UV_IN_MERGE_MAX_TOKENS = 0
-
-
 def mla_paged_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, backend: str,
-                        c_kv_scale=None, compressed=None, pools=None, layer=None, layer_pages=None, w_uv=None):
+                        c_kv_scale=None, compressed=None, pools=None, layer=None, layer_pages=None):
     """Absorbed MLA over the paged latent cache (8-bit c_kv with its c_kv_scale; or two pools, see
     ``mla_paged_pools_reference``); see ``mla_paged_reference`` for shapes. With ``layer_pages`` (one
-    pool) c_kv / k_pe hold every layer's pages and the tables layer ``layer``'s page ids. With ``w_uv``
-    = (W_UV of every layer [L, C, H, V], a layer index) the output [T, H, C] goes on through that
-    layer's W_UV -> [T, H, V] in q_latent's dtype."""
+    pool) c_kv / k_pe hold every layer's pages and the tables layer ``layer``'s page ids."""
     if backend == "reference":
         if pools:
-            ctx = mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
-                                            compressed, pools)
-        else:
-            if layer_pages:
-                block_tables = block_tables + layer * layer_pages
-            ctx = mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
-                                      c_kv_scale)
-        if w_uv is None:
-            return ctx
-        return stacked_head_gemv_reference(ctx, *w_uv, contract_rows=True).astype(ctx.dtype)
+            return mla_paged_pools_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                                             compressed, pools)
+        if layer_pages:
+            block_tables = block_tables + layer * layer_pages
+        return mla_paged_reference(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale,
+                                   c_kv_scale)
     return mla_paged(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, positions, scale, c_kv_scale=c_kv_scale,
-                     compressed=compressed, pools=pools, layer=layer, layer_pages=layer_pages, w_uv=w_uv,
+                     compressed=compressed, pools=pools, layer=layer, layer_pages=layer_pages,
                      interpret=backend == "interpret")
 
 

@@ -147,21 +147,15 @@ class MLAttention(nnx.Module):
         """latent_ctx [..., H, C] -> [..., D]: W_UV, then o_proj over every head (a few tokens with the
         layer stack at hand: both through the stacked decode kernels, the layer's weights read in place)."""
         if self._stacked_fits(latent_ctx.shape[:-2], stacked):
-            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], stacked["index"], backend,
-                                                 contract_rows=True)
-            return self._stacked_o_proj(v_ctx.astype(latent_ctx.dtype), stacked, backend)
+            index = stacked["index"]
+            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend, contract_rows=True)
+            o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
+            out, = dispatch.stacked_matmuls(v_ctx.astype(latent_ctx.dtype).reshape(latent_ctx.shape[0], -1),
+                                            (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),), index, backend)
+            return out.astype(latent_ctx.dtype)
         v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
         flat = v_ctx.reshape(*v_ctx.shape[:-2], -1)  # [..., H * V] against o_proj [H, V, D]: one K axis
         return jnp.einsum("...k,kd->...d", flat, self.o_proj[...].reshape(flat.shape[-1], -1))
-
-    @staticmethod
-    def _stacked_o_proj(v_ctx, stacked, backend: str):
-        """v_ctx [T, H, V] (W_UV applied) -> [T, D] through the stacked o_proj, read in place."""
-        o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
-        out, = dispatch.stacked_matmuls(v_ctx.reshape(v_ctx.shape[0], -1),
-                                        (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),), stacked["index"],
-                                        backend)
-        return out.astype(v_ctx.dtype)
 
     def __call__(self, x, positions, *, mode: str, backend: str):
         """Full causal attention without a cache: x [B, T, D], positions i32[B, T] -> [B, T, D], a
@@ -225,21 +219,16 @@ class MLAttention(nnx.Module):
         num_blocks, block_size = cache.c_kv.shape[1:3]
         # Flattening [L, N] is free; the kernel shifts the block ids to this layer's (no copy).
         flat = lambda a: None if a is None else a.reshape(-1, block_size, a.shape[-1])
-        # the splits' merge applies W_UV too (dispatch.UV_IN_MERGE_MAX_TOKENS)
-        uv_in_merge = stacked_step and x.shape[0] <= dispatch.UV_IN_MERGE_MAX_TOKENS and backend != "reference"
-        w_uv = (stacked["w_uv"], stacked["index"]) if uv_in_merge else None
         if cache.pools:  # two pools: the kernel finds the layer and each block's pool itself
             ctx = dispatch.mla_paged_attention(
                 q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables,
                 batch.seq_ids, batch.positions, self.scale, backend, pools=cache.pools,
-                compressed=(flat(cache.c_kv_compressed), flat(cache.compressed_scale), layer), w_uv=w_uv)
+                compressed=(flat(cache.c_kv_compressed), flat(cache.compressed_scale), layer))
         else:
             ctx = dispatch.mla_paged_attention(
                 q_latent, q_pe, flat(cache.c_kv), flat(cache.k_pe), batch.block_tables, batch.seq_ids,
                 batch.positions, self.scale, backend, c_kv_scale=flat(cache.c_kv_scale), layer=layer,
-                layer_pages=num_blocks, w_uv=w_uv)
-        if uv_in_merge:
-            return self._stacked_o_proj(ctx, stacked, backend), cache
+                layer_pages=num_blocks)
         return self.output(ctx, stacked, backend), cache
 
 

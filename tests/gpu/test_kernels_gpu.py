@@ -61,24 +61,6 @@ def test_mla_paged_mosaic_several_queries_per_sequence_gpu():
     assert _rel(np.asarray(got)[keep], np.asarray(want)[keep]) < 2e-2
 
 
-@pytest.mark.parametrize("heads, impl, tokens", [(16, "auto", 1), (16, "auto", 4), (128, "mosaic", 2)])
-def test_mla_paged_through_w_uv_gpu(heads, impl, tokens):
-    """The splits' merge with W_UV (V2-Lite's 16 heads at one and four tokens; V3's 128 through the
-    Mosaic kernel's partials) against the output, rounded to bf16, through layer 1's W_UV."""
-    from pallas_kernels.mla_decode import mla_paged
-    from pallas_kernels.stacked_gemv import stacked_head_gemv_reference
-
-    rng = np.random.default_rng(heads + tokens)
-    q, q_pe, c_kv, k_pe, tables, lengths = _paged(rng, tokens, heads, [700, 64, 1500, 3][:tokens])
-    seq_ids, positions = jnp.arange(tokens, dtype=jnp.int32), lengths - 1
-    w_uv = jnp.asarray(rng.standard_normal((3, 512, heads, 128)) * 0.05, jnp.bfloat16)
-    got = mla_paged(q, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1, impl=impl, w_uv=(w_uv, jnp.int32(1)))
-    ctx = mla_paged(q, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1, impl=impl)
-    want = stacked_head_gemv_reference(ctx, w_uv, 1, contract_rows=True)
-    assert got.shape == (tokens, heads, 128) and got.dtype == jnp.bfloat16
-    assert _rel(got, want) < 1e-2
-
-
 @pytest.mark.parametrize("kind, groups, paired", [("int8", 1, False), ("fp8", 1, False), ("fp8", 4, False),
                                                   ("int8", 1, True), ("fp8", 4, True)])
 @pytest.mark.parametrize("heads", [16, 128])
@@ -238,18 +220,15 @@ def test_engine_pallas_matches_reference_f32(kv_cache_dtype):
     assert outs["pallas"] == outs["reference"]
 
 
-@pytest.mark.parametrize("q_lora_rank, norm_in_route, residual_in_sum, uv_in_merge",
-                         [(None, True, True, False), (96, True, True, True), (None, False, True, False),
-                          (None, True, False, True)])
-def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, residual_in_sum, uv_in_merge,
-                                               monkeypatch):
+@pytest.mark.parametrize("q_lora_rank, norm_in_route, residual_in_sum",
+                         [(None, True, True), (96, True, True), (None, False, True), (None, True, False)])
+def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, residual_in_sum, monkeypatch):
     """The paged forward with the decode kernels (f32, steps of 3 and 1 tokens after a 70-token chunk)
     against the reference backend, with a q LoRA and without (q_proj's split-K partials then go to
     write_latents unsummed, which finishes the queries too); norm_in_route: the 1-token step's MoE
     norm finished in the routing kernel (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or by the
     stacked GEMV; residual_in_sum: its residual added by the experts' launch
-    (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built); uv_in_merge: W_UV applied in the attention splits'
-    merge at both steps (UV_IN_MERGE_MAX_TOKENS)."""
+    (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built)."""
     import dataclasses
 
     from flax import nnx
@@ -261,7 +240,6 @@ def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, r
 
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
-    monkeypatch.setattr(dispatch, "UV_IN_MERGE_MAX_TOKENS", 64 if uv_in_merge else 0)
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

@@ -77,11 +77,9 @@ def test_paged_forward_matches_full_forward():
     assert np.abs(got - full).max() <= 1e-4 * np.abs(full).max()
 
 
-@pytest.mark.parametrize("q_lora_rank, norm_in_route, residual_in_sum, uv_in_merge",
-                         [(None, True, True, False), (96, True, True, True), (None, False, True, False),
-                          (None, True, False, True)])
-def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residual_in_sum, uv_in_merge,
-                                              monkeypatch):
+@pytest.mark.parametrize("q_lora_rank, norm_in_route, residual_in_sum",
+                         [(None, True, True), (96, True, True), (None, False, True), (None, True, False)])
+def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residual_in_sum, monkeypatch):
     """The kernels' paged forward (interpret mode) equals the reference backend's: a 70-token chunk
     (XLA's projections, over STACKED_GEMV_MAX_TOKENS) and steps of 3 and 1 tokens (each sublayer's
     RMSNorm fused into one stacked-GEMV launch with q / q_a and kv_a, or with the router and the
@@ -90,8 +88,7 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     norm_in_route: the 1-token step's MoE norm finished in the routing kernel
     (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or in the stacked GEMV; residual_in_sum: its residual
     added by the experts' launch (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built: a residual added twice
-    or not at all fails it); uv_in_merge: W_UV applied in the attention splits' merge at both steps
-    (UV_IN_MERGE_MAX_TOKENS)."""
+    or not at all fails it)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -100,7 +97,6 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
 
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
-    monkeypatch.setattr(dispatch, "UV_IN_MERGE_MAX_TOKENS", 64 if uv_in_merge else 0)
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

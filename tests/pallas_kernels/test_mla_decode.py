@@ -111,47 +111,6 @@ def test_mla_paged_layer_local_tables():
     assert_close(out, ref, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype, num_splits", [(jnp.float32, 4), (jnp.bfloat16, 2), (jnp.float32, 1)])
-def test_mla_paged_through_w_uv(dtype, num_splits):
-    """w_uv: the heads' outputs through layer 1's W_UV [L, C, H, V] in the splits' merge (one split: the
-    head GEMV after the kernel) equal the reference's output, rounded to the dtype, times that layer's
-    W_UV; another layer's W_UV or a wrong head order fails it."""
-    from pallas_kernels import mla_decode as mla
-    from pallas_kernels.stacked_gemv import stacked_head_gemv_reference
-
-    rng = np.random.default_rng(9)
-    num_heads, latent_dim, rope_dim, block_size, width, value_dim = 4, 256, 16, 4, 6, 32
-    num_pages = 3 * width
-    c_kv, k_pe = make_cache(rng, num_pages, block_size, latent_dim, rope_dim, dtype)
-    tables = shuffled_tables(rng, 3, width, num_pages)
-    seq_ids, positions = jnp.asarray([1, 0, 2], jnp.int32), jnp.asarray([22, 3, 17], jnp.int32)
-    q_latent = jnp.asarray(rng.standard_normal((3, num_heads, latent_dim)), dtype)
-    q_pe = jnp.asarray(rng.standard_normal((3, num_heads, rope_dim)), dtype)
-    w_uv = jnp.asarray(rng.standard_normal((2, latent_dim, num_heads, value_dim)) * 0.1, dtype)
-
-    out = mla_paged(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1, block_k=8, num_splits=num_splits,
-                    interpret=True, w_uv=(w_uv, jnp.int32(1)))
-    ctx = mla_paged_reference(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1)
-    ref = stacked_head_gemv_reference(ctx, w_uv, 1, contract_rows=True).astype(dtype)
-    assert_close(out, ref, dtype)
-    with pytest.raises(ValueError, match="w_uv has shape"):
-        mla.combine_splits(*(jnp.zeros((1, num_heads, 2) + s) for s in ((), (), (latent_dim,))), dtype, splits_axis=2,
-                           w_uv=(w_uv[:, :, :2], 0))
-
-
-def test_combine_through_w_uv_lowers_to_triton_for_h200():
-    """V2-Lite at one token: 8 splits of 16 heads merged through a 27-layer W_UV stack in one launch."""
-    from pallas_kernels.mla_decode import combine_splits
-
-    shape, f32 = jax.ShapeDtypeStruct, jnp.float32
-    for splits_axis, rows, tile in ((2, (1, 16, 8), (1, 16, 8, 512)), (1, (1, 8, 16), (1, 8, 16, 512))):
-        fn = lambda m, l, acc, w, layer: combine_splits(m, l, acc, jnp.bfloat16, splits_axis=splits_axis,
-                                                        w_uv=(w, layer))
-        hlo = lower_for_h200(fn, shape(rows, f32), shape(rows, f32), shape(tile, f32),
-                             shape((27, 512, 16, 128), jnp.bfloat16), shape((), jnp.int32))
-        assert hlo.count("__gpu$xla.gpu.triton") == 1
-
-
 @pytest.mark.parametrize("length", [1, 9, 129, 500, 4096])
 def test_split_ranges_cut_each_context_evenly(length):
     """The splits tile [0, length) in order, each a whole number of 32-key iterations but the last busy
