@@ -169,7 +169,7 @@ def _allowed_experts(choice, col, spec: RoutingSpec, num_experts: int):
 
 
 def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, block_tokens: int,
-                  has_bias: bool, norm_eps: float | None, depth: int, block_d: int):
+                  has_bias: bool, norm_eps: float | None, depth: int, block_d: int, rows_programs: int):
     refs = list(refs)
     logits_ref = refs.pop(0)
     bias_ref = refs.pop(0) if has_bias else None
@@ -177,7 +177,8 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
     weights_ref, ids_ref, *normed_ref = refs
     # logits_ref [T, E] (whole array; with norm_eps [T, E + 1], the rows' sums of squares last), bias_ref
     # f32[E]; with norm_eps x_ref [T, D], norm_ref [L, D], layer_ref i32[1]; weights_ref f32[T, k], ids_ref
-    # i32[T, k], with norm_eps normed_ref [T, D]
+    # i32[T, k], with norm_eps normed_ref [T, D]. With rows_programs, program (i, 0) routes token block i
+    # and programs (i, 1..rows_programs) write depth / rows_programs columns each of its normed rows.
     padded_experts = pl.next_power_of_2(num_experts)
     padded_k = pl.next_power_of_2(spec.top_k)
     token0 = pl.program_id(0) * block_tokens
@@ -197,12 +198,41 @@ def _route_kernel(*refs, spec: RoutingSpec, num_tokens: int, num_experts: int, b
         scale = inv_rms(squares.astype(jnp.float32), depth, norm_eps)  # [bt, 1]
         logits = logits * scale  # the padding experts' -inf stays -inf
         layer = layer_ref[0]
-        for start in range(0, depth, block_d):  # block_d divides depth
-            x = plgpu.load(x_ref.at[token_rows, pl.ds(start, block_d)], mask=token_ok, other=0.0)
-            g = plgpu.load(norm_ref.at[layer, pl.ds(start, block_d)])[None, :]
-            scaled = (x.astype(jnp.float32) * scale).astype(x_ref.dtype).astype(jnp.float32)
-            plgpu.store(normed_ref[0].at[token_rows, pl.ds(start, block_d)],
-                        (g.astype(jnp.float32) * scaled).astype(normed_ref[0].dtype), mask=token_ok)
+
+        def write_rows(first, columns: int):  # columns [first, first + columns); block_d divides both
+            for start in range(0, columns, block_d):
+                cols = pl.ds(first + start, block_d)
+                x = plgpu.load(x_ref.at[token_rows, cols], mask=token_ok, other=0.0)
+                g = plgpu.load(norm_ref.at[layer, cols])[None, :]
+                scaled = (x.astype(jnp.float32) * scale).astype(x_ref.dtype).astype(jnp.float32)
+                plgpu.store(normed_ref[0].at[token_rows, cols],
+                            (g.astype(jnp.float32) * scaled).astype(normed_ref[0].dtype), mask=token_ok)
+
+        if not rows_programs:
+            write_rows(0, depth)
+        else:
+            part, columns = pl.program_id(1), depth // rows_programs
+
+            @pl.when(part > 0)
+            def _():
+                write_rows(pl.multiple_of((part - 1) * columns, block_d), columns)
+
+    route_block = functools.partial(
+        _route_block, logits, scale, logits_ref, bias_ref, weights_ref, ids_ref, rows=rows, token0=token0,
+        token_ok=token_ok, col=col, col_ok=col_ok, spec=spec, num_tokens=num_tokens, num_experts=num_experts,
+        block_tokens=block_tokens, padded_experts=padded_experts, padded_k=padded_k)
+    if rows_programs:
+        pl.when(pl.program_id(1) == 0)(route_block)
+    else:
+        route_block()
+
+
+def _route_block(logits, scale, logits_ref, bias_ref, weights_ref, ids_ref, *, rows, token0, token_ok, col, col_ok,
+                 spec: RoutingSpec, num_tokens: int, num_experts: int, block_tokens: int, padded_experts: int,
+                 padded_k: int):
+    """Scores, top-k and weights of one token block's logits [bt, Ep] (already times 1 / rms with a
+    ``scale``) into weights_ref / ids_ref."""
+    has_bias = bias_ref is not None
     if spec.scoring_func == "softmax":
         row_max = jnp.max(logits, axis=-1, keepdims=True)
         row_sum = jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True)
@@ -265,9 +295,11 @@ def _check_spec(spec: RoutingSpec, num_experts: int):
 NORM_BLOCK_D = 512  # columns of the normed rows a step writes at most (route's norm_rows; a divisor of D)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "norm_eps", "block_tokens", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("spec", "norm_eps", "rows_programs", "block_tokens", "num_warps",
+                                             "interpret"))
 def route(logits, bias, spec: RoutingSpec, *, norm_rows: NormRows | None = None, norm_eps: float | None = None,
-          block_tokens: int | None = None, num_warps: int | None = None, interpret: bool = False):
+          rows_programs: int = 0, block_tokens: int | None = None, num_warps: int | None = None,
+          interpret: bool = False):
     """Fused router: logits [T, E], bias f32[E] or None -> (weights f32[T, k], ids i32[T, k]).
 
     Same results as ``route_reference`` (ids exactly, ties to the lower expert or group id), in one
@@ -276,7 +308,9 @@ def route(logits, bias, spec: RoutingSpec, *, norm_rows: NormRows | None = None,
     ``norm_rows`` (a ``NormRows``) with ``norm_eps``: the MoE sublayer's RMSNorm finishes here instead
     of in XLA launches: logits are [T, E + 1], the router's products of x * g and then each row's sum
     of squares of x; the logits are scaled by 1 / rms before scoring and the normed rows [T, D] come
-    back third (``route_norm_reference``).
+    back third (``route_norm_reference``). ``rows_programs`` > 0: the normed rows are written by that
+    many programs of their own a token block, depth / rows_programs columns each, beside the program
+    that routes (which then does not wait on the rows' loads); 0 (the default): by the routing program.
     """
     num_tokens, num_experts = logits.shape
     if (norm_rows is None) != (norm_eps is None):
@@ -287,6 +321,10 @@ def route(logits, bias, spec: RoutingSpec, *, norm_rows: NormRows | None = None,
             raise ValueError(f"route: norm_rows x {norm_rows.x.shape} / norm {norm_rows.norm.shape} do not match "
                              f"logits {logits.shape}; expected x [T={num_tokens}, D] and norm [L, D]")
     _check_spec(spec, num_experts)
+    depth = norm_rows.x.shape[-1] if norm_rows is not None else 0
+    if rows_programs and (norm_rows is None or rows_programs < 0 or depth % rows_programs):
+        raise ValueError(f"route: rows_programs={rows_programs} splits the normed rows' {depth} columns; it needs "
+                         "norm_rows and must divide their width")
     padded_experts = pl.next_power_of_2(num_experts)
     if padded_experts > 512:
         raise ValueError(f"num_experts={num_experts}: the routing kernel holds whole rows, up to 512")
@@ -295,11 +333,10 @@ def route(logits, bias, spec: RoutingSpec, *, norm_rows: NormRows | None = None,
     spread = max(8, pl.next_power_of_2(pl.cdiv(num_tokens, _MIN_PROGRAMS)))
     block_tokens = block_tokens or min(default_tokens, spread)
     has_bias = spec.topk_method == "noaux_tc" and bias is not None
-    depth = norm_rows.x.shape[-1] if norm_rows is not None else 0
     kernel = functools.partial(_route_kernel, spec=spec, num_tokens=num_tokens, num_experts=num_experts,
                                block_tokens=block_tokens, has_bias=has_bias,
-                               norm_eps=norm_eps, depth=depth,
-                               block_d=math.gcd(depth, NORM_BLOCK_D))
+                               norm_eps=norm_eps, depth=depth, rows_programs=rows_programs,
+                               block_d=math.gcd(depth // max(rows_programs, 1), NORM_BLOCK_D))
     out_shape = [jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.float32),
                  jax.ShapeDtypeStruct((num_tokens, spec.top_k), jnp.int32)]
     extra = []
@@ -308,7 +345,7 @@ def route(logits, bias, spec: RoutingSpec, *, norm_rows: NormRows | None = None,
         extra = [norm_rows.x, norm_rows.norm, jnp.asarray(norm_rows.layer, jnp.int32).reshape(1)]
     return tuple(pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(num_tokens, block_tokens),),
+        grid=(pl.cdiv(num_tokens, block_tokens), *((1 + rows_programs,) if rows_programs else ())),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_warps, num_stages=1),
         interpret=interpret,

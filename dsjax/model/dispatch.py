@@ -138,6 +138,11 @@ MOE_DECODE_TILES = DecodeTiles()
 # compiled step (results/step_ab_folds_b1_h200.json, three rounds in turns): 2.240 ms against 2.274;
 # batch 2: 2.856 against 2.876.
 ROUTER_NORM_IN_ROUTE = True
+# Programs a token block of that routing launch that write the normed rows beside the routing program (0:
+# the routing program writes them itself, after their loads; round 15 measured moe_route_norm at 3.4 µs
+# a layer against 2.1 for the routing alone). Built 2026-12-02 (session 30), 0 until the H200 has timed
+# it (`run_h200.sh decode-route-rows`).
+ROUTE_ROWS_PROGRAMS = 0
 # One-launch steps of up to this many tokens (0: none) have the layer's residual added to the experts'
 # sum by each token's first program, instead of XLA's add after the sum (round 12's launch 18). H200,
 # V2-Lite compiled step (results/step_ab_residual_b{1,2}_h200.json, 3 rounds in turns): batch 1 2.214
@@ -166,7 +171,8 @@ def moe_route(logits, bias, spec: RoutingSpec, backend: str, norm_rows: NormRows
         if norm_rows is not None:
             return route_norm_reference(logits, bias, spec, norm_rows, norm_eps)
         return route_reference(logits, bias, spec)
-    return route(logits, bias, spec, norm_rows=norm_rows, norm_eps=norm_eps, interpret=backend == "interpret")
+    return route(logits, bias, spec, norm_rows=norm_rows, norm_eps=norm_eps,
+                 rows_programs=ROUTE_ROWS_PROGRAMS if norm_rows is not None else 0, interpret=backend == "interpret")
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str, layer=None,

@@ -228,7 +228,8 @@ def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, r
     write_latents unsummed, which finishes the queries too); norm_in_route: the 1-token step's MoE
     norm finished in the routing kernel (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or by the
     stacked GEMV; residual_in_sum: its residual added by the experts' launch
-    (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built)."""
+    (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built); with the q LoRA the normed rows come from programs of
+    their own (ROUTE_ROWS_PROGRAMS)."""
     import dataclasses
 
     from flax import nnx
@@ -240,6 +241,7 @@ def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, r
 
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
+    monkeypatch.setattr(dispatch, "ROUTE_ROWS_PROGRAMS", 4 if q_lora_rank else 0)  # the normed rows' own programs
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
@@ -436,19 +438,20 @@ def test_moe_decode_gpu(tokens):
 
 def test_route_finishes_the_norm_gpu():
     """V2-Lite's router at one token with the MoE norm finished in the routing kernel: the summed
-    products of x * g with the row's sum of squares last (64 + 1 columns), 2048-wide normed rows."""
+    products of x * g with the row's sum of squares last (64 + 1 columns), 2048-wide normed rows, written
+    by the routing program or by 4 / 16 programs of their own."""
     from pallas_kernels.moe_routing import NormRows, RoutingSpec, route, route_norm_reference
 
     rng = np.random.default_rng(3)
     spec = RoutingSpec(top_k=6)
-    for tokens in (1, 2):
+    for tokens, rows_programs in itertools.product((1, 2), (0, 4, 16)):
         x = jnp.asarray(rng.standard_normal((tokens, 2048)) * 4, jnp.bfloat16)
         norm = jnp.asarray(1 + 0.1 * rng.standard_normal((3, 2048)), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((2048, 64)) * 0.05, jnp.float32)
         x32 = x.astype(jnp.float32)
         logits = jnp.concatenate([(x32 * norm[1].astype(jnp.float32)) @ w, jnp.sum(x32 * x32, -1, keepdims=True)], -1)
         rows = NormRows(x, norm, jnp.int32(1))
-        got = route(logits, None, spec, norm_rows=rows, norm_eps=1e-6)
+        got = route(logits, None, spec, norm_rows=rows, norm_eps=1e-6, rows_programs=rows_programs)
         want = route_norm_reference(logits, None, spec, rows, 1e-6)
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
         assert _rel(got[0], want[0]) < 1e-4 and _rel(got[2], want[2]) < 1e-2

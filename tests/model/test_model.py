@@ -88,7 +88,8 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     norm_in_route: the 1-token step's MoE norm finished in the routing kernel
     (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or in the stacked GEMV; residual_in_sum: its residual
     added by the experts' launch (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built: a residual added twice
-    or not at all fails it)."""
+    or not at all fails it); with the q LoRA the normed rows come from programs of their own
+    (ROUTE_ROWS_PROGRAMS)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -97,6 +98,7 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
 
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
+    monkeypatch.setattr(dispatch, "ROUTE_ROWS_PROGRAMS", 4 if q_lora_rank else 0)  # the normed rows' own programs
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

@@ -76,10 +76,12 @@ def test_route_lowers_to_triton_for_h200(num_experts, spec):
 @pytest.mark.parametrize("num_experts,spec,with_bias", [SPECS[0], SPECS[4]],
                          ids=lambda v: v.topk_method + "-" + v.scoring_func
                          if isinstance(v, RoutingSpec) else None)
-def test_route_finishes_the_norm(num_experts, spec, with_bias):
+@pytest.mark.parametrize("rows_programs", [0, 3])
+def test_route_finishes_the_norm(num_experts, spec, with_bias, rows_programs):
     """norm_rows: the router's products of x * g with each row's sum of squares as a last column; the
     kernel scales the logits by 1 / rms before scoring (V3's picked weights too) and returns the normed
-    rows, as route_norm_reference and as routing RMSNorm(x) @ w does."""
+    rows, as route_norm_reference and as routing RMSNorm(x) @ w does; written by the routing program or
+    (rows_programs=3) by three programs of 32 columns beside it."""
     from pallas_kernels.common import rms_norm
     from pallas_kernels.moe_routing import NormRows, route_norm_reference
 
@@ -92,8 +94,8 @@ def test_route_finishes_the_norm(num_experts, spec, with_bias):
     x32 = x.astype(jnp.float32)
     logits = jnp.concatenate([(x32 * norm[2].astype(jnp.float32)) @ w, jnp.sum(x32 * x32, -1, keepdims=True)], -1)
     rows = NormRows(x, norm, jnp.int32(2))
-    got = run_fast(lambda l, b, r: route(l, b, spec, norm_rows=r, norm_eps=1e-6, block_tokens=8, interpret=True),
-                   logits, bias, rows)
+    got = run_fast(lambda l, b, r: route(l, b, spec, norm_rows=r, norm_eps=1e-6, rows_programs=rows_programs,
+                                         block_tokens=8, interpret=True), logits, bias, rows)
     want = route_norm_reference(logits, bias, spec, rows, 1e-6)
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
@@ -104,19 +106,23 @@ def test_route_finishes_the_norm(num_experts, spec, with_bias):
     assert np.mean(np.asarray(got[1]) == np.asarray(plain[1])) > 0.9  # bf16 rows vs x * g then 1 / rms
     with pytest.raises(ValueError, match="norm_rows and norm_eps come together"):
         route(logits, bias, spec, norm_rows=rows, interpret=True)
+    with pytest.raises(ValueError, match="rows_programs=5 splits the normed rows' 96 columns"):
+        route(logits, bias, spec, norm_rows=rows, norm_eps=1e-6, rows_programs=5, interpret=True)
 
 
 @pytest.mark.parametrize("tokens, spec", [(1, RoutingSpec(top_k=6)),
                                           (2, RoutingSpec(8, "sigmoid", "noaux_tc", 8, 4, True, 2.5))])
-def test_route_with_norm_rows_lowers_to_triton_for_h200(tokens, spec):
+@pytest.mark.parametrize("rows_programs", [0, 4])
+def test_route_with_norm_rows_lowers_to_triton_for_h200(tokens, spec, rows_programs):
     """The norm-finishing router at V2-Lite's (64 experts + the squares column, 2048-wide rows) and V3's
-    (256 + 1, 7168) decode shapes: one Triton call."""
+    (256 + 1, 7168) decode shapes, the rows written by the routing program or by four of their own:
+    one Triton call."""
     from pallas_kernels.moe_routing import NormRows
 
     experts, depth = (64, 2048) if spec.top_k == 6 else (256, 7168)
     shape = jax.ShapeDtypeStruct
     hlo = lower_for_h200(lambda logits, bias, x, norm, layer: route(
-        logits, bias, spec, norm_rows=NormRows(x, norm, layer), norm_eps=1e-6),
+        logits, bias, spec, norm_rows=NormRows(x, norm, layer), norm_eps=1e-6, rows_programs=rows_programs),
         shape((tokens, experts + 1), jnp.float32), shape((experts,), jnp.float32),
         shape((tokens, depth), jnp.bfloat16), shape((26, depth), jnp.bfloat16), shape((), jnp.int32))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
