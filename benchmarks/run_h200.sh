@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|decode-folds|decode-residual|decode-route-rows|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -78,15 +78,17 @@ case $part in
     done
     timeout 120 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --top 60 \
       --trace-dir /tmp/trace_b1 | grep -vi warn > "$OUT/profile_b1.txt"; head -40 "$OUT/profile_b1.txt" ;;
-  decode-route-rows)  # the routing launch's normed rows from programs of their own: GPU tests, batch 1 / 2 A/Bs (~5 min)
-    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "route_finishes or paged_decode_pallas" \
-      2>&1 | tee "$OUT/gpu_tests_route_rows.log" | tail -3
+  decode-round16)  # the routing launch's normed rows from programs of their own, W_UV's GEMV tiles: GPU tests,
+                   # then batch 1 / 2 step A/Bs in turns (~7 minutes)
+    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "route_finishes or paged_decode_pallas or stacked_head_gemv" 2>&1 | tee "$OUT/gpu_tests_round16.log" | tail -3
     d=dsjax.model.dispatch
     for b in 1 2; do
-      timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
+      timeout 190 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
         --rounds 3 --variant built --variant "4 rows programs: $d.ROUTE_ROWS_PROGRAMS=4" \
-        --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" \
-        --out "$OUT/step_ab_route_rows_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
+        --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" --variant "uv 1 split 16 cols: $d.UV_GEMV_TILES=(1,16)" \
+        --variant "uv 1 split 32 cols: $d.UV_GEMV_TILES=(1,32)" --variant "uv 2 splits 32 cols: $d.UV_GEMV_TILES=(2,32)" \
+        --out "$OUT/step_ab_round16_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
     done ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12

@@ -114,14 +114,24 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = Fals
     return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials, interpret=backend == "interpret")
 
 
-def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32):
+# W_UV's per-head GEMV at decode sizes: (K splits, output columns a program), or None for the kernel's
+# defaults (V2-Lite at one token: 8 splits of 64 rows, 64 columns, 256 programs, then XLA sums the splits'
+# partials: 2.53 + 1.27 µs a layer, decode_profile.md round 15). One split stores the bf16 product itself,
+# with no sum after it. Built 2026-12-02 (session 30), None until the H200 has timed the alternatives
+# (`run_h200.sh decode-round16`).
+UV_GEMV_TILES: tuple[int, int] | None = None
+
+
+def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32,
+                        tiles: tuple[int, int] | None = None):
     """Per-head products with layer ``layer`` of a stacked per-head w [L, R, H, C], read in place (MLA's
-    absorbed w_uk / w_uv at decode sizes), in ``out_dtype``; see
-    ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
+    absorbed w_uk / w_uv at decode sizes), in ``out_dtype``; ``tiles`` = (K splits, output columns a
+    program) or None (the kernel's defaults); see ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
     if backend == "reference":
         return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows).astype(out_dtype)
+    chosen = {} if tiles is None else dict(num_splits=tiles[0], block_n=tiles[1])
     return stacked_head_gemv(x, w, layer, contract_rows=contract_rows, out_dtype=jnp.dtype(out_dtype),
-                             interpret=backend == "interpret")
+                             interpret=backend == "interpret", **chosen)
 
 
 # Steps of up to this many tokens run a MoE layer's routed and shared experts in one launch
@@ -141,7 +151,7 @@ ROUTER_NORM_IN_ROUTE = True
 # Programs a token block of that routing launch that write the normed rows beside the routing program (0:
 # the routing program writes them itself, after their loads; round 15 measured moe_route_norm at 3.4 µs
 # a layer against 2.1 for the routing alone). Built 2026-12-02 (session 30), 0 until the H200 has timed
-# it (`run_h200.sh decode-route-rows`).
+# it (`run_h200.sh decode-round16`).
 ROUTE_ROWS_PROGRAMS = 0
 # One-launch steps of up to this many tokens (0: none) have the layer's residual added to the experts'
 # sum by each token's first program, instead of XLA's add after the sum (round 12's launch 18). H200,
