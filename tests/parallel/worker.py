@@ -172,12 +172,20 @@ def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outp
 def check_kernels() -> dict:
     """The GPU code path on CPU: Pallas kernels in interpret mode on each rank's shards (local heads,
     local experts, the other ranks' slots as empty expert rows) and the transport the GPU takes at EP=2
-    (auto: the all-gather, ep <= k), DP=2 x EP=2 x TP=2."""
-    parallel = ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, data_parallel_size=2)
+    (auto: the all-gather, ep <= k), DP=2 x EP=2 x TP=2; and TP=2 alone."""
     _, ref_tokens, _ = generate()
-    llm = LLM("tiny", kernel_backend="interpret", parallel=parallel, **ENGINE)
-    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
-    return {"tokens_equal": tokens == ref_tokens, "tokens": tokens, "ref_tokens": ref_tokens}
+    result = {"ref_tokens": ref_tokens}
+    # DP=2 x EP=2 x TP=2; and TP=2 alone on two prompts with buckets of 2 tokens, whose decode steps take
+    # the one-launch MoE path (local experts, its norm finished in the routing kernel, the residual
+    # joining after the ranks' sum)
+    runs = (("dp2-ep2-tp2", ParallelConfig(tensor_parallel_size=2, expert_parallel_size=2, data_parallel_size=2),
+             PROMPTS, {}),
+            ("tp2", ParallelConfig(tensor_parallel_size=2), PROMPTS[:2], {"buckets": (2, 32)}))
+    for name, parallel, prompts, engine in runs:
+        llm = LLM("tiny", kernel_backend="interpret", parallel=parallel, **(ENGINE | engine))
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        result[name] = {"tokens_equal": tokens == ref_tokens[:len(prompts)], "tokens": tokens}
+    return result
 
 
 def run_host(process_id: int, num_processes: int, port: int) -> dict:
