@@ -8,6 +8,17 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-benchmarks/results}
 part=${1:-tests}
 MODEL_TESTS="engine_pallas or paged_decode_pallas or model_bf16 or every_kernel_at_tiny"
+# GPU tests matching $1, then the batch-$b compiled step (V2-Lite) as built and under the --variant
+# arguments after $3, in turns, for each b in $2: results in $OUT/step_ab_$3_b<b>_h200.json
+tests_then_step_ab() {
+  local tests=$1 batches=$2 name=$3; shift 3
+  timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "$tests" 2>&1 \
+    | tee "$OUT/gpu_tests_$name.log" | tail -3
+  for b in $batches; do
+    timeout 190 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch "$b" --num-kv-blocks 2048 \
+      --rounds 3 --variant built "$@" --out "$OUT/step_ab_${name}_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
+  done
+}
 case $part in
   tests)      # kernels on the GPU vs references (the whole-model checks are tests-model: one call each fits)
     timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "not ($MODEL_TESTS)" 2>&1 \
@@ -58,38 +69,20 @@ case $part in
   decode-folds)  # the MoE norm finished in the routing kernel (as built) or in the stacked GEMV: GPU tests, then
                  # batch 1 and 2 step A/Bs in turns (~4 minutes; the residual-in-the-sum fold measured with it
                  # 2026-12-02 lost 39 µs and is gone, git 1740334)
-    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "route_finishes or moe_decode_gpu or paged_decode_pallas" 2>&1 | tee "$OUT/gpu_tests_folds.log" | tail -3
-    d=dsjax.model.dispatch
-    for b in 1 2; do
-      timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "norm in stacked gemv: $d.ROUTER_NORM_IN_ROUTE=False" \
-        --out "$OUT/step_ab_folds_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
-    done ;;
-  decode-residual)  # the MoE residual added by the experts' launch (as built at one token): GPU tests, batch 1 / 2 step A/Bs in turns, then
-                    # the batch-1 step's op profile as built (~6 minutes)
-    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_decode_gpu or paged_decode_pallas" \
-      2>&1 | tee "$OUT/gpu_tests_residual.log" | tail -3
-    d=dsjax.model.dispatch
-    for b in 1 2; do
-      timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "residual after the sum: $d.MOE_DECODE_RESIDUAL_MAX_TOKENS=0" \
-        --out "$OUT/step_ab_residual_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
-    done
+    tests_then_step_ab "route_finishes or moe_decode_gpu or paged_decode_pallas" "1 2" folds \
+      --variant "norm in stacked gemv: dsjax.model.dispatch.ROUTER_NORM_IN_ROUTE=False" ;;
+  decode-residual)  # the MoE residual added by the experts' launch (as built at one token): GPU tests, batch 1 / 2
+                    # step A/Bs in turns, then the batch-1 step's op profile as built (~6 minutes)
+    tests_then_step_ab "moe_decode_gpu or paged_decode_pallas" "1 2" residual \
+      --variant "residual after the sum: dsjax.model.dispatch.MOE_DECODE_RESIDUAL_MAX_TOKENS=0"
     timeout 120 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --top 60 \
       --trace-dir /tmp/trace_b1 | grep -vi warn > "$OUT/profile_b1.txt"; head -40 "$OUT/profile_b1.txt" ;;
   decode-round16)  # the routing launch's normed rows from programs of their own, W_UV's GEMV tiles: GPU tests,
                    # then batch 1 / 2 step A/Bs in turns (~7 minutes)
-    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "route_finishes or paged_decode_pallas or stacked_head_gemv" 2>&1 | tee "$OUT/gpu_tests_round16.log" | tail -3
     d=dsjax.model.dispatch
-    for b in 1 2; do
-      timeout 190 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "4 rows programs: $d.ROUTE_ROWS_PROGRAMS=4" \
-        --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" --variant "uv 1 split 16 cols: $d.UV_GEMV_TILES=(1,16)" \
-        --variant "uv 1 split 32 cols: $d.UV_GEMV_TILES=(1,32)" --variant "uv 2 splits 32 cols: $d.UV_GEMV_TILES=(2,32)" \
-        --out "$OUT/step_ab_round16_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
-    done ;;
+    tests_then_step_ab "route_finishes or paged_decode_pallas or stacked_head_gemv" "1 2" round16 \
+      --variant "4 rows programs: $d.ROUTE_ROWS_PROGRAMS=4" --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" \
+      --variant "uv 1 split 16 cols: $d.UV_GEMV_TILES=(1,16)" --variant "uv 1 split 32 cols: $d.UV_GEMV_TILES=(1,32)" ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
