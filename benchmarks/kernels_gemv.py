@@ -6,7 +6,8 @@ through ``stacked_head_gemv`` against XLA's einsum on the layer's slice; the fus
 engine makes at one token (norm + q + kv_a; norm + f32 router + shared gate and up) over their splits
 and column tiles; and a MoE layer at one and
 two tokens (V2-Lite: top-6 of 64 routed experts plus the shared ones) through the grouped path against
-``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit).
+``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit); and
+that launch at one token over program counts (``moe_waves``: bound by HBM or by 176 programs on 132 SMs?).
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
 2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
@@ -238,7 +239,38 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
     return rows
 
 
-PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch")
+PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch", "moe_waves")
+
+
+def moe_waves(*, quick: bool) -> list[dict]:
+    """Whether ``moe_decode`` at one token is bound by HBM or by its programs' spread over the SMs: the
+    default tiles (64 intermediate columns a program) over routed experts alone or with the shared
+    ones, at top-k 2-6, so program counts (and the SMs holding two programs) vary at equal bytes:
+    V2-Lite's layer is 6 x 22 routed + 44 shared programs on 132 SMs, 44 of them holding two."""
+    experts, hidden, inter, shared_inter = (8, 64, 48, 96) if quick else (64, 2048, 1408, 2816)
+    keys = jax.random.split(jax.random.key(5), 7)
+    normal = lambda key, *shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    stacks = (normal(keys[0], 2, experts, hidden, inter), normal(keys[1], 2, experts, hidden, inter),
+              normal(keys[2], 2, experts, inter, hidden))
+    shared = (normal(keys[3], 2, hidden, shared_inter), normal(keys[4], 2, hidden, shared_inter),
+              normal(keys[5], 2, shared_inter, hidden))
+    x = normal(keys[6], 1, hidden) * 50
+    tiles = DecodeTiles(16, 16, 32, 4, 2) if quick else DecodeTiles()
+    per_expert = -(-inter // tiles.block_i)
+    rows = []
+    for top_k, with_shared in itertools.product((2, 4, 6), (False, True)):
+        ids = jnp.asarray(np.random.default_rng(top_k).permutation(experts)[None, :top_k], jnp.int32)
+        weights = jnp.full((1, top_k), 1.0 / top_k, jnp.float32)
+        sh = shared if with_shared else None
+        fn = lambda x, w, i, st, sh, c=tiles: moe_decode(x, w, i, *st, jnp.int32(1), sh, tiles=c, interpret=quick)
+        us, _ = _time(fn, (x, weights, ids, stacks, sh), quick=quick)
+        programs = top_k * per_expert + (-(-shared_inter // tiles.block_i) if with_shared else 0)
+        weight_bytes = (top_k * 3 * hidden * inter + (3 * hidden * shared_inter if with_shared else 0)) * 2
+        rows.append(dict(top_k=top_k, shared=with_shared, programs=programs, mb=weight_bytes / 1e6, us=us,
+                         tb_per_s=weight_bytes / us / 1e6))
+        print(f"  moe_decode top-{top_k} {'+ shared' if with_shared else 'alone   '} {programs:4d} programs "
+              f"{weight_bytes / 1e6:7.1f} MB {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -257,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fused_launches": lambda: fused_launches(QUICK_FUSED_LAUNCHES if quick else FUSED_LAUNCHES, quick=quick),
         "head_products": lambda: head_products(row_counts, QUICK_HEAD_CONFIGS if quick else HEAD_CONFIGS, quick=quick),
         "moe_one_launch": lambda: moe_one_launch((1, 2), QUICK_DECODE_TILES if quick else DECODE_TILES, quick=quick),
+        "moe_waves": lambda: moe_waves(quick=quick),
     }
     results = {part: runs[part]() for part in PARTS if part in only}
     tables = []
@@ -275,7 +308,8 @@ def main(argv: list[str] | None = None) -> dict:
     columns = {"shared_mlp": ["impl", "us", "tb_per_s"], "rows_vs_xla": None,
                "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "us", "tb_per_s"],
                "head_products": ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"],
-               "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"]}
+               "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"],
+               "moe_waves": ["top_k", "shared", "programs", "mb", "us", "tb_per_s"]}
     for part, cols in columns.items():
         if part in results:
             tables.append(markdown_table(results[part], cols or list(results[part][0])))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -97,6 +97,8 @@ case $part in
     timeout 560 python benchmarks/kernels_moe.py --out "$OUT/moe_h200" | tail -40 ;;
   moe-focus)  # MoE targets only: grouped kernels, whole layer at V2-Lite T=256 and T=8192 (about a minute)
     timeout 300 python benchmarks/kernels_moe.py --focus --out "$OUT/moe_h200_focus" | tail -30 ;;
+  moe-waves)  # one-token moe_decode over program counts at equal bytes: HBM- or spread-bound? (a minute)
+    timeout 150 python benchmarks/kernels_gemv.py --only moe_waves --out "$OUT/gemv_moe_waves_h200" | tail -12 ;;
   gemv)       # decode-step kernels: stacked GEMV tiles, shared MLP, per-head w_uk/w_uv, one-launch MoE (results/gemv_h200.json)
     timeout 480 python benchmarks/kernels_gemv.py --out "$OUT/gemv_h200" | tail -60 ;;
   decode)     # engine decode throughput and a device-op profile on the V2-Lite preset
@@ -134,6 +136,6 @@ case $part in
     cp benchmarks/results/parallel_h200x2.json "$OUT/" 2>/dev/null || true ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
-  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host" >&2
+  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host" >&2
      exit 2 ;;
 esac
