@@ -201,22 +201,31 @@ DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128)
 QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
 
 
-def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
-    """One MoE layer's experts at decode sizes, stacks of 2 layers read at layer 1: the grouped path
-    (sort, grouped SwiGLU, grouped down, combine; shared experts through ``dispatch.stacked_mlp``)
-    against ``moe_decode`` (routed and shared experts in one launch) at each tile config."""
-    experts, hidden, inter, shared_inter, top_k = (8, 64, 48, 96, 2) if quick else (64, 2048, 1408, 2816, 6)
-    keys = jax.random.split(jax.random.key(4), 7)
+def _moe_layer(seed: int, *, quick: bool):
+    """One MoE layer's random bf16 weights, stacks of 2 layers (read at layer 1): (dims, stacks, shared,
+    normal, key) with dims = (experts, hidden, inter, shared_inter, top_k) and ``normal(key, *shape)``
+    for the caller's own rows from ``key``."""
+    dims = (8, 64, 48, 96, 2) if quick else (64, 2048, 1408, 2816, 6)
+    experts, hidden, inter, shared_inter, _ = dims
+    keys = jax.random.split(jax.random.key(seed), 7)
     normal = lambda key, *shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
     stacks = (normal(keys[0], 2, experts, hidden, inter), normal(keys[1], 2, experts, hidden, inter),
               normal(keys[2], 2, experts, inter, hidden))
     shared = (normal(keys[3], 2, hidden, shared_inter), normal(keys[4], 2, hidden, shared_inter),
               normal(keys[5], 2, shared_inter, hidden))
+    return dims, stacks, shared, normal, keys[6]
+
+
+def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
+    """One MoE layer's experts at decode sizes, stacks of 2 layers read at layer 1: the grouped path
+    (sort, grouped SwiGLU, grouped down, combine; shared experts through ``dispatch.stacked_mlp``)
+    against ``moe_decode`` (routed and shared experts in one launch) at each tile config."""
+    (experts, hidden, inter, shared_inter, top_k), stacks, shared, normal, x_key = _moe_layer(4, quick=quick)
     backend = "interpret" if quick else "pallas"
     layer = jnp.int32(1)
     rows = []
     for num_tokens in token_counts:
-        x = normal(keys[6], num_tokens, hidden) * 50
+        x = normal(x_key, num_tokens, hidden) * 50
         ids = jnp.asarray(np.stack([np.random.default_rng(t).permutation(experts)[:top_k] for t in range(num_tokens)]),
                           jnp.int32)
         weights = jnp.full((num_tokens, top_k), 1.0 / top_k, jnp.float32)
@@ -247,14 +256,8 @@ def moe_waves(*, quick: bool) -> list[dict]:
     default tiles (64 intermediate columns a program) over routed experts alone or with the shared
     ones, at top-k 2-6, so program counts (and the SMs holding two programs) vary at equal bytes:
     V2-Lite's layer is 6 x 22 routed + 44 shared programs on 132 SMs, 44 of them holding two."""
-    experts, hidden, inter, shared_inter = (8, 64, 48, 96) if quick else (64, 2048, 1408, 2816)
-    keys = jax.random.split(jax.random.key(5), 7)
-    normal = lambda key, *shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
-    stacks = (normal(keys[0], 2, experts, hidden, inter), normal(keys[1], 2, experts, hidden, inter),
-              normal(keys[2], 2, experts, inter, hidden))
-    shared = (normal(keys[3], 2, hidden, shared_inter), normal(keys[4], 2, hidden, shared_inter),
-              normal(keys[5], 2, shared_inter, hidden))
-    x = normal(keys[6], 1, hidden) * 50
+    (experts, hidden, inter, shared_inter, _), stacks, shared, normal, x_key = _moe_layer(5, quick=quick)
+    x = normal(x_key, 1, hidden) * 50
     tiles = DecodeTiles(16, 16, 32, 4, 2) if quick else DecodeTiles()
     per_expert = -(-inter // tiles.block_i)
     rows = []
