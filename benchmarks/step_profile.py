@@ -27,6 +27,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 
+from benchmarks.common import environment
 from dsjax import LLM, SamplingParams
 
 
@@ -105,9 +106,7 @@ def main(argv=None):
         host.append(time.perf_counter() - start)
     if args.variant:
         rows = ab_compiled_steps(engine, args.variant, rounds=args.rounds, repeats=args.repeats)
-        payload = {"batch": b, "preset": args.preset, "device": jax.devices()[0].device_kind,
-                   "jax": jax.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows,
-                   "table": ab_table(rows)}
+        payload = {**environment(), "batch": b, "preset": args.preset, "rows": rows, "table": ab_table(rows)}
         print(payload["table"])
         if args.out:
             with open(args.out, "w") as f:
