@@ -77,12 +77,13 @@ case $part in
       --variant "residual after the sum: dsjax.model.dispatch.MOE_DECODE_RESIDUAL_MAX_TOKENS=0"
     timeout 120 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --top 60 \
       --trace-dir /tmp/trace_b1 | grep -vi warn > "$OUT/profile_b1.txt"; head -40 "$OUT/profile_b1.txt" ;;
-  decode-round16)  # the routing launch's normed rows from programs of their own, W_UV's GEMV tiles: GPU tests,
-                   # then batch 1 / 2 step A/Bs in turns (~7 minutes)
+  decode-round16)  # the routing launch's normed rows from 4 programs of their own (as built) against 0 / 16:
+                   # GPU tests, then batch 1 / 2 step A/Bs in turns (~5 minutes; W_UV's one-split GEMV tiles
+                   # measured with them 2026-12-02 lost 20 µs and are gone, git a403d29)
     d=dsjax.model.dispatch
-    tests_then_step_ab "route_finishes or paged_decode_pallas or stacked_head_gemv" "1 2" round16 \
-      --variant "4 rows programs: $d.ROUTE_ROWS_PROGRAMS=4" --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" \
-      --variant "uv 1 split 16 cols: $d.UV_GEMV_TILES=(1,16)" --variant "uv 1 split 32 cols: $d.UV_GEMV_TILES=(1,32)" ;;
+    tests_then_step_ab "route_finishes or paged_decode_pallas" "1 2" round16 \
+      --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
+      --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
   moe-spans)  # moe_decode's programs matched to the SMs (88- or 44-column spans): its GPU test, the one-launch
               # layer over span tiles at 1 / 2 tokens, then batch 1 / 2 step A/Bs in turns (~6 minutes)
     m=dsjax.model.dispatch.MOE_DECODE_TILES

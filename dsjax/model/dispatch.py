@@ -114,24 +114,14 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = Fals
     return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials, interpret=backend == "interpret")
 
 
-# W_UV's per-head GEMV at decode sizes: (K splits, output columns a program), or None for the kernel's
-# defaults (V2-Lite at one token: 8 splits of 64 rows, 64 columns, 256 programs, then XLA sums the splits'
-# partials: 2.53 + 1.27 µs a layer, decode_profile.md round 15). One split stores the bf16 product itself,
-# with no sum after it. Built 2026-12-02 (session 30), None until the H200 has timed the alternatives
-# (`run_h200.sh decode-round16`).
-UV_GEMV_TILES: tuple[int, int] | None = None
-
-
-def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32,
-                        tiles: tuple[int, int] | None = None):
+def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32):
     """Per-head products with layer ``layer`` of a stacked per-head w [L, R, H, C], read in place (MLA's
-    absorbed w_uk / w_uv at decode sizes), in ``out_dtype``; ``tiles`` = (K splits, output columns a
-    program) or None (the kernel's defaults); see ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
+    absorbed w_uk / w_uv at decode sizes), in ``out_dtype``; see
+    ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
     if backend == "reference":
         return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows).astype(out_dtype)
-    chosen = {} if tiles is None else dict(num_splits=tiles[0], block_n=tiles[1])
     return stacked_head_gemv(x, w, layer, contract_rows=contract_rows, out_dtype=jnp.dtype(out_dtype),
-                             interpret=backend == "interpret", **chosen)
+                             interpret=backend == "interpret")
 
 
 # Steps of up to this many tokens run a MoE layer's routed and shared experts in one launch
@@ -150,9 +140,10 @@ MOE_DECODE_TILES = DecodeTiles()
 ROUTER_NORM_IN_ROUTE = True
 # Programs a token block of that routing launch that write the normed rows beside the routing program (0:
 # the routing program writes them itself, after their loads; round 15 measured moe_route_norm at 3.4 µs
-# a layer against 2.1 for the routing alone). Built 2026-12-02 (session 30), 0 until the H200 has timed
-# it (`run_h200.sh decode-round16`).
-ROUTE_ROWS_PROGRAMS = 0
+# a layer against 2.1 for the routing alone). H200, V2-Lite compiled step (round 16,
+# results/step_ab_round16_b{1,2}_h200.json, 3 rounds in turns): batch 1 2.197 ms against 2.221 with 0,
+# 2.198 with 16; batch 2 2.783 against 2.809 (16: 2.784).
+ROUTE_ROWS_PROGRAMS = 4
 # One-launch steps of up to this many tokens (0: none) have the layer's residual added to the experts'
 # sum by each token's first program, instead of XLA's add after the sum (round 12's launch 18). H200,
 # V2-Lite compiled step (results/step_ab_residual_b{1,2}_h200.json, 3 rounds in turns): batch 1 2.214
@@ -181,8 +172,10 @@ def moe_route(logits, bias, spec: RoutingSpec, backend: str, norm_rows: NormRows
         if norm_rows is not None:
             return route_norm_reference(logits, bias, spec, norm_rows, norm_eps)
         return route_reference(logits, bias, spec)
+    # rows programs split the rows' columns evenly; a width they do not divide keeps them in the routing program
+    splits = ROUTE_ROWS_PROGRAMS and norm_rows is not None and norm_rows.x.shape[-1] % ROUTE_ROWS_PROGRAMS == 0
     return route(logits, bias, spec, norm_rows=norm_rows, norm_eps=norm_eps,
-                 rows_programs=ROUTE_ROWS_PROGRAMS if norm_rows is not None else 0, interpret=backend == "interpret")
+                 rows_programs=ROUTE_ROWS_PROGRAMS if splits else 0, interpret=backend == "interpret")
 
 
 def moe_experts(x, weights, ids, w_gate, w_up, w_down, backend: str, layer=None,

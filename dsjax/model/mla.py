@@ -148,10 +148,9 @@ class MLAttention(nnx.Module):
         layer stack at hand: both through the stacked decode kernels, the layer's weights read in place)."""
         if self._stacked_fits(latent_ctx.shape[:-2], stacked):
             index = stacked["index"]
-            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend, contract_rows=True,
-                                                 out_dtype=latent_ctx.dtype, tiles=dispatch.UV_GEMV_TILES)
+            v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend, contract_rows=True)
             o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
-            out, = dispatch.stacked_matmuls(v_ctx.reshape(latent_ctx.shape[0], -1),
+            out, = dispatch.stacked_matmuls(v_ctx.astype(latent_ctx.dtype).reshape(latent_ctx.shape[0], -1),
                                             (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),), index, backend)
             return out.astype(latent_ctx.dtype)
         v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])

@@ -89,8 +89,7 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or in the stacked GEMV; residual_in_sum: its residual
     added by the experts' launch (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built: a residual added twice
     or not at all fails it); with the q LoRA the normed rows come from programs of their own
-    (ROUTE_ROWS_PROGRAMS), and without the residual fold W_UV runs in one split
-    (UV_GEMV_TILES)."""
+    (ROUTE_ROWS_PROGRAMS)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -100,7 +99,6 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
     monkeypatch.setattr(dispatch, "ROUTE_ROWS_PROGRAMS", 4 if q_lora_rank else 0)  # the normed rows' own programs
-    monkeypatch.setattr(dispatch, "UV_GEMV_TILES", None if residual_in_sum else (1, 16))  # W_UV in one split
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

@@ -96,18 +96,6 @@ def test_stacked_gemvs_with_norm_lowers_to_triton_for_h200():
     assert hlo.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.mark.parametrize("splits, block_n", [(None, 64), (1, 16), (2, 32)])
-def test_w_uv_head_gemv_lowers_to_triton_for_h200(splits, block_n):
-    """V2-Lite's W_UV at one token (16 heads, 512 latent rows, 128 value columns, a 27-layer stack) under
-    the tiles dispatch.UV_GEMV_TILES may pick."""
-    shape = jax.ShapeDtypeStruct
-    fn = lambda x, w, layer: stacked_head_gemv(x, w, layer, contract_rows=True, num_splits=splits, block_n=block_n,
-                                               out_dtype=jnp.bfloat16)
-    hlo = lower_for_h200(fn, shape((1, 16, 512), jnp.bfloat16), shape((27, 512, 16, 128), jnp.bfloat16),
-                         shape((), jnp.int32))
-    assert hlo.count("__gpu$xla.gpu.triton") == 1
-
-
 @pytest.mark.parametrize("contract_rows", [True, False])
 @pytest.mark.parametrize("rows, splits", [(1, None), (5, 2), (64, 1)])
 def test_stacked_head_gemv_matches_reference(contract_rows, rows, splits):
