@@ -7,8 +7,7 @@ engine makes at one token (norm + q + kv_a; norm + f32 router + shared gate and 
 and column tiles; and a MoE layer at one and
 two tokens (V2-Lite: top-6 of 64 routed experts plus the shared ones) through the grouped path against
 ``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit); and
-that launch at one token over program counts (``moe_waves``: bound by HBM or by 176 programs on 132 SMs?)
-and over spans that match its program count to the SMs (``moe_spans``).
+that launch at one token over program counts (``moe_waves``: bound by HBM or by 176 programs on 132 SMs?).
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
 2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
@@ -200,21 +199,6 @@ DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128)
                 DecodeTiles(block_d=256), DecodeTiles(block_i=32, block_k=256, num_stages=2),
                 DecodeTiles(num_warps=8)]
 QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
-# Spans matched to the SMs (moe_waves, 2026-12-02: one 64-column program an SM streams ~21 GB/s, two
-# ~38, so the layer's 176 programs leave 88 SMs half fed): V2-Lite's 1408 columns in 16 spans of 88 (a
-# one-token layer is 128 programs, deeper pipelines for the bytes in flight one program lacks), in 32
-# of 44 (256 programs, two an SM) or 64 of 22 (512).
-SPAN_TILES = [DecodeTiles(),
-              DecodeTiles(block_i=128, block_k=64, span_i=88, num_stages=3),
-              DecodeTiles(block_i=128, block_k=64, span_i=88, num_stages=4),
-              DecodeTiles(block_i=128, block_k=64, span_i=88, num_stages=5),
-              DecodeTiles(block_i=128, block_k=128, span_i=88, num_stages=3),
-              DecodeTiles(block_i=128, block_k=64, span_i=88, num_warps=8, num_stages=4),
-              DecodeTiles(block_i=64, span_i=44),
-              DecodeTiles(block_i=64, span_i=44, num_stages=2),
-              DecodeTiles(block_i=64, block_k=64, span_i=44, num_stages=4),
-              DecodeTiles(block_i=32, span_i=22)]
-QUICK_SPAN_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2, span_i=12)]
 
 
 def _moe_layer(seed: int, *, quick: bool):
@@ -254,8 +238,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
         distinct = len(set(np.asarray(ids).reshape(-1).tolist()))
         weight_bytes = (distinct * 3 * hidden * inter + 3 * hidden * shared_inter) * 2
         for name, fn in [("grouped", grouped)] + [
-                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}"
-                 + (f" span {c.span_i}" if c.span_i else ""),
+                (f"moe_decode {c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}",
                  lambda x, w, i, st, sh, l, c=c: moe_decode(x, w, i, *st, l, sh, tiles=c, interpret=quick))
                 for c in configs]:
             us, _ = _time(fn, args, quick=quick)
@@ -265,7 +248,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
     return rows
 
 
-PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch", "moe_waves", "moe_spans")
+PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch", "moe_waves")
 
 
 def moe_waves(*, quick: bool) -> list[dict]:
@@ -310,7 +293,6 @@ def main(argv: list[str] | None = None) -> dict:
         "head_products": lambda: head_products(row_counts, QUICK_HEAD_CONFIGS if quick else HEAD_CONFIGS, quick=quick),
         "moe_one_launch": lambda: moe_one_launch((1, 2), QUICK_DECODE_TILES if quick else DECODE_TILES, quick=quick),
         "moe_waves": lambda: moe_waves(quick=quick),
-        "moe_spans": lambda: moe_one_launch((1, 2), QUICK_SPAN_TILES if quick else SPAN_TILES, quick=quick),
     }
     results = {part: runs[part]() for part in PARTS if part in only}
     tables = []
@@ -329,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     columns = {"shared_mlp": ["impl", "us", "tb_per_s"], "rows_vs_xla": None,
                "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "us", "tb_per_s"],
                "head_products": ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"],
-               "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"], "moe_spans": ["tokens", "impl", "us", "tb_per_s"],
+               "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"],
                "moe_waves": ["top_k", "shared", "programs", "mb", "us", "tb_per_s"]}
     for part, cols in columns.items():
         if part in results:

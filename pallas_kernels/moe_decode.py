@@ -7,9 +7,7 @@ grouped down projection, weighting, the shared experts' own GEMVs, each a launch
 intermediate tile): it streams the tile's gate and up columns over the whole hidden size, forms
 silu(gate) * up times the routing weight, and multiplies that straight into the tile's rows of the
 down projection, storing a partial [D] output. The shared experts ride along as extra programs of
-weight 1 on their own stacked weights. Partials (a few MB at most) are summed by XLA. A program's
-columns (``DecodeTiles.span_i``) may be fewer than its tile's power-of-two width, so the program count
-can be set to the SMs'.
+weight 1 on their own stacked weights. Partials (a few MB at most) are summed by XLA.
 
 Every weight is read in place from the layer stacks ([L, E, ...] routed, [L, ...] shared) with a
 traced layer index, as the grouped kernels do. A token's rows are zero-padded to 16 (Triton's
@@ -41,34 +39,24 @@ class DecodeTiles(NamedTuple):
     16-32 columns) were slower at every config: 48-106 µs, and so were shared-expert tiles of their own
     width at two tokens (decode_profile.md round 10); and so were the products as multiply-adds on the
     CUDA cores instead of dots of the token padded to 16 rows: 65-126 µs (round 14, code in git 75b3671).
-    In the compiled batch-1 step (round 14) 8 warps cost 2.409 ms and 256-row K steps 2.503, against 2.309."""
+    In the compiled batch-1 step (round 14) 8 warps cost 2.409 ms and 256-row K steps 2.503, against 2.309.
+    Programs matched to the SMs through spans narrower than the tile (128 programs of 88 columns in
+    128-wide masked tiles, 256 of 44 in 64-wide ones, deeper pipelines) took 52-77 µs at one token
+    (round 16, code in git 58ca6d0)."""
     block_i: int = 64  # intermediate columns a program owns
     block_k: int = 128  # hidden rows a gate/up step streams
     block_d: int = 128  # output columns a down step produces
     num_warps: int = 4
     num_stages: int = 3
-    # Intermediate columns a program owns, read through the block_i-wide tile with its last columns
-    # masked off (0: block_i). A width that is not a power of two lets the program count match the SMs:
-    # V2-Lite's 1408 columns in 16 spans of 88 make a one-token layer 8 x 16 = 128 programs, one an SM.
-    span_i: int = 0
-
-    @property
-    def span(self) -> int:
-        return self.span_i or self.block_i
 
 
-def _expert_tile(x_ref, wg, wu, wd, prefix, token, tile_index, scale, out_ref, program, *, hidden, inter, tiles,
+def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles,
                  residual_ref=None, adds_residual=False):
-    """x_ref[token] through span ``tile_index`` (columns [i0, i0 + span), i0 = tile_index * span) of
-    one expert (wg / wu [..., D, I] and wd [..., I, D] refs, the expert's leading indices ``prefix``),
-    times ``scale``, into out_ref[program]; plus residual_ref[token] where ``adds_residual`` (a traced
-    bool) holds."""
-    block_i, block_k, block_d, span = tiles.block_i, tiles.block_k, tiles.block_d, tiles.span
-    i0 = pl.multiple_of(tile_index * span, span & -span)  # aligned to span's largest power-of-two factor
-    cols = jnp.arange(block_i)
-    col_ok = i0 + cols < inter
-    if span < block_i:
-        col_ok &= cols < span
+    """x_ref[token] through columns [i0, i0 + block_i) of one expert (wg / wu [..., D, I] and wd
+    [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program];
+    plus residual_ref[token] where ``adds_residual`` (a traced bool) holds."""
+    block_i, block_k, block_d = tiles.block_i, tiles.block_k, tiles.block_d
+    col_ok = i0 + jnp.arange(block_i) < inter
     first_row = (jnp.arange(16) == 0)[:, None]
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=dot_precision(x_ref.dtype))
 
@@ -123,12 +111,13 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
         # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
         scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
         tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
-             tile_index=local % routed_tiles, scale=scale, inter=inter)
+             i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
 
     if shared_tiles:
         @pl.when(local >= top_k * routed_tiles)
         def _():
-            tile(*refs[:3], (layer,), tile_index=local - top_k * routed_tiles, scale=1.0, inter=shared_inter)
+            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
+                 inter=shared_inter)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -148,12 +137,9 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residu
     if x.shape != (num_tokens, hidden) or w_down.shape[1:] != (num_experts, inter, hidden):
         raise ValueError(f"moe_decode: x {x.shape}, w_gate {w_gate.shape}, w_down {w_down.shape} do not match; "
                          "expected x [T, D], w_gate [L, E, D, I], w_down [L, E, I, D]")
-    if not 0 < tiles.span <= tiles.block_i:
-        raise ValueError(f"moe_decode: tiles.span_i = {tiles.span_i}; accepted 0 (block_i) or 1 to "
-                         f"block_i = {tiles.block_i}")
-    routed_tiles = pl.cdiv(inter, tiles.span)
+    routed_tiles = pl.cdiv(inter, tiles.block_i)
     shared_inter = 0 if shared is None else shared[0].shape[-1]
-    shared_tiles = pl.cdiv(shared_inter, tiles.span)
+    shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"moe_decode: residual {residual.shape}; expected x's shape {x.shape}")
     per_token = top_k * routed_tiles + shared_tiles

@@ -38,7 +38,6 @@ def test_gemv_benchmark_quick():
     # top-k 2 / 4 / 6 alone and with the shared experts: 3 tiles an expert of 48 columns, 6 shared tiles
     assert [(r["top_k"], r["shared"], r["programs"]) for r in payload["moe_waves"]] == [
         (k, shared, 3 * k + 6 * shared) for k in (2, 4, 6) for shared in (False, True)]
-    assert [r["impl"] for r in payload["moe_spans"]] == ["grouped", "moe_decode 16x16x32 w4 s2 span 12"] * 2
     only = kernels_gemv.main(["--quick", "--only", "moe_one_launch"])
     assert "moe_one_launch" in only and "sweep" not in only and only["table"].startswith("| tokens | impl | us |")
 
