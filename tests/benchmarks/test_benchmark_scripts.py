@@ -38,6 +38,8 @@ def test_gemv_benchmark_quick():
     # top-k 2 / 4 / 6 alone and with the shared experts: 3 tiles an expert of 48 columns, 6 shared tiles
     assert [(r["top_k"], r["shared"], r["programs"]) for r in payload["moe_waves"]] == [
         (k, shared, 3 * k + 6 * shared) for k in (2, 4, 6) for shared in (False, True)]
+    assert [(r["tokens"], r["layout"]) for r in payload["moe_layout"]] == [
+        (t, layout) for t in (1, 2) for layout in ("rows", "column tiles")]
     only = kernels_gemv.main(["--quick", "--only", "moe_one_launch"])
     assert "moe_one_launch" in only and "sweep" not in only and only["table"].startswith("| tokens | impl | us |")
 

@@ -417,8 +417,8 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_moe_decode_gpu(tokens):
     """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place
-    (and with the residual added by each token's first program)."""
-    from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
+    (and with the residual added by each token's first program; and with gate and up in column tiles)."""
+    from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference, tile_columns
 
     rng = np.random.default_rng(tokens)
     mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
@@ -434,6 +434,10 @@ def test_moe_decode_gpu(tokens):
     residual = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
     with_residual = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared, residual)
     assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
+    tiled = lambda w: tile_columns(w, DecodeTiles().block_i)
+    in_tiles = moe_decode(x, weights, ids, tiled(experts[0]), tiled(experts[1]), experts[2], jnp.int32(1),
+                          (tiled(shared[0]), tiled(shared[1]), shared[2]), residual)
+    assert _rel(in_tiles, want + residual.astype(jnp.float32)) < 2e-2
 
 
 def test_route_finishes_the_norm_gpu():
