@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-scan|decode-folds|decode-residual|decode-round16|moe-layout|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|moe-layout|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -59,13 +59,6 @@ case $part in
         --rounds 3 --variant built --variant "absorb 4: $a=4" --variant "absorb 8: $a=8" \
         --variant "absorb 16: $a=16" --out "$OUT/step_ab_absorb_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
     done ;;
-  decode-scan)  # the layer scan's index from arange / the dense stack first in the cache, batch-1 step A/B (~2 minutes)
-    t=dsjax.model.transformer
-    timeout 300 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 2 --variant built --variant "index from arange: $t.LAYER_INDEX_IN_CARRY=False" \
-      --variant "dense first: $t.MOE_LAYERS_FIRST_IN_CACHE=False" \
-      --variant "neither: $t.LAYER_INDEX_IN_CARRY=False $t.MOE_LAYERS_FIRST_IN_CACHE=False" \
-      --out "$OUT/step_ab_scan_h200.json" 2>&1 | grep -E "^\||Error" ;;
   decode-folds)  # the MoE norm finished in the routing kernel (as built) or in the stacked GEMV: GPU tests, then
                  # batch 1 and 2 step A/Bs in turns (~4 minutes; the residual-in-the-sum fold measured with it
                  # 2026-12-02 lost 39 µs and is gone, git 1740334)

@@ -96,38 +96,24 @@ def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs
     return create(rngs)
 
 
-# How the layer scan counts its layers, and where each stack's layers sit in the paged cache's layer axis
-# (both read while tracing): the index as a scan carry (index + 1 a step) instead of a slice of arange,
-# and the MoE stack first in the cache (its cache layer = its index in the stack, no offset to add), so
-# the scan's scalar bookkeeping costs one launch a layer fewer. H200, V2-Lite batch-1 compiled step
-# (decode_profile.md round 14, `run_h200.sh decode-scan`): both 2.279 ms against 2.307 for neither;
-# the carry alone 2.299, the MoE stack first alone 2.316.
-LAYER_INDEX_IN_CARRY = True
-MOE_LAYERS_FIRST_IN_CACHE = True
-
-
 def _scan_layers(stack, carry, first_layer: int, step):
     """carry = step(layer_module, carry, first_layer + index_in_stack, index_in_stack) for each layer
-    of ``stack`` in order."""
+    of ``stack`` in order. The index rides in the scan's carry (index + 1 a step) rather than being
+    sliced from an arange, and the MoE stack sits first in the paged cache's layer axis (its cache
+    layer is its index in the stack, no offset to add): the scan's scalar bookkeeping is one launch a
+    layer. H200, V2-Lite batch-1 compiled step (decode_profile.md round 14): 2.279 ms against 2.307
+    with neither (the carry alone 2.299, the MoE stack first alone 2.316; the alternatives in git
+    a8ab246)."""
     if stack is None:
         return carry
     graphdef, state = nnx.split(stack)
-    num_layers = jax.tree.leaves(state)[0].shape[0]
     cache_layer = lambda index: index if first_layer == 0 else first_layer + index
 
-    if LAYER_INDEX_IN_CARRY:
-        def body(carry_index, layer_state):
-            carry, index = carry_index
-            return (step(nnx.merge(graphdef, layer_state), carry, cache_layer(index), index), index + 1), None
+    def body(carry_index, layer_state):
+        carry, index = carry_index
+        return (step(nnx.merge(graphdef, layer_state), carry, cache_layer(index), index), index + 1), None
 
-        (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), state)
-        return carry
-
-    def body(carry, xs):
-        layer_state, index = xs
-        return step(nnx.merge(graphdef, layer_state), carry, cache_layer(index), index), None
-
-    carry, _ = jax.lax.scan(body, carry, (state, jnp.arange(num_layers, dtype=jnp.int32)))
+    (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), state)
     return carry
 
 
@@ -187,10 +173,9 @@ class DeepseekForCausalLM(nnx.Module):
             return one
 
         x = embed_lookup(self.embed[...], tokens)
-        dense_first, moe_first = ((self.config.num_moe_layers, 0) if MOE_LAYERS_FIRST_IN_CACHE
-                                  else (0, self.config.num_dense_layers))
-        carry = _scan_layers(self.dense_layers, (x, cache), dense_first, step(self.dense_layers))
-        x, cache = _scan_layers(self.moe_layers, carry, moe_first, step(self.moe_layers))
+        # the MoE stack first in the cache's layer axis, the dense layers after it (see _scan_layers)
+        carry = _scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers))
+        x, cache = _scan_layers(self.moe_layers, carry, 0, step(self.moe_layers))
         return self.norm(x), cache
 
     def compute_logits(self, hidden):

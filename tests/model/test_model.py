@@ -160,22 +160,3 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
     (_, head_gemvs_unfolded) = launches()
     assert (absorbing > 0) == folded
     assert head_gemvs * (2 if folded else 1) == head_gemvs_unfolded > 0
-
-
-@pytest.mark.parametrize("in_carry, moe_first", [(False, False), (True, False), (False, True)])
-def test_paged_forward_layer_scan_options(in_carry, moe_first, monkeypatch):
-    """Every setting of the layer scan's index (a carry or a slice of arange) and of the stacks' order
-    in the cache's layer axis (transformer.LAYER_INDEX_IN_CARRY, MOE_LAYERS_FIRST_IN_CACHE) gives the
-    paged forward's logits as built (a layer reading another's latents would not: the decode steps
-    read what the prefill wrote)."""
-    from dsjax.model import transformer
-
-    assert transformer.LAYER_INDEX_IN_CARRY and transformer.MOE_LAYERS_FIRST_IN_CACHE  # as built
-    model = dsjax.load_model("tiny")
-    tokens = np.random.default_rng(0).integers(3, 259, size=12).astype(np.int32)
-    chunks = [(0, 9), (9, 10), (10, 11), (11, 12)]
-    built = _paged_logits(model, tokens, chunks)
-    monkeypatch.setattr(transformer, "LAYER_INDEX_IN_CARRY", in_carry)
-    monkeypatch.setattr(transformer, "MOE_LAYERS_FIRST_IN_CACHE", moe_first)
-    got = _paged_logits(model, tokens, chunks)
-    np.testing.assert_allclose(got, built, rtol=1e-5, atol=1e-5 * np.abs(built).max())
