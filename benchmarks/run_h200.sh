@@ -78,11 +78,13 @@ case $part in
       --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
       --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
   moe-layout)  # moe_decode with gate and up in column tiles (contiguous a program) against their rows: its GPU
-               # test, then the one-launch layer at 1 / 2 tokens over five tile configs (~2 minutes)
+               # test, the one-launch layer at 1 / 2 tokens over five tile configs, then what Triton made of
+               # it in each layout (the PTX's cp.async / ld.global census, benchmarks/ptx_census.py; ~3 minutes)
     timeout 120 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k moe_decode_gpu 2>&1 \
       | tee "$OUT/gpu_tests_layout.log" | tail -2
     timeout 300 python benchmarks/kernels_gemv.py --only moe_layout --out "$OUT/gemv_moe_layout_h200" 2>&1 \
-      | grep -v -i warn | tail -24 ;;
+      | grep -v -i warn | tail -24
+    timeout 150 python benchmarks/ptx_census.py --out-dir "$OUT/ptx_moe_decode" 2>&1 | grep -v -i warn | tail -6 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
