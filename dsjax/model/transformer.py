@@ -98,7 +98,7 @@ def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs
 
 # Steps of up to this many packed tokens run the layer scan unrolled (straight-line layers, each layer's
 # index a constant): no loop counter launch a layer (round 15: 1.2 µs) and no while loop in XLA's
-# CUDA graph, for a longer compile. 0 until the H200 has timed it (`run_h200.sh decode-unroll`).
+# CUDA graph, for a longer compile. 0 until the H200 has timed it (`run_h200.sh decode-round17`).
 LAYER_SCAN_UNROLL_MAX_TOKENS = 0
 
 

@@ -229,7 +229,8 @@ def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, r
     norm finished in the routing kernel (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or by the
     stacked GEMV; residual_in_sum: its residual added by the experts' launch
     (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built); with the q LoRA the normed rows come from programs of
-    their own (ROUTE_ROWS_PROGRAMS)."""
+    their own (ROUTE_ROWS_PROGRAMS), and without the residual fold o_proj sums W_UV's split-K partials
+    (UV_PARTIALS_TO_O_PROJ)."""
     import dataclasses
 
     from flax import nnx
@@ -242,6 +243,7 @@ def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, r
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
     monkeypatch.setattr(dispatch, "ROUTE_ROWS_PROGRAMS", 4 if q_lora_rank else 0)  # the normed rows' own programs
+    monkeypatch.setattr(dispatch, "UV_PARTIALS_TO_O_PROJ", not residual_in_sum)  # o_proj sums W_UV's partials
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

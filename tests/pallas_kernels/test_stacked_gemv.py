@@ -139,3 +139,42 @@ def test_stacked_head_gemv_lowers_to_triton_for_h200(contract_rows):
     hlo = lower_for_h200(fn, shape((1, 16, 512 if contract_rows else 128), jnp.bfloat16),
                          shape((26, 512, 16, 128), jnp.bfloat16), shape((), jnp.int32))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
+
+
+@pytest.mark.parametrize("rows, splits", [(1, 4), (3, 2)])
+def test_head_gemv_partials_summed_by_the_next_gemv(rows, splits):
+    """W_UV's per-head products left as split-K partials (stacked_head_gemv(partials=True)) and summed
+    by the o_proj GEMV as it loads them (stacked_gemvs(x_splits=S)): what summing, rounding to the
+    weight's dtype and multiplying give."""
+    rng = np.random.default_rng(rows)
+    w_uv = jnp.asarray(rng.standard_normal((3, 40, 4, 24)), jnp.bfloat16)  # [L, R, H, C]
+    o_proj = jnp.asarray(rng.standard_normal((3, 4 * 24, 48)) * 0.1, jnp.bfloat16)  # [L, H * C, D]
+    x = jnp.asarray(rng.standard_normal((rows, 4, 40)), jnp.bfloat16)
+    partials = stacked_head_gemv(x, w_uv, jnp.int32(2), contract_rows=True, num_splits=splits, block_k=16,
+                                 block_n=16, partials=True, interpret=True)
+    assert partials.shape == (splits * rows, 4 * 24) and partials.dtype == jnp.float32
+    got, = stacked_gemvs(partials, (o_proj,), jnp.int32(2), x_splits=splits, block_k=16, block_n=16, interpret=True)
+    summed = partials.reshape(splits, rows, -1).sum(axis=0).astype(jnp.bfloat16)
+    want = stacked_gemv_reference(summed, o_proj, 2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-2, atol=1e-2 * float(jnp.abs(want).max()))
+    # a missing split's partial is not a rounding error
+    short = stacked_gemv_reference(partials[rows:].reshape(splits - 1, rows, -1).sum(axis=0).astype(jnp.bfloat16),
+                                   o_proj, 2)
+    assert float(jnp.abs(got - short).max()) > 0.1 * float(jnp.abs(want).max())
+    with pytest.raises(ValueError, match=f"x_splits={splits * rows + 1} with x"):  # does not divide the rows
+        stacked_gemvs(partials, (o_proj,), 2, x_splits=splits * rows + 1, interpret=True)
+    with pytest.raises(ValueError, match="f32 partials and no norm"):
+        stacked_gemvs(partials.astype(jnp.bfloat16), (o_proj,), 2, x_splits=splits, interpret=True)
+
+
+def test_o_proj_summing_w_uv_partials_lowers_to_triton_for_h200():
+    """V2-Lite at one token: W_UV's 8 split-K partials (f32 [8, 16 x 128]) into o_proj's GEMV (2048 ->
+    2048, a 27-layer stack), and W_UV's head GEMV leaving them unsummed."""
+    shape = jax.ShapeDtypeStruct
+    fn = lambda x, w, layer: stacked_gemvs(x, (w,), layer, x_splits=8)
+    hlo = lower_for_h200(fn, shape((8, 2048), jnp.float32), shape((27, 2048, 2048), jnp.bfloat16), shape((), jnp.int32))
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
+    uv = lambda x, w, layer: stacked_head_gemv(x, w, layer, contract_rows=True, partials=True)
+    hlo = lower_for_h200(uv, shape((1, 16, 512), jnp.bfloat16), shape((27, 512, 16, 128), jnp.bfloat16),
+                         shape((), jnp.int32))
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
