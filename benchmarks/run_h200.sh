@@ -77,15 +77,13 @@ case $part in
     tests_then_step_ab "route_finishes or paged_decode_pallas" "1 2" round16 \
       --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
       --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
-  decode-round17)  # the layer scans unrolled at steps of up to 2 tokens; o_proj summing W_UV's split-K partials:
-                   # the paged forward's GPU tests, then batch 1 / 2 step A/Bs in turns (compile times in the
-                   # JSON rows' compile_s; ~6 minutes)
+  decode-round17)  # o_proj summing W_UV's split-K partials as it loads them: the paged forward's and the stacked
+                   # GEMVs' GPU tests, then batch 1 / 2 step A/Bs in turns (~4 minutes)
     timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "paged_decode_pallas or stacked" 2>&1 \
       | tee "$OUT/gpu_tests_round17.log" | tail -2
     for b in 1 2; do
       timeout 240 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 2 --variant built --variant "unrolled: dsjax.model.transformer.LAYER_SCAN_UNROLL_MAX_TOKENS=2" \
-        --variant "uv partials to o_proj: dsjax.model.dispatch.UV_PARTIALS_TO_O_PROJ=True" \
+        --rounds 3 --variant built --variant "uv partials to o_proj: dsjax.model.dispatch.UV_PARTIALS_TO_O_PROJ=True" \
         --out "$OUT/step_ab_round17_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
     done ;;
   moe-layout)  # moe_decode with gate and up in column tiles (contiguous a program) against their rows: its GPU

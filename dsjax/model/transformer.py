@@ -96,20 +96,14 @@ def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs
     return create(rngs)
 
 
-# Steps of up to this many packed tokens run the layer scan unrolled (straight-line layers, each layer's
-# index a constant): no loop counter launch a layer (round 15: 1.2 µs) and no while loop in XLA's
-# CUDA graph, for a longer compile. 0 until the H200 has timed it (`run_h200.sh decode-round17`).
-LAYER_SCAN_UNROLL_MAX_TOKENS = 0
-
-
-def _scan_layers(stack, carry, first_layer: int, step, *, unroll: bool = False):
+def _scan_layers(stack, carry, first_layer: int, step):
     """carry = step(layer_module, carry, first_layer + index_in_stack, index_in_stack) for each layer
     of ``stack`` in order. The index rides in the scan's carry (index + 1 a step) rather than being
     sliced from an arange, and the MoE stack sits first in the paged cache's layer axis (its cache
     layer is its index in the stack, no offset to add): the scan's scalar bookkeeping is one launch a
     layer. H200, V2-Lite batch-1 compiled step (decode_profile.md round 14): 2.279 ms against 2.307
     with neither (the carry alone 2.299, the MoE stack first alone 2.316; the alternatives in git
-    a8ab246). ``unroll``: the scan unrolled in full."""
+    a8ab246). Unrolled, the scan was slower (session 23, XLA's full unroll: 2.49 ms against 2.41)."""
     if stack is None:
         return carry
     graphdef, state = nnx.split(stack)
@@ -119,7 +113,7 @@ def _scan_layers(stack, carry, first_layer: int, step, *, unroll: bool = False):
         carry, index = carry_index
         return (step(nnx.merge(graphdef, layer_state), carry, cache_layer(index), index), index + 1), None
 
-    (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), state, unroll=True if unroll else 1)
+    (carry, _), _ = jax.lax.scan(body, (carry, jnp.int32(0)), state)
     return carry
 
 
@@ -179,11 +173,9 @@ class DeepseekForCausalLM(nnx.Module):
             return one
 
         x = embed_lookup(self.embed[...], tokens)
-        unroll = tokens.shape[0] <= LAYER_SCAN_UNROLL_MAX_TOKENS
         # the MoE stack first in the cache's layer axis, the dense layers after it (see _scan_layers)
-        carry = _scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers),
-                             unroll=unroll)
-        x, cache = _scan_layers(self.moe_layers, carry, 0, step(self.moe_layers), unroll=unroll)
+        carry = _scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers))
+        x, cache = _scan_layers(self.moe_layers, carry, 0, step(self.moe_layers))
         return self.norm(x), cache
 
     def compute_logits(self, hidden):

@@ -165,34 +165,3 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
     (_, head_gemvs_unfolded) = launches()
     assert (absorbing > 0) == folded
     assert head_gemvs * (2 if folded else 1) == head_gemvs_unfolded > 0
-
-
-def test_paged_forward_unrolled_layer_scan_matches(monkeypatch):
-    """Steps of up to transformer.LAYER_SCAN_UNROLL_MAX_TOKENS tokens unroll the layer scans (their
-    scans in the step's jaxpr unrolled by their length, larger steps' not), and the paged forward's
-    logits stay as with the scans rolled (prefill chunks of 9 tokens rolled, 1-token steps unrolled; a
-    layer given another's index or cache layer would differ)."""
-    from dsjax.model import transformer
-
-    assert transformer.LAYER_SCAN_UNROLL_MAX_TOKENS == 0  # as built
-    model = dsjax.load_model("tiny")
-    tokens = np.random.default_rng(1).integers(3, 259, size=12).astype(np.int32)
-    chunks = [(0, 9), (9, 10), (10, 11), (11, 12)]
-    rolled = _paged_logits(model, tokens, chunks)
-    graphdef, state = nnx.split(model)
-    cache = PagedKVCache.zeros(model.config, 8, 4, jnp.float32)
-
-    def layer_scans(num_tokens):  # the step's top-level scans (the layer stacks'): (length, unroll) each
-        def forward(state, cache):
-            positions = jnp.arange(num_tokens, dtype=jnp.int32)
-            batch = PagedBatch(positions, positions, jnp.zeros_like(positions), jnp.arange(8, dtype=jnp.int32)[None])
-            return nnx.merge(graphdef, state).forward_paged(jnp.ones(num_tokens, jnp.int32), cache, batch)
-        eqns = jax.make_jaxpr(forward)(state, cache).jaxpr.eqns
-        return [(e.params["length"], e.params["unroll"]) for e in eqns if e.primitive.name == "scan"]
-
-    lengths = [n for n in (model.config.num_dense_layers, model.config.num_moe_layers) if n]
-    assert layer_scans(1) == layer_scans(2) == [(n, 1) for n in lengths]
-    monkeypatch.setattr(transformer, "LAYER_SCAN_UNROLL_MAX_TOKENS", 1)
-    assert layer_scans(1) == [(n, n) for n in lengths] and layer_scans(2) == [(n, 1) for n in lengths]
-    unrolled = _paged_logits(model, tokens, chunks)
-    np.testing.assert_allclose(unrolled, rolled, rtol=1e-5, atol=1e-5 * np.abs(rolled).max())
