@@ -63,7 +63,8 @@ def _moe_decode_layouts():
 
     keys = jax.random.split(jax.random.key(0), 6)
     normal = lambda key, *shape: (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(jnp.bfloat16)
-    routed = (normal(keys[0], 2, 64, 2048, 1408), normal(keys[1], 2, 64, 2048, 1408), normal(keys[2], 2, 64, 1408, 2048))
+    routed = (normal(keys[0], 2, 64, 2048, 1408), normal(keys[1], 2, 64, 2048, 1408),
+              normal(keys[2], 2, 64, 1408, 2048))
     shared = (normal(keys[3], 2, 2048, 2816), normal(keys[4], 2, 2048, 2816), normal(keys[5], 2, 2816, 2048))
     x, weights = jnp.ones((1, 2048), jnp.bfloat16), jnp.full((1, 6), 1 / 6, jnp.float32)
     ids = jnp.arange(6, dtype=jnp.int32)[None]

@@ -99,7 +99,7 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, tile_index, scale, out_ref, p
 
 def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k, num_experts,
                    routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, with_residual, column_tiles):
-    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, (residual [T, D]) when
+    # refs: (shared wg [L, D, S] or its column tiles, wu, wd [L, S, D]) when shared_tiles, (residual [T, D]) when
     # with_residual, then out f32[T * P, D].
     out_ref = refs[-1]
     residual_ref = refs[-2] if with_residual else None

@@ -107,7 +107,8 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = Fals
         raise ValueError("stacked_matmuls: partials=True comes with the norm's sums of squares; give norm")
     if backend == "reference":
         if x_splits > 1:
-            x = x.reshape(x_splits, -1, x.shape[-1]).sum(axis=0).astype(ws[0].dtype)
+            raise ValueError("stacked_matmuls: x_splits > 1 takes a kernel's partials; the reference backend "
+                             "gives summed products (stacked_head_matmul without partials)")
         if partials:
             scaled = (x * norm[0][layer]).astype(x.dtype)
             x32 = x.astype(jnp.float32)
@@ -131,11 +132,12 @@ def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_d
                         partials: bool = False):
     """Per-head products with layer ``layer`` of a stacked per-head w [L, R, H, C], read in place (MLA's
     absorbed w_uk / w_uv at decode sizes), in ``out_dtype``; see
-    ``pallas_kernels.stacked_gemv.stacked_head_gemv``. ``partials``: (f32[S * M, H * N] split-K
-    partials, S) instead, for ``stacked_matmuls(x_splits=S)`` (the reference: one split)."""
+    ``pallas_kernels.stacked_gemv.stacked_head_gemv``. ``partials`` (kernels only): (f32[S * M, H * N]
+    split-K partials, S) instead, for ``stacked_matmuls(x_splits=S)``."""
     if backend == "reference":
-        product = stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows)
-        return (product.reshape(x.shape[0], -1), 1) if partials else product.astype(out_dtype)
+        if partials:
+            raise ValueError("stacked_head_matmul: partials=True is the kernels'; the reference backend sums")
+        return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows).astype(out_dtype)
     out = stacked_head_gemv(x, w, layer, contract_rows=contract_rows, out_dtype=jnp.dtype(out_dtype),
                             partials=partials, interpret=backend == "interpret")
     return (out, out.shape[0] // x.shape[0]) if partials else out

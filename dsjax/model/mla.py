@@ -150,7 +150,7 @@ class MLAttention(nnx.Module):
             index = stacked["index"]
             o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
             o_proj = (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),)
-            if dispatch.UV_PARTIALS_TO_O_PROJ:  # o_proj sums W_UV's split-K partials as it loads them
+            if dispatch.UV_PARTIALS_TO_O_PROJ and backend != "reference":  # o_proj sums W_UV's partials
                 v_parts, splits = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend,
                                                                contract_rows=True, partials=True)
                 out, = dispatch.stacked_matmuls(v_parts, o_proj, index, backend, x_splits=splits)
