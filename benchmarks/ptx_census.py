@@ -53,9 +53,12 @@ def census(body: str) -> dict[str, int]:
     return {family: sum(bool(re.match(pattern, line)) for line in lines) for family, pattern in FAMILIES.items()}
 
 
-def _moe_decode_layouts():
-    """V2-Lite's one-token MoE layer (top-6 of 64 routed + 2 x 1408 shared, 2 layers stacked): a
-    function of no arguments a layout, each compiling and running ``moe_decode`` once."""
+LAYOUTS = ("rows", "column_tiles")
+
+
+def run_moe_decode(layout: str) -> None:
+    """Compile and run ``moe_decode`` once at V2-Lite's one-token MoE layer (top-6 of 64 routed + 2 x
+    1408 shared, 2 layers stacked), gate and up in ``layout`` (one of ``LAYOUTS``)."""
     import jax
     import jax.numpy as jnp
 
@@ -66,14 +69,13 @@ def _moe_decode_layouts():
     routed = (normal(keys[0], 2, 64, 2048, 1408), normal(keys[1], 2, 64, 2048, 1408),
               normal(keys[2], 2, 64, 1408, 2048))
     shared = (normal(keys[3], 2, 2048, 2816), normal(keys[4], 2, 2048, 2816), normal(keys[5], 2, 2816, 2048))
+    if layout == "column_tiles":  # only this layout's copy is made
+        block_i = DecodeTiles().block_i
+        tiled = lambda ws: (tile_columns(ws[0], block_i), tile_columns(ws[1], block_i), ws[2])
+        routed, shared = tiled(routed), tiled(shared)
     x, weights = jnp.ones((1, 2048), jnp.bfloat16), jnp.full((1, 6), 1 / 6, jnp.float32)
     ids = jnp.arange(6, dtype=jnp.int32)[None]
-    tiled = lambda w: tile_columns(w, DecodeTiles().block_i)
-    layouts = {"rows": (routed, shared),
-               "column_tiles": ((tiled(routed[0]), tiled(routed[1]), routed[2]),
-                                (tiled(shared[0]), tiled(shared[1]), shared[2]))}
-    return {name: (lambda r=r, s=s: jax.block_until_ready(moe_decode(x, weights, ids, *r, jnp.int32(1), s)))
-            for name, (r, s) in layouts.items()}
+    jax.block_until_ready(moe_decode(x, weights, ids, *routed, jnp.int32(1), shared))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -84,11 +86,11 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name in ("rows", "column_tiles"):
+    for name in LAYOUTS:
         # One process a layout: XLA reads its dump flags once, at the backend's start.
         dump = tempfile.mkdtemp(prefix=f"ptx_{name}_")
         code = (f"import os, sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r}); "
-                f"from benchmarks.ptx_census import _moe_decode_layouts; _moe_decode_layouts()[{name!r}]()")
+                f"from benchmarks.ptx_census import run_moe_decode; run_moe_decode({name!r})")
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()}
         subprocess.run([sys.executable, "-c", code], env=env, check=True)
         entries = {}
