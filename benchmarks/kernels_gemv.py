@@ -7,8 +7,7 @@ engine makes at one token (norm + q + kv_a; norm + f32 router + shared gate and 
 and column tiles; and a MoE layer at one and
 two tokens (V2-Lite: top-6 of 64 routed experts plus the shared ones) through the grouped path against
 ``moe_decode``'s one launch, over its tiles (where ``dispatch.MOE_DECODE_MAX_TOKENS`` should sit); and
-that launch at one token over program counts (``moe_waves``: bound by HBM or by 176 programs on 132 SMs?)
-and with gate and up read from column tiles instead of rows (``moe_layout``).
+that launch at one token over program counts (``moe_waves``: bound by HBM or by 176 programs on 132 SMs?).
 
 Shapes (bf16, random, one token, a stack of 26 layers read at layer 3): q_proj 2048 -> 3072, o_proj
 2048 -> 2048, kv_a_proj 2048 -> 576, a shared-expert gate 2048 -> 2816 and its down 2816 -> 2048.
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, kernel_time_us, markdown_table, write_result  # noqa: E402
 from dsjax.model import dispatch  # noqa: E402
-from pallas_kernels.moe_decode import DecodeTiles, moe_decode, tile_columns  # noqa: E402
+from pallas_kernels.moe_decode import DecodeTiles, moe_decode  # noqa: E402
 from pallas_kernels.moe_experts import moe_experts  # noqa: E402
 from pallas_kernels.stacked_gemv import default_splits, stacked_gemv, stacked_gemvs, stacked_head_gemv  # noqa: E402
 
@@ -249,46 +248,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
     return rows
 
 
-def moe_layout(token_counts, configs, *, quick: bool) -> list[dict]:
-    """``moe_decode`` with gate and up as stored (rows: a program's [block_k, block_i] step is block_k
-    pieces of 2 * block_i bytes, 2 I bytes apart) against their column tiles (``tile_columns``: each
-    step one contiguous block), at each tile config and token count: is the launch (3.4 TB/s at one
-    token) held back by the rows' scattered pieces?"""
-    (experts, hidden, inter, shared_inter, top_k), stacks, shared, normal, x_key = _moe_layer(6, quick=quick)
-    layer, rows = jnp.int32(1), []
-    weight_bytes = lambda t: (t * top_k * 3 * hidden * inter + 3 * hidden * shared_inter) * 2  # distinct experts
-    for c in configs:
-        tiled = lambda w: tile_columns(w, c.block_i)
-        layouts = {"rows": (stacks, shared),
-                   "column tiles": ((tiled(stacks[0]), tiled(stacks[1]), stacks[2]),
-                                    (tiled(shared[0]), tiled(shared[1]), shared[2]))}
-        for num_tokens in token_counts:
-            x = normal(x_key, num_tokens, hidden) * 50
-            ids = jnp.asarray(np.random.default_rng(num_tokens).permutation(experts)[:num_tokens * top_k]
-                              .reshape(num_tokens, top_k), jnp.int32)
-            weights = jnp.full((num_tokens, top_k), 1.0 / top_k, jnp.float32)
-            outs = {}
-            for layout, (st, sh) in layouts.items():
-                fn = lambda x, w, i, st, sh, c=c: moe_decode(x, w, i, *st, layer, sh, tiles=c, interpret=quick)
-                us, _ = _time(fn, (x, weights, ids, st, sh), quick=quick)
-                outs[layout] = jax.jit(fn)(x, weights, ids, st, sh)
-                name = f"{c.block_i}x{c.block_k}x{c.block_d} w{c.num_warps} s{c.num_stages}"
-                rows.append(dict(tokens=num_tokens, tiles=name, layout=layout, us=us,
-                                 tb_per_s=weight_bytes(num_tokens) / us / 1e6))
-                print(f"  moe_decode {num_tokens} token(s) {name} {layout:<12} {us:8.2f} us "
-                      f"{rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
-            diff = float(jnp.abs(outs["rows"].astype(jnp.float32) - outs["column tiles"].astype(jnp.float32)).max())
-            scale = float(jnp.abs(outs["rows"].astype(jnp.float32)).max())
-            if diff > 1e-2 * scale:
-                raise AssertionError(f"moe_layout: column tiles differ from rows by {diff} (max {scale})")
-    return rows
-
-
-LAYOUT_TILES = [DecodeTiles(), DecodeTiles(num_warps=8), DecodeTiles(block_k=64), DecodeTiles(block_i=32),
-                DecodeTiles(block_i=128)]
-
-PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch", "moe_waves",
-         "moe_layout")
+PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch", "moe_waves")
 
 
 def moe_waves(*, quick: bool) -> list[dict]:
@@ -333,7 +293,6 @@ def main(argv: list[str] | None = None) -> dict:
         "head_products": lambda: head_products(row_counts, QUICK_HEAD_CONFIGS if quick else HEAD_CONFIGS, quick=quick),
         "moe_one_launch": lambda: moe_one_launch((1, 2), QUICK_DECODE_TILES if quick else DECODE_TILES, quick=quick),
         "moe_waves": lambda: moe_waves(quick=quick),
-        "moe_layout": lambda: moe_layout((1, 2), QUICK_DECODE_TILES if quick else LAYOUT_TILES, quick=quick),
     }
     results = {part: runs[part]() for part in PARTS if part in only}
     tables = []
@@ -353,8 +312,7 @@ def main(argv: list[str] | None = None) -> dict:
                "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "us", "tb_per_s"],
                "head_products": ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"],
                "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"],
-               "moe_waves": ["top_k", "shared", "programs", "mb", "us", "tb_per_s"],
-               "moe_layout": ["tokens", "tiles", "layout", "us", "tb_per_s"]}
+               "moe_waves": ["top_k", "shared", "programs", "mb", "us", "tb_per_s"]}
     for part, cols in columns.items():
         if part in results:
             tables.append(markdown_table(results[part], cols or list(results[part][0])))

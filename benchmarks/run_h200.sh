@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round17|moe-layout|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -77,23 +77,6 @@ case $part in
     tests_then_step_ab "route_finishes or paged_decode_pallas" "1 2" round16 \
       --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
       --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
-  decode-round17)  # o_proj summing W_UV's split-K partials as it loads them: the paged forward's and the stacked
-                   # GEMVs' GPU tests, then batch 1 / 2 step A/Bs in turns (~4 minutes)
-    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "paged_decode_pallas or stacked" 2>&1 \
-      | tee "$OUT/gpu_tests_round17.log" | tail -2
-    for b in 1 2; do
-      timeout 240 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "uv partials to o_proj: dsjax.model.dispatch.UV_PARTIALS_TO_O_PROJ=True" \
-        --out "$OUT/step_ab_round17_b${b}_h200.json" 2>&1 | grep -E "^\||Error"
-    done ;;
-  moe-layout)  # moe_decode with gate and up in column tiles (contiguous a program) against their rows: its GPU
-               # test, the one-launch layer at 1 / 2 tokens over five tile configs, then what Triton made of
-               # it in each layout (the PTX's cp.async / ld.global census, benchmarks/ptx_census.py; ~3 minutes)
-    timeout 120 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k moe_decode_gpu 2>&1 \
-      | tee "$OUT/gpu_tests_layout.log" | tail -2
-    timeout 300 python benchmarks/kernels_gemv.py --only moe_layout --out "$OUT/gemv_moe_layout_h200" 2>&1 \
-      | grep -v -i warn | tail -24
-    timeout 150 python benchmarks/ptx_census.py --out-dir "$OUT/ptx_moe_decode" 2>&1 | grep -v -i warn | tail -6 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

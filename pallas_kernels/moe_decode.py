@@ -7,9 +7,7 @@ grouped down projection, weighting, the shared experts' own GEMVs, each a launch
 intermediate tile): it streams the tile's gate and up columns over the whole hidden size, forms
 silu(gate) * up times the routing weight, and multiplies that straight into the tile's rows of the
 down projection, storing a partial [D] output. The shared experts ride along as extra programs of
-weight 1 on their own stacked weights. Partials (a few MB at most) are summed by XLA. Gate and up
-are read from their rows ([.., D, I]) or from column tiles (``tile_columns``: a program's block in one
-contiguous piece; built 2026-12-02 to measure whether the rows' 128-byte pieces hold the launch back).
+weight 1 on their own stacked weights. Partials (a few MB at most) are summed by XLA.
 
 Every weight is read in place from the layer stacks ([L, E, ...] routed, [L, ...] shared) with a
 traced layer index, as the grouped kernels do. A token's rows are zero-padded to 16 (Triton's
@@ -52,14 +50,12 @@ class DecodeTiles(NamedTuple):
     num_stages: int = 3
 
 
-def _expert_tile(x_ref, wg, wu, wd, prefix, token, tile_index, scale, out_ref, program, *, hidden, inter, tiles,
-                 column_tiles, residual_ref=None, adds_residual=False):
-    """x_ref[token] through tile ``tile_index`` (columns [i0, i0 + block_i), i0 = tile_index * block_i)
-    of one expert (wg / wu [..., D, I] refs, or [..., I / block_i, D, block_i] where ``column_tiles``,
-    wd [..., I, D]; the expert's leading indices ``prefix``), times ``scale``, into out_ref[program];
+def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles,
+                 residual_ref=None, adds_residual=False):
+    """x_ref[token] through columns [i0, i0 + block_i) of one expert (wg / wu [..., D, I] and wd
+    [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program];
     plus residual_ref[token] where ``adds_residual`` (a traced bool) holds."""
     block_i, block_k, block_d = tiles.block_i, tiles.block_k, tiles.block_d
-    i0 = tile_index * block_i
     col_ok = i0 + jnp.arange(block_i) < inter
     first_row = (jnp.arange(16) == 0)[:, None]
     dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=dot_precision(x_ref.dtype))
@@ -70,10 +66,8 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, tile_index, scale, out_ref, p
         k_ok = k0 + jnp.arange(block_k) < hidden
         x = plgpu.load(x_ref.at[token, pl.ds(k0, block_k)], mask=k_ok, other=0)
         x = jnp.where(first_row, x[None, :], 0).astype(x.dtype)  # [16, block_k]: the token in row 0
-        if column_tiles:  # the tile's rows are contiguous, its padding columns zeros
-            mask, at = k_ok[:, None], (*prefix, tile_index, pl.ds(k0, block_k), slice(None))
-        else:
-            mask, at = k_ok[:, None] & col_ok[None, :], (*prefix, pl.ds(k0, block_k), pl.ds(i0, block_i))
+        mask = k_ok[:, None] & col_ok[None, :]
+        at = (*prefix, pl.ds(k0, block_k), pl.ds(i0, block_i))
         g = plgpu.load(wg.at[at], mask=mask, other=0)
         u = plgpu.load(wu.at[at], mask=mask, other=0)
         return acc_g + dot(x, g), acc_u + dot(x, u)
@@ -98,8 +92,8 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, tile_index, scale, out_ref, p
 
 
 def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k, num_experts,
-                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, with_residual, column_tiles):
-    # refs: (shared wg [L, D, S] or its column tiles, wu, wd [L, S, D]) when shared_tiles, (residual [T, D]) when
+                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, with_residual):
+    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, (residual [T, D]) when
     # with_residual, then out f32[T * P, D].
     out_ref = refs[-1]
     residual_ref = refs[-2] if with_residual else None
@@ -108,8 +102,7 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
     token, local = program // per_token, program % per_token
     # a token's first program adds its residual row to its partial
     tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
-                             tiles=tiles, column_tiles=column_tiles, residual_ref=residual_ref,
-                             adds_residual=local == 0)
+                             tiles=tiles, residual_ref=residual_ref, adds_residual=local == 0)
 
     @pl.when(local < top_k * routed_tiles)
     def _():
@@ -118,12 +111,13 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
         # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
         scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
         tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
-             tile_index=local % routed_tiles, scale=scale, inter=inter)
+             i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
 
     if shared_tiles:
         @pl.when(local >= top_k * routed_tiles)
         def _():
-            tile(*refs[:3], (layer,), tile_index=local - top_k * routed_tiles, scale=1.0, inter=shared_inter)
+            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
+                 inter=shared_inter)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
@@ -134,38 +128,24 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residu
     and optionally the shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) -> [T, D]: the routed
     experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``.
 
-    w_gate and w_up (routed and shared alike) may instead come in column tiles ([L, E, I / block_i, D,
-    block_i] and [L, S / block_i, D, block_i], ``tile_columns``), so each program's gate and up
-    columns are one contiguous block rather than 128-byte pieces of rows 2 I bytes apart.
-
     ``residual`` [T, D]: added in f32 by each token's first program to its partial, so the sum, rounded
     once to x's dtype, includes it (the layer's residual add without a launch of its own)."""
     num_tokens, top_k = ids.shape
-    num_experts, inter, hidden = w_down.shape[1:]
-    column_tiles = w_gate.ndim == 5
-    block_i = tiles.block_i
-    gate_dims = lambda width: (pl.cdiv(width, block_i), hidden, block_i) if column_tiles else (hidden, width)
+    num_experts, hidden, inter = w_gate.shape[1:]
     if not 1 <= num_tokens <= MAX_TOKENS:
         raise ValueError(f"moe_decode: x has {num_tokens} tokens; accepted 1 to {MAX_TOKENS} (decode steps)")
-    if x.shape != (num_tokens, hidden) or w_gate.shape[1:] != (num_experts, *gate_dims(inter)) \
-            or w_up.shape != w_gate.shape:
-        raise ValueError(f"moe_decode: x {x.shape}, w_gate {w_gate.shape}, w_up {w_up.shape}, w_down {w_down.shape} "
-                         "do not match; expected x [T, D], w_gate and w_up [L, E, D, I] (or their column tiles "
-                         f"[L, E, I / {block_i}, D, {block_i}]), w_down [L, E, I, D]")
-    shared_inter = 0 if shared is None else shared[2].shape[1]
-    if shared is not None and (shared[0].shape[1:] != gate_dims(shared_inter) or shared[1].shape != shared[0].shape
-                               or shared[2].shape[2:] != (hidden,)):
-        layout = f"[L, S / {block_i}, D, {block_i}] (column tiles, as the routed)" if column_tiles else "[L, D, S]"
-        raise ValueError(f"moe_decode: shared experts {[w.shape for w in shared]}; expected w_gate and w_up "
-                         f"{layout}, w_down [L, S, D]")
-    routed_tiles = pl.cdiv(inter, block_i)
-    shared_tiles = pl.cdiv(shared_inter, block_i)
+    if x.shape != (num_tokens, hidden) or w_down.shape[1:] != (num_experts, inter, hidden):
+        raise ValueError(f"moe_decode: x {x.shape}, w_gate {w_gate.shape}, w_down {w_down.shape} do not match; "
+                         "expected x [T, D], w_gate [L, E, D, I], w_down [L, E, I, D]")
+    routed_tiles = pl.cdiv(inter, tiles.block_i)
+    shared_inter = 0 if shared is None else shared[0].shape[-1]
+    shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"moe_decode: residual {residual.shape}; expected x's shape {x.shape}")
     per_token = top_k * routed_tiles + shared_tiles
     kernel = functools.partial(_decode_kernel, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared_tiles=shared_tiles, hidden=hidden, inter=inter, shared_inter=shared_inter,
-                               tiles=tiles, with_residual=residual is not None, column_tiles=column_tiles)
+                               tiles=tiles, with_residual=residual is not None)
     partials = pl.pallas_call(
         kernel,
         grid=(num_tokens * per_token,),
@@ -177,15 +157,6 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residu
       weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()),
       *(() if residual is None else (residual,)))
     return partials.reshape(num_tokens, per_token, hidden).sum(axis=1).astype(x.dtype)
-
-
-def tile_columns(w: jax.Array, block_i: int) -> jax.Array:
-    """w [..., D, I] -> its column tiles [..., I / block_i, D, block_i] (I zero-padded to a multiple of
-    block_i): the layout ``moe_decode`` reads each program's gate and up columns from in one piece."""
-    *lead, hidden, inter = w.shape
-    tiles = pl.cdiv(inter, block_i)
-    w = jnp.pad(w, [(0, 0)] * (len(lead) + 1) + [(0, tiles * block_i - inter)])
-    return jnp.moveaxis(w.reshape(*lead, hidden, tiles, block_i), -2, -3)
 
 
 def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None):

@@ -55,9 +55,8 @@ class _Weight(NamedTuple):
     k_per_split: int
 
 
-def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled, x_splits):
-    # layer_ref i32[1]; x_ref [M, K] (or f32[x_splits * M, K]: split-K partials of the rows, summed on
-    # load); then (every layer's norm weights g [L, K]) when scaled; one stacked
+def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, num_rows, depth, scaled):
+    # layer_ref i32[1]; x_ref [M, K]; then (every layer's norm weights g [L, K]) when scaled; one stacked
     # w_ref [L, K, N_i] per weight; outputs: f32[S * M, N_i] per weight (split s's partial at rows
     # s*M..), then (f32[S * M]: split s's sum of x*x per row) when scaled. Scaled, the products are of
     # x * g: the caller applies each row's 1 / rms once the splits are summed.
@@ -84,11 +83,7 @@ def _gemvs_kernel(layer_ref, x_ref, *refs, weights, splits, block_m, block_n, nu
                 k0 = pl.multiple_of(k_start + i * block_k, block_k)
                 ks = k0 + jnp.arange(block_k)
                 k_ok = ks < depth
-                load_rows = lambda s: plgpu.load(x_ref.at[s * num_rows + safe_rows, ks[None, :]],
-                                                 mask=row_ok[:, None] & k_ok[None, :], other=0)
-                x = load_rows(0)
-                for s in range(1, x_splits):  # the rows' other split-K partials: independent loads
-                    x = x + load_rows(s)
+                x = plgpu.load(x_ref.at[safe_rows, ks[None, :]], mask=row_ok[:, None] & k_ok[None, :], other=0)
                 if scaled:
                     x32 = x.astype(jnp.float32)
                     squares = squares + jnp.sum(x32 * x32, axis=1)
@@ -139,9 +134,9 @@ def default_splits(depth: int, width: int, block_n: int, block_k: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_splits", "block_n", "block_k", "num_warps", "num_stages",
-                                             "partials", "x_splits", "interpret"))
+                                             "partials", "interpret"))
 def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n=None, block_k=BLOCK_K,
-                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, x_splits=1, interpret=False):
+                  num_warps=NUM_WARPS, num_stages=NUM_STAGES, partials=False, interpret=False):
     """x [M, K] (M <= ``MAX_ROWS``) @ w[layer] for each stacked w [L, K, N_i] of ``ws`` (any float
     dtypes), one launch for all -> tuple of f32[M, N_i]. The layer's weights are read in place (no slice
     copy), once for all M rows.
@@ -155,18 +150,9 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
 
     ``partials``: the unsummed split-K partials come back instead, f32[S * M, N_i] per weight (split s's
     rows at s * M), then with ``norm`` the rows' partial sums of squares f32[S * M] (of x, not x * g),
-    for a consumer that adds them itself (``latent_write.write_latents``).
-
-    ``x_splits`` > 1: x comes as a producer's split-K partials, f32[x_splits * M, K] (split s's rows at
-    s * M, as ``stacked_head_gemv(partials=True)`` leaves them); each program sums the partials of its
-    K slice as it loads them and rounds the sum to the weight's dtype, so no launch of its own sums them
-    (not with ``norm``, whose squares need the whole row)."""
+    for a consumer that adds them itself (``latent_write.write_latents``)."""
     ws = tuple(ws)
-    if x_splits < 1 or x.shape[0] % x_splits or (x_splits > 1 and (norm is not None or x.dtype != jnp.float32)):
-        raise ValueError(f"stacked_gemvs: x_splits={x_splits} with x {x.shape} {x.dtype}, norm "
-                         f"{'given' if norm is not None else 'None'}; accepted 1, or a divisor of x's rows with "
-                         "f32 partials and no norm")
-    num_rows, depth = x.shape[0] // x_splits, x.shape[1]
+    num_rows, depth = x.shape
     for w in ws:
         if w.ndim != 3 or w.shape[1] != depth or w.shape[0] != ws[0].shape[0]:
             raise ValueError(f"stacked_gemvs: w has shape {w.shape}; expected [L={ws[0].shape[0]}, K={depth}, N]")
@@ -186,7 +172,7 @@ def stacked_gemvs(x, ws, layer, norm=None, *, eps=None, num_splits=None, block_n
         start += tiles * splits
     kernel = functools.partial(_gemvs_kernel, weights=tuple(weights), splits=splits,
                                block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n, num_rows=num_rows,
-                               depth=depth, scaled=norm is not None, x_splits=x_splits)
+                               depth=depth, scaled=norm is not None)
     out_shape = [jax.ShapeDtypeStruct((splits * num_rows, w.shape[2]), jnp.float32) for w in ws]
     if norm is not None:
         out_shape.append(jax.ShapeDtypeStruct((splits * num_rows,), jnp.float32))
@@ -255,18 +241,15 @@ HEAD_BLOCK_K = {False: 128, True: 64}
 
 
 @functools.partial(jax.jit, static_argnames=("contract_rows", "num_splits", "block_n", "block_k", "num_warps",
-                                             "num_stages", "out_dtype", "partials", "interpret"))
+                                             "num_stages", "out_dtype", "interpret"))
 def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, block_n=BLOCK_N, block_k=None,
-                      num_warps=NUM_WARPS, num_stages=NUM_STAGES, out_dtype=jnp.float32, partials=False,
-                      interpret=False):
+                      num_warps=NUM_WARPS, num_stages=NUM_STAGES, out_dtype=jnp.float32, interpret=False):
     """Per-head products of a few token rows with one layer of a stacked per-head weight w [L, R, H, C],
     read in place: x [M, H, R] -> f32[M, H, C] contracting w's rows (``contract_rows``; MLA's w_uv: the
     attended latent to each head's values), else x [M, H, C] -> f32[M, H, R] contracting each head's C
     columns (w_uk: a head's nope query into the latent space). One program per (head, output tile, K
     split); the splits' partials are summed outside, or with one split the kernel stores ``out_dtype``
-    itself. block_k unset: ``HEAD_BLOCK_K`` of the direction. ``partials``: the splits' partials come back
-    unsummed, f32[S * M, H * N] (split s's rows at s * M), for ``stacked_gemvs(x_splits=S)`` to sum as
-    it loads them."""
+    itself. block_k unset: ``HEAD_BLOCK_K`` of the direction."""
     num_rows, num_heads = x.shape[:2]
     if w.ndim != 4 or w.shape[2] != num_heads or x.ndim != 3 or x.shape[2] != w.shape[1 if contract_rows else 3]:
         raise ValueError(f"stacked_head_gemv: x {x.shape} and w {w.shape} do not match; expected x [M, H, "
@@ -282,20 +265,17 @@ def stacked_head_gemv(x, w, layer, *, contract_rows: bool, num_splits=None, bloc
     kernel = functools.partial(_head_kernel, block_m=max(16, pl.next_power_of_2(num_rows)), block_n=block_n,
                                block_k=block_k, k_per_split=k_per_split, num_rows=num_rows, depth=depth, width=width,
                                contract_rows=contract_rows)
-    out = pl.pallas_call(
+    partials = pl.pallas_call(
         kernel,
         grid=(num_heads, n_tiles, splits),
-        out_shape=jax.ShapeDtypeStruct((splits * num_rows, num_heads * width),
-                                       jnp.float32 if splits > 1 or partials else out_dtype),
+        out_shape=jax.ShapeDtypeStruct((splits * num_rows, num_heads * width), jnp.float32 if splits > 1 else out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"stacked_head_gemv_s{splits}",
     )(jnp.asarray(layer, jnp.int32).reshape(1), x.reshape(num_rows, -1), w.reshape(*w.shape[:2], -1))
-    if partials:
-        return out
     if splits == 1:
-        return out.reshape(num_rows, num_heads, width)
-    return out.reshape(splits, num_rows, num_heads, width).sum(axis=0).astype(out_dtype)
+        return partials.reshape(num_rows, num_heads, width)
+    return partials.reshape(splits, num_rows, num_heads, width).sum(axis=0).astype(out_dtype)
 
 
 def stacked_head_gemv_reference(x, w, layer, *, contract_rows: bool):

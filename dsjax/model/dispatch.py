@@ -92,23 +92,17 @@ def stacked_swiglu_down(gate, up, w_down, layer, backend: str, dtype):
     return stacked_matmuls(h, (w_down,), layer, backend)[0].astype(dtype)
 
 
-def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = False, x_splits: int = 1):
+def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = False):
     """x [T, K] @ w[layer] for each stacked w [L, K, N_i] of ``ws`` -> tuple of f32[T, N_i], each layer's
     slice read in place, one kernel launch for all. ``norm`` = (every layer's RMSNorm weights [L, K], eps):
     x is normalized first (inside the kernel) and the normed rows [T, K] come back last.
 
     ``partials`` (with ``norm``): the products of x * g unsummed over the kernel's S K-splits, f32[S * T,
     N_i] each, then the rows' partial sums of squares f32[S * T]: for ``write_latents`` to finish (the
-    reference: one split).
-
-    ``x_splits`` > 1: x is a producer's f32 split-K partials [x_splits * T, K], summed (and rounded to
-    the weights' dtype) as the kernel loads them (``stacked_gemvs(x_splits=)``)."""
+    reference: one split)."""
     if partials and norm is None:
         raise ValueError("stacked_matmuls: partials=True comes with the norm's sums of squares; give norm")
     if backend == "reference":
-        if x_splits > 1:
-            raise ValueError("stacked_matmuls: x_splits > 1 takes a kernel's partials; the reference backend "
-                             "gives summed products (stacked_head_matmul without partials)")
         if partials:
             scaled = (x * norm[0][layer]).astype(x.dtype)
             x32 = x.astype(jnp.float32)
@@ -117,30 +111,17 @@ def stacked_matmuls(x, ws, layer, backend: str, norm=None, partials: bool = Fals
             x = rms_norm(x, norm[0][layer], norm[1])
         return tuple(stacked_gemv_reference(x, w, layer) for w in ws) + ((x,) if norm is not None else ())
     weights, eps = norm if norm is not None else (None, None)
-    return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials, x_splits=x_splits,
-                         interpret=backend == "interpret")
+    return stacked_gemvs(x, ws, layer, weights, eps=eps, partials=partials, interpret=backend == "interpret")
 
 
-# W_UV's per-head products at decode sizes are left as their split-K partials, and the o_proj GEMV
-# after them sums them as it loads its rows (``stacked_gemvs(x_splits=)``: 8 partials of 2048 floats a
-# token, a few KiB a program), instead of XLA's sum launch between the two (round 15: 1.27 µs a layer).
-# Built 2026-12-02 (session 31), off until the H200 has timed it (`run_h200.sh decode-round17`).
-UV_PARTIALS_TO_O_PROJ = False
-
-
-def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32,
-                        partials: bool = False):
+def stacked_head_matmul(x, w, layer, backend: str, *, contract_rows: bool, out_dtype=jnp.float32):
     """Per-head products with layer ``layer`` of a stacked per-head w [L, R, H, C], read in place (MLA's
     absorbed w_uk / w_uv at decode sizes), in ``out_dtype``; see
-    ``pallas_kernels.stacked_gemv.stacked_head_gemv``. ``partials`` (kernels only): (f32[S * M, H * N]
-    split-K partials, S) instead, for ``stacked_matmuls(x_splits=S)``."""
+    ``pallas_kernels.stacked_gemv.stacked_head_gemv``."""
     if backend == "reference":
-        if partials:
-            raise ValueError("stacked_head_matmul: partials=True is the kernels'; the reference backend sums")
         return stacked_head_gemv_reference(x, w, layer, contract_rows=contract_rows).astype(out_dtype)
-    out = stacked_head_gemv(x, w, layer, contract_rows=contract_rows, out_dtype=jnp.dtype(out_dtype),
-                            partials=partials, interpret=backend == "interpret")
-    return (out, out.shape[0] // x.shape[0]) if partials else out
+    return stacked_head_gemv(x, w, layer, contract_rows=contract_rows, out_dtype=jnp.dtype(out_dtype),
+                             interpret=backend == "interpret")
 
 
 # Steps of up to this many tokens run a MoE layer's routed and shared experts in one launch

@@ -148,16 +148,10 @@ class MLAttention(nnx.Module):
         layer stack at hand: both through the stacked decode kernels, the layer's weights read in place)."""
         if self._stacked_fits(latent_ctx.shape[:-2], stacked):
             index = stacked["index"]
-            o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
-            o_proj = (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),)
-            if dispatch.UV_PARTIALS_TO_O_PROJ and backend != "reference":  # o_proj sums W_UV's partials
-                v_parts, splits = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend,
-                                                               contract_rows=True, partials=True)
-                out, = dispatch.stacked_matmuls(v_parts, o_proj, index, backend, x_splits=splits)
-                return out.astype(latent_ctx.dtype)
             v_ctx = dispatch.stacked_head_matmul(latent_ctx, stacked["w_uv"], index, backend, contract_rows=True)
-            out, = dispatch.stacked_matmuls(v_ctx.astype(latent_ctx.dtype).reshape(latent_ctx.shape[0], -1), o_proj,
-                                            index, backend)
+            o_proj = stacked["o_proj"]  # [L, H, V, D]: H * V is one K axis
+            out, = dispatch.stacked_matmuls(v_ctx.astype(latent_ctx.dtype).reshape(latent_ctx.shape[0], -1),
+                                            (o_proj.reshape(o_proj.shape[0], -1, o_proj.shape[-1]),), index, backend)
             return out.astype(latent_ctx.dtype)
         v_ctx = jnp.einsum("...hc,chv->...hv", latent_ctx, self.w_uv[...])
         flat = v_ctx.reshape(*v_ctx.shape[:-2], -1)  # [..., H * V] against o_proj [H, V, D]: one K axis

@@ -229,8 +229,7 @@ def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, r
     norm finished in the routing kernel (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or by the
     stacked GEMV; residual_in_sum: its residual added by the experts' launch
     (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built); with the q LoRA the normed rows come from programs of
-    their own (ROUTE_ROWS_PROGRAMS), and without the residual fold o_proj sums W_UV's split-K partials
-    (UV_PARTIALS_TO_O_PROJ)."""
+    their own (ROUTE_ROWS_PROGRAMS)."""
     import dataclasses
 
     from flax import nnx
@@ -243,7 +242,6 @@ def test_paged_decode_pallas_matches_reference_gpu(q_lora_rank, norm_in_route, r
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
     monkeypatch.setattr(dispatch, "ROUTE_ROWS_PROGRAMS", 4 if q_lora_rank else 0)  # the normed rows' own programs
-    monkeypatch.setattr(dispatch, "UV_PARTIALS_TO_O_PROJ", not residual_in_sum)  # o_proj sums W_UV's partials
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
@@ -419,8 +417,8 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_moe_decode_gpu(tokens):
     """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place
-    (and with the residual added by each token's first program; and with gate and up in column tiles)."""
-    from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference, tile_columns
+    (and with the residual added by each token's first program)."""
+    from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
 
     rng = np.random.default_rng(tokens)
     mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
@@ -436,10 +434,6 @@ def test_moe_decode_gpu(tokens):
     residual = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
     with_residual = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared, residual)
     assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
-    tiled = lambda w: tile_columns(w, DecodeTiles().block_i)
-    in_tiles = moe_decode(x, weights, ids, tiled(experts[0]), tiled(experts[1]), experts[2], jnp.int32(1),
-                          (tiled(shared[0]), tiled(shared[1]), shared[2]), residual)
-    assert _rel(in_tiles, want + residual.astype(jnp.float32)) < 2e-2
 
 
 def test_route_finishes_the_norm_gpu():

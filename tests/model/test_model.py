@@ -89,21 +89,16 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or in the stacked GEMV; residual_in_sum: its residual
     added by the experts' launch (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built: a residual added twice
     or not at all fails it); with the q LoRA the normed rows come from programs of their own
-    (ROUTE_ROWS_PROGRAMS), and without the residual fold o_proj sums W_UV's split-K partials
-    (UV_PARTIALS_TO_O_PROJ; 4 of them: a partial dropped fails it)."""
+    (ROUTE_ROWS_PROGRAMS)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
-    from pallas_kernels import stacked_gemv
 
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
     monkeypatch.setattr(dispatch, "ROUTE_ROWS_PROGRAMS", 4 if q_lora_rank else 0)  # the normed rows' own programs
-    monkeypatch.setattr(dispatch, "UV_PARTIALS_TO_O_PROJ", not residual_in_sum)  # o_proj sums W_UV's partials
-    if not residual_in_sum:  # W_UV's 64 latent rows in 4 K splits of 16, so there are partials to sum
-        monkeypatch.setitem(stacked_gemv.HEAD_BLOCK_K, True, 16)
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

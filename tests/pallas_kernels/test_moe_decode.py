@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_decode import MAX_TOKENS, DecodeTiles, moe_decode, moe_decode_reference, tile_columns
+from pallas_kernels.moe_decode import MAX_TOKENS, DecodeTiles, moe_decode, moe_decode_reference
 from tests.pallas_kernels.kernel_utils import lower_for_h200
 
 TILES = DecodeTiles(block_i=16, block_k=16, block_d=32, num_warps=4, num_stages=2)
@@ -59,64 +59,25 @@ def test_moe_decode_adds_the_residual(dtype, tol):
         moe_decode(*args, residual[:1], tiles=TILES, interpret=True)
 
 
-def test_tile_columns_pads_and_keeps_each_tile_contiguous():
-    w = jnp.arange(2 * 3 * 40, dtype=jnp.float32).reshape(2, 3, 40)  # [L, D, I]
-    tiled = tile_columns(w, 16)
-    assert tiled.shape == (2, 3, 3, 16)  # [L, I / 16 (40 padded to 48), D, 16]
-    np.testing.assert_array_equal(tiled[1, 2, :, :8], w[1, :, 32:])
-    np.testing.assert_array_equal(tiled[1, 2, :, 8:], 0)
-    np.testing.assert_array_equal(tiled[0, 1], w[0, :, 16:32])
-
-
-@pytest.mark.parametrize("with_shared", [True, False])
-def test_moe_decode_reads_column_tiles(with_shared):
-    """Gate and up in column tiles (routed and shared; 40 and 48 columns in 16-wide tiles, the last
-    routed one padded) give what the row layout gives, with the residual and an empty slot."""
-    rng = np.random.default_rng(9)
-    w_gate, w_up, w_down, shared = _weights(rng, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
-    residual = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
-    weights = jnp.asarray(rng.random((2, 2)), jnp.float32)
-    ids = jnp.asarray(rng.integers(0, 8, (2, 2)), jnp.int32).at[1, 0].set(8)
-    shared = shared if with_shared else None
-    tiled = lambda w: tile_columns(w, TILES.block_i)
-    got = moe_decode(x, weights, ids, tiled(w_gate), tiled(w_up), w_down, jnp.int32(2),
-                     shared and (tiled(shared[0]), tiled(shared[1]), shared[2]), residual, tiles=TILES, interpret=True)
-    want = moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, 2, shared, residual)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5 * float(jnp.abs(want).max()))
-
-
 def test_moe_decode_refuses_bad_shapes():
-    w_gate, w_up, w_down, shared = _weights(np.random.default_rng(0), jnp.float32)
+    w_gate, w_up, w_down, _ = _weights(np.random.default_rng(0), jnp.float32)
     ids, weights = jnp.zeros((MAX_TOKENS + 1, 2), jnp.int32), jnp.zeros((MAX_TOKENS + 1, 2))
     with pytest.raises(ValueError, match="tokens; accepted 1 to"):
         moe_decode(jnp.zeros((MAX_TOKENS + 1, 64)), weights, ids, w_gate, w_up, w_down, 0, interpret=True)
     with pytest.raises(ValueError, match=r"expected x \[T, D\]"):
         moe_decode(jnp.zeros((1, 32)), weights[:1], ids[:1], w_gate, w_up, w_down, 0, interpret=True)
-    x = jnp.zeros((1, 64))
-    with pytest.raises(ValueError, match=r"column tiles \[L, E, I / 16, D, 16\]"):  # tiles of 8, not the block's 16
-        moe_decode(x, weights[:1], ids[:1], tile_columns(w_gate, 8), tile_columns(w_up, 8), w_down, 0, tiles=TILES,
-                   interpret=True)
-    with pytest.raises(ValueError, match=r"shared experts .* \[L, S / 16, D, 16\] \(column tiles, as the routed\)"):
-        moe_decode(x, weights[:1], ids[:1], tile_columns(w_gate, 16), tile_columns(w_up, 16), w_down, 0, shared,
-                   tiles=TILES, interpret=True)
 
 
 def test_moe_decode_lowers_to_triton_for_h200():
     """V2-Lite's layer at one token: 64 routed experts (top-6) of 1408 and 2 x 1408 shared, stacked over 26 layers."""
     shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
     shared = (shape((26, 2048, 2816), bf16), shape((26, 2048, 2816), bf16), shape((26, 2816, 2048), bf16))
-    args = (shape((1, 2048), bf16), shape((1, 6), jnp.float32), shape((1, 6), jnp.int32),
-            shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16), shape((26, 64, 1408, 2048), bf16),
-            shape((), jnp.int32), shared)
-    hlo = lower_for_h200(moe_decode, *args)
+    hlo = lower_for_h200(moe_decode, shape((1, 2048), bf16), shape((1, 6), jnp.float32), shape((1, 6), jnp.int32),
+                         shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16),
+                         shape((26, 64, 1408, 2048), bf16), shape((), jnp.int32), shared)
     assert hlo.count("__gpu$xla.gpu.triton") == 1
     with_residual = lower_for_h200(
         moe_decode, shape((2, 2048), bf16), shape((2, 6), jnp.float32), shape((2, 6), jnp.int32),
         shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16), shape((26, 64, 1408, 2048), bf16),
         shape((), jnp.int32), shared, shape((2, 2048), bf16))
     assert with_residual.count("__gpu$xla.gpu.triton") == 1
-    tiles = (shape((26, 64, 22, 2048, 64), bf16),) * 2  # gate and up in 64-column tiles
-    shared_tiles = (shape((26, 44, 2048, 64), bf16),) * 2 + shared[2:]
-    tiled = lower_for_h200(moe_decode, *args[:3], *tiles, *args[5:7], shared_tiles)
-    assert tiled.count("__gpu$xla.gpu.triton") == 1
