@@ -19,7 +19,16 @@ XLA launches); ``lax.optimization_barrier`` orders flush, staging and experts. K
 profiler trace of back-to-back calls (``benchmarks.common.kernel_time_us``): the expert launch's µs
 and its rate over the layer's bytes, beside the cold launch of the same call.
 
+The expert launch did not move (round 13). ``--target attention`` asks the same of the attention chain's
+two largest GEMV launches, which run at 1-2 TB/s and may be bound by their programs' load latency
+rather than by HBM: the fused RMSNorm + q_proj + kv_a launch (15 MB) and o_proj (8.4 MB), each
+timed cold, with its own weights staged (``staged``), and with the weights staged and then a 40 MB
+stream through L2 between staging and launch (``staged, 40 MB after``: the tail of an expert launch
+that a prefetch would have to outlast). If staged launches are much faster, reading the next layer's
+attention weights into L2 during the expert launch is worth building.
+
     python -m benchmarks.l2_staging_probe --out benchmarks/results/l2_staging_h200.json
+    python -m benchmarks.l2_staging_probe --target attention --out benchmarks/results/l2_staging_attention_h200.json
     python -m benchmarks.l2_staging_probe --quick      # tiny shapes in interpret mode (CPU)
 """
 
@@ -33,12 +42,18 @@ import numpy as np
 
 from benchmarks.common import kernel_time_us, markdown_table, write_probe
 from pallas_kernels.moe_decode import DecodeTiles, moe_decode
+from pallas_kernels.stacked_gemv import stacked_gemv, stacked_gemvs
 
 # (hidden, moe intermediate, routed experts, top-k, shared intermediate, flush MB)
 V2_LITE = (2048, 1408, 64, 6, 2816, 256)
 QUICK = (64, 32, 8, 2, 64, 1)
 QUICK_TILES = DecodeTiles(block_i=16, block_k=16, block_d=32, num_warps=4, num_stages=2)
 STAGED = ("cold", "shared", "shared gate/up", "shared down", "routed 2")
+# (hidden, q_proj width, kv_a width, o_proj depth, flush MB, MB streamed after staging)
+ATTENTION_V2_LITE = (2048, 3072, 576, 2048, 256, 40)
+ATTENTION_QUICK = (64, 96, 32, 64, 1, 1)
+ATTENTION_STAGED = ("cold", "staged", "staged, 40 MB after")
+EPS = 1e-6
 
 
 def _inputs(shape, seed: int = 0):
@@ -81,12 +96,74 @@ def layer_call(staged: str, tiles: DecodeTiles, interpret: bool):
     return fn
 
 
+def _attention_inputs(shape, seed: int = 0):
+    hidden, q_width, kv_width, o_depth, flush_mb, after_mb = shape
+    key = iter(jax.random.split(jax.random.key(seed), 8))
+    mk = lambda *s: (jax.random.normal(next(key), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    # two layers of each stacked weight; the launches read layer 1, as the engine's scan reads layer i
+    ws = dict(norm=1.0 + mk(2, hidden), q=mk(2, hidden, q_width), kv_a=mk(2, hidden, kv_width),
+              o=mk(2, o_depth, hidden))
+    x = mk(1, hidden) * 50
+    flush = jnp.ones((flush_mb * 2**20 // 2,), jnp.bfloat16)
+    after = jnp.ones((after_mb * 2**20 // 2,), jnp.bfloat16)
+    return x, ws, flush, after
+
+
+def attention_call(staged: str, interpret: bool):
+    """fn(x, ws, flush, after): L2 flushed, layer 1's q / kv_a / o_proj weights read (``staged``), then the
+    norm + q + kv_a launch (its split-K partials, as the engine takes them) and the o_proj launch."""
+    def fn(x, ws, flush, after):
+        done = jnp.max(flush)
+        if staged != "cold":
+            done, ws = jax.lax.optimization_barrier((done, ws))
+            done = done + sum(jnp.max(ws[k][1]).astype(done.dtype) for k in ("q", "kv_a", "o"))
+            if "after" in staged:
+                done, after = jax.lax.optimization_barrier((done, after))
+                done = done + jnp.max(after)
+        x, ws = jax.lax.optimization_barrier((x, ws, done))[:2]
+        q, kv_a, squares = stacked_gemvs(x, (ws["q"], ws["kv_a"]), 1, ws["norm"], eps=EPS, partials=True,
+                                         interpret=interpret)
+        o_in = jax.lax.optimization_barrier((x, q))[0]  # o_proj after the first launch, on its own rows
+        o = stacked_gemv(o_in, ws["o"], 1, interpret=interpret)
+        return q, kv_a, squares, o
+    return fn
+
+
+def attention_main(args) -> dict:
+    shape = ATTENTION_QUICK if args.quick else ATTENTION_V2_LITE
+    inputs = _attention_inputs(shape)
+    ws = inputs[1]
+    mb = {"q+kv_a": (ws["q"][1].size + ws["kv_a"][1].size) * 2 / 1e6, "o_proj": ws["o"][1].size * 2 / 1e6}
+    rows, cold = [], None
+    for staged in ATTENTION_STAGED:
+        fn = attention_call(staged, args.quick)
+        if args.quick:  # staging reorders launches, never the products
+            got = [np.asarray(a, np.float32) for a in jax.jit(fn)(*inputs)]
+            cold = got if cold is None else cold
+            for a, b in zip(got, cold):
+                np.testing.assert_array_equal(a, b)
+            rows.append(dict(staged=staged))
+            continue
+        times = kernel_time_us(fn, inputs, calls=args.calls)
+        qkv = sum(t for name, t in times.items() if name.startswith("stacked_gemv2_norm"))
+        o = sum(t for name, t in times.items() if name.startswith("stacked_gemv_s"))
+        rows.append(dict(staged=staged, qkv_us=round(qkv, 2), qkv_tb_s=round(mb["q+kv_a"] / qkv, 2),
+                         o_proj_us=round(o, 2), o_proj_tb_s=round(mb["o_proj"] / o, 2)))
+        print(rows[-1], flush=True)
+    columns = ["staged"] + ([] if args.quick else ["qkv_us", "qkv_tb_s", "o_proj_us", "o_proj_tb_s"])
+    return write_probe(rows, markdown_table(rows, columns), args.out, weights_mb={k: round(v, 1) for k, v in mb.items()},
+                       command="python -m benchmarks.l2_staging_probe --target attention")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU)")
+    parser.add_argument("--target", choices=("experts", "attention"), default="experts")
     args = parser.parse_args(argv)
+    if args.target == "attention":
+        return attention_main(args)
     shape, tiles = (QUICK, QUICK_TILES) if args.quick else (V2_LITE, DecodeTiles())
     inputs = _inputs(shape)
     x, weights, ids, routed, shared, _ = inputs

@@ -136,6 +136,16 @@ def test_l2_staging_probe_quick():
     assert payload["rows"][0]["staged_mb"] == 0 and all(r["staged_mb"] > 0 for r in payload["rows"][1:])
 
 
+def test_l2_staging_probe_attention_quick():
+    """--target attention: the staged variants give the cold launches' products bit for bit (the probe
+    asserts it) and the table names each variant."""
+    from benchmarks import l2_staging_probe
+
+    payload = l2_staging_probe.main(["--quick", "--target", "attention"])
+    assert [r["staged"] for r in payload["rows"]] == list(l2_staging_probe.ATTENTION_STAGED)
+    assert set(payload["weights_mb"]) == {"q+kv_a", "o_proj"}
+
+
 def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path, monkeypatch):
     """--variant: each variant's settings hold while the step compiles and is timed, in turns over the
     rounds; the knobs are as built afterwards."""
