@@ -27,6 +27,14 @@ stream through L2 between staging and launch (``staged, 40 MB after``: the tail 
 that a prefetch would have to outlast). If staged launches are much faster, reading the next layer's
 attention weights into L2 during the expert launch is worth building.
 
+They were not (2026-12-02: 4.92 / 3.28 µs in all three), yet inside the compiled decode step the same
+launches take 6.9 / 4.55 µs (decode_profile.md round 15). ``--target chain`` looks for the difference: a
+scan over 27 stacked layers running both launches a layer, with every layer reading layer 1's weights
+(``fixed``: the same pages each time), its own layer's (``layer i``, as the engine does), and its own
+after an XLA launch that reads one element every 2 MiB of the next layer's weights (``layer i, next
+pages touched``: if the cost is the GPU's address translation of pages not seen for a step, touching
+them ahead is the cure).
+
     python -m benchmarks.l2_staging_probe --out benchmarks/results/l2_staging_h200.json
     python -m benchmarks.l2_staging_probe --target attention --out benchmarks/results/l2_staging_attention_h200.json
     python -m benchmarks.l2_staging_probe --quick      # tiny shapes in interpret mode (CPU)
@@ -53,6 +61,9 @@ STAGED = ("cold", "shared", "shared gate/up", "shared down", "routed 2")
 ATTENTION_V2_LITE = (2048, 3072, 576, 2048, 256, 40)
 ATTENTION_QUICK = (64, 96, 32, 64, 1, 1)
 ATTENTION_STAGED = ("cold", "staged", "staged, 40 MB after")
+CHAIN = ("fixed", "layer i", "layer i, next pages touched")
+CHAIN_LAYERS, CHAIN_QUICK_LAYERS = 27, 3
+PAGE_ELEMENTS = 2**20  # bf16 elements in 2 MiB
 EPS = 1e-6
 
 
@@ -96,13 +107,13 @@ def layer_call(staged: str, tiles: DecodeTiles, interpret: bool):
     return fn
 
 
-def _attention_inputs(shape, seed: int = 0):
+def _attention_inputs(shape, seed: int = 0, layers: int = 2):
     hidden, q_width, kv_width, o_depth, flush_mb, after_mb = shape
     key = iter(jax.random.split(jax.random.key(seed), 8))
     mk = lambda *s: (jax.random.normal(next(key), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
-    # two layers of each stacked weight; the launches read layer 1, as the engine's scan reads layer i
-    ws = dict(norm=1.0 + mk(2, hidden), q=mk(2, hidden, q_width), kv_a=mk(2, hidden, kv_width),
-              o=mk(2, o_depth, hidden))
+    # ``layers`` layers of each stacked weight; the staging launches read layer 1
+    ws = dict(norm=1.0 + mk(layers, hidden), q=mk(layers, hidden, q_width), kv_a=mk(layers, hidden, kv_width),
+              o=mk(layers, o_depth, hidden))
     x = mk(1, hidden) * 50
     flush = jnp.ones((flush_mb * 2**20 // 2,), jnp.bfloat16)
     after = jnp.ones((after_mb * 2**20 // 2,), jnp.bfloat16)
@@ -155,15 +166,69 @@ def attention_main(args) -> dict:
                        command="python -m benchmarks.l2_staging_probe --target attention")
 
 
+def chain_call(variant: str, layers: int, interpret: bool):
+    """fn(x, ws): a scan over ``layers`` layers, each the norm + q + kv_a launch, then o_proj on rows that
+    depend on its products (a chain, as in the decode step)."""
+
+    def touch(ws, layer):
+        # one element every 2 MiB of each weight's layer slice: the pages' translations, not their bytes
+        # (a gather of those elements only, never a copy of the slice)
+        flat = {k: ws[k].reshape(layers, -1) for k in ("q", "kv_a", "o")}
+        return sum(jnp.sum(flat[k][layer, jnp.arange(0, flat[k].shape[1], PAGE_ELEMENTS)].astype(jnp.float32))
+                   for k in flat)
+
+    def fn(x, ws):
+        def body(carry, i):
+            x, done = carry
+            layer = jnp.int32(1) if variant == "fixed" else i
+            if "touched" in variant:
+                done = done + touch(ws, jnp.minimum(i + 1, layers - 1))
+            x = jax.lax.optimization_barrier((x, done))[0]
+            q, kv_a, squares = stacked_gemvs(x, (ws["q"], ws["kv_a"]), layer, ws["norm"], eps=EPS, partials=True,
+                                             interpret=interpret)
+            o_in = (x.astype(jnp.float32) + 1e-3 * q[:1, :x.shape[1]]).astype(x.dtype)
+            o = stacked_gemv(o_in, ws["o"], layer, interpret=interpret)
+            return (x + (1e-3 * o).astype(x.dtype), done), None
+
+        (x, done), _ = jax.lax.scan(body, (x, jnp.float32(0)), jnp.arange(layers, dtype=jnp.int32))
+        return x, done
+    return fn
+
+
+def chain_main(args) -> dict:
+    shape, layers = (ATTENTION_QUICK, CHAIN_QUICK_LAYERS) if args.quick else (ATTENTION_V2_LITE, CHAIN_LAYERS)
+    x, ws, _, _ = _attention_inputs(shape, layers=layers)
+    rows = []
+    for variant in CHAIN:
+        fn = chain_call(variant, layers, args.quick)
+        if args.quick:
+            out = np.asarray(jax.jit(fn)(x, ws)[0], np.float32)
+            assert np.isfinite(out).all()
+            rows.append(dict(variant=variant))
+            continue
+        times = kernel_time_us(fn, (x, ws), calls=args.calls)
+        qkv = sum(t for name, t in times.items() if name.startswith("stacked_gemv2_norm")) / layers
+        o = sum(t for name, t in times.items() if name.startswith("stacked_gemv_s")) / layers
+        touched = sum(t for name, t in times.items() if not name.startswith("stacked_gemv") and name != "total")
+        rows.append(dict(variant=variant, qkv_us=round(qkv, 2), o_proj_us=round(o, 2),
+                         other_us_a_layer=round(touched / layers, 2)))
+        print(rows[-1], flush=True)
+    columns = ["variant"] + ([] if args.quick else ["qkv_us", "o_proj_us", "other_us_a_layer"])
+    return write_probe(rows, markdown_table(rows, columns), args.out, layers=layers,
+                       command="python -m benchmarks.l2_staging_probe --target chain")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU)")
-    parser.add_argument("--target", choices=("experts", "attention"), default="experts")
+    parser.add_argument("--target", choices=("experts", "attention", "chain"), default="experts")
     args = parser.parse_args(argv)
     if args.target == "attention":
         return attention_main(args)
+    if args.target == "chain":
+        return chain_main(args)
     shape, tiles = (QUICK, QUICK_TILES) if args.quick else (V2_LITE, DecodeTiles())
     inputs = _inputs(shape)
     x, weights, ids, routed, shared, _ = inputs

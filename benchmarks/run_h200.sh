@@ -124,9 +124,12 @@ case $part in
     timeout 200 python -m benchmarks.mla_8bit_probe --many-heads 2>&1 | grep -v Warning | tee "$OUT/mla8_many.txt" | tail -60 ;;
   l2-staging) # batch 1's expert launch after its shared (or two routed) experts were read into L2 (a minute)
     timeout 200 python -m benchmarks.l2_staging_probe --out "$OUT/l2_staging_h200.json" 2>&1 | grep -v Warning | tail -12 ;;
-  l2-attention) # the attention chain's norm + q + kv_a and o_proj launches cold, staged in L2, staged then 40 MB (a minute)
+  l2-attention) # the attention chain's norm + q + kv_a and o_proj launches cold, staged in L2, staged then 40 MB;
+                # then both in a 27-layer scan on one layer's weights, on each layer's, and with the next pages touched
     timeout 200 python -m benchmarks.l2_staging_probe --target attention --out "$OUT/l2_staging_attention_h200.json" \
-      2>&1 | grep -v Warning | tail -8 ;;
+      2>&1 | grep -v Warning | tail -8
+    timeout 200 python -m benchmarks.l2_staging_probe --target chain --out "$OUT/l2_chain_h200.json" \
+      2>&1 | grep -v Warning | tail -6 ;;
   parallel)   # 2 GPUs (kind nvidia-h200-x2): one GPU, TP=2, EP=2 at batch 256 / 1024, op profiles at 1024 (~3 min)
     timeout 560 python -m benchmarks.parallel_h200x2 --runs 1gpu tp2 ep2 --batches 256 1024 --profile-batch 1024 \
       --timeout 150 | tail -30

@@ -146,6 +146,14 @@ def test_l2_staging_probe_attention_quick():
     assert set(payload["weights_mb"]) == {"q+kv_a", "o_proj"}
 
 
+def test_l2_staging_probe_chain_quick():
+    from benchmarks import l2_staging_probe
+
+    payload = l2_staging_probe.main(["--quick", "--target", "chain"])
+    assert [r["variant"] for r in payload["rows"]] == list(l2_staging_probe.CHAIN)
+    assert payload["layers"] == l2_staging_probe.CHAIN_QUICK_LAYERS
+
+
 def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path, monkeypatch):
     """--variant: each variant's settings hold while the step compiles and is timed, in turns over the
     rounds; the knobs are as built afterwards."""
