@@ -35,6 +35,12 @@ after an XLA launch that reads one element every 2 MiB of the next layer's weigh
 pages touched``: if the cost is the GPU's address translation of pages not seen for a step, touching
 them ahead is the cure).
 
+In one scan (2026-12-02, ``l2_chain_h200.json``): fixed 4.89 / 3.14 µs, layer i 7.03 / 4.36, touched 6.68 /
+4.29. The XLA gather that touched the pages ran in one or two thread blocks, so if the misses are in
+the per-SM or per-GPC translation caches, it warmed few of them. The ``touch`` variants run a Pallas
+kernel of their own instead, each of its programs (132 or 1056, so every GPC runs several) reading one
+element every 2 MiB or 64 KiB of the next layer's three weights.
+
     python -m benchmarks.l2_staging_probe --out benchmarks/results/l2_staging_h200.json
     python -m benchmarks.l2_staging_probe --target attention --out benchmarks/results/l2_staging_attention_h200.json
     python -m benchmarks.l2_staging_probe --quick      # tiny shapes in interpret mode (CPU)
@@ -44,9 +50,13 @@ from __future__ import annotations
 
 import argparse
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from benchmarks.common import kernel_time_us, markdown_table, write_probe
 from pallas_kernels.moe_decode import DecodeTiles, moe_decode
@@ -61,7 +71,8 @@ STAGED = ("cold", "shared", "shared gate/up", "shared down", "routed 2")
 ATTENTION_V2_LITE = (2048, 3072, 576, 2048, 256, 40)
 ATTENTION_QUICK = (64, 96, 32, 64, 1, 1)
 ATTENTION_STAGED = ("cold", "staged", "staged, 40 MB after")
-CHAIN = ("fixed", "layer i", "layer i, next pages touched")
+CHAIN = ("fixed", "layer i", "layer i, next pages touched", "touch 2 MiB x132", "touch 64 KiB x132",
+         "touch 2 MiB x1056")
 CHAIN_LAYERS, CHAIN_QUICK_LAYERS = 27, 3
 PAGE_ELEMENTS = 2**20  # bf16 elements in 2 MiB
 EPS = 1e-6
@@ -166,6 +177,30 @@ def attention_main(args) -> dict:
                        command="python -m benchmarks.l2_staging_probe --target attention")
 
 
+def _touch_kernel(layer_ref, *refs, strides):
+    # refs: flattened stacked weights [L, n_i], then f32[programs, 16]: each program reads one element
+    # every strides[i] of layer layer_ref[0]'s slice of each weight and stores their sum
+    *w_refs, o_ref = refs
+    layer, total = layer_ref[0], jnp.zeros((), jnp.float32)
+    for w_ref, stride in zip(w_refs, strides):
+        n = w_ref.shape[1]
+        offs = jnp.arange(pl.next_power_of_2(pl.cdiv(n, stride))) * stride
+        total += jnp.sum(plgpu.load(w_ref.at[layer, offs], mask=offs < n, other=0).astype(jnp.float32))
+    o_ref[pl.program_id(0), :] = jnp.full((16,), total, jnp.float32)
+
+
+def touch_pages(ws, layer, *, stride_bytes: int, programs: int, interpret: bool):
+    """Each of ``programs`` programs reads one element every ``stride_bytes`` of layer ``layer``'s slice of
+    each stacked weight of ``ws`` -> f32[programs, 16] (their sums, for a consumer to depend on)."""
+    flat = [w.reshape(w.shape[0], -1) for w in ws]
+    strides = tuple(max(1, stride_bytes // w.dtype.itemsize) for w in flat)
+    return pl.pallas_call(
+        functools.partial(_touch_kernel, strides=strides), grid=(programs,),
+        out_shape=jax.ShapeDtypeStruct((programs, 16), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1), interpret=interpret, name="touch_pages",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), *flat)
+
+
 def chain_call(variant: str, layers: int, interpret: bool):
     """fn(x, ws): a scan over ``layers`` layers, each the norm + q + kv_a launch, then o_proj on rows that
     depend on its products (a chain, as in the decode step)."""
@@ -183,6 +218,12 @@ def chain_call(variant: str, layers: int, interpret: bool):
             layer = jnp.int32(1) if variant == "fixed" else i
             if "touched" in variant:
                 done = done + touch(ws, jnp.minimum(i + 1, layers - 1))
+            if variant.startswith("touch "):
+                _, size, unit, programs = variant.split()
+                stride = int(size) * (2**20 if unit == "MiB" else 2**10)
+                touched = touch_pages([ws[k] for k in ("q", "kv_a", "o")], jnp.minimum(i + 1, layers - 1),
+                                      stride_bytes=stride, programs=int(programs[1:]), interpret=interpret)
+                done = done + touched[0, 0]
             x = jax.lax.optimization_barrier((x, done))[0]
             q, kv_a, squares = stacked_gemvs(x, (ws["q"], ws["kv_a"]), layer, ws["norm"], eps=EPS, partials=True,
                                              interpret=interpret)

@@ -154,6 +154,18 @@ def test_l2_staging_probe_chain_quick():
     assert payload["layers"] == l2_staging_probe.CHAIN_QUICK_LAYERS
 
 
+def test_touch_pages_reads_one_element_a_stride_of_the_layer():
+    import jax.numpy as jnp
+    import numpy as np
+    from benchmarks import l2_staging_probe
+
+    ws = [jnp.arange(3 * 4 * 64, dtype=jnp.float32).reshape(3, 4, 64), jnp.ones((3, 8, 8), jnp.bfloat16)]
+    got = l2_staging_probe.touch_pages(ws, 2, stride_bytes=256, programs=3, interpret=True)
+    flat = np.asarray(ws[0][2]).reshape(-1)
+    want = flat[::64].sum() + 1.0  # 256 bytes: every 64th f32 of layer 2; the bf16 weight's 128 bytes, one
+    np.testing.assert_allclose(np.asarray(got), np.full((3, 16), want))
+
+
 def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path, monkeypatch):
     """--variant: each variant's settings hold while the step compiles and is timed, in turns over the
     rounds; the knobs are as built afterwards."""
