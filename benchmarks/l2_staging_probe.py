@@ -72,7 +72,7 @@ ATTENTION_V2_LITE = (2048, 3072, 576, 2048, 256, 40)
 ATTENTION_QUICK = (64, 96, 32, 64, 1, 1)
 ATTENTION_STAGED = ("cold", "staged", "staged, 40 MB after")
 CHAIN = ("fixed", "layer i", "layer i, next pages touched", "touch 2 MiB x132", "touch 64 KiB x132",
-         "touch 2 MiB x1056")
+         "touch 2 MiB x1056", "fixed, L2 flushed", "layer i % 2", "layer i % 8")
 CHAIN_LAYERS, CHAIN_QUICK_LAYERS = 27, 3
 PAGE_ELEMENTS = 2**20  # bf16 elements in 2 MiB
 EPS = 1e-6
@@ -202,7 +202,7 @@ def touch_pages(ws, layer, *, stride_bytes: int, programs: int, interpret: bool)
 
 
 def chain_call(variant: str, layers: int, interpret: bool):
-    """fn(x, ws): a scan over ``layers`` layers, each the norm + q + kv_a launch, then o_proj on rows that
+    """fn(x, ws, flush): a scan over ``layers`` layers, each the norm + q + kv_a launch, then o_proj on rows that
     depend on its products (a chain, as in the decode step)."""
 
     def touch(ws, layer):
@@ -212,10 +212,13 @@ def chain_call(variant: str, layers: int, interpret: bool):
         return sum(jnp.sum(flat[k][layer, jnp.arange(0, flat[k].shape[1], PAGE_ELEMENTS)].astype(jnp.float32))
                    for k in flat)
 
-    def fn(x, ws):
+    def fn(x, ws, flush):
         def body(carry, i):
             x, done = carry
-            layer = jnp.int32(1) if variant == "fixed" else i
+            layer = (jnp.int32(1) if variant.startswith("fixed") else
+                     i % int(variant.split("%")[1]) if "%" in variant else i)
+            if "flushed" in variant:  # 256 MB read through L2 before the layer's launches
+                done = done + jnp.max(jax.lax.optimization_barrier((flush, done))[0]).astype(jnp.float32)
             if "touched" in variant:
                 done = done + touch(ws, jnp.minimum(i + 1, layers - 1))
             if variant.startswith("touch "):
@@ -238,16 +241,16 @@ def chain_call(variant: str, layers: int, interpret: bool):
 
 def chain_main(args) -> dict:
     shape, layers = (ATTENTION_QUICK, CHAIN_QUICK_LAYERS) if args.quick else (ATTENTION_V2_LITE, CHAIN_LAYERS)
-    x, ws, _, _ = _attention_inputs(shape, layers=layers)
+    x, ws, flush, _ = _attention_inputs(shape, layers=layers)
     rows = []
     for variant in CHAIN:
         fn = chain_call(variant, layers, args.quick)
         if args.quick:
-            out = np.asarray(jax.jit(fn)(x, ws)[0], np.float32)
+            out = np.asarray(jax.jit(fn)(x, ws, flush)[0], np.float32)
             assert np.isfinite(out).all()
             rows.append(dict(variant=variant))
             continue
-        times = kernel_time_us(fn, (x, ws), calls=args.calls)
+        times = kernel_time_us(fn, (x, ws, flush), calls=args.calls // 4 if "flushed" in variant else args.calls)
         qkv = sum(t for name, t in times.items() if name.startswith("stacked_gemv2_norm")) / layers
         o = sum(t for name, t in times.items() if name.startswith("stacked_gemv_s")) / layers
         touched = sum(t for name, t in times.items() if not name.startswith("stacked_gemv") and name != "total")
