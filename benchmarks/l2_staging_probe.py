@@ -72,7 +72,8 @@ ATTENTION_V2_LITE = (2048, 3072, 576, 2048, 256, 40)
 ATTENTION_QUICK = (64, 96, 32, 64, 1, 1)
 ATTENTION_STAGED = ("cold", "staged", "staged, 40 MB after")
 CHAIN = ("fixed", "layer i", "layer i, next pages touched", "touch 2 MiB x132", "touch 64 KiB x132",
-         "touch 2 MiB x1056", "fixed, L2 flushed", "layer i % 2", "layer i % 8")
+         "touch 2 MiB x1056", "fixed, L2 flushed", "layer i % 2", "layer i % 8", "layer i, staged",
+         "layer i, staged, 20 MB after", "layer i, staged, 40 MB after")
 CHAIN_LAYERS, CHAIN_QUICK_LAYERS = 27, 3
 PAGE_ELEMENTS = 2**20  # bf16 elements in 2 MiB
 EPS = 1e-6
@@ -227,6 +228,15 @@ def chain_call(variant: str, layers: int, interpret: bool):
                 touched = touch_pages([ws[k] for k in ("q", "kv_a", "o")], jnp.minimum(i + 1, layers - 1),
                                       stride_bytes=stride, programs=int(programs[1:]), interpret=interpret)
                 done = done + touched[0, 0]
+            if "staged" in variant:  # this layer's weights read through L2 by an XLA reduction, then maybe
+                # other bytes (what a prefetch during the expert launch would have to outlast)
+                staged = jax.lax.optimization_barrier((ws, done))[0]
+                done = done + sum(jnp.max(jax.lax.dynamic_index_in_dim(staged[k], layer, keepdims=False))
+                                  .astype(jnp.float32) for k in ("q", "kv_a", "o"))
+                if "after" in variant:
+                    mb = int(variant.split(", ")[-1].split()[0])
+                    other = jax.lax.optimization_barrier((flush, done))[0][:mb * 2**20 // 2]
+                    done = done + jnp.max(other).astype(jnp.float32)
             x = jax.lax.optimization_barrier((x, done))[0]
             q, kv_a, squares = stacked_gemvs(x, (ws["q"], ws["kv_a"]), layer, ws["norm"], eps=EPS, partials=True,
                                              interpret=interpret)
