@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-attention|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|prefetch|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-attention|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -77,6 +77,22 @@ case $part in
     tests_then_step_ab "route_finishes or paged_decode_pallas" "1 2" round16 \
       --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
       --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
+  prefetch)   # the expert launch reading the next layer's attention weights into L2 (evict-last), with and
+              # without its own loads evict-first: GPU tests, the chain probe's staged variants, batch 1 / 2
+              # step A/Bs in turns (~5 minutes)
+    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_decode_gpu or paged_decode_pallas" \
+      2>&1 | tee "$OUT/gpu_tests_prefetch.log" | tail -2
+    timeout 100 python -m benchmarks.l2_staging_probe --target chain --out "$OUT/l2_chain_staged_h200.json" \
+      2>&1 | grep -v Warning | tail -13
+    d=dsjax.model.dispatch
+    timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --rounds 3 \
+      --variant built --variant "prefetch: $d.MOE_DECODE_PREFETCH_MAX_TOKENS=1" \
+      --variant "prefetch, experts evict-first: $d.MOE_DECODE_PREFETCH_MAX_TOKENS=1 $d.MOE_DECODE_EVICT_FIRST=True" \
+      --out "$OUT/step_ab_prefetch_b1_h200.json" 2>&1 | grep -E "^\||Error"
+    timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 2 --num-kv-blocks 2048 --rounds 3 \
+      --variant built \
+      --variant "prefetch, experts evict-first: $d.MOE_DECODE_PREFETCH_MAX_TOKENS=2 $d.MOE_DECODE_EVICT_FIRST=True" \
+      --out "$OUT/step_ab_prefetch_b2_h200.json" 2>&1 | grep -E "^\||Error" ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
