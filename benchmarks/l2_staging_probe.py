@@ -19,30 +19,33 @@ XLA launches); ``lax.optimization_barrier`` orders flush, staging and experts. K
 profiler trace of back-to-back calls (``benchmarks.common.kernel_time_us``): the expert launch's µs
 and its rate over the layer's bytes, beside the cold launch of the same call.
 
-The expert launch did not move (round 13). ``--target attention`` asks the same of the attention chain's
-two largest GEMV launches, which run at 1-2 TB/s and may be bound by their programs' load latency
-rather than by HBM: the fused RMSNorm + q_proj + kv_a launch (15 MB) and o_proj (8.4 MB), each
-timed cold, with its own weights staged (``staged``), and with the weights staged and then a 40 MB
-stream through L2 between staging and launch (``staged, 40 MB after``: the tail of an expert launch
-that a prefetch would have to outlast). If staged launches are much faster, reading the next layer's
-attention weights into L2 during the expert launch is worth building.
+The expert launch did not move (round 13). ``--target chain`` asks what L2 does for the attention
+chain's two largest GEMV launches, the fused RMSNorm + q_proj + kv_a (15 MB) and o_proj (8.4 MB), which
+take 6.9 / 4.55 µs inside the compiled step (decode_profile.md round 15) but ~4.9 / 3.2 when timed
+alone on one layer's weights, call after call. A scan over 27 stacked layers runs both launches a layer
+(o_proj on rows that depend on the first launch's products), every layer reading:
 
-They were not (2026-12-02: 4.92 / 3.28 µs in all three), yet inside the compiled decode step the same
-launches take 6.9 / 4.55 µs (decode_profile.md round 15). ``--target chain`` looks for the difference: a
-scan over 27 stacked layers running both launches a layer, with every layer reading layer 1's weights
-(``fixed``: the same pages each time), its own layer's (``layer i``, as the engine does), and its own
-after an XLA launch that reads one element every 2 MiB of the next layer's weights (``layer i, next
-pages touched``: if the cost is the GPU's address translation of pages not seen for a step, touching
-them ahead is the cure).
+- ``fixed``: layer 1's weights (the same lines each time); ``layer i``: its own, as the engine does;
+  ``layer i % 2`` / ``% 8``: footprints of two and eight layers (46 / 185 MB);
+- ``fixed, L2 flushed``: layer 1's after a 256 MB reduction;
+- ``layer i, next pages touched`` / ``touch ...``: its own, after an XLA gather or a Pallas kernel of 132
+  or 1056 programs read one element every 2 MiB or 64 KiB of the next layer's weights (is the cost the
+  translation of pages not seen for a step?);
+- ``layer i, staged[, N MB after]``: its own, after an XLA reduction read them, then N MB of other
+  bytes (what a prefetch during the expert launch would have to outlast).
 
-In one scan (2026-12-02, ``l2_chain_h200.json``): fixed 4.89 / 3.14 µs, layer i 7.03 / 4.36, touched 6.68 /
-4.29. The XLA gather that touched the pages ran in one or two thread blocks, so if the misses are in
-the per-SM or per-GPC translation caches, it warmed few of them. The ``touch`` variants run a Pallas
-kernel of their own instead, each of its programs (132 or 1056, so every GPC runs several) reading one
-element every 2 MiB or 64 KiB of the next layer's three weights.
+Measured (2026-12-02, ``l2_chain_h200.json``, ``l2_chain_touch_h200.json``, ``l2_chain_flush_h200.json``,
+``l2_chain_staged_h200.json``; µs for the two launches): fixed 4.87 / 3.15, layer i 7.09 / 4.35; touched
+pages 6.76-6.83 / 4.28-4.35 (translation is not it); layer 1 flushed 7.18 / 4.40, i % 2 5.40 / 3.40, i % 8
+6.82 / 4.32 (it is L2); staged 5.07 / 3.19, then 20 MB 6.02 / 3.86, then 40 MB 7.18 / 4.36. Staged lines
+outlast ~20 MB of later traffic, not the tail of a 139 MB expert launch; the expert launch prefetching
+the next layer's attention weights lost 6 µs a layer (decode_profile.md round 18). A first
+``--target attention`` (flush, stage, then the two launches alone, each call) found its cold and staged
+launches equally fast, at the fixed layer's times: its flush did not leave the weights cold, so it was
+removed.
 
     python -m benchmarks.l2_staging_probe --out benchmarks/results/l2_staging_h200.json
-    python -m benchmarks.l2_staging_probe --target attention --out benchmarks/results/l2_staging_attention_h200.json
+    python -m benchmarks.l2_staging_probe --target chain --out benchmarks/results/l2_chain_h200.json
     python -m benchmarks.l2_staging_probe --quick      # tiny shapes in interpret mode (CPU)
 """
 
@@ -67,10 +70,9 @@ V2_LITE = (2048, 1408, 64, 6, 2816, 256)
 QUICK = (64, 32, 8, 2, 64, 1)
 QUICK_TILES = DecodeTiles(block_i=16, block_k=16, block_d=32, num_warps=4, num_stages=2)
 STAGED = ("cold", "shared", "shared gate/up", "shared down", "routed 2")
-# (hidden, q_proj width, kv_a width, o_proj depth, flush MB, MB streamed after staging)
-ATTENTION_V2_LITE = (2048, 3072, 576, 2048, 256, 40)
-ATTENTION_QUICK = (64, 96, 32, 64, 1, 1)
-ATTENTION_STAGED = ("cold", "staged", "staged, 40 MB after")
+# (hidden, q_proj width, kv_a width, o_proj depth, flush MB)
+ATTENTION_V2_LITE = (2048, 3072, 576, 2048, 256)
+ATTENTION_QUICK = (64, 96, 32, 64, 1)
 CHAIN = ("fixed", "layer i", "layer i, next pages touched", "touch 2 MiB x132", "touch 64 KiB x132",
          "touch 2 MiB x1056", "fixed, L2 flushed", "layer i % 2", "layer i % 8", "layer i, staged",
          "layer i, staged, 20 MB after", "layer i, staged, 40 MB after")
@@ -120,62 +122,15 @@ def layer_call(staged: str, tiles: DecodeTiles, interpret: bool):
 
 
 def _attention_inputs(shape, seed: int = 0, layers: int = 2):
-    hidden, q_width, kv_width, o_depth, flush_mb, after_mb = shape
+    hidden, q_width, kv_width, o_depth, flush_mb = shape
     key = iter(jax.random.split(jax.random.key(seed), 8))
     mk = lambda *s: (jax.random.normal(next(key), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
-    # ``layers`` layers of each stacked weight; the staging launches read layer 1
+    # ``layers`` layers of each stacked weight
     ws = dict(norm=1.0 + mk(layers, hidden), q=mk(layers, hidden, q_width), kv_a=mk(layers, hidden, kv_width),
               o=mk(layers, o_depth, hidden))
     x = mk(1, hidden) * 50
     flush = jnp.ones((flush_mb * 2**20 // 2,), jnp.bfloat16)
-    after = jnp.ones((after_mb * 2**20 // 2,), jnp.bfloat16)
-    return x, ws, flush, after
-
-
-def attention_call(staged: str, interpret: bool):
-    """fn(x, ws, flush, after): L2 flushed, layer 1's q / kv_a / o_proj weights read (``staged``), then the
-    norm + q + kv_a launch (its split-K partials, as the engine takes them) and the o_proj launch."""
-    def fn(x, ws, flush, after):
-        done = jnp.max(flush)
-        if staged != "cold":
-            done, ws = jax.lax.optimization_barrier((done, ws))
-            done = done + sum(jnp.max(ws[k][1]).astype(done.dtype) for k in ("q", "kv_a", "o"))
-            if "after" in staged:
-                done, after = jax.lax.optimization_barrier((done, after))
-                done = done + jnp.max(after)
-        x, ws = jax.lax.optimization_barrier((x, ws, done))[:2]
-        q, kv_a, squares = stacked_gemvs(x, (ws["q"], ws["kv_a"]), 1, ws["norm"], eps=EPS, partials=True,
-                                         interpret=interpret)
-        o_in = jax.lax.optimization_barrier((x, q))[0]  # o_proj after the first launch, on its own rows
-        o = stacked_gemv(o_in, ws["o"], 1, interpret=interpret)
-        return q, kv_a, squares, o
-    return fn
-
-
-def attention_main(args) -> dict:
-    shape = ATTENTION_QUICK if args.quick else ATTENTION_V2_LITE
-    inputs = _attention_inputs(shape)
-    ws = inputs[1]
-    mb = {"q+kv_a": (ws["q"][1].size + ws["kv_a"][1].size) * 2 / 1e6, "o_proj": ws["o"][1].size * 2 / 1e6}
-    rows, cold = [], None
-    for staged in ATTENTION_STAGED:
-        fn = attention_call(staged, args.quick)
-        if args.quick:  # staging reorders launches, never the products
-            got = [np.asarray(a, np.float32) for a in jax.jit(fn)(*inputs)]
-            cold = got if cold is None else cold
-            for a, b in zip(got, cold):
-                np.testing.assert_array_equal(a, b)
-            rows.append(dict(staged=staged))
-            continue
-        times = kernel_time_us(fn, inputs, calls=args.calls)
-        qkv = sum(t for name, t in times.items() if name.startswith("stacked_gemv2_norm"))
-        o = sum(t for name, t in times.items() if name.startswith("stacked_gemv_s"))
-        rows.append(dict(staged=staged, qkv_us=round(qkv, 2), qkv_tb_s=round(mb["q+kv_a"] / qkv, 2),
-                         o_proj_us=round(o, 2), o_proj_tb_s=round(mb["o_proj"] / o, 2)))
-        print(rows[-1], flush=True)
-    columns = ["staged"] + ([] if args.quick else ["qkv_us", "qkv_tb_s", "o_proj_us", "o_proj_tb_s"])
-    return write_probe(rows, markdown_table(rows, columns), args.out, weights_mb={k: round(v, 1) for k, v in mb.items()},
-                       command="python -m benchmarks.l2_staging_probe --target attention")
+    return x, ws, flush
 
 
 def _touch_kernel(layer_ref, *refs, strides):
@@ -251,7 +206,7 @@ def chain_call(variant: str, layers: int, interpret: bool):
 
 def chain_main(args) -> dict:
     shape, layers = (ATTENTION_QUICK, CHAIN_QUICK_LAYERS) if args.quick else (ATTENTION_V2_LITE, CHAIN_LAYERS)
-    x, ws, flush, _ = _attention_inputs(shape, layers=layers)
+    x, ws, flush = _attention_inputs(shape, layers=layers)
     rows = []
     for variant in CHAIN:
         fn = chain_call(variant, layers, args.quick)
@@ -277,10 +232,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU)")
-    parser.add_argument("--target", choices=("experts", "attention", "chain"), default="experts")
+    parser.add_argument("--target", choices=("experts", "chain"), default="experts")
     args = parser.parse_args(argv)
-    if args.target == "attention":
-        return attention_main(args)
     if args.target == "chain":
         return chain_main(args)
     shape, tiles = (QUICK, QUICK_TILES) if args.quick else (V2_LITE, DecodeTiles())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|prefetch|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-attention|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -77,22 +77,6 @@ case $part in
     tests_then_step_ab "route_finishes or paged_decode_pallas" "1 2" round16 \
       --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
       --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
-  prefetch)   # the expert launch reading the next layer's attention weights into L2 (evict-last), with and
-              # without its own loads evict-first: GPU tests, the chain probe's staged variants, batch 1 / 2
-              # step A/Bs in turns (~5 minutes)
-    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_decode_gpu or paged_decode_pallas" \
-      2>&1 | tee "$OUT/gpu_tests_prefetch.log" | tail -2
-    timeout 100 python -m benchmarks.l2_staging_probe --target chain --out "$OUT/l2_chain_staged_h200.json" \
-      2>&1 | grep -v Warning | tail -13
-    d=dsjax.model.dispatch
-    timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 --rounds 3 \
-      --variant built --variant "prefetch: $d.MOE_DECODE_PREFETCH_MAX_TOKENS=1" \
-      --variant "prefetch, experts evict-first: $d.MOE_DECODE_PREFETCH_MAX_TOKENS=1 $d.MOE_DECODE_EVICT_FIRST=True" \
-      --out "$OUT/step_ab_prefetch_b1_h200.json" 2>&1 | grep -E "^\||Error"
-    timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 2 --num-kv-blocks 2048 --rounds 3 \
-      --variant built \
-      --variant "prefetch, experts evict-first: $d.MOE_DECODE_PREFETCH_MAX_TOKENS=2 $d.MOE_DECODE_EVICT_FIRST=True" \
-      --out "$OUT/step_ab_prefetch_b2_h200.json" 2>&1 | grep -E "^\||Error" ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
@@ -140,18 +124,16 @@ case $part in
     timeout 200 python -m benchmarks.mla_8bit_probe --many-heads 2>&1 | grep -v Warning | tee "$OUT/mla8_many.txt" | tail -60 ;;
   l2-staging) # batch 1's expert launch after its shared (or two routed) experts were read into L2 (a minute)
     timeout 200 python -m benchmarks.l2_staging_probe --out "$OUT/l2_staging_h200.json" 2>&1 | grep -v Warning | tail -12 ;;
-  l2-attention) # the attention chain's norm + q + kv_a and o_proj launches cold, staged in L2, staged then 40 MB;
-                # then both in a 27-layer scan on one layer's weights, on each layer's, and with the next pages touched
-    timeout 200 python -m benchmarks.l2_staging_probe --target attention --out "$OUT/l2_staging_attention_h200.json" \
-      2>&1 | grep -v Warning | tail -8
+  l2-chain)   # the attention chain's norm + q + kv_a and o_proj launches in a 27-layer scan: one layer's weights,
+              # each layer's, L2 flushed, pages touched, weights staged then N MB (benchmarks/l2_staging_probe.py)
     timeout 200 python -m benchmarks.l2_staging_probe --target chain --out "$OUT/l2_chain_h200.json" \
-      2>&1 | grep -v Warning | tail -6 ;;
+      2>&1 | grep -v Warning | tail -14 ;;
   parallel)   # 2 GPUs (kind nvidia-h200-x2): one GPU, TP=2, EP=2 at batch 256 / 1024, op profiles at 1024 (~3 min)
     timeout 560 python -m benchmarks.parallel_h200x2 --runs 1gpu tp2 ep2 --batches 256 1024 --profile-batch 1024 \
       --timeout 150 | tail -30
     cp benchmarks/results/parallel_h200x2.json "$OUT/" 2>/dev/null || true ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
-  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-attention|parallel|host" >&2
+  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|parallel|host" >&2
      exit 2 ;;
 esac

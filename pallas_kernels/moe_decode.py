@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -31,9 +30,6 @@ from pallas_kernels.moe_experts import moe_experts_reference
 from pallas_kernels.swiglu import swiglu_reference
 
 MAX_TOKENS = 8  # tokens a call takes: each is its own set of programs
-# Prefetch programs (``moe_decode(prefetch=...)``): each reads PREFETCH_CHUNK bytes of the next layer's
-# weights in loads of PREFETCH_BLOCK bytes (a 128-thread program keeps one block in flight).
-PREFETCH_CHUNK, PREFETCH_BLOCK = 128 * 1024, 32 * 1024
 
 
 class DecodeTiles(NamedTuple):
@@ -46,7 +42,9 @@ class DecodeTiles(NamedTuple):
     In the compiled batch-1 step (round 14) 8 warps cost 2.409 ms and 256-row K steps 2.503, against 2.309.
     Programs matched to the SMs through spans narrower than the tile (128 programs of 88 columns in
     128-wide masked tiles, 256 of 44 in 64-wide ones, deeper pipelines) took 52-77 µs at one token
-    (round 16, code in git 58ca6d0)."""
+    (round 16, code in git 58ca6d0). Extra programs reading the next layer's attention projections into L2
+    (evict-last, the experts' loads evict-first or not) cost 2.388 ms against 2.226 (round 18, code in git
+    c60109f): staged lines survive only ~20 MB of later traffic."""
     block_i: int = 64  # intermediate columns a program owns
     block_k: int = 128  # hidden rows a gate/up step streams
     block_d: int = 128  # output columns a down step produces
@@ -54,51 +52,11 @@ class DecodeTiles(NamedTuple):
     num_stages: int = 3
 
 
-class _Prefetch(NamedTuple):
-    """One prefetched weight's share of the programs after the experts': [start, start + programs)."""
-    start: int
-    programs: int
-    size: int  # elements of one layer's slice
-    chunk: int  # elements a program reads
-    block: int  # elements a load reads
-
-
-def _prefetch_plan(arrays, first_program: int) -> tuple[_Prefetch, ...]:
-    plan, start = [], first_program
-    for w in arrays:
-        size, item = int(np.prod(w.shape[1:])), w.dtype.itemsize
-        block = min(PREFETCH_BLOCK // item, pl.next_power_of_2(size))
-        chunk = max(block, (PREFETCH_CHUNK // item) // block * block)
-        plan.append(_Prefetch(start, pl.cdiv(size, chunk), size, chunk, block))
-        start += plan[-1].programs
-    return tuple(plan)
-
-
-def _prefetch_programs(program, layer_ref, refs, sums_ref, plan, num_layers):
-    """Programs of ``plan`` read their chunk of layer layer_ref[1]'s slice of each flattened weight [L, n]
-    (none when that layer is past the stack) with an L2 evict-last hint, and store the chunk's sum to
-    sums_ref[program - plan[0].start] (so no load is dead code)."""
-    layer = layer_ref[1]
-    for w_ref, part in zip(refs, plan):
-        @pl.when((program >= part.start) & (program < part.start + part.programs) & (layer < num_layers))
-        def _(w_ref=w_ref, part=part):
-            base = (program - part.start) * part.chunk
-
-            def body(j, total):
-                offs = base + j * part.block + jnp.arange(part.block)
-                w = plgpu.load(w_ref.at[layer, offs], mask=offs < part.size, other=0, eviction_policy="evict_last")
-                return total + jnp.sum(w.astype(jnp.float32))
-
-            total = jax.lax.fori_loop(0, part.chunk // part.block, body, jnp.zeros((), jnp.float32))
-            sums_ref[program - plan[0].start, :] = jnp.full((16,), total, jnp.float32)
-
-
 def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles,
-                 residual_ref=None, adds_residual=False, evict=None):
+                 residual_ref=None, adds_residual=False):
     """x_ref[token] through columns [i0, i0 + block_i) of one expert (wg / wu [..., D, I] and wd
     [..., I, D] refs, the expert's leading indices ``prefix``), times ``scale``, into out_ref[program];
-    plus residual_ref[token] where ``adds_residual`` (a traced bool) holds. ``evict``: the weights'
-    loads' eviction hint (``"evict_first"``: read once, so they leave L2 before the prefetched lines)."""
+    plus residual_ref[token] where ``adds_residual`` (a traced bool) holds."""
     block_i, block_k, block_d = tiles.block_i, tiles.block_k, tiles.block_d
     col_ok = i0 + jnp.arange(block_i) < inter
     first_row = (jnp.arange(16) == 0)[:, None]
@@ -112,8 +70,8 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
         x = jnp.where(first_row, x[None, :], 0).astype(x.dtype)  # [16, block_k]: the token in row 0
         mask = k_ok[:, None] & col_ok[None, :]
         at = (*prefix, pl.ds(k0, block_k), pl.ds(i0, block_i))
-        g = plgpu.load(wg.at[at], mask=mask, other=0, eviction_policy=evict)
-        u = plgpu.load(wu.at[at], mask=mask, other=0, eviction_policy=evict)
+        g = plgpu.load(wg.at[at], mask=mask, other=0)
+        u = plgpu.load(wu.at[at], mask=mask, other=0)
         return acc_g + dot(x, g), acc_u + dot(x, u)
 
     zeros = jnp.zeros((16, block_i), jnp.float32)
@@ -124,7 +82,7 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
         d0 = pl.multiple_of(j * block_d, block_d)
         d_ok = d0 + jnp.arange(block_d) < hidden
         w = plgpu.load(wd.at[(*prefix, pl.ds(i0, block_i), pl.ds(d0, block_d))],
-                       mask=col_ok[:, None] & d_ok[None, :], other=0, eviction_policy=evict)
+                       mask=col_ok[:, None] & d_ok[None, :], other=0)
         y = jnp.sum(jnp.where(first_row, dot(h, w), 0.0), axis=0)  # [block_d]: row 0 of the [16, block_d] dot
         if residual_ref is not None:  # one program a token: its load is predicated off in the others
             r = plgpu.load(residual_ref.at[token, pl.ds(d0, block_d)], mask=d_ok & adds_residual, other=0)
@@ -136,28 +94,19 @@ def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, 
 
 
 def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k, num_experts,
-                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, with_residual, prefetch,
-                   prefetch_layers, evict):
-    # layer_ref i32[2]: the layer, the prefetched layer. refs: (shared wg [L, D, S], wu, wd [L, S, D]) when
-    # shared_tiles, (residual [T, D]) when with_residual, the prefetched weights [L', n_i] (one per entry of
-    # ``prefetch``), then out f32[T * P, D] and (f32[programs, 16]: the prefetch programs' sums) with prefetch.
-    refs = list(refs)
-    if prefetch:
-        sums_ref = refs.pop()
-        _prefetch_programs(pl.program_id(0), layer_ref, refs[-1 - len(prefetch):-1], sums_ref, prefetch,
-                           prefetch_layers)
-        del refs[-1 - len(prefetch):-1]
+                   routed_tiles, shared_tiles, hidden, inter, shared_inter, tiles, with_residual):
+    # refs: (shared wg [L, D, S], wu, wd [L, S, D]) when shared_tiles, (residual [T, D]) when
+    # with_residual, then out f32[T * P, D].
     out_ref = refs[-1]
     residual_ref = refs[-2] if with_residual else None
     program, layer = pl.program_id(0), layer_ref[0]
     per_token = top_k * routed_tiles + shared_tiles
-    experts_programs = out_ref.shape[0]
     token, local = program // per_token, program % per_token
     # a token's first program adds its residual row to its partial
     tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
-                             tiles=tiles, residual_ref=residual_ref, adds_residual=local == 0, evict=evict)
+                             tiles=tiles, residual_ref=residual_ref, adds_residual=local == 0)
 
-    @pl.when((program < experts_programs) & (local < top_k * routed_tiles))
+    @pl.when(local < top_k * routed_tiles)
     def _():
         slot = token * top_k + local // routed_tiles
         expert = ids_ref[slot]
@@ -167,30 +116,22 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
              i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
 
     if shared_tiles:
-        @pl.when((program < experts_programs) & (local >= top_k * routed_tiles))
+        @pl.when(local >= top_k * routed_tiles)
         def _():
             tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
                  inter=shared_inter)
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "evict_first", "return_prefetch_sums", "interpret"))
-def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None, prefetch=(),
-               prefetch_layer=None, *, tiles: DecodeTiles = DecodeTiles(), evict_first: bool = False,
-               return_prefetch_sums: bool = False, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
+def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None, *,
+               tiles: DecodeTiles = DecodeTiles(), interpret: bool = False):
     """x [T, D] (T <= ``MAX_TOKENS``), weights f32[T, k], ids i32[T, k] (E marks an empty slot), every
     layer's routed experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index,
     and optionally the shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) -> [T, D]: the routed
     experts' weighted sum plus the shared experts' MLP, as ``moe_decode_reference``.
 
     ``residual`` [T, D]: added in f32 by each token's first program to its partial, so the sum, rounded
-    once to x's dtype, includes it (the layer's residual add without a launch of its own).
-
-    ``prefetch``: stacked weights [L', ...] of the next launches (the next layer's attention projections)
-    and ``prefetch_layer`` (traced; nothing is read when it is L' or more): programs after the experts'
-    read that layer's slice of each, PREFETCH_CHUNK bytes a program, with an L2 evict-last hint, so the
-    launches after this one find them in L2 (at batch 1 the experts leave HBM ~20% idle). With
-    ``evict_first`` the experts' own weights are loaded evict-first. ``return_prefetch_sums``: also
-    return the prefetch programs' sums f32[programs] (each chunk's sum, for tests)."""
+    once to x's dtype, includes it (the layer's residual add without a launch of its own)."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     if not 1 <= num_tokens <= MAX_TOKENS:
@@ -203,38 +144,21 @@ def moe_decode(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residu
     shared_tiles = pl.cdiv(shared_inter, tiles.block_i)
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"moe_decode: residual {residual.shape}; expected x's shape {x.shape}")
-    prefetch = tuple(prefetch)
-    if prefetch and (prefetch_layer is None or len({w.shape[0] for w in prefetch}) != 1):
-        raise ValueError(f"moe_decode: prefetch of {len(prefetch)} weights with leading dims "
-                         f"{[w.shape[0] for w in prefetch]} and prefetch_layer {prefetch_layer}; accepted stacked "
-                         "weights of one stack [L, ...] and a prefetch_layer")
     per_token = top_k * routed_tiles + shared_tiles
-    plan = _prefetch_plan(prefetch, num_tokens * per_token)
     kernel = functools.partial(_decode_kernel, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared_tiles=shared_tiles, hidden=hidden, inter=inter, shared_inter=shared_inter,
-                               tiles=tiles, with_residual=residual is not None, prefetch=plan,
-                               prefetch_layers=prefetch[0].shape[0] if prefetch else 0,
-                               evict="evict_first" if evict_first else None)
-    prefetch_programs = sum(part.programs for part in plan)
-    out_shape = [jax.ShapeDtypeStruct((num_tokens * per_token, hidden), jnp.float32)]
-    if plan:
-        out_shape.append(jax.ShapeDtypeStruct((prefetch_programs, 16), jnp.float32))
-    layers = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(0 if prefetch_layer is None else prefetch_layer,
-                                                                     jnp.int32)])
-    outs = pl.pallas_call(
+                               tiles=tiles, with_residual=residual is not None)
+    partials = pl.pallas_call(
         kernel,
-        grid=(num_tokens * per_token + prefetch_programs,),
-        out_shape=out_shape,
+        grid=(num_tokens * per_token,),
+        out_shape=jax.ShapeDtypeStruct((num_tokens * per_token, hidden), jnp.float32),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         interpret=interpret,
-        name="moe_decode_prefetch" if plan else "moe_decode",
-    )(layers, ids.reshape(-1).astype(jnp.int32),
+        name="moe_decode",
+    )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
       weights.reshape(-1).astype(jnp.float32), x, w_gate, w_up, w_down, *(shared or ()),
-      *(() if residual is None else (residual,)), *(w.reshape(w.shape[0], -1) for w in prefetch))
-    out = outs[0].reshape(num_tokens, per_token, hidden).sum(axis=1).astype(x.dtype)
-    if not return_prefetch_sums:
-        return out
-    return out, (outs[1][:, 0] if plan else jnp.zeros((0,), jnp.float32))
+      *(() if residual is None else (residual,)))
+    return partials.reshape(num_tokens, per_token, hidden).sum(axis=1).astype(x.dtype)
 
 
 def moe_decode_reference(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None):

@@ -150,27 +150,16 @@ ROUTE_ROWS_PROGRAMS = 4
 # ms against 2.236; batch 2 2.846 against 2.841 (no gain), so one token only. The residual as one more
 # partial concatenated before the sum lost 39 µs a step (session 29, step_ab_folds_b1_h200.json).
 MOE_DECODE_RESIDUAL_MAX_TOKENS = 1
-# One-launch steps of up to this many tokens (0: none) have the expert launch's extra programs read the
-# next layer's attention projections and router into L2 (evict-last), and with MOE_DECODE_EVICT_FIRST the
-# experts' own weights load evict-first. Why: inside a 27-layer scan the norm + q + kv_a launch takes
-# 7.07 µs and o_proj 4.33 on each layer's weights against 4.89 / 3.11 with the weights in L2
-# (results/l2_chain_flush_h200.json). Off until the H200 has timed the compiled step.
-MOE_DECODE_PREFETCH_MAX_TOKENS = 0
-MOE_DECODE_EVICT_FIRST = False
 
 
-def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None, prefetch=(),
-               prefetch_layer=None):
+def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):
     """x [T, D] (T <= ``MOE_DECODE_MAX_TOKENS``) through its routed experts (weights / ids [T, k]) and
     the shared experts, one layer of the stacks ``experts`` (w_gate, w_up [L, E, D, I], w_down [L, E, I, D])
     and ``shared`` ((w_gate, w_up [L, D, S], w_down [L, S, D]) or None) read in place -> [T, D]; plus
-    ``residual`` [T, D] in f32 before the sum's rounding to x's dtype when given. ``prefetch`` /
-    ``prefetch_layer``: stacked weights whose slice at that layer the launch reads into L2 on the kernel
-    backends (``pallas_kernels.moe_decode.moe_decode``); the result does not depend on them."""
+    ``residual`` [T, D] in f32 before the sum's rounding to x's dtype when given."""
     if backend == "reference":
         return moe_decode_reference(x, weights, ids, *experts, layer, shared, residual)
-    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, residual, prefetch, prefetch_layer,
-                             tiles=MOE_DECODE_TILES, evict_first=MOE_DECODE_EVICT_FIRST,
+    return moe_decode_kernel(x, weights, ids, *experts, layer, shared, residual, tiles=MOE_DECODE_TILES,
                              interpret=backend == "interpret")
 
 

@@ -117,13 +117,8 @@ class MoE(nnx.Module):
         if one_launch:  # routed and shared experts together (pallas_kernels/moe_decode.py)
             shared_experts = stack.mlp if self.shared is not None else None
             fold = add_residual and x.shape[0] <= dispatch.MOE_DECODE_RESIDUAL_MAX_TOKENS and backend != "reference"
-            prefetch = ()
-            if x.shape[0] <= dispatch.MOE_DECODE_PREFETCH_MAX_TOKENS:  # the next layer's attention and router
-                names = ("q_proj", "q_a", "q_b", "kv_a", "w_uk", "w_uv", "o_proj")
-                prefetch = (*(stack.attn[n] for n in names if n in stack.attn), stack.router)
             out = dispatch.moe_decode(normed, weights, ids, stack.experts, shared_experts, stack.index, backend,
-                                      residual=x if fold else None, prefetch=prefetch,
-                                      prefetch_layer=stack.index + 1 if prefetch else None)
+                                      residual=x if fold else None)
             return out if fold or not add_residual else x + out
         out = dispatch.moe_experts(normed, weights, ids, *stack.experts, backend, layer=stack.index,
                                    expert_dispatch=self.expert_dispatch)

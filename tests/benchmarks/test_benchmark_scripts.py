@@ -136,16 +136,6 @@ def test_l2_staging_probe_quick():
     assert payload["rows"][0]["staged_mb"] == 0 and all(r["staged_mb"] > 0 for r in payload["rows"][1:])
 
 
-def test_l2_staging_probe_attention_quick():
-    """--target attention: the staged variants give the cold launches' products bit for bit (the probe
-    asserts it) and the table names each variant."""
-    from benchmarks import l2_staging_probe
-
-    payload = l2_staging_probe.main(["--quick", "--target", "attention"])
-    assert [r["staged"] for r in payload["rows"]] == list(l2_staging_probe.ATTENTION_STAGED)
-    assert set(payload["weights_mb"]) == {"q+kv_a", "o_proj"}
-
-
 def test_l2_staging_probe_chain_quick():
     from benchmarks import l2_staging_probe
 

@@ -77,10 +77,9 @@ def test_paged_forward_matches_full_forward():
     assert np.abs(got - full).max() <= 1e-4 * np.abs(full).max()
 
 
-@pytest.mark.parametrize("q_lora_rank, norm_in_route, residual_in_sum, prefetch",
-                         [(None, True, True, False), (96, True, True, False), (None, False, True, False),
-                          (None, True, False, False), (None, True, True, True)])
-def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residual_in_sum, prefetch, monkeypatch):
+@pytest.mark.parametrize("q_lora_rank, norm_in_route, residual_in_sum",
+                         [(None, True, True), (96, True, True), (None, False, True), (None, True, False)])
+def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residual_in_sum, monkeypatch):
     """The kernels' paged forward (interpret mode) equals the reference backend's: a 70-token chunk
     (XLA's projections, over STACKED_GEMV_MAX_TOKENS) and steps of 3 and 1 tokens (each sublayer's
     RMSNorm fused into one stacked-GEMV launch with q / q_a and kv_a, or with the router and the
@@ -90,9 +89,7 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     (dispatch.ROUTER_NORM_IN_ROUTE, on as built) or in the stacked GEMV; residual_in_sum: its residual
     added by the experts' launch (MOE_DECODE_RESIDUAL_MAX_TOKENS, on as built: a residual added twice
     or not at all fails it); with the q LoRA the normed rows come from programs of their own
-    (ROUTE_ROWS_PROGRAMS); prefetch: the 1-token step's expert launch also reads the next layer's
-    attention projections and router (MOE_DECODE_PREFETCH_MAX_TOKENS, with the experts' loads
-    evict-first), which must not change the logits."""
+    (ROUTE_ROWS_PROGRAMS)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -102,8 +99,6 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
     monkeypatch.setattr(dispatch, "ROUTE_ROWS_PROGRAMS", 4 if q_lora_rank else 0)  # the normed rows' own programs
-    monkeypatch.setattr(dispatch, "MOE_DECODE_PREFETCH_MAX_TOKENS", int(prefetch))
-    monkeypatch.setattr(dispatch, "MOE_DECODE_EVICT_FIRST", prefetch)
 
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)

@@ -2,8 +2,6 @@
 from a layer stack, with and without the shared experts, an empty slot, intermediate sizes that leave
 partial tiles, several tokens."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,34 +59,6 @@ def test_moe_decode_adds_the_residual(dtype, tol):
         moe_decode(*args, residual[:1], tiles=TILES, interpret=True)
 
 
-@pytest.mark.parametrize("evict_first", [False, True])
-def test_moe_decode_prefetch_reads_the_next_layer_and_leaves_the_sum(evict_first):
-    """prefetch: the programs after the experts' read every element of layer prefetch_layer's slice of
-    each weight once (their chunks' sums add up to the slice's sum), and the experts' result is the one
-    without prefetch, also with a prefetch layer past the stack (which reads nothing)."""
-    from pallas_kernels.moe_decode import PREFETCH_CHUNK
-
-    rng = np.random.default_rng(7)
-    w_gate, w_up, w_down, shared = _weights(rng, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((1, 64)), jnp.float32)
-    weights, ids = jnp.asarray(rng.random((1, 2)), jnp.float32), jnp.asarray([[3, 5]], jnp.int32)
-    # one weight of several chunks and a last partial one, one smaller than a load
-    big = jnp.asarray(rng.standard_normal((4, 3 * PREFETCH_CHUNK // 4 + 100)), jnp.float32)
-    small = jnp.asarray(rng.standard_normal((4, 8, 5)), jnp.bfloat16)
-    args = (x, weights, ids, w_gate, w_up, w_down, jnp.int32(1), shared)
-    plain = moe_decode(*args, tiles=TILES, interpret=True)
-    for layer in (2, 4):
-        got, sums = moe_decode(*args, None, (big, small), jnp.int32(layer), tiles=TILES, evict_first=evict_first,
-                               return_prefetch_sums=True, interpret=True)
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
-        assert sums.shape == (4 + 1,)  # big: 3 full chunks and a partial one; small: one
-        if layer < 4:
-            np.testing.assert_allclose(float(sums[:4].sum()), float(big[layer].sum()), rtol=1e-5, atol=1e-3)
-            np.testing.assert_allclose(float(sums[4]), float(small[layer].astype(jnp.float32).sum()), rtol=1e-5)
-    with pytest.raises(ValueError, match="prefetch_layer"):
-        moe_decode(*args, None, (big,), tiles=TILES, interpret=True)
-
-
 def test_moe_decode_refuses_bad_shapes():
     w_gate, w_up, w_down, _ = _weights(np.random.default_rng(0), jnp.float32)
     ids, weights = jnp.zeros((MAX_TOKENS + 1, 2), jnp.int32), jnp.zeros((MAX_TOKENS + 1, 2))
@@ -111,12 +81,3 @@ def test_moe_decode_lowers_to_triton_for_h200():
         shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16), shape((26, 64, 1408, 2048), bf16),
         shape((), jnp.int32), shared, shape((2, 2048), bf16))
     assert with_residual.count("__gpu$xla.gpu.triton") == 1
-    # the next layer's attention projections prefetched: q_proj, kv_a, w_uk, w_uv, o_proj (27 layers)
-    attention = (shape((27, 2048, 16, 192), bf16), shape((27, 2048, 576), bf16), shape((27, 512, 16, 128), bf16),
-                 shape((27, 512, 16, 128), bf16), shape((27, 16, 128, 2048), bf16))
-    prefetching = lower_for_h200(
-        functools.partial(moe_decode, evict_first=True), shape((1, 2048), bf16), shape((1, 6), jnp.float32),
-        shape((1, 6), jnp.int32), shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16),
-        shape((26, 64, 1408, 2048), bf16), shape((), jnp.int32), shared, shape((1, 2048), bf16), attention,
-        shape((), jnp.int32))
-    assert prefetching.count("__gpu$xla.gpu.triton") == 1
