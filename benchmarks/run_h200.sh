@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -124,6 +124,8 @@ case $part in
     timeout 200 python -m benchmarks.mla_8bit_probe --many-heads 2>&1 | grep -v Warning | tee "$OUT/mla8_many.txt" | tail -60 ;;
   l2-staging) # batch 1's expert launch after its shared (or two routed) experts were read into L2 (a minute)
     timeout 200 python -m benchmarks.l2_staging_probe --out "$OUT/l2_staging_h200.json" 2>&1 | grep -v Warning | tail -12 ;;
+  tma-stream) # weights streamed into shared memory by TMA alone, CTAs x box x ring depth, beside XLA's reduction (a minute)
+    timeout 200 python -m benchmarks.tma_stream_probe --out "$OUT/tma_stream_h200.json" 2>&1 | grep -v Warn | tail -13 ;;
   l2-chain)   # the attention chain's norm + q + kv_a and o_proj launches in a 27-layer scan: one layer's weights,
               # each layer's, L2 flushed, pages touched, weights staged then N MB (benchmarks/l2_staging_probe.py)
     timeout 200 python -m benchmarks.l2_staging_probe --target chain --out "$OUT/l2_chain_h200.json" \
@@ -134,6 +136,6 @@ case $part in
     cp benchmarks/results/parallel_h200x2.json "$OUT/" 2>/dev/null || true ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
-  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|parallel|host" >&2
+  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|tma-stream|parallel|host" >&2
      exit 2 ;;
 esac

@@ -192,3 +192,45 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
         step_profile.main(["--preset", "tiny", "--variant", "bad: dispatch.X=not a literal"])
     with pytest.raises(ValueError, match="dispatch.NO_SUCH'.*importable module"):
         original_ab(None, [("x", {"dsjax.model.dispatch.NO_SUCH": 1})], rounds=1, repeats=1)
+
+
+def test_tma_stream_probe_lowers_every_config_for_hopper():
+    from benchmarks import tma_stream_probe
+
+    result = tma_stream_probe.main(["--quick"])
+    assert set(result) == {f"{c}/{b}/{s}" for c, b, s in tma_stream_probe.CONFIGS} and all(result.values())
+    with pytest.raises(ValueError, match="box_kb"):
+        tma_stream_probe._box(24)
+
+
+def test_ptx_census_counts_instruction_families():
+    from benchmarks import ptx_census
+
+    ptx = """
+    @%p1 cp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;
+    cp.async.cg.shared.global [ %r3 + 0 ], [ %rd2 + 0 ], 8, %r2;
+    cp.async.commit_group;
+    cp.async.wait_group 2;
+    ld.global.v4.b32 { %r4, %r5, %r6, %r7 }, [ %rd3 + 0 ];
+    @!%p2 ld.global.b16 { %rs1 }, [ %rd4 + 0 ];
+    mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {...};
+    bar.sync 0;
+    """
+    counts = ptx_census.census(ptx)
+    assert counts["cp.async 16 B (cache global)"] == 1 and counts["cp.async (cache global)"] == 2
+    assert counts["cp.async commit"] == 1 and counts["cp.async wait"] == 1
+    assert counts["ld.global v4"] == 1 and counts["ld.global scalar"] == 1 and counts["ld.global v2"] == 0
+    assert counts["mma"] == 1 and counts["bar.sync"] == 1 and counts["wgmma"] == 0
+
+
+def test_ptx_census_captures_the_triton_modules_of_a_lowering():
+    """The capture needs no GPU and no triton package: moe_decode at V2-Lite's layer is one Triton module,
+    with the engine tiles' warps and stages."""
+    from benchmarks import ptx_census
+    from dsjax.model import dispatch
+
+    fn, args = ptx_census.KERNELS["moe_decode"]()
+    (module,) = ptx_census.capture_triton_modules(fn, *args)
+    assert module["name"] == "moe_decode" and module["ttir"].startswith("module @moe_decode")
+    assert (module["num_warps"], module["num_stages"]) == (dispatch.MOE_DECODE_TILES.num_warps,
+                                                          dispatch.MOE_DECODE_TILES.num_stages)

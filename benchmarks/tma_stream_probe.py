@@ -1,0 +1,139 @@
+"""How fast can CTAs stream weights into shared memory by TMA, with nothing else in the way?
+
+Batch 1's expert launch (``pallas_kernels/moe_decode.py``, Triton) reads V2-Lite's 139 MB layer at
+~3.4 TB/s: its loops are pipelined (``benchmarks/ptx_census.py``: 16-byte ``cp.async``, two stages in
+flight, ~64 KiB a program), yet one program an SM streams only ~21 GB/s (decode_profile.md round 16).
+If the limit is the SM's per-thread requests rather than HBM, Hopper's bulk copies (TMA: one
+instruction a box, no per-thread requests) should stream faster. This probe times the stream alone:
+each of ``ctas`` CTAs reads its share of a 138 MB array box by box into a ring of ``stages`` slots
+(each box's barrier waited for, then the slot refilled ``stages`` boxes ahead), no arithmetic, one
+Mosaic GPU kernel a pass; XLA's reduction over the same array is the anchor of the same call.
+
+    python -m benchmarks.tma_stream_probe --out benchmarks/results/tma_stream_h200.json
+    python -m benchmarks.tma_stream_probe --quick     # lower every config for an abstract H200 (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks.common import best_seconds, markdown_table, write_probe
+from pallas_kernels.common import lower_for_h200
+
+BOX_COLS = 128  # bf16 columns of a box (256 bytes a row)
+# (CTAs, box KiB, stages): one CTA an SM over box sizes and ring depths, then two an SM
+CONFIGS = ((132, 16, 2), (132, 16, 4), (132, 16, 8), (132, 32, 2), (132, 32, 4), (132, 32, 6),
+           (132, 64, 2), (132, 64, 3), (264, 32, 2), (264, 32, 3))
+TOTAL_BYTES = 138 * 2**20  # ~V2-Lite's one-token expert layer
+
+
+def _box(box_kb: int) -> tuple[int, int]:
+    if box_kb not in (8, 16, 32, 64):
+        raise ValueError(f"box_kb={box_kb}: accepted 8, 16, 32 or 64")
+    return box_kb * 1024 // (2 * BOX_COLS), BOX_COLS
+
+
+def stream(w, stages: int):
+    """w bf16[C, S, rows, cols]: CTA c reads its S boxes in order through a ring of ``stages`` slots ->
+    bf16[C, rows, cols] (the last slot's contents, so the kernel has an output)."""
+    num_ctas, steps = w.shape[:2]
+    box = w.shape[2:]
+    if not 1 <= stages <= steps:
+        raise ValueError(f"stages={stages}: accepted 1 to the boxes a CTA reads ({steps})")
+
+    def body(w_ref, o_ref, ring, bars):
+        c = lax.axis_index("c")
+        for s in range(stages):
+            plgpu.copy_gmem_to_smem(w_ref.at[c, s], ring.at[s], bars.at[s])
+
+        def step(k, _):
+            slot = lax.rem(k, jnp.int32(stages))
+            plgpu.barrier_wait(bars.at[slot])
+
+            @pl.when(k + stages < steps)
+            def _():
+                plgpu.copy_gmem_to_smem(w_ref.at[c, k + stages], ring.at[slot], bars.at[slot])
+
+            return ()
+
+        lax.fori_loop(0, steps, step, ())
+        plgpu.copy_smem_to_gmem(ring.at[(steps - 1) % stages], o_ref.at[c])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_ctas, *box), w.dtype),
+        scratch_types=[plgpu.SMEM((stages, *box), w.dtype), plgpu.Barrier(num_barriers=stages)],
+        grid=(num_ctas,),
+        grid_names=("c",),
+    )(w)
+
+
+def _shape(ctas: int, box_kb: int) -> tuple[int, int, int, int]:
+    rows, cols = _box(box_kb)
+    return ctas, max(1, TOTAL_BYTES // (ctas * box_kb * 1024)), rows, cols
+
+
+def passes_fn(stages: int, reps: int):
+    def run(w):
+        def one(_, acc):
+            out = stream(w, stages)
+            return acc + out[0, 0, 0].astype(jnp.float32)
+        return lax.fori_loop(0, reps, one, jnp.float32(0))
+    return jax.jit(run)
+
+
+def xla_sum_fn(reps: int):
+    def run(w):
+        return lax.fori_loop(0, reps, lambda i, acc: acc + jnp.sum(w + i.astype(w.dtype), dtype=jnp.float32),
+                             jnp.float32(0))
+    return jax.jit(run)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="lower each config on CPU, time nothing")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        result = {}
+        for ctas, box_kb, stages in CONFIGS:
+            shape = jax.ShapeDtypeStruct(_shape(8, box_kb)[:1] + (4,) + _shape(8, box_kb)[2:], jnp.bfloat16)
+            text = lower_for_h200(lambda w: stream(w, min(stages, 4)), shape)
+            result[f"{ctas}/{box_kb}/{stages}"] = text.count("mosaic_gpu")
+        print(result)
+        return result
+    rows = []
+    for ctas, box_kb, stages in CONFIGS:
+        shape = _shape(ctas, box_kb)
+        w = jnp.ones(shape, jnp.bfloat16)
+        fn = passes_fn(stages, args.reps)
+        got = float(fn(w))
+        nbytes = w.size * 2
+        us = best_seconds(fn, w) / args.reps * 1e6
+        rows.append(dict(kernel="tma ring", ctas=ctas, box_kb=box_kb, stages=stages, mb=round(nbytes / 1e6, 1),
+                         us=round(us, 2), tb_s=round(nbytes / us / 1e6, 3), check=got == args.reps))
+        print(rows[-1], flush=True)
+        del w
+    w = jnp.ones(_shape(132, 32), jnp.bfloat16)
+    fn = xla_sum_fn(args.reps)
+    fn(w).block_until_ready()
+    us = best_seconds(fn, w) / args.reps * 1e6
+    rows.append(dict(kernel="XLA sum", ctas=None, box_kb=None, stages=None, mb=round(w.size * 2 / 1e6, 1),
+                     us=round(us, 2), tb_s=round(w.size * 2 / us / 1e6, 3), check=True))
+    print(rows[-1], flush=True)
+    columns = ["kernel", "ctas", "box_kb", "stages", "mb", "us", "tb_s", "check"]
+    return write_probe(rows, markdown_table(rows, columns), args.out, reps=args.reps,
+                       command="python -m benchmarks.tma_stream_probe")
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
