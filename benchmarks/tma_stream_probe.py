@@ -7,7 +7,10 @@ If the limit is the SM's per-thread requests rather than HBM, Hopper's bulk copi
 instruction a box, no per-thread requests) should stream faster. This probe times the stream alone:
 each of ``ctas`` CTAs reads its share of a 138 MB array box by box into a ring of ``stages`` slots
 (each box's barrier waited for, then the slot refilled ``stages`` boxes ahead), no arithmetic, one
-Mosaic GPU kernel a pass; XLA's reduction over the same array is the anchor of the same call.
+Mosaic GPU kernel a pass; XLA's reduction over the same array is the anchor of the same call. Kernel
+times come from a profiler trace (``benchmarks.common.kernel_time_us``): timing passes in a jitted loop
+with a host clock added the loop's own per-iteration cost (a first build read every row at 2.5-2.9
+TB/s, XLA's reduction included).
 
     python -m benchmarks.tma_stream_probe --out benchmarks/results/tma_stream_h200.json
     python -m benchmarks.tma_stream_probe --quick     # lower every config for an abstract H200 (CPU)
@@ -24,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks.common import best_seconds, markdown_table, write_probe
+from benchmarks.common import kernel_time_us, markdown_table, write_probe
 from pallas_kernels.common import lower_for_h200
 
 BOX_COLS = 128  # bf16 columns of a box (256 bytes a row)
@@ -81,29 +84,13 @@ def _shape(ctas: int, box_kb: int) -> tuple[int, int, int, int]:
     return ctas, max(1, TOTAL_BYTES // (ctas * box_kb * 1024)), rows, cols
 
 
-def passes_fn(stages: int, reps: int):
-    def run(w):
-        def one(_, acc):
-            out = stream(w, stages)
-            return acc + out[0, 0, 0].astype(jnp.float32)
-        return lax.fori_loop(0, reps, one, jnp.float32(0))
-    return jax.jit(run)
-
-
-def xla_sum_fn(reps: int):
-    def run(w):
-        def one(_, acc):
-            # a full-size slice at an offset that depends on acc (always 0): the reduction reads w once a
-            # pass, and XLA cannot hoist it out of the loop
-            start = (acc > 1e30).astype(jnp.int32)
-            return acc + jnp.sum(lax.dynamic_slice_in_dim(w, start, w.shape[0]), dtype=jnp.float32)
-        return lax.fori_loop(0, reps, one, jnp.float32(0))
-    return jax.jit(run)
+def xla_sum(w):
+    return jnp.sum(w, dtype=jnp.float32)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--calls", type=int, default=20, help="back-to-back calls in the profiler trace")
     parser.add_argument("--quick", action="store_true", help="lower each config on CPU, time nothing")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -117,25 +104,21 @@ def main(argv=None) -> dict:
         return result
     rows = []
     for ctas, box_kb, stages in CONFIGS:
-        shape = _shape(ctas, box_kb)
-        w = jnp.ones(shape, jnp.bfloat16)
-        fn = passes_fn(stages, args.reps)
-        got = float(fn(w))
-        nbytes = w.size * 2
-        us = best_seconds(fn, w) / args.reps * 1e6
-        rows.append(dict(kernel="tma ring", ctas=ctas, box_kb=box_kb, stages=stages, mb=round(nbytes / 1e6, 1),
-                         us=round(us, 2), tb_s=round(nbytes / us / 1e6, 3), check=got == args.reps))
+        w = jnp.ones(_shape(ctas, box_kb), jnp.bfloat16)
+        fn = lambda w, stages=stages: stream(w, stages)
+        check = bool(jnp.all(jax.jit(fn)(w) == 1))
+        us = kernel_time_us(fn, (w,), calls=args.calls)["total"]
+        rows.append(dict(kernel="tma ring", ctas=ctas, box_kb=box_kb, stages=stages, mb=round(w.size * 2 / 1e6, 1),
+                         us=round(us, 2), tb_s=round(w.size * 2 / us / 1e6, 3), check=check))
         print(rows[-1], flush=True)
         del w
     w = jnp.ones(_shape(132, 32), jnp.bfloat16)
-    fn = xla_sum_fn(args.reps)
-    fn(w).block_until_ready()
-    us = best_seconds(fn, w) / args.reps * 1e6
+    us = kernel_time_us(xla_sum, (w,), calls=args.calls)["total"]
     rows.append(dict(kernel="XLA sum", ctas=None, box_kb=None, stages=None, mb=round(w.size * 2 / 1e6, 1),
-                     us=round(us, 2), tb_s=round(w.size * 2 / us / 1e6, 3), check=True))
+                     us=round(us, 2), tb_s=round(w.size * 2 / us / 1e6, 3), check=float(xla_sum(w)) == w.size))
     print(rows[-1], flush=True)
     columns = ["kernel", "ctas", "box_kb", "stages", "mb", "us", "tb_s", "check"]
-    return write_probe(rows, markdown_table(rows, columns), args.out, reps=args.reps,
+    return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
                        command="python -m benchmarks.tma_stream_probe")
 
 
