@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -77,6 +77,10 @@ case $part in
     tests_then_step_ab "route_finishes or paged_decode_pallas" "1 2" round16 \
       --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
       --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
+  decode-round19)  # moe_decode with 4 pipeline stages (40.5-40.8 µs alone against 41.3, gemv_moe_stages_h200.json):
+                   # its GPU test, then batch 1 / 2 compiled-step A/Bs in turns (~4 minutes)
+    d=dsjax.model.dispatch
+    tests_then_step_ab "moe_decode_gpu" "1 2" round19 --variant "moe_decode 4 stages: $d.MOE_DECODE_TILES.num_stages=4" ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
