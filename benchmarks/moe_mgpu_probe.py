@@ -1,0 +1,81 @@
+"""The one-token expert launch by TMA (``pallas_kernels/moe_decode_mgpu.py``) against the Triton one
+(``pallas_kernels/moe_decode.py``) at V2-Lite's layer, in one call: both results against the f32
+reference (relative error), then each kernel's time from a profiler trace (µs, and TB/s over the
+layer's 139 MB), in turns over ``--rounds``.
+
+    python -m benchmarks.moe_mgpu_probe --out benchmarks/results/moe_mgpu_h200.json
+    python -m benchmarks.moe_mgpu_probe --quick     # lower the Mosaic kernel for an abstract H200 (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import kernel_time_us, markdown_table, write_probe
+from pallas_kernels.common import lower_for_h200
+from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference
+from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
+
+# (layers, experts, hidden, inter, shared inter, top-k)
+V2_LITE = (2, 64, 2048, 1408, 2816, 6)
+
+
+def _inputs(seed: int = 0):
+    layers, experts, hidden, inter, shared_inter, top_k = V2_LITE
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    mk = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) * 0.03).astype(jnp.bfloat16)
+    routed = (mk(layers, experts, hidden, inter), mk(layers, experts, hidden, inter), mk(layers, experts, inter, hidden))
+    shared = (mk(layers, hidden, shared_inter), mk(layers, hidden, shared_inter), mk(layers, shared_inter, hidden))
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
+    weights = jnp.asarray(rng.random((1, top_k)), jnp.float32)
+    ids = jnp.asarray(rng.permutation(experts)[:top_k][None], jnp.int32)
+    return x, weights, ids, routed, shared
+
+
+KERNELS = {
+    "triton": lambda x, w, i, routed, shared: moe_decode(x, w, i, *routed, jnp.int32(1), shared, tiles=DecodeTiles()),
+    "mosaic tma": lambda x, w, i, routed, shared: moe_decode_mgpu(x, w, i, *routed, jnp.int32(1), shared),
+}
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help="lower the Mosaic kernel on CPU, time nothing")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), _inputs())
+        text = lower_for_h200(KERNELS["mosaic tma"], *shapes)
+        return dict(mosaic_calls=text.count("custom_call @mosaic_gpu"))
+    inputs = _inputs()
+    x, weights, ids, routed, shared = inputs
+    up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
+    want = np.asarray(moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(routed), 1, up(shared)))
+    layer_bytes = (ids.shape[1] * 3 * routed[0].shape[2] * routed[0].shape[3] + sum(w[0].size for w in shared)) * 2
+    errors = {}
+    for name, fn in KERNELS.items():
+        got = np.asarray(jax.jit(fn)(*inputs), np.float32)
+        errors[name] = float(np.abs(got - want).max() / np.abs(want).max())
+        print(f"{name}: relative error {errors[name]:.2e}", flush=True)
+    rows = []
+    for r in range(args.rounds):
+        for name, fn in KERNELS.items():
+            times = kernel_time_us(fn, inputs, calls=args.calls)  # the launch alone: XLA's fusions (the
+            us = sum(t for k, t in times.items() if k != "total" and "fusion" not in k)  # partials' sum) left out
+            rows.append(dict(round=r, kernel=name, us=round(us, 2), tb_s=round(layer_bytes / us / 1e6, 3),
+                             rel_error=errors[name], kernels=sorted(k for k in times if k != "total")))
+            print(rows[-1], flush=True)
+    return write_probe(rows, markdown_table(rows, ["round", "kernel", "us", "tb_s", "rel_error"]), args.out,
+                       layer_mb=round(layer_bytes / 1e6, 1), command="python -m benchmarks.moe_mgpu_probe")
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
