@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -81,6 +81,11 @@ case $part in
                    # its GPU test, then batch 1 / 2 compiled-step A/Bs in turns (~4 minutes)
     d=dsjax.model.dispatch
     tests_then_step_ab "moe_decode_gpu" "1 2" round19 --variant "moe_decode 4 stages: $d.MOE_DECODE_TILES.num_stages=4" ;;
+  moe-mgpu)   # the TMA-fed Mosaic GPU expert launch: its GPU test, then errors and kernel times beside the
+              # Triton launch at V2-Lite's one-token layer (benchmarks/moe_mgpu_probe.py; ~2 minutes)
+    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_decode_mgpu" 2>&1 \
+      | tee "$OUT/gpu_tests_moe_mgpu.log" | tail -8
+    timeout 200 python -m benchmarks.moe_mgpu_probe --out "$OUT/moe_mgpu_h200.json" 2>&1 | grep -v -i warn | tail -8 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

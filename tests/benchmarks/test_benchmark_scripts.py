@@ -234,3 +234,9 @@ def test_ptx_census_captures_the_triton_modules_of_a_lowering():
     assert module["name"] == "moe_decode" and module["ttir"].startswith("module @moe_decode")
     assert (module["num_warps"], module["num_stages"]) == (dispatch.MOE_DECODE_TILES.num_warps,
                                                           dispatch.MOE_DECODE_TILES.num_stages)
+
+
+def test_moe_mgpu_probe_lowers_the_mosaic_launch():
+    from benchmarks import moe_mgpu_probe
+
+    assert moe_mgpu_probe.main(["--quick"]) == {"mosaic_calls": 1}

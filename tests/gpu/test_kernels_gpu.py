@@ -436,6 +436,34 @@ def test_moe_decode_gpu(tokens):
     assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
 
 
+@pytest.mark.parametrize("empty_slot", [False, True])
+def test_moe_decode_mgpu_gpu(empty_slot):
+    """The TMA-fed Mosaic GPU expert launch at V2-Lite's one-token layer (routed top-6 of 64 and the shared
+    experts, layer 1 of the stacks) against the reference and the Triton launch; an empty slot (id E)
+    contributes nothing."""
+    from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
+    from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu, supports
+
+    assert supports(2048, 1408, 2816, 1, jnp.bfloat16) is None
+    rng = np.random.default_rng(11)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
+    experts = (mk(2, 64, 2048, 1408), mk(2, 64, 2048, 1408), mk(2, 64, 1408, 2048))
+    shared = (mk(2, 2048, 2816), mk(2, 2048, 2816), mk(2, 2816, 2048))
+    x = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)
+    weights = jnp.asarray(rng.random((1, 6)), jnp.float32)
+    ids = jnp.asarray(rng.permutation(64)[:6][None], jnp.int32)
+    if empty_slot:
+        ids = ids.at[0, 2].set(64)
+    got = moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared)
+    up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
+    want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
+    assert got.shape == (1, 2048) and got.dtype == jnp.bfloat16
+    assert _rel(got, want) < 2e-2
+    assert _rel(got, moe_decode(x, weights, ids, *experts, jnp.int32(1), shared)) < 2e-2
+    routed_only = moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1))
+    assert _rel(routed_only, moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1)) < 2e-2
+
+
 def test_route_finishes_the_norm_gpu():
     """V2-Lite's router at one token with the MoE norm finished in the routing kernel: the summed
     products of x * g with the row's sum of squares last (64 + 1 columns), 2048-wide normed rows, written

@@ -81,3 +81,27 @@ def test_moe_decode_lowers_to_triton_for_h200():
         shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16), shape((26, 64, 1408, 2048), bf16),
         shape((), jnp.int32), shared, shape((2, 2048), bf16))
     assert with_residual.count("__gpu$xla.gpu.triton") == 1
+
+
+def test_moe_decode_mgpu_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
+    """The TMA-fed Mosaic GPU launch (pallas_kernels/moe_decode_mgpu.py) lowers at V2-Lite's one-token layer
+    with and without the shared experts (layouts, wgmma operands, shared memory); numerics in tests/gpu.
+    supports() names what it does not take."""
+    from pallas_kernels import moe_decode_mgpu as kernel
+
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    shared = (shape((26, 2048, 2816), bf16), shape((26, 2048, 2816), bf16), shape((26, 2816, 2048), bf16))
+    routed = (shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16), shape((26, 64, 1408, 2048), bf16))
+    args = (shape((1, 2048), bf16), shape((1, 6), jnp.float32), shape((1, 6), jnp.int32), *routed, shape((), jnp.int32))
+    for extra in ((shared,), ()):
+        hlo = lower_for_h200(kernel.moe_decode_mgpu, *args, *extra)
+        assert hlo.count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match="expected x"):
+        jax.eval_shape(kernel.moe_decode_mgpu, shape((2, 2048), bf16), shape((2, 6), jnp.float32),
+                       shape((2, 6), jnp.int32), *routed, shape((), jnp.int32))
+    monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
+    assert kernel.supports(2048, 1408, 2816, 1, bf16) is None
+    assert "2 tokens" in kernel.supports(2048, 1408, 2816, 2, bf16)
+    assert "float32" in kernel.supports(2048, 1408, 2816, 1, jnp.float32)
+    assert "moe intermediate size 1400" in kernel.supports(2048, 1400, 2816, 1, bf16)
+    assert kernel.supports(2048, 1408, 0, 1, bf16) is None  # no shared experts
