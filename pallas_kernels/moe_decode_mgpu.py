@@ -59,15 +59,17 @@ def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype)
 
 
 def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k: int, num_experts: int,
-          routed_tiles: int, shared: bool):
-    # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; out f32[P, D / BLOCK_D, BLOCK_D]; then the
-    # scratch: x [D / BLOCK_K, BLOCK_K], gate ring, up ring [STAGES, BLOCK_K, BLOCK_I], down ring
-    # [DOWN_STAGES, BLOCK_I, BLOCK_D], the output row [D / BLOCK_D, BLOCK_D] f32, barriers
+          routed_tiles: int, shared: bool, with_residual: bool):
+    # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; (residual [D / BLOCK_D, BLOCK_D]) when
+    # with_residual; out f32[P, D / BLOCK_D, BLOCK_D]; then the scratch: x [D / BLOCK_K, BLOCK_K], gate ring,
+    # up ring [STAGES, BLOCK_K, BLOCK_I], down ring [DOWN_STAGES, BLOCK_I, BLOCK_D], the output row
+    # [D / BLOCK_D, BLOCK_D] f32, (the residual row [D / BLOCK_D, BLOCK_D]), barriers (x and residual, rings)
+    refs = list(refs)
+    scratch, out_ref = refs.pop(), refs.pop()
+    residual_ref = refs.pop() if with_residual else None
     if shared:
-        sg_ref, su_ref, sd_ref, out_ref, scratch = refs
-    else:
-        out_ref, scratch = refs
-    x_smem, g_ring, u_ring, d_ring, row_smem, x_bar, g_bars, u_bars, d_bars = scratch
+        sg_ref, su_ref, sd_ref = refs
+    x_smem, g_ring, u_ring, d_ring, row_smem, *res_smem, x_bars, g_bars, u_bars, d_bars = scratch
     hidden = x_smem.shape[0] * BLOCK_K
     gate_steps, down_steps = hidden // BLOCK_K, hidden // BLOCK_D
     program = lax.axis_index("p")
@@ -106,12 +108,16 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
             def _():
                 plgpu.copy_gmem_to_smem(sd_ref.at[layer, rows, cols], d_ring.at[slot], d_bars.at[slot])
 
-    plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar)
+    plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bars.at[0])
+    if with_residual:  # every CTA loads the 4 KiB row; the first adds it to its partial
+        plgpu.copy_gmem_to_smem(residual_ref, res_smem[0], x_bars.at[1])
     for s in range(min(STAGES, gate_steps)):
         issue_gate_up(s, s)
     for s in range(min(DOWN_STAGES, down_steps)):  # independent of the products: they load meanwhile
         issue_down(s, s)
-    plgpu.barrier_wait(x_bar)
+    plgpu.barrier_wait(x_bars.at[0])
+    if with_residual:
+        plgpu.barrier_wait(x_bars.at[1])
     first_row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 0, layout=plgpu.Layout.WGMMA) == 0
 
     def gate_up(k, carry):
@@ -149,7 +155,11 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         def _():
             issue_down(j + DOWN_STAGES, slot)
 
-        row_smem.at[j][...] = jnp.sum(acc, axis=0)  # only row 0 is nonzero
+        row = jnp.sum(acc, axis=0)  # only row 0 is nonzero
+        if with_residual:
+            r = plgpu.load(res_smem[0].at[j], (), layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
+            row = row + r * jnp.where(program == 0, 1.0, 0.0)  # a scalar factor: the first CTA only
+        row_smem.at[j][...] = row
         return ()
 
     lax.fori_loop(0, down_steps, down, ())
@@ -159,16 +169,18 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
 
 
 @jax.jit
-def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None):
+def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None):
     """x [1, D] bf16, weights f32[1, k], ids i32[1, k] (E marks an empty slot), every layer's routed
     experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index, optionally the
-    shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) -> [1, D]: as ``moe_decode`` at one token.
-    Shapes must pass ``supports``."""
+    shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) and a ``residual`` [1, D] that the first CTA
+    adds to its partial in f32 -> [1, D]: as ``moe_decode`` at one token. Shapes must pass ``supports``."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     shared_inter = 0 if shared is None else shared[0].shape[-1]
-    if x.shape != (1, hidden) or num_tokens != 1:
-        raise ValueError(f"moe_decode_mgpu: x {x.shape}, ids {ids.shape}; expected x [1, D={hidden}], ids [1, k]")
+    if x.shape != (1, hidden) or num_tokens != 1 or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"moe_decode_mgpu: x {x.shape}, ids {ids.shape}, residual "
+                         f"{None if residual is None else residual.shape}; expected x and residual [1, D={hidden}], "
+                         "ids [1, k]")
     routed_tiles, shared_tiles = inter // BLOCK_I, shared_inter // BLOCK_I
     programs = top_k * routed_tiles + shared_tiles
     tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -179,13 +191,14 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None):
         smem((STAGES, BLOCK_K, BLOCK_I)),  # up ring
         smem((DOWN_STAGES, BLOCK_I, BLOCK_D)),  # down ring
         plgpu.SMEM((hidden // BLOCK_D, BLOCK_D), jnp.float32),  # the CTA's output row
-        plgpu.Barrier(num_barriers=1),
+        *([plgpu.SMEM((hidden // BLOCK_D, BLOCK_D), x.dtype)] if residual is not None else []),  # the residual
+        plgpu.Barrier(num_barriers=2),  # the token, the residual landed
         plgpu.Barrier(num_barriers=STAGES),
         plgpu.Barrier(num_barriers=STAGES),
         plgpu.Barrier(num_barriers=DOWN_STAGES),
     ]
     kernel = functools.partial(_body, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
-                               shared=shared is not None)
+                               shared=shared is not None, with_residual=residual is not None)
     partials = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((programs, hidden // BLOCK_D, BLOCK_D), jnp.float32),
@@ -195,5 +208,5 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None):
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
       weights.reshape(-1).astype(jnp.float32), x.reshape(hidden // BLOCK_K, BLOCK_K), w_gate, w_up, w_down,
-      *(shared or ()))
+      *(shared or ()), *(() if residual is None else (residual.reshape(hidden // BLOCK_D, BLOCK_D),)))
     return partials.reshape(programs, hidden).sum(axis=0, keepdims=True).astype(x.dtype)

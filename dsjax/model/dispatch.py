@@ -18,6 +18,7 @@ from dsjax.model.norms import rms_norm
 from dsjax.parallel.collectives import axis_size
 from dsjax.parallel.expert import ExpertDispatch, moe_expert_parallel
 from dsjax.parallel.mesh import EXPERT
+from pallas_kernels import moe_decode_mgpu
 from pallas_kernels.latent_write import write_latents as write_latents_kernel
 from pallas_kernels.latent_write import write_latents_reference
 from pallas_kernels.mla_decode import mla_paged, mla_paged_pools_reference, mla_paged_reference
@@ -150,6 +151,11 @@ ROUTE_ROWS_PROGRAMS = 4
 # ms against 2.236; batch 2 2.846 against 2.841 (no gain), so one token only. The residual as one more
 # partial concatenated before the sum lost 39 µs a step (session 29, step_ab_folds_b1_h200.json).
 MOE_DECODE_RESIDUAL_MAX_TOKENS = 1
+# One-token steps on Hopper through the TMA-fed Mosaic GPU launch (pallas_kernels/moe_decode_mgpu.py)
+# instead of the Triton one, where it takes the layer (its ``supports``). Why: 132 CTAs stream 142.7 MB
+# by TMA at 4.2 TB/s where the Triton launch reads its 139 MB at ~3.4 TB/s (decode_profile.md round 18).
+# Off until the H200 has run and timed it (run_h200.sh moe-mgpu, then decode-round19).
+MOE_DECODE_MGPU = False
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):
@@ -159,6 +165,11 @@ def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=N
     ``residual`` [T, D] in f32 before the sum's rounding to x's dtype when given."""
     if backend == "reference":
         return moe_decode_reference(x, weights, ids, *experts, layer, shared, residual)
+    if MOE_DECODE_MGPU and backend == "pallas":
+        num_experts, hidden, inter = experts[0].shape[1:]
+        if moe_decode_mgpu.supports(hidden, inter, 0 if shared is None else shared[0].shape[-1], x.shape[0],
+                                    experts[0].dtype) is None and x.dtype == experts[0].dtype:
+            return moe_decode_mgpu.moe_decode_mgpu(x, weights, ids, *experts, layer, shared, residual)
     return moe_decode_kernel(x, weights, ids, *experts, layer, shared, residual, tiles=MOE_DECODE_TILES,
                              interpret=backend == "interpret")
 

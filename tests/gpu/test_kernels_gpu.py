@@ -462,6 +462,9 @@ def test_moe_decode_mgpu_gpu(empty_slot):
     assert _rel(got, moe_decode(x, weights, ids, *experts, jnp.int32(1), shared)) < 2e-2
     routed_only = moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1))
     assert _rel(routed_only, moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1)) < 2e-2
+    residual = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)  # added once, by the first CTA
+    with_residual = moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared, residual)
+    assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
 
 
 def test_route_finishes_the_norm_gpu():

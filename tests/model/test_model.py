@@ -110,6 +110,36 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     assert np.abs(logits["interpret"] - logits["reference"]).max() <= 1e-4 * scale
 
 
+def test_one_token_experts_take_the_mosaic_launch_where_it_fits(monkeypatch):
+    """dispatch.MOE_DECODE_MGPU: on the pallas backend a one-token step whose layer the TMA-fed Mosaic
+    launch supports goes there (residual and shared experts passed on); two tokens, another backend,
+    the knob off, or a layer it refuses keep the Triton launch."""
+    from dsjax.model import dispatch
+    from pallas_kernels import moe_decode_mgpu
+
+    calls = []
+    monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", lambda *a: calls.append(("mgpu", a)) or "mgpu")
+    monkeypatch.setattr(dispatch, "moe_decode_kernel", lambda *a, **k: calls.append(("triton", a)) or "triton")
+    refusal = {"reason": None}
+    monkeypatch.setattr(moe_decode_mgpu, "supports", lambda *a: refusal["reason"])
+    experts = tuple(jnp.zeros(s, jnp.bfloat16) for s in ((2, 4, 128, 64), (2, 4, 128, 64), (2, 4, 64, 128)))
+    shared = tuple(jnp.zeros(s, jnp.bfloat16) for s in ((2, 128, 64), (2, 128, 64), (2, 64, 128)))
+    one, two = jnp.zeros((1, 128), jnp.bfloat16), jnp.zeros((2, 128), jnp.bfloat16)
+    step = lambda x, backend="pallas": dispatch.moe_decode(x, jnp.ones((x.shape[0], 2)), jnp.zeros((x.shape[0], 2),
+                                                                                                   jnp.int32),
+                                                           experts, shared, 1, backend, residual=x)
+    monkeypatch.setattr(dispatch, "MOE_DECODE_MGPU", False)
+    assert step(one) == "triton"
+    monkeypatch.setattr(dispatch, "MOE_DECODE_MGPU", True)
+    assert step(one) == "mgpu"
+    assert calls[-1][1][-2] is shared and calls[-1][1][-1] is one  # the shared experts, the residual
+    assert step(one, "interpret") == "triton"
+    refusal["reason"] = "2 tokens (this kernel takes one)"
+    assert step(two) == "triton"
+    refusal["reason"] = "not on a GPU"
+    assert step(one) == "triton"
+
+
 @pytest.mark.parametrize("num_tokens", [1, 7, 64])
 def test_stacked_mlp_kernels_read_their_layer(num_tokens):
     """The dense / shared-expert MLP of one layer, taken from every layer's stacked weights by the

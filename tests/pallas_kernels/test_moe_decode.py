@@ -85,7 +85,8 @@ def test_moe_decode_lowers_to_triton_for_h200():
 
 def test_moe_decode_mgpu_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     """The TMA-fed Mosaic GPU launch (pallas_kernels/moe_decode_mgpu.py) lowers at V2-Lite's one-token layer
-    with and without the shared experts (layouts, wgmma operands, shared memory); numerics in tests/gpu.
+    with and without the shared experts, and with a residual (layouts, wgmma operands, shared memory);
+    numerics in tests/gpu.
     supports() names what it does not take."""
     from pallas_kernels import moe_decode_mgpu as kernel
 
@@ -93,7 +94,7 @@ def test_moe_decode_mgpu_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     shared = (shape((26, 2048, 2816), bf16), shape((26, 2048, 2816), bf16), shape((26, 2816, 2048), bf16))
     routed = (shape((26, 64, 2048, 1408), bf16), shape((26, 64, 2048, 1408), bf16), shape((26, 64, 1408, 2048), bf16))
     args = (shape((1, 2048), bf16), shape((1, 6), jnp.float32), shape((1, 6), jnp.int32), *routed, shape((), jnp.int32))
-    for extra in ((shared,), ()):
+    for extra in ((shared,), (), (shared, shape((1, 2048), bf16))):  # (shared experts), (a residual)
         hlo = lower_for_h200(kernel.moe_decode_mgpu, *args, *extra)
         assert hlo.count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match="expected x"):
