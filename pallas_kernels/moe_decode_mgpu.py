@@ -17,10 +17,11 @@ A CTA owns one (expert, 64 intermediate columns) tile, as a Triton program does,
   as it lies in registers (row 0 the token, the other rows zero);
 - down: [64, BLOCK_D] boxes of the expert's down rows through a second ring, whose first boxes load
   while gate and up stream; each box's [64, BLOCK_D] product is summed over its rows (only row 0 is
-  nonzero) into a [D] row staged in shared memory, stored once as the CTA's partial.
+  nonzero) and stored as that slice of the CTA's partial row (two staging rows, TMA stores).
 
-Shared memory stays under half an SM (two CTAs an SM, as the Triton launch's programs), so the 176 CTAs
-of V2-Lite's layer all run at once.
+Shared memory (3 x 32 KiB of rings, the token's and the residual's rows, 1 KiB of staging, 2 KiB of
+reduction scratch: ~107 KiB) stays under half an SM, so two CTAs share an SM, as the Triton launch's
+programs do, and the 176 CTAs of V2-Lite's layer all run at once.
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
           routed_tiles: int, shared: bool, with_residual: bool):
     # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; (residual [D / BLOCK_D, BLOCK_D]) when
     # with_residual; out f32[P, D / BLOCK_D, BLOCK_D]; then the scratch: x [D / BLOCK_K, BLOCK_K], gate ring,
-    # up ring [STAGES, BLOCK_K, BLOCK_I], down ring [DOWN_STAGES, BLOCK_I, BLOCK_D], the output row
-    # [D / BLOCK_D, BLOCK_D] f32, (the residual row [D / BLOCK_D, BLOCK_D]), barriers (x and residual, rings)
+    # up ring [STAGES, BLOCK_K, BLOCK_I], down ring [DOWN_STAGES, BLOCK_I, BLOCK_D], two output staging rows
+    # f32[2, BLOCK_D], (the residual row [D / BLOCK_D, BLOCK_D]), barriers (x and residual, rings)
     refs = list(refs)
     scratch, out_ref = refs.pop(), refs.pop()
     residual_ref = refs.pop() if with_residual else None
@@ -159,12 +160,16 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         if with_residual:
             r = plgpu.load(res_smem[0].at[j], (), layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
             row = row + r * jnp.where(program == 0, 1.0, 0.0)  # a scalar factor: the first CTA only
-        row_smem.at[j][...] = row
+        # the box's slice of the partial row, through one of two staging rows: the store two boxes ago
+        # from this one must be done before it is overwritten
+        plgpu.wait_smem_to_gmem(1)
+        stage = lax.rem(j, jnp.int32(2))
+        row_smem.at[stage][...] = row
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(row_smem.at[stage], out_ref.at[program, j])
         return ()
 
     lax.fori_loop(0, down_steps, down, ())
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(row_smem, out_ref.at[program])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -190,7 +195,7 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
         smem((STAGES, BLOCK_K, BLOCK_I)),  # gate ring
         smem((STAGES, BLOCK_K, BLOCK_I)),  # up ring
         smem((DOWN_STAGES, BLOCK_I, BLOCK_D)),  # down ring
-        plgpu.SMEM((hidden // BLOCK_D, BLOCK_D), jnp.float32),  # the CTA's output row
+        plgpu.SMEM((2, BLOCK_D), jnp.float32),  # two staging rows for the output's slices
         *([plgpu.SMEM((hidden // BLOCK_D, BLOCK_D), x.dtype)] if residual is not None else []),  # the residual
         plgpu.Barrier(num_barriers=2),  # the token, the residual landed
         plgpu.Barrier(num_barriers=STAGES),
