@@ -9,7 +9,7 @@ streaming by TMA into a ring of 16 KiB boxes read 142.7 MB at 4.2 TB/s (33.9 µs
 
 A CTA owns one (expert, 64 intermediate columns) tile, as a Triton program does, and one warpgroup:
 
-- gate and up: ``GATE_STEPS`` boxes of [BLOCK_K, 64] each (16 KiB) through a ring of ``STAGES`` slots,
+- gate and up: D / BLOCK_K boxes of [BLOCK_K, 64] each (16 KiB) through a ring of ``STAGES`` slots,
   each step's products on the tensor cores: the token is row 0 of a [64, BLOCK_K] operand built in
   registers (the other rows zero), the box the [K, N] operand straight from shared memory, so the
   accumulators' row 0 holds the token's gate / up columns and the other rows stay zero;

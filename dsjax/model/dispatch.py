@@ -166,7 +166,7 @@ def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=N
     if backend == "reference":
         return moe_decode_reference(x, weights, ids, *experts, layer, shared, residual)
     if MOE_DECODE_MGPU and backend == "pallas":
-        num_experts, hidden, inter = experts[0].shape[1:]
+        hidden, inter = experts[0].shape[2:]
         if moe_decode_mgpu.supports(hidden, inter, 0 if shared is None else shared[0].shape[-1], x.shape[0],
                                     experts[0].dtype) is None and x.dtype == experts[0].dtype:
             return moe_decode_mgpu.moe_decode_mgpu(x, weights, ids, *experts, layer, shared, residual)
