@@ -44,8 +44,16 @@ the next layer's attention weights lost 6 µs a layer (decode_profile.md round 1
 launches equally fast, at the fixed layer's times: its flush did not leave the weights cold, so it was
 removed.
 
+``--target experts-chain`` asks round 13's question again in a scan (8 layers, each layer's weights its
+own, so L2 starts cold for each): does the expert launch gain from its shared experts staged in L2
+just before it, once its shared programs run first (``DecodeTiles.shared_first``) instead of after the
+routed ones' ~104 MB? Variants: as built; shared first; the shared experts (34.6 MB) or their gate and
+up (23 MB) read by an XLA reduction right before, with either order. The expert launch's µs a layer
+beside the staging's.
+
     python -m benchmarks.l2_staging_probe --out benchmarks/results/l2_staging_h200.json
     python -m benchmarks.l2_staging_probe --target chain --out benchmarks/results/l2_chain_h200.json
+    python -m benchmarks.l2_staging_probe --target experts-chain --out benchmarks/results/l2_experts_chain_h200.json
     python -m benchmarks.l2_staging_probe --quick      # tiny shapes in interpret mode (CPU)
 """
 
@@ -227,13 +235,74 @@ def chain_main(args) -> dict:
                        command="python -m benchmarks.l2_staging_probe --target chain")
 
 
+EXPERTS_CHAIN = ("as built", "shared first", "shared staged", "shared staged, shared first",
+                 "shared gate/up staged, shared first")
+EXPERTS_CHAIN_LAYERS = 8  # each layer 8 experts: the 6 a token picks and two more
+
+
+def experts_chain_call(variant: str, layers: int, tiles: DecodeTiles, interpret: bool):
+    """fn(x, weights, ids, routed, shared): a scan over ``layers`` layers, each the expert launch on its own
+    layer's weights (its rows from the previous layer's output), after the variant's staging."""
+    tiles = tiles._replace(shared_first="shared first" in variant)
+
+    def fn(x, weights, ids, routed, shared):
+        def body(carry, layer):
+            x, done = carry
+            if "staged" in variant:
+                staged = shared[:2] if "gate/up" in variant else shared
+                staged = jax.lax.optimization_barrier((staged, done))[0]
+                done = done + sum(jnp.max(jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)).astype(jnp.float32)
+                                  for w in staged)
+            x = jax.lax.optimization_barrier((x, done))[0]
+            out = moe_decode(x, weights, ids, *routed, layer, shared, tiles=tiles, interpret=interpret)
+            return (x + (out * 1e-3).astype(x.dtype), done), None
+
+        (x, done), _ = jax.lax.scan(body, (x, jnp.float32(0)), jnp.arange(layers, dtype=jnp.int32))
+        return x, done
+    return fn
+
+
+def experts_chain_main(args) -> dict:
+    hidden, inter, _, top_k, shared_inter, _ = QUICK if args.quick else V2_LITE
+    layers = 2 if args.quick else EXPERTS_CHAIN_LAYERS
+    experts = top_k + 2
+    tiles = QUICK_TILES if args.quick else DecodeTiles()
+    key = iter(jax.random.split(jax.random.key(0), 8))
+    mk = lambda *s: (jax.random.normal(next(key), s, jnp.float32) * 0.02).astype(jnp.bfloat16)
+    routed = (mk(layers, experts, hidden, inter), mk(layers, experts, hidden, inter), mk(layers, experts, inter, hidden))
+    shared = (mk(layers, hidden, shared_inter), mk(layers, hidden, shared_inter), mk(layers, shared_inter, hidden))
+    x = mk(1, hidden) * 50
+    weights = jnp.full((1, top_k), 1.0 / top_k, jnp.float32)
+    ids = jnp.arange(top_k, dtype=jnp.int32)[None]
+    inputs = (x, weights, ids, routed, shared)
+    rows, first = [], None
+    for variant in EXPERTS_CHAIN:
+        fn = experts_chain_call(variant, layers, tiles, args.quick)
+        if args.quick:  # the order and the staging never change the result beyond the partials' order
+            got = np.asarray(jax.jit(fn)(*inputs)[0], np.float32)
+            first = got if first is None else first
+            np.testing.assert_allclose(got, first, rtol=2e-2, atol=2e-2)
+            rows.append(dict(variant=variant))
+            continue
+        times = kernel_time_us(fn, inputs, calls=args.calls // 4)
+        experts_us = sum(t for name, t in times.items() if name.startswith("moe_decode")) / layers
+        other = sum(t for name, t in times.items() if not name.startswith("moe_decode") and name != "total") / layers
+        rows.append(dict(variant=variant, moe_decode_us=round(experts_us, 2), other_us_a_layer=round(other, 2)))
+        print(rows[-1], flush=True)
+    columns = ["variant"] + ([] if args.quick else ["moe_decode_us", "other_us_a_layer"])
+    return write_probe(rows, markdown_table(rows, columns), args.out, layers=layers,
+                       command="python -m benchmarks.l2_staging_probe --target experts-chain")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU)")
-    parser.add_argument("--target", choices=("experts", "chain"), default="experts")
+    parser.add_argument("--target", choices=("experts", "chain", "experts-chain"), default="experts")
     args = parser.parse_args(argv)
+    if args.target == "experts-chain":
+        return experts_chain_main(args)
     if args.target == "chain":
         return chain_main(args)
     shape, tiles = (QUICK, QUICK_TILES) if args.quick else (V2_LITE, DecodeTiles())

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -77,10 +77,12 @@ case $part in
     tests_then_step_ab "route_finishes or paged_decode_pallas" "1 2" round16 \
       --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
       --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
-  decode-round19)  # moe_decode with 4 pipeline stages (40.5-40.8 µs alone against 41.3, gemv_moe_stages_h200.json):
-                   # its GPU test, then batch 1 / 2 compiled-step A/Bs in turns (~4 minutes)
+  decode-round19)  # moe_decode with 4 pipeline stages (40.5-40.8 µs alone against 41.3, gemv_moe_stages_h200.json)
+                   # and with its shared-expert programs first: its GPU test, then batch 1 / 2 compiled-step A/Bs
+                   # in turns (~5 minutes)
     d=dsjax.model.dispatch
-    tests_then_step_ab "moe_decode_gpu" "1 2" round19 --variant "moe_decode 4 stages: $d.MOE_DECODE_TILES.num_stages=4" ;;
+    tests_then_step_ab "moe_decode_gpu" "1 2" round19 --variant "moe_decode 4 stages: $d.MOE_DECODE_TILES.num_stages=4" \
+      --variant "shared programs first: $d.MOE_DECODE_TILES.shared_first=True" ;;
   moe-mgpu)   # the TMA-fed Mosaic GPU expert launch: its GPU test, errors and kernel times beside the Triton
               # launch at V2-Lite's one-token layer (benchmarks/moe_mgpu_probe.py), then, if the test passed,
               # the batch-1 compiled step with it (dispatch.MOE_DECODE_MGPU) in turns (~5 minutes)
@@ -142,6 +144,10 @@ case $part in
     timeout 200 python -m benchmarks.l2_staging_probe --out "$OUT/l2_staging_h200.json" 2>&1 | grep -v Warning | tail -12 ;;
   tma-stream) # weights streamed into shared memory by TMA alone, CTAs x box x ring depth, beside XLA's reduction (a minute)
     timeout 200 python -m benchmarks.tma_stream_probe --out "$OUT/tma_stream_h200.json" 2>&1 | grep -v Warn | tail -13 ;;
+  l2-experts) # the expert launch in an 8-layer scan: shared programs first or last, its shared experts staged in
+              # L2 just before or not (benchmarks/l2_staging_probe.py --target experts-chain; a minute)
+    timeout 200 python -m benchmarks.l2_staging_probe --target experts-chain --out "$OUT/l2_experts_chain_h200.json" \
+      2>&1 | grep -v Warning | tail -8 ;;
   l2-chain)   # the attention chain's norm + q + kv_a and o_proj launches in a 27-layer scan: one layer's weights,
               # each layer's, L2 flushed, pages touched, weights staged then N MB (benchmarks/l2_staging_probe.py)
     timeout 200 python -m benchmarks.l2_staging_probe --target chain --out "$OUT/l2_chain_h200.json" \
@@ -152,6 +158,6 @@ case $part in
     cp benchmarks/results/parallel_h200x2.json "$OUT/" 2>/dev/null || true ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
-  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|tma-stream|parallel|host" >&2
+  *) echo "usage: $0 tests|tests-model|decode-round|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host" >&2
      exit 2 ;;
 esac

@@ -144,6 +144,15 @@ def test_l2_staging_probe_chain_quick():
     assert payload["layers"] == l2_staging_probe.CHAIN_QUICK_LAYERS
 
 
+def test_l2_staging_probe_experts_chain_quick():
+    """--target experts-chain: every variant (shared programs first or last, staged or not) gives the same
+    chained result (the probe compares them) and the table names each."""
+    from benchmarks import l2_staging_probe
+
+    payload = l2_staging_probe.main(["--quick", "--target", "experts-chain"])
+    assert [r["variant"] for r in payload["rows"]] == list(l2_staging_probe.EXPERTS_CHAIN)
+
+
 def test_touch_pages_reads_one_element_a_stride_of_the_layer():
     import jax.numpy as jnp
     import numpy as np
