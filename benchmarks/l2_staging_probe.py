@@ -19,7 +19,10 @@ XLA launches); ``lax.optimization_barrier`` orders flush, staging and experts. K
 profiler trace of back-to-back calls (``benchmarks.common.kernel_time_us``): the expert launch's µs
 and its rate over the layer's bytes, beside the cold launch of the same call.
 
-The expert launch did not move (round 13). ``--target chain`` asks what L2 does for the attention
+The expert launch did not move (round 13), but that reading is weak: the launch runs its shared
+programs last, after ~104 MB of routed weights (more than staged lines survive, as the chain target
+below found), and the same flush-then-stage design left the attention launches' weights warm in a
+first attention target (see below). ``--target experts-chain`` asks again. ``--target chain`` asks what L2 does for the attention
 chain's two largest GEMV launches, the fused RMSNorm + q_proj + kv_a (15 MB) and o_proj (8.4 MB), which
 take 6.9 / 4.55 µs inside the compiled step (decode_profile.md round 15) but ~4.9 / 3.2 when timed
 alone on one layer's weights, call after call. A scan over 27 stacked layers runs both launches a layer
@@ -85,6 +88,9 @@ CHAIN = ("fixed", "layer i", "layer i, next pages touched", "touch 2 MiB x132", 
          "touch 2 MiB x1056", "fixed, L2 flushed", "layer i % 2", "layer i % 8", "layer i, staged",
          "layer i, staged, 20 MB after", "layer i, staged, 40 MB after")
 CHAIN_LAYERS, CHAIN_QUICK_LAYERS = 27, 3
+EXPERTS_CHAIN = ("as built", "shared first", "shared staged", "shared staged, shared first",
+                 "shared gate/up staged, shared first")
+EXPERTS_CHAIN_LAYERS = 8  # each layer 8 experts: the 6 a token picks and two more
 PAGE_ELEMENTS = 2**20  # bf16 elements in 2 MiB
 EPS = 1e-6
 
@@ -201,8 +207,8 @@ def chain_call(variant: str, layers: int, interpret: bool):
                     other = jax.lax.optimization_barrier((flush, done))[0][:mb * 2**20 // 2]
                     done = done + jnp.max(other).astype(jnp.float32)
             x = jax.lax.optimization_barrier((x, done))[0]
-            q, kv_a, squares = stacked_gemvs(x, (ws["q"], ws["kv_a"]), layer, ws["norm"], eps=EPS, partials=True,
-                                             interpret=interpret)
+            q, _, _ = stacked_gemvs(x, (ws["q"], ws["kv_a"]), layer, ws["norm"], eps=EPS, partials=True,
+                                    interpret=interpret)
             o_in = (x.astype(jnp.float32) + 1e-3 * q[:1, :x.shape[1]]).astype(x.dtype)
             o = stacked_gemv(o_in, ws["o"], layer, interpret=interpret)
             return (x + (1e-3 * o).astype(x.dtype), done), None
@@ -233,11 +239,6 @@ def chain_main(args) -> dict:
     columns = ["variant"] + ([] if args.quick else ["qkv_us", "o_proj_us", "other_us_a_layer"])
     return write_probe(rows, markdown_table(rows, columns), args.out, layers=layers,
                        command="python -m benchmarks.l2_staging_probe --target chain")
-
-
-EXPERTS_CHAIN = ("as built", "shared first", "shared staged", "shared staged, shared first",
-                 "shared gate/up staged, shared first")
-EXPERTS_CHAIN_LAYERS = 8  # each layer 8 experts: the 6 a token picks and two more
 
 
 def experts_chain_call(variant: str, layers: int, tiles: DecodeTiles, interpret: bool):
