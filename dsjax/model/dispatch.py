@@ -154,7 +154,8 @@ MOE_DECODE_RESIDUAL_MAX_TOKENS = 1
 # One-token steps on Hopper through the TMA-fed Mosaic GPU launch (pallas_kernels/moe_decode_mgpu.py)
 # instead of the Triton one, where it takes the layer (its ``supports``). Why: 132 CTAs stream 142.7 MB
 # by TMA at 4.2 TB/s where the Triton launch reads its 139 MB at ~3.4 TB/s (decode_profile.md round 18).
-# Off until the H200 has run and timed it (run_h200.sh moe-mgpu, then decode-round19).
+# Off until the H200 has run and timed it (run_h200.sh moe-mgpu: its GPU test, its kernel time beside the
+# Triton launch's, and the batch-1 compiled step with it).
 MOE_DECODE_MGPU = False
 
 
