@@ -201,7 +201,7 @@ DECODE_TILES = [DecodeTiles(), DecodeTiles(block_i=32), DecodeTiles(block_i=128)
 QUICK_DECODE_TILES = [DecodeTiles(block_i=16, block_k=16, block_d=32, num_stages=2)]
 
 
-def _moe_layer(seed: int, *, quick: bool):
+def moe_layer(seed: int, *, quick: bool):
     """One MoE layer's random bf16 weights, stacks of 2 layers (read at layer 1): (dims, stacks, shared,
     normal, key) with dims = (experts, hidden, inter, shared_inter, top_k) and ``normal(key, *shape)``
     for the caller's own rows from ``key``."""
@@ -220,7 +220,7 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
     """One MoE layer's experts at decode sizes, stacks of 2 layers read at layer 1: the grouped path
     (sort, grouped SwiGLU, grouped down, combine; shared experts through ``dispatch.stacked_mlp``)
     against ``moe_decode`` (routed and shared experts in one launch) at each tile config."""
-    (experts, hidden, inter, shared_inter, top_k), stacks, shared, normal, x_key = _moe_layer(4, quick=quick)
+    (experts, hidden, inter, shared_inter, top_k), stacks, shared, normal, x_key = moe_layer(4, quick=quick)
     backend = "interpret" if quick else "pallas"
     layer = jnp.int32(1)
     rows = []
@@ -256,7 +256,7 @@ def moe_waves(*, quick: bool) -> list[dict]:
     default tiles (64 intermediate columns a program) over routed experts alone or with the shared
     ones, at top-k 2-6, so program counts (and the SMs holding two programs) vary at equal bytes:
     V2-Lite's layer is 6 x 22 routed + 44 shared programs on 132 SMs, 44 of them holding two."""
-    (experts, hidden, inter, shared_inter, _), stacks, shared, normal, x_key = _moe_layer(5, quick=quick)
+    (experts, hidden, inter, shared_inter, _), stacks, shared, normal, x_key = moe_layer(5, quick=quick)
     x = normal(x_key, 1, hidden) * 50
     tiles = DecodeTiles(16, 16, 32, 4, 2) if quick else DecodeTiles()
     per_expert = -(-inter // tiles.block_i)

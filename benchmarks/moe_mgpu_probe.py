@@ -17,24 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import kernel_time_us, markdown_table, write_probe
+from benchmarks.kernels_gemv import moe_layer
 from pallas_kernels.common import lower_for_h200
 from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference
 from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
 
-# (layers, experts, hidden, inter, shared inter, top-k)
-V2_LITE = (2, 64, 2048, 1408, 2816, 6)
-
-
 def _inputs(seed: int = 0):
-    layers, experts, hidden, inter, shared_inter, top_k = V2_LITE
-    keys = iter(jax.random.split(jax.random.key(seed), 8))
-    mk = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) * 0.03).astype(jnp.bfloat16)
-    routed = (mk(layers, experts, hidden, inter), mk(layers, experts, hidden, inter), mk(layers, experts, inter, hidden))
-    shared = (mk(layers, hidden, shared_inter), mk(layers, hidden, shared_inter), mk(layers, shared_inter, hidden))
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((1, hidden)), jnp.bfloat16)
-    weights = jnp.asarray(rng.random((1, top_k)), jnp.float32)
-    ids = jnp.asarray(rng.permutation(experts)[:top_k][None], jnp.int32)
+    """V2-Lite's one-token layer (kernels_gemv.moe_layer: stacks of 2 layers, read at layer 1), the
+    token's rows, weights and top-k ids."""
+    (experts, hidden, _, _, top_k), routed, shared, normal, x_key = moe_layer(seed, quick=False)
+    x = normal(x_key, 1, hidden) * 50
+    weights = jnp.asarray(np.random.default_rng(seed).random((1, top_k)), jnp.float32)
+    ids = jnp.asarray(np.random.default_rng(seed).permutation(experts)[:top_k][None], jnp.int32)
     return x, weights, ids, routed, shared
 
 

@@ -76,11 +76,12 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
     program = lax.axis_index("p")
     layer = layer_ref[0]
     is_routed = program < top_k * routed_tiles
-    slot_k = lax.div(program, jnp.int32(routed_tiles))
-    # routed tiles: expert ids[slot] (E marks an empty slot: weight 0 on expert E - 1); shared: weight 1
-    expert = jnp.minimum(ids_ref[jnp.minimum(slot_k, top_k - 1)], num_experts - 1)
-    empty = ids_ref[jnp.minimum(slot_k, top_k - 1)] >= num_experts
-    scale = jnp.where(is_routed, jnp.where(empty, 0.0, weights_ref[jnp.minimum(slot_k, top_k - 1)]), 1.0)
+    # the tile's top-k slot and expert ids[slot] (E marks an empty slot: weight 0 on expert E - 1); a shared
+    # tile: weight 1, its slot's expert unused
+    slot_k = jnp.minimum(lax.div(program, jnp.int32(routed_tiles)), top_k - 1)
+    picked = ids_ref[slot_k]
+    expert = jnp.minimum(picked, num_experts - 1)
+    scale = jnp.where(is_routed, jnp.where(picked >= num_experts, 0.0, weights_ref[slot_k]), 1.0)
     i0 = jnp.where(is_routed, lax.rem(program, jnp.int32(routed_tiles)), program - top_k * routed_tiles) * BLOCK_I
 
     def issue_gate_up(k, slot):

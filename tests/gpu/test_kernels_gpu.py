@@ -414,6 +414,18 @@ def test_stacked_head_gemv_gpu(rows, heads, contract_rows):
     assert _rel(got, want) < 1e-2
 
 
+def _v2_lite_experts(rng, tokens):
+    """V2-Lite's MoE layer, stacks of 2 layers (read at layer 1), and ``tokens`` tokens' rows with their
+    top-6 of 64: (x, weights, ids, routed (w_gate, w_up, w_down), shared)."""
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
+    experts = (mk(2, 64, 2048, 1408), mk(2, 64, 2048, 1408), mk(2, 64, 1408, 2048))
+    shared = (mk(2, 2048, 2816), mk(2, 2048, 2816), mk(2, 2816, 2048))
+    x = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
+    weights = jnp.asarray(rng.random((tokens, 6)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.permutation(64)[:6] for _ in range(tokens)]), jnp.int32)
+    return x, weights, ids, experts, shared
+
+
 @pytest.mark.parametrize("tokens", [1, 2])
 def test_moe_decode_gpu(tokens):
     """One launch for V2-Lite's routed (top-6 of 64) and shared experts, one layer of the stacks in place
@@ -421,12 +433,7 @@ def test_moe_decode_gpu(tokens):
     from pallas_kernels.moe_decode import moe_decode, moe_decode_reference
 
     rng = np.random.default_rng(tokens)
-    mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
-    experts = (mk(2, 64, 2048, 1408), mk(2, 64, 2048, 1408), mk(2, 64, 1408, 2048))
-    shared = (mk(2, 2048, 2816), mk(2, 2048, 2816), mk(2, 2816, 2048))
-    x = jnp.asarray(rng.standard_normal((tokens, 2048)), jnp.bfloat16)
-    weights = jnp.asarray(rng.random((tokens, 6)), jnp.float32)
-    ids = jnp.asarray(np.stack([rng.permutation(64)[:6] for _ in range(tokens)]), jnp.int32)
+    x, weights, ids, experts, shared = _v2_lite_experts(rng, tokens)
     got = moe_decode(x, weights, ids, *experts, jnp.int32(1), shared)
     up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
     want = moe_decode_reference(x.astype(jnp.float32), weights, ids, *up(experts), 1, up(shared))
@@ -446,12 +453,7 @@ def test_moe_decode_mgpu_gpu(empty_slot):
 
     assert supports(2048, 1408, 2816, 1, jnp.bfloat16) is None
     rng = np.random.default_rng(11)
-    mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
-    experts = (mk(2, 64, 2048, 1408), mk(2, 64, 2048, 1408), mk(2, 64, 1408, 2048))
-    shared = (mk(2, 2048, 2816), mk(2, 2048, 2816), mk(2, 2816, 2048))
-    x = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)
-    weights = jnp.asarray(rng.random((1, 6)), jnp.float32)
-    ids = jnp.asarray(rng.permutation(64)[:6][None], jnp.int32)
+    x, weights, ids, experts, shared = _v2_lite_experts(rng, 1)
     if empty_slot:
         ids = ids.at[0, 2].set(64)
     got = moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared)
