@@ -5,11 +5,14 @@ layer's 139 MB), in turns over ``--rounds``.
 
     python -m benchmarks.moe_mgpu_probe --out benchmarks/results/moe_mgpu_h200.json
     python -m benchmarks.moe_mgpu_probe --quick     # lower the Mosaic kernel for an abstract H200 (CPU)
+    python -m benchmarks.moe_mgpu_probe --trace DIR  # and the Mosaic kernel's per-CTA trace of its scopes
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import sys
 
 import jax
@@ -18,8 +21,10 @@ import numpy as np
 
 from benchmarks.common import kernel_time_us, markdown_table, write_probe
 from benchmarks.kernels_gemv import moe_layer
+from benchmarks.mla_8bit_probe import traced
 from pallas_kernels.common import lower_for_h200
 from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference
+from pallas_kernels import moe_decode_mgpu as mgpu
 from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
 
 def _inputs(seed: int = 0):
@@ -38,17 +43,41 @@ KERNELS = {
 }
 
 
+def _with(settings: dict, fn):
+    """``fn`` traced with moe_decode_mgpu's module constants set as ``settings`` says."""
+    def call(*args):
+        built = {name: getattr(mgpu, name) for name in settings}  # AttributeError names a wrong constant
+        for name, value in settings.items():
+            setattr(mgpu, name, value)
+        try:
+            return fn(*args)
+        finally:
+            for name, value in built.items():
+                setattr(mgpu, name, value)
+    return call
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help="lower the Mosaic kernel on CPU, time nothing")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="also trace the Mosaic kernel's named scopes (Perfetto JSON and a summary in DIR)")
+    parser.add_argument("--variant", action="append", default=[], metavar="ATTR=VALUE[,ATTR=VALUE]",
+                        help="also time the Mosaic kernel with these module constants of moe_decode_mgpu "
+                             "(e.g. RING=5 or WARP_SPECIALIZED=True,RING=5)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if args.quick:
-        shapes = jax.eval_shape(_inputs)  # shapes only: no 2 GB of weights on the CPU
-        text = lower_for_h200(KERNELS["mosaic tma"], *shapes)
-        return dict(mosaic_calls=text.count("custom_call @mosaic_gpu"))
+    if args.quick:  # shapes only: no 2 GB of weights on the CPU; the built kernel and each variant
+        shapes = jax.eval_shape(_inputs)
+        calls = {}
+        for variant in ["built", *args.variant]:
+            settings = {} if variant == "built" else dict(item.split("=", 1) for item in variant.split(","))
+            fn = _with({k: ast.literal_eval(v) for k, v in settings.items()}, KERNELS["mosaic tma"])
+            calls[variant] = lower_for_h200(fn, *shapes).count("custom_call @mosaic_gpu")
+        print(calls)
+        return calls
     inputs = _inputs()
     x, weights, ids, routed, shared = inputs
     up = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
@@ -59,9 +88,20 @@ def main(argv=None) -> dict:
         got = np.asarray(jax.jit(fn)(*inputs), np.float32)
         errors[name] = float(np.abs(got - want).max() / np.abs(want).max())
         print(f"{name}: relative error {errors[name]:.2e}", flush=True)
+    if args.trace:
+        traced(lambda d: jax.jit(functools.partial(moe_decode_mgpu, profile_dir=d))(
+            x, weights, ids, *routed, jnp.int32(1), shared), args.trace)
+    kernels = dict(KERNELS)
+    for variant in args.variant:  # the kernel under other constants: its error checked, then timed in turns
+        settings = dict(item.split("=", 1) for item in variant.split(","))
+        name = f"mosaic tma, {variant}"
+        kernels[name] = fn = _with({k: ast.literal_eval(v) for k, v in settings.items()}, KERNELS["mosaic tma"])
+        got = np.asarray(jax.jit(fn)(*inputs), np.float32)
+        errors[name] = float(np.abs(got - want).max() / np.abs(want).max())
+        print(f"{name}: relative error {errors[name]:.2e}", flush=True)
     rows = []
     for r in range(args.rounds):
-        for name, fn in KERNELS.items():
+        for name, fn in kernels.items():
             times = kernel_time_us(fn, inputs, calls=args.calls)  # the launch alone: XLA's fusions (the
             us = sum(t for k, t in times.items() if k != "total" and "fusion" not in k)  # partials' sum) left out
             rows.append(dict(round=r, kernel=name, us=round(us, 2), tb_s=round(layer_bytes / us / 1e6, 3),

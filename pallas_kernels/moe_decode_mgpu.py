@@ -7,21 +7,25 @@ this is its Mosaic GPU form. Why: the Triton launch streams V2-Lite's 139 MB lay
 streaming by TMA into a ring of 16 KiB boxes read 142.7 MB at 4.2 TB/s (33.9 µs,
 ``benchmarks/tma_stream_probe.py``).
 
-A CTA owns one (expert, 64 intermediate columns) tile, as a Triton program does, and one warpgroup:
+A CTA owns one (expert, 64 intermediate columns) tile, as a Triton program does, and one warpgroup. Its
+768 KiB of weights come as one stream of 48 boxes of 16 KiB (each two [64, 64] halves, one barrier)
+through one ring of ``RING`` slots, refilled as each is consumed, so the next boxes load through every
+phase (gate / up into down included):
 
-- gate and up: D / BLOCK_K boxes of [BLOCK_K, 64] each (16 KiB) through a ring of ``STAGES`` slots,
-  each step's products on the tensor cores: the token is row 0 of a [64, BLOCK_K] operand built in
-  registers (the other rows zero), the box the [K, N] operand straight from shared memory, so the
-  accumulators' row 0 holds the token's gate / up columns and the other rows stay zero;
-- silu(gate) * up * the routing weight, rounded to the weights' dtype, is the next product's operand
-  as it lies in registers (row 0 the token, the other rows zero);
-- down: [64, BLOCK_D] boxes of the expert's down rows through a second ring, whose first boxes load
-  while gate and up stream; each box's [64, BLOCK_D] product is summed over its rows (only row 0 is
-  nonzero) and stored as that slice of the CTA's partial row (two staging rows, TMA stores).
+- boxes 0-31, gate and up in turns: hidden rows [128k, 128k + 128) of the tile's columns. The products
+  run on the tensor cores with the token as row 0 of a [64, 64] operand built in registers (the other
+  rows zero) and the box's halves as the [K, N] operands, so the accumulators' row 0 holds the token's
+  gate / up columns and the other rows stay zero;
+- silu(gate) * up * the routing weight, rounded to the weights' dtype, goes to shared memory once;
+- boxes 32-47, down: the tile's 64 down rows, output columns [128j, 128j + 128). The products are
+  transposed (both operands read transposed from shared memory): [64 output columns, 64] = down half^T
+  [64, 64 intermediate] x h^T, so the token's outputs are column 0 and a row sum inside each thread's
+  quad gives them (a column sum of the [64, 128] product with the token as a row crossed warps through
+  shared memory: 2.2-2.7 µs a box in the first build's trace, ``moe_mgpu_probe --trace``).
 
-Shared memory (3 x 32 KiB of rings, the token's and the residual's rows, 1 KiB of staging, 2 KiB of
-reduction scratch: ~107 KiB) stays under half an SM, so two CTAs share an SM, as the Triton launch's
-programs do, and the 176 CTAs of V2-Lite's layer all run at once.
+Shared memory (``RING`` x 16 KiB, the token's row, h, the partial row: 84 KiB at 4 slots) stays under
+half an SM, so two CTAs share an SM, as the Triton launch's programs do, and the 176 CTAs of
+V2-Lite's layer all run at once. The residual, when given, is added where XLA sums the partial rows.
 """
 
 from __future__ import annotations
@@ -36,12 +40,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
 
-BLOCK_I = 64  # intermediate columns a CTA owns (the products' N)
-BLOCK_K = 128  # hidden rows a gate / up step streams (16 KiB boxes of bf16)
-BLOCK_D = 128  # output columns a down box holds (16 KiB boxes of bf16)
-ROWS = 64  # the products' M: the token padded to one wgmma tile
-STAGES = 2  # gate / up steps in flight (2 x 32 KiB)
-DOWN_STAGES = 2  # down boxes in flight (2 x 16 KiB), the first ones during gate / up
+BLOCK_I = 64  # intermediate columns a CTA owns (the gate / up products' N)
+HALF = 64  # a box's half: [64, 64] of bf16, 8 KiB
+STEP = 2 * HALF  # hidden rows a gate / up box holds, output columns a down box holds
+ROWS = 64  # the gate / up products' M: the token padded to one wgmma tile
+RING = 4  # 16 KiB boxes in flight a CTA (read at trace time; 5 is the most that leaves two CTAs an SM)
+# A second warpgroup issues the copies, slot by slot as the products release them, so the compute warpgroup
+# neither issues them nor waits behind them (read at trace time).
+WARP_SPECIALIZED = False
 
 
 def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype) -> str | None:
@@ -52,7 +58,7 @@ def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype)
         return f"{num_tokens} tokens (this kernel takes one)"
     if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
         return f"weights in {jnp.dtype(dtype).name} (this kernel takes bfloat16)"
-    for name, size, block in (("hidden", hidden, max(BLOCK_K, BLOCK_D)), ("moe intermediate", inter, BLOCK_I),
+    for name, size, block in (("hidden", hidden, STEP), ("moe intermediate", inter, BLOCK_I),
                               ("shared intermediate", shared_inter, BLOCK_I)):
         if size % block:
             return f"{name} size {size} is not a multiple of {block}"
@@ -60,19 +66,17 @@ def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype)
 
 
 def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k: int, num_experts: int,
-          routed_tiles: int, shared: bool, with_residual: bool):
-    # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; (residual [D / BLOCK_D, BLOCK_D]) when
-    # with_residual; out f32[P, D / BLOCK_D, BLOCK_D]; then the scratch: x [D / BLOCK_K, BLOCK_K], gate ring,
-    # up ring [STAGES, BLOCK_K, BLOCK_I], down ring [DOWN_STAGES, BLOCK_I, BLOCK_D], two output staging rows
-    # f32[2, BLOCK_D], (the residual row [D / BLOCK_D, BLOCK_D]), barriers (x and residual, rings)
-    refs = list(refs)
-    scratch, out_ref = refs.pop(), refs.pop()
-    residual_ref = refs.pop() if with_residual else None
+          routed_tiles: int, shared: bool):
+    # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; out f32[P, D / HALF, HALF]; then the
+    # scratch: x [D / HALF, HALF], the ring [RING, 2, HALF, HALF], h [ROWS, BLOCK_I], the partial row
+    # f32[D / HALF, HALF], barriers (x, the ring's slots)
+    *refs, out_ref, scratch = refs
     if shared:
         sg_ref, su_ref, sd_ref = refs
-    x_smem, g_ring, u_ring, d_ring, row_smem, *res_smem, x_bars, g_bars, u_bars, d_bars = scratch
-    hidden = x_smem.shape[0] * BLOCK_K
-    gate_steps, down_steps = hidden // BLOCK_K, hidden // BLOCK_D
+    x_smem, ring, h_smem, row_smem, x_bar, bars, *consumed_bars = scratch  # consumed: warp-specialized
+    hidden = x_smem.shape[0] * HALF
+    gate_steps = down_steps = hidden // STEP
+    boxes = 2 * gate_steps + down_steps
     program = lax.axis_index("p")
     layer = layer_ref[0]
     is_routed = program < top_k * routed_tiles
@@ -84,102 +88,138 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
     scale = jnp.where(is_routed, jnp.where(picked >= num_experts, 0.0, weights_ref[slot_k]), 1.0)
     i0 = jnp.where(is_routed, lax.rem(program, jnp.int32(routed_tiles)), program - top_k * routed_tiles) * BLOCK_I
 
-    def issue_gate_up(k, slot):
-        rows, cols = pl.ds(k * BLOCK_K, BLOCK_K), pl.ds(i0, BLOCK_I)
-
+    def copy_halves(routed_ref, shared_ref, index, slot):
+        """The box's two halves (``index(half)``: the indices after the layer and expert) into ``slot``."""
         @pl.when(is_routed)
         def _():
-            plgpu.copy_gmem_to_smem(wg_ref.at[layer, expert, rows, cols], g_ring.at[slot], g_bars.at[slot])
-            plgpu.copy_gmem_to_smem(wu_ref.at[layer, expert, rows, cols], u_ring.at[slot], u_bars.at[slot])
+            for half in range(2):
+                plgpu.copy_gmem_to_smem(routed_ref.at[(layer, expert, *index(half))], ring.at[slot, half],
+                                        bars.at[slot])
 
         if shared:
             @pl.when(jnp.logical_not(is_routed))
             def _():
-                plgpu.copy_gmem_to_smem(sg_ref.at[layer, rows, cols], g_ring.at[slot], g_bars.at[slot])
-                plgpu.copy_gmem_to_smem(su_ref.at[layer, rows, cols], u_ring.at[slot], u_bars.at[slot])
+                for half in range(2):
+                    plgpu.copy_gmem_to_smem(shared_ref.at[(layer, *index(half))], ring.at[slot, half], bars.at[slot])
 
-    def issue_down(j, slot):
-        rows, cols = pl.ds(i0, BLOCK_I), pl.ds(j * BLOCK_D, BLOCK_D)
+    def issue(n, slot):
+        """Box ``n`` of the stream into ``slot``: gate / up in turns for n < 2 * gate_steps, then down."""
+        k, j = lax.div(n, 2), n - 2 * gate_steps
+        gate_up_rows = lambda half: (pl.ds(k * STEP + half * HALF, HALF), pl.ds(i0, BLOCK_I))
+        down_cols = lambda half: (pl.ds(i0, BLOCK_I), pl.ds(j * STEP + half * HALF, HALF))
+        is_gate_up = n < 2 * gate_steps
+        pl.when(is_gate_up & (lax.rem(n, 2) == 0))(lambda: copy_halves(wg_ref, sg_ref if shared else None,
+                                                                       gate_up_rows, slot))
+        pl.when(is_gate_up & (lax.rem(n, 2) == 1))(lambda: copy_halves(wu_ref, su_ref if shared else None,
+                                                                       gate_up_rows, slot))
+        pl.when(jnp.logical_not(is_gate_up))(lambda: copy_halves(wd_ref, sd_ref if shared else None,
+                                                                 down_cols, slot))
 
-        @pl.when(is_routed)
+    def consumed(n, slot):
+        """Box ``n``'s products are done: its slot takes box n + RING (the memory warpgroup loads it when
+        there is one, else this warpgroup issues the copies)."""
+        @pl.when(n + RING < boxes)
+        @jax.named_scope("refill")
         def _():
-            plgpu.copy_gmem_to_smem(wd_ref.at[layer, expert, rows, cols], d_ring.at[slot], d_bars.at[slot])
+            if consumed_bars:
+                plgpu.barrier_arrive(consumed_bars[0].at[slot])
+            else:
+                issue(n + RING, slot)
 
-        if shared:
-            @pl.when(jnp.logical_not(is_routed))
+    def memory():
+        """The memory warpgroup: box after box, each once its slot's products are done."""
+        def load(n, _):
+            slot = lax.rem(n, RING)
+
+            @pl.when(n >= RING)
             def _():
-                plgpu.copy_gmem_to_smem(sd_ref.at[layer, rows, cols], d_ring.at[slot], d_bars.at[slot])
+                plgpu.barrier_wait(consumed_bars[0].at[slot])
 
-    plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bars.at[0])
-    if with_residual:  # every CTA loads the 4 KiB row; the first adds it to its partial
-        plgpu.copy_gmem_to_smem(residual_ref, res_smem[0], x_bars.at[1])
-    for s in range(min(STAGES, gate_steps)):
-        issue_gate_up(s, s)
-    for s in range(min(DOWN_STAGES, down_steps)):  # independent of the products: they load meanwhile
-        issue_down(s, s)
-    plgpu.barrier_wait(x_bars.at[0])
-    if with_residual:
-        plgpu.barrier_wait(x_bars.at[1])
-    first_row = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 0, layout=plgpu.Layout.WGMMA) == 0
+            issue(n, slot)
+            return ()
 
-    def gate_up(k, carry):
-        acc_g, acc_u = carry
-        slot = lax.rem(k, jnp.int32(STAGES))
-        xk = plgpu.load(x_smem.at[k], (), layout=plgpu.Layout.WGMMA.reduce(0))  # [BLOCK_K] of the token
-        a = jnp.where(first_row, lax.broadcast_in_dim(xk, (ROWS, BLOCK_K), [1]), 0).astype(x_smem.dtype)
-        plgpu.barrier_wait(g_bars.at[slot])
-        plgpu.barrier_wait(u_bars.at[slot])
+        lax.fori_loop(0, boxes, load, ())
 
-        def products(refs):
-            g_acc, u_acc = refs
-            plgpu.wgmma(g_acc, a, g_ring.at[slot])
-            plgpu.wgmma(u_acc, a, u_ring.at[slot])
+    def compute():
+        """The products: gate / up, h, down, the CTA's partial row stored."""
+        plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
+        if not consumed_bars:  # this warpgroup loads its own boxes
+            for n in range(min(RING, boxes)):
+                issue(jnp.int32(n), n)
+        plgpu.barrier_wait(x_bar.at[0])
+        first_row = plgpu.broadcasted_iota(jnp.int32, (ROWS, HALF), 0, layout=plgpu.Layout.WGMMA) == 0
 
-        acc_g, acc_u = pl.run_state(products)((plgpu.ACC.init(acc_g), plgpu.ACC.init(acc_u)))
+        def token_rows(chunk):  # [ROWS, HALF]: row 0 the token's 64 values from ``chunk``, the other rows zero
+            xc = plgpu.load(x_smem.at[chunk], layout=plgpu.Layout.WGMMA.reduce(0))
+            return jnp.where(first_row, lax.broadcast_in_dim(xc, (ROWS, HALF), [1]), 0).astype(x_smem.dtype)
 
-        @pl.when(k + STAGES < gate_steps)
-        def _():  # the slot's products are done (their accumulators were read): refill it
-            issue_gate_up(k + STAGES, slot)
+        def gate_up(k, carry):
+            acc_g, acc_u = carry
+            a = token_rows(2 * k), token_rows(2 * k + 1)
+            g_slot, u_slot = lax.rem(2 * k, RING), lax.rem(2 * k + 1, RING)
+            with jax.named_scope("wait_gate_up"):
+                plgpu.barrier_wait(bars.at[g_slot])
+                plgpu.barrier_wait(bars.at[u_slot])
 
-        return acc_g, acc_u
+            def products(refs):
+                g_acc, u_acc = refs
+                for half in range(2):
+                    plgpu.wgmma(g_acc, a[half], ring.at[g_slot, half])
+                    plgpu.wgmma(u_acc, a[half], ring.at[u_slot, half])
 
-    zeros = plgpu.layout_cast(jnp.zeros((ROWS, BLOCK_I), jnp.float32), plgpu.Layout.WGMMA)
-    acc_g, acc_u = lax.fori_loop(0, gate_steps, gate_up, (zeros, zeros))
-    h = (acc_g * jax.nn.sigmoid(acc_g) * acc_u * scale).astype(x_smem.dtype)  # rows > 0 stay zero
+            with jax.named_scope("gate_up"):
+                acc_g, acc_u = pl.run_state(products)((plgpu.ACC.init(acc_g), plgpu.ACC.init(acc_u)))
+            consumed(2 * k, g_slot)  # the accumulators were read: the products are done
+            consumed(2 * k + 1, u_slot)
+            return acc_g, acc_u
 
-    def down(j, _):
-        slot = lax.rem(j, jnp.int32(DOWN_STAGES))
-        plgpu.barrier_wait(d_bars.at[slot])
-        acc = pl.run_scoped(lambda acc_ref: (plgpu.wgmma(acc_ref, h, d_ring.at[slot]), acc_ref[...])[1],
-                            plgpu.ACC((ROWS, BLOCK_D), jnp.float32))
-
-        @pl.when(j + DOWN_STAGES < down_steps)
-        def _():
-            issue_down(j + DOWN_STAGES, slot)
-
-        row = jnp.sum(acc, axis=0)  # only row 0 is nonzero
-        if with_residual:
-            r = plgpu.load(res_smem[0].at[j], (), layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)
-            row = row + r * jnp.where(program == 0, 1.0, 0.0)  # a scalar factor: the first CTA only
-        # the box's slice of the partial row, through one of two staging rows: the store two boxes ago
-        # from this one must be done before it is overwritten
-        plgpu.wait_smem_to_gmem(1)
-        stage = lax.rem(j, jnp.int32(2))
-        row_smem.at[stage][...] = row
+        zeros = plgpu.layout_cast(jnp.zeros((ROWS, BLOCK_I), jnp.float32), plgpu.Layout.WGMMA)
+        acc_g, acc_u = lax.fori_loop(0, gate_steps, gate_up, (zeros, zeros))
+        h_smem[...] = (acc_g * jax.nn.sigmoid(acc_g) * acc_u * scale).astype(h_smem.dtype)  # rows > 0 stay zero
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(row_smem.at[stage], out_ref.at[program, j])
-        return ()
+        h_t = plgpu.transpose_ref(h_smem, (1, 0))  # [BLOCK_I, ROWS]: column 0 the token's h
 
-    lax.fori_loop(0, down_steps, down, ())
-    plgpu.wait_smem_to_gmem(0)
+        def down(j, _):
+            n = 2 * gate_steps + j
+            slot = lax.rem(n, RING)
+            with jax.named_scope("wait_down"):
+                plgpu.barrier_wait(bars.at[slot])
+
+            def products(refs):  # [HALF output columns, ROWS]: column 0 the token's outputs
+                for half, acc in enumerate(refs):
+                    plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot, half], (1, 0)), h_t)
+
+            zero = plgpu.layout_cast(jnp.zeros((HALF, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+            with jax.named_scope("down"):
+                accs = pl.run_state(products)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
+            consumed(n, slot)
+            with jax.named_scope("store"):  # the box's two slices of the CTA's partial row, kept in shared memory
+                for half in range(2):
+                    row_smem.at[2 * j + half][...] = jnp.sum(accs[half], axis=1)  # only column 0 is nonzero
+            return ()
+
+        lax.fori_loop(0, down_steps, down, ())
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(row_smem, out_ref.at[program])
+        plgpu.wait_smem_to_gmem(0)
+
+    if consumed_bars:
+        pl.when(lax.axis_index("wg") == 1)(memory)
+        pl.when(lax.axis_index("wg") == 0)(compute)
+    else:
+        compute()
 
 
-@jax.jit
-def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None):
+_PROFILE_EVENTS = 512  # a CTA's trace words with profile_dir (an event is 2; 16 gate / up and 16 down steps)
+
+
+def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None,
+                    profile_dir: str | None = None):
     """x [1, D] bf16, weights f32[1, k], ids i32[1, k] (E marks an empty slot), every layer's routed
     experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index, optionally the
-    shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) and a ``residual`` [1, D] that the first CTA
-    adds to its partial in f32 -> [1, D]: as ``moe_decode`` at one token. Shapes must pass ``supports``."""
+    shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) and a ``residual`` [1, D] added in f32 where
+    the partial rows are summed -> [1, D]: as ``moe_decode`` at one token. Shapes must pass ``supports``.
+    ``profile_dir``: a folder where Mosaic GPU writes a per-CTA trace of the kernel's named scopes."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     shared_inter = 0 if shared is None else shared[0].shape[-1]
@@ -189,30 +229,31 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
                          "ids [1, k]")
     routed_tiles, shared_tiles = inter // BLOCK_I, shared_inter // BLOCK_I
     programs = top_k * routed_tiles + shared_tiles
-    tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    smem = lambda shape, dtype=x.dtype: plgpu.SMEM(shape, dtype, transforms=tiling)
+    tiled = lambda shape: plgpu.SMEM(shape, x.dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                                  plgpu.SwizzleTransform(128)))
     scratch = [
-        plgpu.SMEM((hidden // BLOCK_K, BLOCK_K), x.dtype),  # the token
-        smem((STAGES, BLOCK_K, BLOCK_I)),  # gate ring
-        smem((STAGES, BLOCK_K, BLOCK_I)),  # up ring
-        smem((DOWN_STAGES, BLOCK_I, BLOCK_D)),  # down ring
-        plgpu.SMEM((2, BLOCK_D), jnp.float32),  # two staging rows for the output's slices
-        *([plgpu.SMEM((hidden // BLOCK_D, BLOCK_D), x.dtype)] if residual is not None else []),  # the residual
-        plgpu.Barrier(num_barriers=2),  # the token, the residual landed
-        plgpu.Barrier(num_barriers=STAGES),
-        plgpu.Barrier(num_barriers=STAGES),
-        plgpu.Barrier(num_barriers=DOWN_STAGES),
+        plgpu.SMEM((hidden // HALF, HALF), x.dtype),  # the token
+        tiled((RING, 2, HALF, HALF)),  # the ring of boxes
+        tiled((ROWS, BLOCK_I)),  # h: row 0 the token's
+        plgpu.SMEM((hidden // HALF, HALF), jnp.float32),  # the CTA's partial row
+        plgpu.Barrier(num_barriers=1),  # the token landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
+        *([plgpu.Barrier(num_barriers=RING)] if WARP_SPECIALIZED else []),  # a slot's products are done
     ]
     kernel = functools.partial(_body, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
-                               shared=shared is not None, with_residual=residual is not None)
+                               shared=shared is not None)
     partials = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((programs, hidden // BLOCK_D, BLOCK_D), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((programs, hidden // HALF, HALF), jnp.float32),
         scratch_types=[scratch],
         grid=(programs,),
         grid_names=("p",),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        **({"num_threads": 2, "thread_name": "wg"} if WARP_SPECIALIZED else {}),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
     )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
-      weights.reshape(-1).astype(jnp.float32), x.reshape(hidden // BLOCK_K, BLOCK_K), w_gate, w_up, w_down,
-      *(shared or ()), *(() if residual is None else (residual.reshape(hidden // BLOCK_D, BLOCK_D),)))
-    return partials.reshape(programs, hidden).sum(axis=0, keepdims=True).astype(x.dtype)
+      weights.reshape(-1).astype(jnp.float32), x.reshape(hidden // HALF, HALF), w_gate, w_up, w_down,
+      *(shared or ()))
+    out = partials.reshape(programs, hidden).sum(axis=0, keepdims=True)
+    return (out if residual is None else out + residual.astype(jnp.float32)).astype(x.dtype)

@@ -152,11 +152,10 @@ ROUTE_ROWS_PROGRAMS = 4
 # partial concatenated before the sum lost 39 µs a step (session 29, step_ab_folds_b1_h200.json).
 MOE_DECODE_RESIDUAL_MAX_TOKENS = 1
 # One-token steps on Hopper through the TMA-fed Mosaic GPU launch (pallas_kernels/moe_decode_mgpu.py)
-# instead of the Triton one, where it takes the layer (its ``supports``). Why: 132 CTAs stream 142.7 MB
-# by TMA at 4.2 TB/s where the Triton launch reads its 139 MB at ~3.4 TB/s (decode_profile.md round 18).
-# Off until the H200 has run and timed it (run_h200.sh moe-mgpu: its GPU test, its kernel time beside the
-# Triton launch's, and the batch-1 compiled step with it).
-MOE_DECODE_MGPU = False
+# instead of the Triton one, where it takes the layer (its ``supports``). V2-Lite's layer alone 36.7-36.8
+# µs against 39.3-39.4 (moe_mgpu_h200.json); the batch-1 compiled step 2.150 ms against 2.196
+# (step_ab_moe_mgpu_b1_h200.json, 3 rounds in turns; decode_profile.md round 19).
+MOE_DECODE_MGPU = True
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):
