@@ -84,19 +84,17 @@ case $part in
     tests_then_step_ab "moe_decode_gpu" "1 2" round19 --variant "moe_decode 4 stages: $d.MOE_DECODE_TILES.num_stages=4" \
       --variant "shared programs first: $d.MOE_DECODE_TILES.shared_first=True" ;;
   moe-mgpu)   # the TMA-fed Mosaic GPU expert launch: its GPU test, errors and kernel times beside the Triton
-              # launch at V2-Lite's one-token layer, warp-specialized too (benchmarks/moe_mgpu_probe.py), then,
-              # if the test passed, the batch-1 compiled step with it (as built), with the Triton launch, and
-              # warp-specialized, in turns (~6 minutes)
+              # launch at V2-Lite's one-token layer, at 3 and 5 ring slots too, and its trace
+              # (benchmarks/moe_mgpu_probe.py), then, if the test passed, the batch-1 compiled step with it
+              # (as built) and with the Triton launch, in turns (~5 minutes)
     timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_decode_mgpu" 2>&1 \
       | tee "$OUT/gpu_tests_moe_mgpu.log" | tail -8
     passed=${PIPESTATUS[0]}
-    k=pallas_kernels.moe_decode_mgpu
-    timeout 200 python -m benchmarks.moe_mgpu_probe --variant WARP_SPECIALIZED=True \
-      --variant WARP_SPECIALIZED=True,RING=5 --out "$OUT/moe_mgpu_h200.json" 2>&1 | grep -v -i warn | tail -30
+    timeout 200 python -m benchmarks.moe_mgpu_probe --variant RING=3 --variant RING=5 --trace "$OUT/trace_moe_mgpu" \
+      --out "$OUT/moe_mgpu_h200.json" 2>&1 | grep -v -i warn | tail -30
     if [ "$passed" = 0 ]; then
       timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
         --rounds 3 --variant built --variant "triton: dsjax.model.dispatch.MOE_DECODE_MGPU=False" \
-        --variant "warp-specialized: $k.WARP_SPECIALIZED=True" \
         --out "$OUT/step_ab_moe_mgpu_b1_h200.json" 2>&1 | grep -E "^\||Error"
     fi ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)

@@ -45,9 +45,6 @@ HALF = 64  # a box's half: [64, 64] of bf16, 8 KiB
 STEP = 2 * HALF  # hidden rows a gate / up box holds, output columns a down box holds
 ROWS = 64  # the gate / up products' M: the token padded to one wgmma tile
 RING = 4  # 16 KiB boxes in flight a CTA (read at trace time; 5 is the most that leaves two CTAs an SM)
-# A second warpgroup issues the copies, slot by slot as the products release them, so the compute warpgroup
-# neither issues them nor waits behind them (read at trace time).
-WARP_SPECIALIZED = False
 
 
 def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype) -> str | None:
@@ -73,7 +70,7 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
     *refs, out_ref, scratch = refs
     if shared:
         sg_ref, su_ref, sd_ref = refs
-    x_smem, ring, h_smem, row_smem, x_bar, bars, *consumed_bars = scratch  # consumed: warp-specialized
+    x_smem, ring, h_smem, row_smem, x_bar, bars = scratch
     hidden = x_smem.shape[0] * HALF
     gate_steps = down_steps = hidden // STEP
     boxes = 2 * gate_steps + down_steps
@@ -116,98 +113,72 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
                                                                  down_cols, slot))
 
     def consumed(n, slot):
-        """Box ``n``'s products are done: its slot takes box n + RING (the memory warpgroup loads it when
-        there is one, else this warpgroup issues the copies)."""
+        """Box ``n``'s products are done: its slot takes box n + RING. (The copies issued by a second,
+        memory warpgroup instead were slower: 45-47 µs, two CTAs no longer sharing an SM; git 2b126bb.)"""
         @pl.when(n + RING < boxes)
         @jax.named_scope("refill")
         def _():
-            if consumed_bars:
-                plgpu.barrier_arrive(consumed_bars[0].at[slot])
-            else:
-                issue(n + RING, slot)
+            issue(n + RING, slot)
 
-    def memory():
-        """The memory warpgroup: box after box, each once its slot's products are done."""
-        def load(n, _):
-            slot = lax.rem(n, RING)
+    plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
+    for n in range(min(RING, boxes)):
+        issue(jnp.int32(n), n)
+    plgpu.barrier_wait(x_bar.at[0])
+    first_row = plgpu.broadcasted_iota(jnp.int32, (ROWS, HALF), 0, layout=plgpu.Layout.WGMMA) == 0
 
-            @pl.when(n >= RING)
-            def _():
-                plgpu.barrier_wait(consumed_bars[0].at[slot])
+    def token_rows(chunk):  # [ROWS, HALF]: row 0 the token's 64 values from ``chunk``, the other rows zero
+        xc = plgpu.load(x_smem.at[chunk], layout=plgpu.Layout.WGMMA.reduce(0))
+        return jnp.where(first_row, lax.broadcast_in_dim(xc, (ROWS, HALF), [1]), 0).astype(x_smem.dtype)
 
-            issue(n, slot)
-            return ()
+    def gate_up(k, carry):
+        acc_g, acc_u = carry
+        a = token_rows(2 * k), token_rows(2 * k + 1)
+        g_slot, u_slot = lax.rem(2 * k, RING), lax.rem(2 * k + 1, RING)
+        with jax.named_scope("wait_gate_up"):
+            plgpu.barrier_wait(bars.at[g_slot])
+            plgpu.barrier_wait(bars.at[u_slot])
 
-        lax.fori_loop(0, boxes, load, ())
+        def products(refs):
+            g_acc, u_acc = refs
+            for half in range(2):
+                plgpu.wgmma(g_acc, a[half], ring.at[g_slot, half])
+                plgpu.wgmma(u_acc, a[half], ring.at[u_slot, half])
 
-    def compute():
-        """The products: gate / up, h, down, the CTA's partial row stored."""
-        plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
-        if not consumed_bars:  # this warpgroup loads its own boxes
-            for n in range(min(RING, boxes)):
-                issue(jnp.int32(n), n)
-        plgpu.barrier_wait(x_bar.at[0])
-        first_row = plgpu.broadcasted_iota(jnp.int32, (ROWS, HALF), 0, layout=plgpu.Layout.WGMMA) == 0
+        with jax.named_scope("gate_up"):
+            acc_g, acc_u = pl.run_state(products)((plgpu.ACC.init(acc_g), plgpu.ACC.init(acc_u)))
+        consumed(2 * k, g_slot)  # the accumulators were read: the products are done
+        consumed(2 * k + 1, u_slot)
+        return acc_g, acc_u
 
-        def token_rows(chunk):  # [ROWS, HALF]: row 0 the token's 64 values from ``chunk``, the other rows zero
-            xc = plgpu.load(x_smem.at[chunk], layout=plgpu.Layout.WGMMA.reduce(0))
-            return jnp.where(first_row, lax.broadcast_in_dim(xc, (ROWS, HALF), [1]), 0).astype(x_smem.dtype)
+    zeros = plgpu.layout_cast(jnp.zeros((ROWS, BLOCK_I), jnp.float32), plgpu.Layout.WGMMA)
+    acc_g, acc_u = lax.fori_loop(0, gate_steps, gate_up, (zeros, zeros))
+    h_smem[...] = (acc_g * jax.nn.sigmoid(acc_g) * acc_u * scale).astype(h_smem.dtype)  # rows > 0 stay zero
+    plgpu.commit_smem()
+    h_t = plgpu.transpose_ref(h_smem, (1, 0))  # [BLOCK_I, ROWS]: column 0 the token's h
 
-        def gate_up(k, carry):
-            acc_g, acc_u = carry
-            a = token_rows(2 * k), token_rows(2 * k + 1)
-            g_slot, u_slot = lax.rem(2 * k, RING), lax.rem(2 * k + 1, RING)
-            with jax.named_scope("wait_gate_up"):
-                plgpu.barrier_wait(bars.at[g_slot])
-                plgpu.barrier_wait(bars.at[u_slot])
+    def down(j, _):
+        n = 2 * gate_steps + j
+        slot = lax.rem(n, RING)
+        with jax.named_scope("wait_down"):
+            plgpu.barrier_wait(bars.at[slot])
 
-            def products(refs):
-                g_acc, u_acc = refs
-                for half in range(2):
-                    plgpu.wgmma(g_acc, a[half], ring.at[g_slot, half])
-                    plgpu.wgmma(u_acc, a[half], ring.at[u_slot, half])
+        def products(refs):  # [HALF output columns, ROWS]: column 0 the token's outputs
+            for half, acc in enumerate(refs):
+                plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot, half], (1, 0)), h_t)
 
-            with jax.named_scope("gate_up"):
-                acc_g, acc_u = pl.run_state(products)((plgpu.ACC.init(acc_g), plgpu.ACC.init(acc_u)))
-            consumed(2 * k, g_slot)  # the accumulators were read: the products are done
-            consumed(2 * k + 1, u_slot)
-            return acc_g, acc_u
+        zero = plgpu.layout_cast(jnp.zeros((HALF, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+        with jax.named_scope("down"):
+            accs = pl.run_state(products)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
+        consumed(n, slot)
+        with jax.named_scope("store"):  # the box's two slices of the CTA's partial row, kept in shared memory
+            for half in range(2):
+                row_smem.at[2 * j + half][...] = jnp.sum(accs[half], axis=1)  # only column 0 is nonzero
+        return ()
 
-        zeros = plgpu.layout_cast(jnp.zeros((ROWS, BLOCK_I), jnp.float32), plgpu.Layout.WGMMA)
-        acc_g, acc_u = lax.fori_loop(0, gate_steps, gate_up, (zeros, zeros))
-        h_smem[...] = (acc_g * jax.nn.sigmoid(acc_g) * acc_u * scale).astype(h_smem.dtype)  # rows > 0 stay zero
-        plgpu.commit_smem()
-        h_t = plgpu.transpose_ref(h_smem, (1, 0))  # [BLOCK_I, ROWS]: column 0 the token's h
-
-        def down(j, _):
-            n = 2 * gate_steps + j
-            slot = lax.rem(n, RING)
-            with jax.named_scope("wait_down"):
-                plgpu.barrier_wait(bars.at[slot])
-
-            def products(refs):  # [HALF output columns, ROWS]: column 0 the token's outputs
-                for half, acc in enumerate(refs):
-                    plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot, half], (1, 0)), h_t)
-
-            zero = plgpu.layout_cast(jnp.zeros((HALF, ROWS), jnp.float32), plgpu.Layout.WGMMA)
-            with jax.named_scope("down"):
-                accs = pl.run_state(products)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
-            consumed(n, slot)
-            with jax.named_scope("store"):  # the box's two slices of the CTA's partial row, kept in shared memory
-                for half in range(2):
-                    row_smem.at[2 * j + half][...] = jnp.sum(accs[half], axis=1)  # only column 0 is nonzero
-            return ()
-
-        lax.fori_loop(0, down_steps, down, ())
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(row_smem, out_ref.at[program])
-        plgpu.wait_smem_to_gmem(0)
-
-    if consumed_bars:
-        pl.when(lax.axis_index("wg") == 1)(memory)
-        pl.when(lax.axis_index("wg") == 0)(compute)
-    else:
-        compute()
+    lax.fori_loop(0, down_steps, down, ())
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(row_smem, out_ref.at[program])
+    plgpu.wait_smem_to_gmem(0)
 
 
 _PROFILE_EVENTS = 512  # a CTA's trace words with profile_dir (an event is 2; 16 gate / up and 16 down steps)
@@ -238,7 +209,6 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
         plgpu.SMEM((hidden // HALF, HALF), jnp.float32),  # the CTA's partial row
         plgpu.Barrier(num_barriers=1),  # the token landed
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
-        *([plgpu.Barrier(num_barriers=RING)] if WARP_SPECIALIZED else []),  # a slot's products are done
     ]
     kernel = functools.partial(_body, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared=shared is not None)
@@ -248,7 +218,6 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
         scratch_types=[scratch],
         grid=(programs,),
         grid_names=("p",),
-        **({"num_threads": 2, "thread_name": "wg"} if WARP_SPECIALIZED else {}),
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
             **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
