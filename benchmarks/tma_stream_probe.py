@@ -18,6 +18,8 @@ Measured (2026-12-02, ``tma_stream_h200.json``): 16 KiB boxes with 4-8 stages 33
 
     python -m benchmarks.tma_stream_probe --out benchmarks/results/tma_stream_h200.json
     python -m benchmarks.tma_stream_probe --quick     # lower every config for an abstract H200 (CPU)
+    python -m benchmarks.tma_stream_probe --experts   # the TMA expert launch's stream alone: its tiles
+                                                      # strided as in the weights, or contiguous
 """
 
 from __future__ import annotations
@@ -83,6 +85,83 @@ def stream(w, stages: int):
     )(w)
 
 
+EXPERT_TILES = (8, 2048, 1408, 64)  # experts, hidden, intermediate, tile columns: 176 CTAs of 768 KiB (138 MB)
+
+
+def expert_stream(weights, stages: int):
+    """The TMA expert launch's stream alone (``pallas_kernels/moe_decode_mgpu.py``): CTA c takes expert
+    c // 22's tile of 64 intermediate columns and reads its 48 boxes of two [64, 64] halves (gate and up
+    rows in turns, then the down rows) through a ring of ``stages`` slots, as that kernel does, without
+    its products. ``weights``: (w_gate, w_up [E, D, I], w_down [E, I, D]), the experts' strided tiles, or
+    one bf16[C, 48, 2, 64, 64] with each CTA's boxes contiguous -> bf16[C, 2, 64, 64] (the last slot)."""
+    half = 64
+    strided = isinstance(weights, tuple)
+    if strided:
+        num_experts, hidden, inter = weights[0].shape
+        tiles = inter // half
+        num_ctas, steps = num_experts * tiles, hidden // (2 * half)
+    else:
+        num_ctas, boxes = weights.shape[:2]
+        steps = boxes // 3
+    boxes = 3 * steps
+    tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def body(*refs):
+        *w_refs, o_ref, ring, bars = refs
+        c = lax.axis_index("c")
+
+        def issue(n, slot):
+            for h in range(2):
+                if not strided:
+                    plgpu.copy_gmem_to_smem(w_refs[0].at[c, n, h], ring.at[slot, h], bars.at[slot])
+                    continue
+                e, i0 = lax.div(c, tiles), lax.rem(c, tiles) * half
+                k, j = lax.div(n, 2), n - 2 * steps
+                rows = pl.ds(k * 2 * half + h * half, half)
+                for which in range(2):  # gate, up in turns
+                    pl.when((n < 2 * steps) & (lax.rem(n, 2) == which))(
+                        lambda which=which: plgpu.copy_gmem_to_smem(w_refs[which].at[e, rows, pl.ds(i0, half)],
+                                                                    ring.at[slot, h], bars.at[slot]))
+                pl.when(n >= 2 * steps)(lambda: plgpu.copy_gmem_to_smem(
+                    w_refs[2].at[e, pl.ds(i0, half), pl.ds(j * 2 * half + h * half, half)], ring.at[slot, h],
+                    bars.at[slot]))
+
+        for s in range(stages):
+            issue(jnp.int32(s), s)
+
+        def step(n, _):
+            slot = lax.rem(n, jnp.int32(stages))
+            plgpu.barrier_wait(bars.at[slot])
+
+            @pl.when(n + stages < boxes)
+            def _():
+                issue(n + stages, slot)
+
+            return ()
+
+        lax.fori_loop(0, boxes, step, ())
+        plgpu.copy_smem_to_gmem(ring.at[(boxes - 1) % stages], o_ref.at[c])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((num_ctas, 2, half, half), jnp.bfloat16),
+        scratch_types=[plgpu.SMEM((stages, 2, half, half), jnp.bfloat16, transforms=tiling),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=stages)],
+        grid=(num_ctas,),
+        grid_names=("c",),
+    )(*(weights if strided else (weights,)))
+
+
+def _expert_weights(contiguous: bool, abstract: bool = False):
+    experts, hidden, inter, half = EXPERT_TILES
+    make = (lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)) if abstract else (
+        lambda shape: jnp.ones(shape, jnp.bfloat16))
+    if contiguous:
+        return make((experts * inter // half, 3 * hidden // (2 * half), 2, half, half))
+    return make((experts, hidden, inter)), make((experts, hidden, inter)), make((experts, inter, hidden))
+
+
 def _shape(ctas: int, box_kb: int) -> tuple[int, int, int, int]:
     rows, cols = _box(box_kb)
     return ctas, max(1, TOTAL_BYTES // (ctas * box_kb * 1024)), rows, cols
@@ -96,8 +175,13 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=20, help="back-to-back calls in the profiler trace")
     parser.add_argument("--quick", action="store_true", help="lower each config on CPU, time nothing")
+    parser.add_argument("--experts", action="store_true",
+                        help="instead: the TMA expert launch's stream alone, its tiles strided as in the weights "
+                             "or contiguous, 4 and 6 slots")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.experts:
+        return _experts(args)
     if args.quick:
         result = {}
         for ctas, box_kb, stages in CONFIGS:
@@ -124,6 +208,33 @@ def main(argv=None) -> dict:
     columns = ["kernel", "ctas", "box_kb", "stages", "mb", "us", "tb_s", "check"]
     return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
                        command="python -m benchmarks.tma_stream_probe")
+
+
+def _experts(args) -> dict:
+    """The expert launch's stream alone: strided or contiguous tiles, 4 and 6 slots (``--quick``: lowered)."""
+    configs = [(contiguous, stages) for contiguous in (False, True) for stages in (4, 6)]
+    if args.quick:
+        result = {f"{'contiguous' if c else 'strided'}/{s}": lower_for_h200(
+            lambda *w, s=s: expert_stream(w if len(w) > 1 else w[0], s), *(
+                (lambda w: w if isinstance(w, tuple) else (w,))(_expert_weights(c, abstract=True)))).count("mosaic_gpu")
+            for c, s in configs}
+        print(result)
+        return result
+    rows = []
+    for contiguous, stages in configs:
+        weights = _expert_weights(contiguous)
+        args_ = weights if isinstance(weights, tuple) else (weights,)
+        fn = lambda *w, stages=stages: expert_stream(w if len(w) > 1 else w[0], stages)
+        check = bool(jnp.all(jax.jit(fn)(*args_) == 1))
+        us = kernel_time_us(fn, args_, calls=args.calls)["total"]
+        mb = sum(w.size for w in args_) * 2 / 1e6
+        rows.append(dict(kernel="expert stream", tiles="contiguous" if contiguous else "strided", stages=stages,
+                         mb=round(mb, 1), us=round(us, 2), tb_s=round(mb / us, 3), check=check))
+        print(rows[-1], flush=True)
+        del weights, args_
+    columns = ["kernel", "tiles", "stages", "mb", "us", "tb_s", "check"]
+    return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
+                       command="python -m benchmarks.tma_stream_probe --experts")
 
 
 if __name__ == "__main__":

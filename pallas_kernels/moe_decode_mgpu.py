@@ -45,6 +45,11 @@ HALF = 64  # a box's half: [64, 64] of bf16, 8 KiB
 STEP = 2 * HALF  # hidden rows a gate / up box holds, output columns a down box holds
 ROWS = 64  # the gate / up products' M: the token padded to one wgmma tile
 RING = 4  # 16 KiB boxes in flight a CTA (read at trace time; 5 is the most that leaves two CTAs an SM)
+# The gate / up products transposed too: [64 intermediate columns, 8] = box half^T x the token as an [8, 64]
+# tile (its first row; the tiles of all 32 chunks, 32 KiB, built once), and the down products against h as
+# an [8, 64] tile, so N is 8 instead of 64 and no operand is built in registers each step (read at trace
+# time; off until the H200 has timed it: run_h200.sh moe-transposed).
+TRANSPOSED = False
 
 
 def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype) -> str | None:
@@ -63,10 +68,11 @@ def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype)
 
 
 def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k: int, num_experts: int,
-          routed_tiles: int, shared: bool):
+          routed_tiles: int, shared: bool, transposed: bool):
     # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; out f32[P, D / HALF, HALF]; then the
-    # scratch: x [D / HALF, HALF], the ring [RING, 2, HALF, HALF], h [ROWS, BLOCK_I], the partial row
-    # f32[D / HALF, HALF], barriers (x, the ring's slots)
+    # scratch: x [D / HALF, HALF], the ring [RING, 2, HALF, HALF], h [ROWS, BLOCK_I] (transposed: the
+    # token's tiles [D / HALF * 8, HALF], whose first rows later hold h), the partial row f32[D / HALF, HALF],
+    # barriers (x, the ring's slots)
     *refs, out_ref, scratch = refs
     if shared:
         sg_ref, su_ref, sd_ref = refs
@@ -124,15 +130,26 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
     for n in range(min(RING, boxes)):
         issue(jnp.int32(n), n)
     plgpu.barrier_wait(x_bar.at[0])
-    first_row = plgpu.broadcasted_iota(jnp.int32, (ROWS, HALF), 0, layout=plgpu.Layout.WGMMA) == 0
+    row_of = plgpu.broadcasted_iota(jnp.int32, (ROWS, HALF), 0, layout=plgpu.Layout.WGMMA)
+    first_row = row_of == 0
+    n_tok = 8 if transposed else ROWS  # the products' token columns (transposed) / rows
 
-    def token_rows(chunk):  # [ROWS, HALF]: row 0 the token's 64 values from ``chunk``, the other rows zero
+    def token_chunk(chunk):  # [ROWS, HALF] broadcast of the token's 64 values from ``chunk`` down the rows
         xc = plgpu.load(x_smem.at[chunk], layout=plgpu.Layout.WGMMA.reduce(0))
-        return jnp.where(first_row, lax.broadcast_in_dim(xc, (ROWS, HALF), [1]), 0).astype(x_smem.dtype)
+        return lax.broadcast_in_dim(xc, (ROWS, HALF), [1])
+
+    if transposed:  # tile c (rows [8c, 8c + 8)) of h_smem: the token's chunk c in its first row, zeros below
+        for q in range(h_smem.shape[0] // ROWS):
+            block = jnp.zeros((ROWS, HALF), x_smem.dtype)
+            for t in range(ROWS // 8):
+                block = jnp.where(row_of == 8 * t, token_chunk(q * ROWS // 8 + t), block)
+            h_smem.at[pl.ds(q * ROWS, ROWS)][...] = block
+        plgpu.commit_smem()
 
     def gate_up(k, carry):
         acc_g, acc_u = carry
-        a = token_rows(2 * k), token_rows(2 * k + 1)
+        if not transposed:  # row 0 the token's 64 values, the other rows zero
+            a = [jnp.where(first_row, token_chunk(2 * k + half), 0).astype(x_smem.dtype) for half in range(2)]
         g_slot, u_slot = lax.rem(2 * k, RING), lax.rem(2 * k + 1, RING)
         with jax.named_scope("wait_gate_up"):
             plgpu.barrier_wait(bars.at[g_slot])
@@ -141,8 +158,13 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         def products(refs):
             g_acc, u_acc = refs
             for half in range(2):
-                plgpu.wgmma(g_acc, a[half], ring.at[g_slot, half])
-                plgpu.wgmma(u_acc, a[half], ring.at[u_slot, half])
+                if transposed:  # [BLOCK_I, 8] += box half^T [BLOCK_I, HALF] x the token's tile^T [HALF, 8]
+                    token = plgpu.transpose_ref(h_smem.at[pl.ds((2 * k + half) * 8, 8)], (1, 0))
+                    plgpu.wgmma(g_acc, plgpu.transpose_ref(ring.at[g_slot, half], (1, 0)), token)
+                    plgpu.wgmma(u_acc, plgpu.transpose_ref(ring.at[u_slot, half], (1, 0)), token)
+                else:
+                    plgpu.wgmma(g_acc, a[half], ring.at[g_slot, half])
+                    plgpu.wgmma(u_acc, a[half], ring.at[u_slot, half])
 
         with jax.named_scope("gate_up"):
             acc_g, acc_u = pl.run_state(products)((plgpu.ACC.init(acc_g), plgpu.ACC.init(acc_u)))
@@ -150,11 +172,17 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         consumed(2 * k + 1, u_slot)
         return acc_g, acc_u
 
-    zeros = plgpu.layout_cast(jnp.zeros((ROWS, BLOCK_I), jnp.float32), plgpu.Layout.WGMMA)
+    acc_shape = (BLOCK_I, n_tok) if transposed else (ROWS, BLOCK_I)
+    zeros = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
     acc_g, acc_u = lax.fori_loop(0, gate_steps, gate_up, (zeros, zeros))
-    h_smem[...] = (acc_g * jax.nn.sigmoid(acc_g) * acc_u * scale).astype(h_smem.dtype)  # rows > 0 stay zero
+    h = acc_g * jax.nn.sigmoid(acc_g) * acc_u * scale  # the token's row (column 0 when transposed), zeros else
+    if transposed:  # the token's column to a row, through shared memory (row_smem's first row, free until down)
+        row_smem.at[0][...] = jnp.sum(h, axis=1)
+        h = jnp.where(first_row, lax.broadcast_in_dim(
+            plgpu.load(row_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0)), (ROWS, HALF), [1]), 0)
+    h_smem.at[pl.ds(0, ROWS)][...] = h.astype(h_smem.dtype)
     plgpu.commit_smem()
-    h_t = plgpu.transpose_ref(h_smem, (1, 0))  # [BLOCK_I, ROWS]: column 0 the token's h
+    h_t = plgpu.transpose_ref(h_smem.at[pl.ds(0, n_tok)], (1, 0))  # [BLOCK_I, n_tok]: column 0 the token's h
 
     def down(j, _):
         n = 2 * gate_steps + j
@@ -162,11 +190,11 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         with jax.named_scope("wait_down"):
             plgpu.barrier_wait(bars.at[slot])
 
-        def products(refs):  # [HALF output columns, ROWS]: column 0 the token's outputs
+        def products(refs):  # [HALF output columns, n_tok]: column 0 the token's outputs
             for half, acc in enumerate(refs):
                 plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot, half], (1, 0)), h_t)
 
-        zero = plgpu.layout_cast(jnp.zeros((HALF, ROWS), jnp.float32), plgpu.Layout.WGMMA)
+        zero = plgpu.layout_cast(jnp.zeros((HALF, n_tok), jnp.float32), plgpu.Layout.WGMMA)
         with jax.named_scope("down"):
             accs = pl.run_state(products)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
         consumed(n, slot)
@@ -205,13 +233,13 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
     scratch = [
         plgpu.SMEM((hidden // HALF, HALF), x.dtype),  # the token
         tiled((RING, 2, HALF, HALF)),  # the ring of boxes
-        tiled((ROWS, BLOCK_I)),  # h: row 0 the token's
+        tiled((hidden // HALF * 8, HALF) if TRANSPOSED else (ROWS, BLOCK_I)),  # (the token's tiles,) h
         plgpu.SMEM((hidden // HALF, HALF), jnp.float32),  # the CTA's partial row
         plgpu.Barrier(num_barriers=1),  # the token landed
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
     ]
     kernel = functools.partial(_body, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
-                               shared=shared is not None)
+                               shared=shared is not None, transposed=TRANSPOSED)
     partials = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((programs, hidden // HALF, HALF), jnp.float32),

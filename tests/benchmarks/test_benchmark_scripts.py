@@ -208,6 +208,8 @@ def test_tma_stream_probe_lowers_every_config_for_hopper():
 
     result = tma_stream_probe.main(["--quick"])
     assert set(result) == {f"{c}/{b}/{s}" for c, b, s in tma_stream_probe.CONFIGS} and all(result.values())
+    experts = tma_stream_probe.main(["--quick", "--experts"])  # the expert launch's stream, strided or not
+    assert set(experts) == {"strided/4", "strided/6", "contiguous/4", "contiguous/6"} and all(experts.values())
     with pytest.raises(ValueError, match="box_kb"):
         tma_stream_probe._box(24)
 
@@ -248,4 +250,5 @@ def test_ptx_census_captures_the_triton_modules_of_a_lowering():
 def test_moe_mgpu_probe_lowers_the_mosaic_launch():
     from benchmarks import moe_mgpu_probe
 
-    assert moe_mgpu_probe.main(["--quick", "--variant", "RING=5"]) == {"built": 1, "RING=5": 1}
+    assert moe_mgpu_probe.main(["--quick", "--variant", "TRANSPOSED=True,RING=5"]) == {
+        "built": 1, "TRANSPOSED=True,RING=5": 1}
