@@ -60,11 +60,24 @@ def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype)
         return f"{num_tokens} tokens (this kernel takes one)"
     if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
         return f"weights in {jnp.dtype(dtype).name} (this kernel takes bfloat16)"
-    for name, size, block in (("hidden", hidden, STEP), ("moe intermediate", inter, BLOCK_I),
-                              ("shared intermediate", shared_inter, BLOCK_I)):
+    # transposed, the token's [8, 64] tiles are built 64 rows (8 chunks of 64) at a time
+    for name, size, block in (("hidden", hidden, 8 * HALF if TRANSPOSED else STEP),
+                              ("moe intermediate", inter, BLOCK_I), ("shared intermediate", shared_inter, BLOCK_I)):
         if size % block:
             return f"{name} size {size} is not a multiple of {block}"
+    if (need := _smem_bytes(hidden)) > SMEM_BYTES:
+        return f"hidden size {hidden} needs {need} bytes of shared memory a CTA (at most {SMEM_BYTES})"
     return None
+
+
+SMEM_BYTES = 227 * 1024  # an H200 CTA's shared memory
+
+
+def _smem_bytes(hidden: int) -> int:
+    """A CTA's shared memory: the token, the ring, h (transposed: the token's tiles, h in their first
+    rows), the partial row in f32; the barriers' bytes are rounding."""
+    h_rows = hidden // HALF * 8 if TRANSPOSED else ROWS
+    return hidden * 2 + RING * 2 * HALF * HALF * 2 + h_rows * HALF * 2 + hidden * 4 + 256
 
 
 def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k: int, num_experts: int,
@@ -233,7 +246,7 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
     scratch = [
         plgpu.SMEM((hidden // HALF, HALF), x.dtype),  # the token
         tiled((RING, 2, HALF, HALF)),  # the ring of boxes
-        tiled((hidden // HALF * 8, HALF) if TRANSPOSED else (ROWS, BLOCK_I)),  # (the token's tiles,) h
+        tiled((hidden // HALF * 8 if TRANSPOSED else ROWS, HALF)),  # (the token's tiles,) h
         plgpu.SMEM((hidden // HALF, HALF), jnp.float32),  # the CTA's partial row
         plgpu.Barrier(num_barriers=1),  # the token landed
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
