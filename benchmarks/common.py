@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
+import glob
 import json
+import os
 import platform
 import statistics
 import time
@@ -103,7 +106,6 @@ def kernel_time_us(fn, args, *, calls: int = 50) -> dict[str, float]:
     """µs per call that each kernel of fn(*args) runs on the device, from a profiler trace of ``calls``
     back-to-back calls: kernel time alone, without the launch gaps between kernels (the loop in
     ``device_time_us`` includes those). Keys are the kernel names; "total" sums them."""
-    import glob
     import tempfile
 
     from benchmarks.step_profile import top_ops
@@ -119,3 +121,36 @@ def kernel_time_us(fn, args, *, calls: int = 50) -> dict[str, float]:
         ops = top_ops(trace, limit=1000)
     per_call = {name: total / calls for name, total, _ in ops}
     return {**per_call, "total": sum(per_call.values())}
+
+
+def summarize_trace(trace_dir: str) -> str:
+    """Mean time (trace units: us) and count a block of each named scope, by warpgroup, over the blocks of
+    the newest Perfetto JSON that Mosaic GPU wrote into ``trace_dir``: a markdown table."""
+    path = max(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)
+    with open(path) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    began, spans = {}, collections.defaultdict(list)  # (block, warpgroup, scope) -> durations
+    for e in events:
+        key = (e["pid"], e["tid"], e["name"])
+        if e["ph"] == "B":
+            began[key] = e["ts"]
+        elif e["ph"] == "E" and key in began:
+            spans[key].append(e["ts"] - began.pop(key))
+    tids = collections.defaultdict(set)
+    for block, tid, _ in spans:
+        tids[block].add(tid)
+    warpgroup = {(block, tid): sorted(ts).index(tid) for block, ts in tids.items() for tid in ts}
+    by_scope = collections.defaultdict(list)  # (warpgroup, scope) -> (mean, count) per block
+    for (block, tid, name), durations in spans.items():
+        by_scope[warpgroup[block, tid], name].append((sum(durations) / len(durations), len(durations)))
+    rows = [{"warpgroup": wg, "scope": name, "mean_us": round(sum(m for m, _ in v) / len(v), 3),
+             "per_block": round(sum(n for _, n in v) / len(v), 1)} for (wg, name), v in sorted(by_scope.items())]
+    return markdown_table(rows, ["warpgroup", "scope", "mean_us", "per_block"])
+
+
+def traced(call, trace_dir: str):
+    """Runs ``call(profile_dir)`` once with Mosaic GPU tracing into ``trace_dir`` and prints the summary."""
+    os.makedirs(trace_dir, exist_ok=True)
+    jax.block_until_ready(call(trace_dir))
+    print(f"{os.path.basename(trace_dir)}\n{summarize_trace(trace_dir)}")

@@ -11,17 +11,13 @@ an int8 cache.
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
     python -m benchmarks.mla_8bit_probe --timings           # variant timings only (a minute)
 """
-import collections
-import glob
-import json
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import device_time_us, environment, markdown_table, write_result
+from benchmarks.common import device_time_us, environment, markdown_table, traced, write_result
 from benchmarks.kvquant import _full_cache
 from dsjax import load_config
 from dsjax.model.paged import PagedKVCache
@@ -80,39 +76,6 @@ def errors(compute_wgs):
                 print(kind, name, "dequantize" if dequantize else "scaled", f"wgs {wgs}", f"defer_sum {defer_sum}",
                       "per-query rel err", _per_query(got, want))
         sys.stdout.flush()
-
-
-def summarize_trace(trace_dir: str) -> str:
-    """Mean time (trace units: us) and count a block of each named scope, by warpgroup, over the blocks of
-    the newest Perfetto JSON that Mosaic GPU wrote into ``trace_dir``: a markdown table."""
-    path = max(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)
-    with open(path) as f:
-        events = json.load(f)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    began, spans = {}, collections.defaultdict(list)  # (block, warpgroup, scope) -> durations
-    for e in events:
-        key = (e["pid"], e["tid"], e["name"])
-        if e["ph"] == "B":
-            began[key] = e["ts"]
-        elif e["ph"] == "E" and key in began:
-            spans[key].append(e["ts"] - began.pop(key))
-    tids = collections.defaultdict(set)
-    for block, tid, _ in spans:
-        tids[block].add(tid)
-    warpgroup = {(block, tid): sorted(ts).index(tid) for block, ts in tids.items() for tid in ts}
-    by_scope = collections.defaultdict(list)  # (warpgroup, scope) -> (mean, count) per block
-    for (block, tid, name), durations in spans.items():
-        by_scope[warpgroup[block, tid], name].append((sum(durations) / len(durations), len(durations)))
-    rows = [{"warpgroup": wg, "scope": name, "mean_us": round(sum(m for m, _ in v) / len(v), 3),
-             "per_block": round(sum(n for _, n in v) / len(v), 1)} for (wg, name), v in sorted(by_scope.items())]
-    return markdown_table(rows, ["warpgroup", "scope", "mean_us", "per_block"])
-
-
-def traced(call, trace_dir: str):
-    """Runs ``call(profile_dir)`` once with Mosaic GPU tracing into ``trace_dir`` and prints the summary."""
-    os.makedirs(trace_dir, exist_ok=True)
-    jax.block_until_ready(call(trace_dir))
-    print(f"{os.path.basename(trace_dir)}\n{summarize_trace(trace_dir)}")
 
 
 # Variants as the kernel's keyword arguments (besides them: stages as fit, chunks of 128, the scale on

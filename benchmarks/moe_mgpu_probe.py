@@ -6,6 +6,7 @@ layer's 139 MB), in turns over ``--rounds``.
     python -m benchmarks.moe_mgpu_probe --out benchmarks/results/moe_mgpu_h200.json
     python -m benchmarks.moe_mgpu_probe --quick     # lower the Mosaic kernel for an abstract H200 (CPU)
     python -m benchmarks.moe_mgpu_probe --trace DIR  # and the Mosaic kernel's per-CTA trace of its scopes
+    python -m benchmarks.moe_mgpu_probe --variant TRANSPOSED=True --variant RING=5  # also under other constants
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import kernel_time_us, markdown_table, write_probe
+from benchmarks.common import kernel_time_us, markdown_table, traced, write_probe
 from benchmarks.kernels_gemv import moe_layer
-from benchmarks.mla_8bit_probe import traced
 from pallas_kernels.common import lower_for_h200
-from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference
 from pallas_kernels import moe_decode_mgpu as mgpu
+from pallas_kernels.moe_decode import DecodeTiles, moe_decode, moe_decode_reference
 from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
 
 def _inputs(seed: int = 0):
@@ -41,6 +41,13 @@ KERNELS = {
     "triton": lambda x, w, i, routed, shared: moe_decode(x, w, i, *routed, jnp.int32(1), shared, tiles=DecodeTiles()),
     "mosaic tma": lambda x, w, i, routed, shared: moe_decode_mgpu(x, w, i, *routed, jnp.int32(1), shared),
 }
+
+
+def _variant(variant: str):
+    """The Mosaic kernel under ``variant`` ("ATTR=VALUE[,ATTR=VALUE]": moe_decode_mgpu's module constants,
+    the values Python literals; "built": as built)."""
+    settings = {} if variant == "built" else dict(item.split("=", 1) for item in variant.split(","))
+    return _with({name: ast.literal_eval(value) for name, value in settings.items()}, KERNELS["mosaic tma"])
 
 
 def _with(settings: dict, fn):
@@ -66,16 +73,14 @@ def main(argv=None) -> dict:
                         help="also trace the Mosaic kernel's named scopes (Perfetto JSON and a summary in DIR)")
     parser.add_argument("--variant", action="append", default=[], metavar="ATTR=VALUE[,ATTR=VALUE]",
                         help="also time the Mosaic kernel with these module constants of moe_decode_mgpu "
-                             "(e.g. RING=5 or WARP_SPECIALIZED=True,RING=5)")
+                             "(e.g. RING=5 or TRANSPOSED=True,RING=5)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:  # shapes only: no 2 GB of weights on the CPU; the built kernel and each variant
         shapes = jax.eval_shape(_inputs)
         calls = {}
         for variant in ["built", *args.variant]:
-            settings = {} if variant == "built" else dict(item.split("=", 1) for item in variant.split(","))
-            fn = _with({k: ast.literal_eval(v) for k, v in settings.items()}, KERNELS["mosaic tma"])
-            calls[variant] = lower_for_h200(fn, *shapes).count("custom_call @mosaic_gpu")
+            calls[variant] = lower_for_h200(_variant(variant), *shapes).count("custom_call @mosaic_gpu")
         print(calls)
         return calls
     inputs = _inputs()
@@ -93,9 +98,8 @@ def main(argv=None) -> dict:
             x, weights, ids, *routed, jnp.int32(1), shared), args.trace)
     kernels = dict(KERNELS)
     for variant in args.variant:  # the kernel under other constants: its error checked, then timed in turns
-        settings = dict(item.split("=", 1) for item in variant.split(","))
         name = f"mosaic tma, {variant}"
-        kernels[name] = fn = _with({k: ast.literal_eval(v) for k, v in settings.items()}, KERNELS["mosaic tma"])
+        kernels[name] = fn = _variant(variant)
         got = np.asarray(jax.jit(fn)(*inputs), np.float32)
         errors[name] = float(np.abs(got - want).max() / np.abs(want).max())
         print(f"{name}: relative error {errors[name]:.2e}", flush=True)

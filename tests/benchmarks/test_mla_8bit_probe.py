@@ -2,7 +2,7 @@
 Hopper GPU)."""
 import json
 
-from benchmarks.mla_8bit_probe import summarize_trace
+from benchmarks.common import summarize_trace
 
 
 def test_summarize_trace_means_each_scope_by_warpgroup(tmp_path):
