@@ -49,10 +49,10 @@ removed.
 
 ``--target experts-chain`` asks round 13's question again in a scan (8 layers, each layer's weights its
 own, so L2 starts cold for each): does the expert launch gain from its shared experts staged in L2
-just before it, once its shared programs run first (``DecodeTiles.shared_first``) instead of after the
-routed ones' ~104 MB? Variants: as built; shared first; the shared experts (34.6 MB) or their gate and
-up (23 MB) read by an XLA reduction right before, with either order. The expert launch's µs a layer
-beside the staging's.
+just before it? Variants: as built; the shared experts (34.6 MB) or their gate and up (23 MB) read by
+an XLA reduction right before. The expert launch's µs a layer beside the staging's. (Measured in
+session 33, ``l2_experts_chain_h200.json``: 37.85 µs staged against 39.7, the staging 19 µs; a variant
+with the shared programs first, 40.75, lost, and its ``DecodeTiles.shared_first`` knob was removed.)
 
     python -m benchmarks.l2_staging_probe --out benchmarks/results/l2_staging_h200.json
     python -m benchmarks.l2_staging_probe --target chain --out benchmarks/results/l2_chain_h200.json
@@ -88,8 +88,7 @@ CHAIN = ("fixed", "layer i", "layer i, next pages touched", "touch 2 MiB x132", 
          "touch 2 MiB x1056", "fixed, L2 flushed", "layer i % 2", "layer i % 8", "layer i, staged",
          "layer i, staged, 20 MB after", "layer i, staged, 40 MB after")
 CHAIN_LAYERS, CHAIN_QUICK_LAYERS = 27, 3
-EXPERTS_CHAIN = ("as built", "shared first", "shared staged", "shared staged, shared first",
-                 "shared gate/up staged, shared first")
+EXPERTS_CHAIN = ("as built", "shared staged", "shared gate/up staged")
 EXPERTS_CHAIN_LAYERS = 8  # each layer 8 experts: the 6 a token picks and two more
 PAGE_ELEMENTS = 2**20  # bf16 elements in 2 MiB
 EPS = 1e-6
@@ -244,8 +243,6 @@ def chain_main(args) -> dict:
 def experts_chain_call(variant: str, layers: int, tiles: DecodeTiles, interpret: bool):
     """fn(x, weights, ids, routed, shared): a scan over ``layers`` layers, each the expert launch on its own
     layer's weights (its rows from the previous layer's output), after the variant's staging."""
-    tiles = tiles._replace(shared_first="shared first" in variant)
-
     def fn(x, weights, ids, routed, shared):
         def body(carry, layer):
             x, done = carry

@@ -77,12 +77,10 @@ case $part in
     tests_then_step_ab "route_finishes or paged_decode_pallas" "1 2" round16 \
       --variant "rows by the routing program: $d.ROUTE_ROWS_PROGRAMS=0" \
       --variant "16 rows programs: $d.ROUTE_ROWS_PROGRAMS=16" ;;
-  decode-round19)  # moe_decode with 4 pipeline stages (40.5-40.8 µs alone against 41.3, gemv_moe_stages_h200.json)
-                   # and with its shared-expert programs first: its GPU test, then batch 1 / 2 compiled-step A/Bs
-                   # in turns (~5 minutes)
+  decode-round19)  # moe_decode with 4 pipeline stages (40.5-40.8 µs alone against 41.3, gemv_moe_stages_h200.json):
+                   # its GPU test, then batch 1 / 2 compiled-step A/Bs in turns (~4 minutes; lost in session 33)
     d=dsjax.model.dispatch
-    tests_then_step_ab "moe_decode_gpu" "1 2" round19 --variant "moe_decode 4 stages: $d.MOE_DECODE_TILES.num_stages=4" \
-      --variant "shared programs first: $d.MOE_DECODE_TILES.shared_first=True" ;;
+    tests_then_step_ab "moe_decode_gpu" "1 2" round19 --variant "moe_decode 4 stages: $d.MOE_DECODE_TILES.num_stages=4" ;;
   moe-mgpu)   # the TMA-fed Mosaic GPU expert launch: its GPU test, errors and kernel times beside the Triton
               # launch at V2-Lite's one-token layer, at 3 and 5 ring slots too, and its trace
               # (benchmarks/moe_mgpu_probe.py), then, if the test passed, the batch-1 compiled step with it

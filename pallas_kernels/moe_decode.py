@@ -50,10 +50,6 @@ class DecodeTiles(NamedTuple):
     block_d: int = 128  # output columns a down step produces
     num_warps: int = 4
     num_stages: int = 3
-    # a token's shared-expert programs before its routed ones (first on the SMs): weights read into L2
-    # just before the launch are then read while still there (round 18's chain: staged lines survive
-    # ~20 MB of later traffic; after the routed experts' ~104 MB they are gone)
-    shared_first: bool = False
 
 
 def _expert_tile(x_ref, wg, wu, wd, prefix, token, i0, scale, out_ref, program, *, hidden, inter, tiles,
@@ -109,26 +105,21 @@ def _decode_kernel(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_re
     # a token's first program adds its residual row to its partial
     tile = functools.partial(_expert_tile, x_ref, token=token, out_ref=out_ref, program=program, hidden=hidden,
                              tiles=tiles, residual_ref=residual_ref, adds_residual=local == 0)
-    # the token's routed tiles are programs [routed_start, routed_start + top_k * routed_tiles), its shared
-    # tiles the others (after them, or first with ``shared_first``)
-    routed_start = shared_tiles if tiles.shared_first else 0
-    routed = local - routed_start
 
-    @pl.when((routed >= 0) & (routed < top_k * routed_tiles))
+    @pl.when(local < top_k * routed_tiles)
     def _():
-        slot = token * top_k + routed // routed_tiles
+        slot = token * top_k + local // routed_tiles
         expert = ids_ref[slot]
         # An empty slot (id E: expert parallelism's padding) contributes nothing: weight 0 on expert E - 1.
         scale = jnp.where(expert < num_experts, weights_ref[slot], 0.0)
         tile(wg_ref, wu_ref, wd_ref, (layer, jnp.minimum(expert, num_experts - 1)),
-             i0=(routed % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
+             i0=(local % routed_tiles) * tiles.block_i, scale=scale, inter=inter)
 
     if shared_tiles:
-        shared_index = local if tiles.shared_first else local - top_k * routed_tiles
-
-        @pl.when((shared_index >= 0) & (shared_index < shared_tiles))
+        @pl.when(local >= top_k * routed_tiles)
         def _():
-            tile(*refs[:3], (layer,), i0=shared_index * tiles.block_i, scale=1.0, inter=shared_inter)
+            tile(*refs[:3], (layer,), i0=(local - top_k * routed_tiles) * tiles.block_i, scale=1.0,
+                 inter=shared_inter)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "interpret"))

@@ -36,6 +36,7 @@ only.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -78,11 +79,25 @@ def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype)
 SMEM_BYTES = 227 * 1024  # an H200 CTA's shared memory
 
 
+def _scratch(hidden: int, dtype) -> list:
+    """A CTA's shared memory: the token, the ring of boxes, h (transposed: the token's [8, 64] tiles, h in
+    their first rows), the partial row in f32, and the barriers."""
+    tiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                                plgpu.SwizzleTransform(128)))
+    return [
+        plgpu.SMEM((hidden // HALF, HALF), dtype),  # the token
+        tiled((RING, 2, HALF, HALF)),  # the ring of boxes
+        tiled((hidden // HALF * 8 if TRANSPOSED else ROWS, HALF)),  # (the token's tiles,) h
+        plgpu.SMEM((hidden // HALF, HALF), jnp.float32),  # the CTA's partial row
+        plgpu.Barrier(num_barriers=1),  # the token landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
+    ]
+
+
 def _smem_bytes(hidden: int) -> int:
-    """A CTA's shared memory: the token, the ring, h (transposed: the token's tiles, h in their first
-    rows), the partial row in f32; the barriers' bytes are rounding."""
-    h_rows = hidden // HALF * 8 if TRANSPOSED else ROWS
-    return hidden * 2 + RING * 2 * HALF * HALF * 2 + h_rows * HALF * 2 + hidden * 4 + 256
+    """The bytes of ``_scratch`` (bf16 weights), the barriers' rounded up to 256."""
+    return sum(math.prod(m.shape) * jnp.dtype(m.dtype).itemsize for m in _scratch(hidden, jnp.bfloat16)
+               if hasattr(m, "shape")) + 256
 
 
 def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k: int, num_experts: int,
@@ -246,16 +261,7 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
                          "ids [1, k]")
     routed_tiles, shared_tiles = inter // BLOCK_I, shared_inter // BLOCK_I
     programs = top_k * routed_tiles + shared_tiles
-    tiled = lambda shape: plgpu.SMEM(shape, x.dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                                                  plgpu.SwizzleTransform(128)))
-    scratch = [
-        plgpu.SMEM((hidden // HALF, HALF), x.dtype),  # the token
-        tiled((RING, 2, HALF, HALF)),  # the ring of boxes
-        tiled((hidden // HALF * 8 if TRANSPOSED else ROWS, HALF)),  # (the token's tiles,) h
-        plgpu.SMEM((hidden // HALF, HALF), jnp.float32),  # the CTA's partial row
-        plgpu.Barrier(num_barriers=1),  # the token landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
-    ]
+    scratch = _scratch(hidden, x.dtype)
     kernel = functools.partial(_body, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
                                shared=shared is not None, transposed=TRANSPOSED)
     partials = plgpu.kernel(

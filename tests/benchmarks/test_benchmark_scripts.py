@@ -145,7 +145,7 @@ def test_l2_staging_probe_chain_quick():
 
 
 def test_l2_staging_probe_experts_chain_quick():
-    """--target experts-chain: every variant (shared programs first or last, staged or not) gives the same
+    """--target experts-chain: every variant (the shared experts staged in L2 or not) gives the same
     chained result (the probe compares them) and the table names each."""
     from benchmarks import l2_staging_probe
 
