@@ -6,7 +6,7 @@ layer's 139 MB), in turns over ``--rounds``.
     python -m benchmarks.moe_mgpu_probe --out benchmarks/results/moe_mgpu_h200.json
     python -m benchmarks.moe_mgpu_probe --quick     # lower the Mosaic kernel for an abstract H200 (CPU)
     python -m benchmarks.moe_mgpu_probe --trace DIR  # and the Mosaic kernel's per-CTA trace of its scopes
-    python -m benchmarks.moe_mgpu_probe --variant TRANSPOSED=True --variant RING=5  # also under other constants
+    python -m benchmarks.moe_mgpu_probe --variant RING=5 --variant RING=3  # also under other constants
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
                         help="also trace the Mosaic kernel's named scopes (Perfetto JSON and a summary in DIR)")
     parser.add_argument("--variant", action="append", default=[], metavar="ATTR=VALUE[,ATTR=VALUE]",
                         help="also time the Mosaic kernel with these module constants of moe_decode_mgpu "
-                             "(e.g. RING=5 or TRANSPOSED=True,RING=5)")
+                             "(e.g. RING=5 or RING=3,BLOCK_I=64)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:  # shapes only: no 2 GB of weights on the CPU; the built kernel and each variant

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|moe-transposed|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -95,22 +95,6 @@ case $part in
         --rounds 3 --variant built --variant "triton: dsjax.model.dispatch.MOE_DECODE_MGPU=False" \
         --out "$OUT/step_ab_moe_mgpu_b1_h200.json" 2>&1 | grep -E "^\||Error"
     fi ;;
-  moe-transposed)  # the expert launch's gate / up products transposed (moe_decode_mgpu.TRANSPOSED): its GPU test
-                   # (both forms), kernel times beside the built one and the Triton launch, then, if the test
-                   # passed, the batch-1 compiled step A/B in turns; then the launch's stream alone over its
-                   # strided tiles and over contiguous ones (tma_stream_probe --experts) (~6 minutes)
-    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_decode_mgpu" 2>&1 \
-      | tee "$OUT/gpu_tests_moe_transposed.log" | tail -4
-    passed=${PIPESTATUS[0]}
-    timeout 150 python -m benchmarks.moe_mgpu_probe --variant TRANSPOSED=True --variant TRANSPOSED=True,RING=5 \
-      --out "$OUT/moe_mgpu_transposed_h200.json" 2>&1 | grep -v -i warn | tail -12
-    if [ "$passed" = 0 ]; then
-      timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "transposed: pallas_kernels.moe_decode_mgpu.TRANSPOSED=True" \
-        --out "$OUT/step_ab_moe_transposed_b1_h200.json" 2>&1 | grep -E "^\||Error"
-    fi
-    timeout 100 python -m benchmarks.tma_stream_probe --experts --out "$OUT/tma_stream_experts_h200.json" 2>&1 \
-      | grep -v -i warn | tail -8 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

@@ -12,25 +12,33 @@ A CTA owns one (expert, 64 intermediate columns) tile, as a Triton program does,
 through one ring of ``RING`` slots, refilled as each is consumed, so the next boxes load through every
 phase (gate / up into down included):
 
+- the token's hidden chunks of 64 as [8, 64] tiles (the chunk in the first row, zeros below; 32 KiB
+  at V2-Lite's 2048), built once in shared memory;
 - boxes 0-31, gate and up in turns: hidden rows [128k, 128k + 128) of the tile's columns. The products
-  run on the tensor cores with the token as row 0 of a [64, 64] operand built in registers (the other
-  rows zero) and the box's halves as the [K, N] operands, so the accumulators' row 0 holds the token's
-  gate / up columns and the other rows stay zero;
-- silu(gate) * up * the routing weight, rounded to the weights' dtype, goes to shared memory once;
-- boxes 32-47, down: the tile's 64 down rows, output columns [128j, 128j + 128). The products are
-  transposed (both operands read transposed from shared memory): [64 output columns, 64] = down half^T
-  [64, 64 intermediate] x h^T, so the token's outputs are column 0 and a row sum inside each thread's
-  quad gives them (a column sum of the [64, 128] product with the token as a row crossed warps through
-  shared memory: 2.2-2.7 µs a box in the first build's trace, ``moe_mgpu_probe --trace``).
+  run on the tensor cores transposed (both operands read transposed from shared memory): [64
+  intermediate columns, 8] = box half^T x the token's tile^T, so the token's gate / up columns are the
+  accumulators' column 0 (N = 8: an eighth of the tensor work of the token as a padded row, and no
+  operand built in registers each step);
+- silu(gate) * up * the routing weight, rounded to the weights' dtype, goes to shared memory once, as
+  the first row of an [8, 64] tile;
+- boxes 32-47, down: the tile's 64 down rows, output columns [128j, 128j + 128), transposed the same
+  way: [64 output columns, 8] = down half^T [64, 64 intermediate] x h^T, so the token's outputs are
+  column 0 and a row sum inside each thread's quad gives them (a column sum of the [64, 128] product
+  with the token as a row crossed warps through shared memory: 2.2-2.7 µs a box in the first build's
+  trace, ``moe_mgpu_probe --trace``).
 
-Shared memory (``RING`` x 16 KiB, the token's row, h, the partial row: 84 KiB at 4 slots) stays under
-half an SM, so two CTAs share an SM, as the Triton launch's programs do, and the 176 CTAs of
-V2-Lite's layer all run at once. The residual, when given, is added where XLA sums the partial rows.
+Shared memory (``RING`` x 16 KiB, the token's row and tiles, the partial row: 108 KiB at 4 slots at
+V2-Lite's hidden size) stays under half an SM, so two CTAs share an SM, as the Triton launch's programs
+do, and the 176 CTAs of V2-Lite's layer all run at once. The residual, when given, is added where XLA
+sums the partial rows.
 
-Measured on the H200 (``benchmarks/moe_mgpu_probe.py``, ``moe_mgpu_h200.json``, 2026-12-02): V2-Lite's
-layer 36.7-36.9 µs (3.76 TB/s) against the Triton launch's 39.1-39.4 in the same call; the batch-1
-compiled step 2.150-2.156 ms against 2.196-2.198 (decode_profile.md round 19). Timed at V2-Lite's shape
-only.
+Measured on the H200 (``benchmarks/moe_mgpu_probe.py``, 2026-12-02, decode_profile.md rounds 19-20):
+V2-Lite's layer 35.05-35.09 µs (3.95 TB/s; ``moe_mgpu_transposed_h200.json``) against 36.2 with the
+gate / up products' token as a padded row built in registers (session 33's build) and 38.8-39.2 for the
+Triton launch in the same call; the launch's stream alone, no products, takes 34.7-34.8 µs
+(``tma_stream_experts_h200.json``). The batch-1 compiled step: 2.130-2.132 ms against 2.152-2.157 for the
+row form (``step_ab_moe_transposed_b1_h200.json``) and 2.196-2.198 for the Triton launch. Timed at V2-Lite's
+shape only.
 """
 
 from __future__ import annotations
@@ -49,13 +57,11 @@ from pallas_kernels.common import why_not_hopper
 BLOCK_I = 64  # intermediate columns a CTA owns (the gate / up products' N)
 HALF = 64  # a box's half: [64, 64] of bf16, 8 KiB
 STEP = 2 * HALF  # hidden rows a gate / up box holds, output columns a down box holds
-ROWS = 64  # the gate / up products' M: the token padded to one wgmma tile
-RING = 4  # 16 KiB boxes in flight a CTA (read at trace time; 5 is the most that leaves two CTAs an SM)
-# The gate / up products transposed too: [64 intermediate columns, 8] = box half^T x the token as an [8, 64]
-# tile (its first row; the tiles of all 32 chunks, 32 KiB, built once), and the down products against h as
-# an [8, 64] tile, so N is 8 instead of 64 and no operand is built in registers each step (read at trace
-# time; off until the H200 has timed it: run_h200.sh moe-transposed).
-TRANSPOSED = False
+ROWS = 64  # rows of one WGMMA-layout register tile (the token's tiles are built eight at a time)
+TOKEN_N = 8  # the products' N: the token (or h) as the first row of an [8, 64] tile
+# 16 KiB boxes in flight a CTA (read at trace time). V2-Lite's layer: 4 slots 35.05 µs, 5 slots 42.6
+# (likely one CTA an SM then); with the row form 3 / 4 / 5 / 6 slots took 40.1 / 36.7 / 37.3 / 42.0.
+RING = 4
 
 
 def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype) -> str | None:
@@ -66,8 +72,8 @@ def supports(hidden: int, inter: int, shared_inter: int, num_tokens: int, dtype)
         return f"{num_tokens} tokens (this kernel takes one)"
     if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
         return f"weights in {jnp.dtype(dtype).name} (this kernel takes bfloat16)"
-    # transposed, the token's [8, 64] tiles are built 64 rows (8 chunks of 64) at a time
-    for name, size, block in (("hidden", hidden, 8 * HALF if TRANSPOSED else STEP),
+    # the token's [8, 64] tiles are built 64 rows (8 chunks of 64) at a time
+    for name, size, block in (("hidden", hidden, ROWS // TOKEN_N * HALF),
                               ("moe intermediate", inter, BLOCK_I), ("shared intermediate", shared_inter, BLOCK_I)):
         if size % block:
             return f"{name} size {size} is not a multiple of {block}"
@@ -80,14 +86,14 @@ SMEM_BYTES = 227 * 1024  # an H200 CTA's shared memory
 
 
 def _scratch(hidden: int, dtype) -> list:
-    """A CTA's shared memory: the token, the ring of boxes, h (transposed: the token's [8, 64] tiles, h in
-    their first rows), the partial row in f32, and the barriers."""
+    """A CTA's shared memory: the token, the ring of boxes, the token's [8, 64] tiles (later h in the
+    first tile's first row), the partial row in f32, and the barriers."""
     tiled = lambda shape: plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
                                                                 plgpu.SwizzleTransform(128)))
     return [
         plgpu.SMEM((hidden // HALF, HALF), dtype),  # the token
         tiled((RING, 2, HALF, HALF)),  # the ring of boxes
-        tiled((hidden // HALF * 8 if TRANSPOSED else ROWS, HALF)),  # (the token's tiles,) h
+        tiled((hidden // HALF * TOKEN_N, HALF)),  # the token's tiles, then h
         plgpu.SMEM((hidden // HALF, HALF), jnp.float32),  # the CTA's partial row
         plgpu.Barrier(num_barriers=1),  # the token landed
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
@@ -101,15 +107,14 @@ def _smem_bytes(hidden: int) -> int:
 
 
 def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k: int, num_experts: int,
-          routed_tiles: int, shared: bool, transposed: bool):
+          routed_tiles: int, shared: bool):
     # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; out f32[P, D / HALF, HALF]; then the
-    # scratch: x [D / HALF, HALF], the ring [RING, 2, HALF, HALF], h [ROWS, BLOCK_I] (transposed: the
-    # token's tiles [D / HALF * 8, HALF], whose first rows later hold h), the partial row f32[D / HALF, HALF],
-    # barriers (x, the ring's slots)
+    # scratch: x [D / HALF, HALF], the ring [RING, 2, HALF, HALF], the token's tiles [D / HALF * 8, HALF]
+    # (whose first rows later hold h), the partial row f32[D / HALF, HALF], barriers (x, the ring's slots)
     *refs, out_ref, scratch = refs
     if shared:
         sg_ref, su_ref, sd_ref = refs
-    x_smem, ring, h_smem, row_smem, x_bar, bars = scratch
+    x_smem, ring, tiles_smem, row_smem, x_bar, bars = scratch
     hidden = x_smem.shape[0] * HALF
     gate_steps = down_steps = hidden // STEP
     boxes = 2 * gate_steps + down_steps
@@ -165,24 +170,22 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
     plgpu.barrier_wait(x_bar.at[0])
     row_of = plgpu.broadcasted_iota(jnp.int32, (ROWS, HALF), 0, layout=plgpu.Layout.WGMMA)
     first_row = row_of == 0
-    n_tok = 8 if transposed else ROWS  # the products' token columns (transposed) / rows
 
     def token_chunk(chunk):  # [ROWS, HALF] broadcast of the token's 64 values from ``chunk`` down the rows
         xc = plgpu.load(x_smem.at[chunk], layout=plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(xc, (ROWS, HALF), [1])
 
-    if transposed:  # tile c (rows [8c, 8c + 8)) of h_smem: the token's chunk c in its first row, zeros below
-        for q in range(h_smem.shape[0] // ROWS):
-            block = jnp.zeros((ROWS, HALF), x_smem.dtype)
-            for t in range(ROWS // 8):
-                block = jnp.where(row_of == 8 * t, token_chunk(q * ROWS // 8 + t), block)
-            h_smem.at[pl.ds(q * ROWS, ROWS)][...] = block
-        plgpu.commit_smem()
+    # tile c (rows [8c, 8c + 8)) of tiles_smem: the token's chunk c in its first row, zeros below
+    tiles_per_block = ROWS // TOKEN_N
+    for q in range(tiles_smem.shape[0] // ROWS):
+        block = jnp.zeros((ROWS, HALF), x_smem.dtype)
+        for t in range(tiles_per_block):
+            block = jnp.where(row_of == TOKEN_N * t, token_chunk(q * tiles_per_block + t), block)
+        tiles_smem.at[pl.ds(q * ROWS, ROWS)][...] = block
+    plgpu.commit_smem()
 
     def gate_up(k, carry):
         acc_g, acc_u = carry
-        if not transposed:  # row 0 the token's 64 values, the other rows zero
-            a = [jnp.where(first_row, token_chunk(2 * k + half), 0).astype(x_smem.dtype) for half in range(2)]
         g_slot, u_slot = lax.rem(2 * k, RING), lax.rem(2 * k + 1, RING)
         with jax.named_scope("wait_gate_up"):
             plgpu.barrier_wait(bars.at[g_slot])
@@ -190,14 +193,10 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
 
         def products(refs):
             g_acc, u_acc = refs
-            for half in range(2):
-                if transposed:  # [BLOCK_I, 8] += box half^T [BLOCK_I, HALF] x the token's tile^T [HALF, 8]
-                    token = plgpu.transpose_ref(h_smem.at[pl.ds((2 * k + half) * 8, 8)], (1, 0))
-                    plgpu.wgmma(g_acc, plgpu.transpose_ref(ring.at[g_slot, half], (1, 0)), token)
-                    plgpu.wgmma(u_acc, plgpu.transpose_ref(ring.at[u_slot, half], (1, 0)), token)
-                else:
-                    plgpu.wgmma(g_acc, a[half], ring.at[g_slot, half])
-                    plgpu.wgmma(u_acc, a[half], ring.at[u_slot, half])
+            for half in range(2):  # [BLOCK_I, 8] += box half^T [BLOCK_I, HALF] x the token's tile^T [HALF, 8]
+                token = plgpu.transpose_ref(tiles_smem.at[pl.ds((2 * k + half) * TOKEN_N, TOKEN_N)], (1, 0))
+                plgpu.wgmma(g_acc, plgpu.transpose_ref(ring.at[g_slot, half], (1, 0)), token)
+                plgpu.wgmma(u_acc, plgpu.transpose_ref(ring.at[u_slot, half], (1, 0)), token)
 
         with jax.named_scope("gate_up"):
             acc_g, acc_u = pl.run_state(products)((plgpu.ACC.init(acc_g), plgpu.ACC.init(acc_u)))
@@ -205,17 +204,16 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         consumed(2 * k + 1, u_slot)
         return acc_g, acc_u
 
-    acc_shape = (BLOCK_I, n_tok) if transposed else (ROWS, BLOCK_I)
-    zeros = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), plgpu.Layout.WGMMA)
+    zeros = plgpu.layout_cast(jnp.zeros((BLOCK_I, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
     acc_g, acc_u = lax.fori_loop(0, gate_steps, gate_up, (zeros, zeros))
-    h = acc_g * jax.nn.sigmoid(acc_g) * acc_u * scale  # the token's row (column 0 when transposed), zeros else
-    if transposed:  # the token's column to a row, through shared memory (row_smem's first row, free until down)
-        row_smem.at[0][...] = jnp.sum(h, axis=1)
-        h = jnp.where(first_row, lax.broadcast_in_dim(
-            plgpu.load(row_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0)), (ROWS, HALF), [1]), 0)
-    h_smem.at[pl.ds(0, ROWS)][...] = h.astype(h_smem.dtype)
+    h = acc_g * jax.nn.sigmoid(acc_g) * acc_u * scale  # the token's column 0, zeros else
+    # the token's column to a row, through shared memory (row_smem's first row, free until down)
+    row_smem.at[0][...] = jnp.sum(h, axis=1)
+    h = jnp.where(first_row, lax.broadcast_in_dim(
+        plgpu.load(row_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0)), (ROWS, HALF), [1]), 0)
+    tiles_smem.at[pl.ds(0, ROWS)][...] = h.astype(tiles_smem.dtype)
     plgpu.commit_smem()
-    h_t = plgpu.transpose_ref(h_smem.at[pl.ds(0, n_tok)], (1, 0))  # [BLOCK_I, n_tok]: column 0 the token's h
+    h_t = plgpu.transpose_ref(tiles_smem.at[pl.ds(0, TOKEN_N)], (1, 0))  # [BLOCK_I, 8]: column 0 the token's h
 
     def down(j, _):
         n = 2 * gate_steps + j
@@ -223,11 +221,11 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         with jax.named_scope("wait_down"):
             plgpu.barrier_wait(bars.at[slot])
 
-        def products(refs):  # [HALF output columns, n_tok]: column 0 the token's outputs
+        def products(refs):  # [HALF output columns, 8]: column 0 the token's outputs
             for half, acc in enumerate(refs):
                 plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot, half], (1, 0)), h_t)
 
-        zero = plgpu.layout_cast(jnp.zeros((HALF, n_tok), jnp.float32), plgpu.Layout.WGMMA)
+        zero = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
         with jax.named_scope("down"):
             accs = pl.run_state(products)((plgpu.ACC.init(zero), plgpu.ACC.init(zero)))
         consumed(n, slot)
@@ -263,7 +261,7 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
     programs = top_k * routed_tiles + shared_tiles
     scratch = _scratch(hidden, x.dtype)
     kernel = functools.partial(_body, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
-                               shared=shared is not None, transposed=TRANSPOSED)
+                               shared=shared is not None)
     partials = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((programs, hidden // HALF, HALF), jnp.float32),

@@ -152,9 +152,10 @@ ROUTE_ROWS_PROGRAMS = 4
 # partial concatenated before the sum lost 39 µs a step (session 29, step_ab_folds_b1_h200.json).
 MOE_DECODE_RESIDUAL_MAX_TOKENS = 1
 # One-token steps on Hopper through the TMA-fed Mosaic GPU launch (pallas_kernels/moe_decode_mgpu.py)
-# instead of the Triton one, where it takes the layer (its ``supports``). V2-Lite's layer alone 36.7-36.9
-# µs against 39.1-39.4 (moe_mgpu_h200.json); the batch-1 compiled step 2.150 / 2.156 ms against 2.196 /
-# 2.198 in two calls (step_ab_moe_mgpu_b1_h200.json, 3 rounds in turns; decode_profile.md round 19).
+# instead of the Triton one, where it takes the layer (its ``supports``). V2-Lite's layer alone 35.1 µs
+# against 38.8-39.2 (moe_mgpu_transposed_h200.json); the batch-1 compiled step 2.150 / 2.156 ms against
+# 2.196 / 2.198 in two calls (session 33's build, step_ab_moe_mgpu_b1_h200.json, 3 rounds in turns), 2.131
+# with the products transposed (step_ab_moe_transposed_b1_h200.json; decode_profile.md rounds 19-20).
 MOE_DECODE_MGPU = True
 
 
