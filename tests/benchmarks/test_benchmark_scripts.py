@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import kernels_attention, kernels_gemv, kernels_moe, pdl_probe, persistent_probe, wgmma_probe
@@ -57,6 +59,24 @@ def test_persistent_probe_lowers_each_variant_for_hopper():
     assert set(result) == {"launches/1/tma", *(f"{v}/{rows}" for v in ("barrier/1", "persistent/1", "prefetch/2")
                                               for rows in ("tma", "ld"))}
     assert all(r["mosaic_calls"] > 0 for r in result.values())
+
+
+def test_megakernel_probe_lowers_each_variant_and_checks_its_arguments():
+    """The one-kernel-a-step probe (a layer's weight stream with grid barriers between its phases, the
+    stream alone, the barriers alone) lowers for an abstract H200 on CPU; its schedule is V2-Lite's."""
+    from benchmarks import megakernel_probe as probe
+
+    result = probe.main(["--quick"])
+    assert set(result) == {f"{v}/{r}/{p}" for v, r, p in probe.CONFIGS} and all(result.values())
+    assert probe._starts()[-1] == 79 and sum(probe.BARRIER_AFTER) == 7
+    x, w = probe._inputs(2, 4, abstract=True)
+    with pytest.raises(ValueError, match="ring=32: accepted 1 to 31"):
+        jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="barriers", ring=32, products=False), x, w)
+    with pytest.raises(ValueError, match="variant='fast'; accepted: barriers, stream, chain"):
+        jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="fast", ring=4, products=False), x, w)
+    # each barrier reads the right neighbour's row + 1
+    x0 = jnp.arange(3 * 8 * 128, dtype=jnp.float32).reshape(3, 8, 128)
+    assert bool(jnp.all(probe.expected_rows(x0, 1) == jnp.roll(x0, -7, axis=0) + 7))
 
 
 def test_wgmma_probe_lowers_each_variant_for_hopper():

@@ -1,0 +1,238 @@
+"""Batch-1 decode as one persistent kernel a step: what its weight stream and grid barriers cost together.
+
+Today a batch-1 layer of V2-Lite is ~13 dependent launches (decode_profile.md rounds 15-20): ~77 µs a
+layer for ~167 MB of weights, which the H200 copies in ~40 µs. Round 11's probe measured one piece of
+the alternative, a persistent kernel whose CTAs meet at grid-wide barriers (~1.5 µs each), with each
+phase's weights prefetched a few phases ahead; it left open what a whole layer would take. This probe
+runs the layer's schedule with stand-in arithmetic: every CTA (one an SM) streams its share of a layer
+as 16 KiB boxes (two [64, 64] halves, the expert launch's boxes) through one ring of ``ring`` slots,
+refilled as each box is consumed, across the phases and the layers, and the CTAs meet at a grid barrier
+after each phase whose output the next phase needs:
+
+    phase            boxes a CTA   V2-Lite's bytes
+    q_proj + kv_a    7             15.0 MB
+    W_UK             1             2.1 MB
+    attention        1             (a short context's latents)
+    W_UV             1             2.1 MB
+    o_proj           4             8.4 MB
+    router           1             0.3 MB
+    shared experts   16            34.6 MB   (need only the normed hidden: no routing)
+    routed experts   48            103.8 MB  (addresses from the routing: issued after the router's barrier)
+
+79 boxes a CTA (171 MB at 132 CTAs) and 7 barriers a layer, 26 layers a call (the MoE stack). At each
+barrier a CTA writes a row ([8, 128] f32) and after it reads its neighbour's (round 11's check: the rows
+come out exact or a barrier is broken); the routed boxes' CTA is shifted by a value read from that row, so
+their addresses depend on the router's barrier, as an expert's id does. ``products``: each box is also
+multiplied as the expert launch does (two wgmma of a half^T x an [8, 64] tile), so the tensor work sits
+in the stream.
+
+Rows of the table: the schedule as described (``barriers``), the same stream with no barriers (the
+floor), and the barriers alone with no weights (the chain's own cost), µs a layer from a profiler trace.
+Against today's ~77 µs a layer: if the schedule lands near the floor, one kernel a step (the layer's
+norms, GEMVs, attention, routing and experts as its phases) is worth building.
+
+    python -m benchmarks.megakernel_probe --out benchmarks/results/megakernel_probe_h200.json
+    python -m benchmarks.megakernel_probe --quick   # lower every variant for an abstract H200 (CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks.common import kernel_time_us, markdown_table, write_probe
+from benchmarks.pdl_probe import ROWS
+from pallas_kernels.common import lower_for_h200
+
+HALF = 64  # a box is two [64, 64] bf16 halves: 16 KiB
+# (phase, boxes a CTA); a barrier follows every phase but the shared experts' (the routed experts' boxes
+# follow in the same stream), and the routed experts end the layer
+PHASES = (("q_proj + kv_a", 7), ("W_UK", 1), ("attention", 1), ("W_UV", 1), ("o_proj", 4), ("router", 1),
+          ("shared experts", 16), ("routed experts", 48))
+BARRIER_AFTER = (True, True, True, True, True, True, False, True)
+ROUTED = len(PHASES) - 1  # the phase whose addresses come from the router's barrier
+VARIANTS = ("barriers", "stream", "chain")
+
+
+def _starts() -> list[int]:
+    starts, n = [], 0
+    for _, count in PHASES:
+        starts.append(n)
+        n += count
+    return starts + [n]
+
+
+def layer_chain(x, w, *, variant: str, ring: int, products: bool):
+    """x f32[C, 8, 128] (the CTAs' rows), w bf16[L, C, B, 2, 64, 64] (each layer's boxes a CTA, B =
+    sum of PHASES) -> (the rows after L layers' barriers, f32[C, 64] the products' accumulators' row
+    sums)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
+    num_layers, num_ctas, boxes = w.shape[:3]
+    starts = _starts()
+    if boxes != starts[-1]:
+        raise ValueError(f"w has {boxes} boxes a layer; PHASES add up to {starts[-1]}")
+    if not 1 <= ring <= starts[ROUTED]:
+        raise ValueError(f"ring={ring}: accepted 1 to {starts[ROUTED]} (a refill crosses at most one layer)")
+    streams, syncs = variant != "chain", variant != "stream"
+    per_layer = sum(BARRIER_AFTER)
+    tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def body(x_ref, w_ref, o_ref, acc_ref, ring_smem, tile_smem, acc_smem, bars):
+        c = lax.axis_index("c")
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+        neighbour = lax.rem(c + 1, num_ctas)
+
+        def issue(layer, n: int, shift, slot):
+            """Box ``n`` of ``layer`` into ``slot``; a routed box from CTA (c + shift) % C's share."""
+            cta = lax.rem(c + shift, num_ctas) if n >= starts[ROUTED] else c
+            for h in range(2):
+                plgpu.copy_gmem_to_smem(w_ref.at[layer, cta, n, h], ring_smem.at[slot, h], bars.at[slot])
+
+        def slot_of(layer, n: int):
+            return lax.rem(layer * boxes + n, ring)
+
+        def arrive_and_wait(count, parity, rows):
+            """This CTA's rows out, counted; once all C have arrived ``count`` times, the neighbour's + 1."""
+            o_ref.at[parity, c][...] = rows
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
+            return o_ref.at[parity, neighbour][...] + 1.0
+
+        if products:  # the token's tile: ones in its first row
+            row = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
+            tile_smem[...] = jnp.where(row == 0, 1.0, 0.0).astype(jnp.bfloat16)
+            plgpu.commit_smem()
+        if streams:
+            for n in range(ring):
+                issue(0, n, jnp.int32(0), n)
+        rows = x_ref.at[c][...]
+        zeros = plgpu.layout_cast(jnp.zeros((HALF, 8), jnp.float32), plgpu.Layout.WGMMA)
+
+        def layer_body(layer, carry):
+            rows, acc, shift = carry
+            count = layer * per_layer
+            deferred = []  # routed boxes due before the router's barrier
+            for p, (_, num) in enumerate(PHASES):
+                if p == ROUTED - 1 and streams:  # the router's barrier has passed
+                    for m in deferred:
+                        issue(layer, m, shift, slot_of(layer, m))
+                for n in range(starts[p], starts[p] + num):
+                    if not streams:
+                        continue
+                    slot = slot_of(layer, n)
+                    plgpu.barrier_wait(bars.at[slot])
+                    if products:
+                        def mult(acc_ref_):
+                            tile = plgpu.transpose_ref(tile_smem.at[pl.ds(0, 8)], (1, 0))
+                            for h in range(2):
+                                plgpu.wgmma(acc_ref_, plgpu.transpose_ref(ring_smem.at[slot, h], (1, 0)), tile)
+                        acc = pl.run_state(mult)(plgpu.ACC.init(acc))
+                    m = n + ring
+                    if m < boxes:
+                        if m >= starts[ROUTED] and p < ROUTED - 1:
+                            deferred.append(m)
+                        else:
+                            issue(layer, m, shift, slot_of(layer, m))
+                    else:
+                        pl.when(layer + 1 < num_layers)(
+                            lambda m=m: issue(layer + 1, m - boxes, shift, slot_of(layer + 1, m - boxes)))
+                if BARRIER_AFTER[p] and syncs:
+                    count = count + 1
+                    rows = arrive_and_wait(count, lax.rem(count, 2), rows)
+                    if p == ROUTED - 2:  # the router's barrier: the routed boxes' CTA from the rows
+                        shift = lax.rem(o_ref[lax.rem(count, 2), neighbour, 0, 0].astype(jnp.int32), num_ctas)
+            return rows, acc, shift
+
+        rows, acc, _ = lax.fori_loop(0, num_layers, layer_body, (rows, zeros, jnp.int32(0)))
+        o_ref.at[2, c][...] = rows
+        acc_smem[...] = jnp.sum(acc, axis=1)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[c])
+        plgpu.wait_smem_to_gmem(0)
+        if syncs:
+            @pl.when(c == 0)
+            def _():  # every CTA has passed its last wait once all have arrived again: the semaphore to zero
+                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+                plgpu.semaphore_wait(sem, num_ctas * (num_layers * per_layer + 1), decrement=True,
+                                     memory_scope="gpu")
+
+            @pl.when(c != 0)
+            def _():
+                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+    rows_out, acc = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((3, *x.shape), jnp.float32),
+                  jax.ShapeDtypeStruct((num_ctas, HALF), jnp.float32)),
+        scratch_types=[plgpu.SMEM((ring, 2, HALF, HALF), jnp.bfloat16, transforms=tiling),
+                       plgpu.SMEM((HALF, HALF), jnp.bfloat16, transforms=tiling),
+                       plgpu.SMEM((HALF,), jnp.float32),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=ring)],
+        grid=(num_ctas,),
+        grid_names=("c",),
+    )(x, w)
+    return rows_out[2], acc
+
+
+def expected_rows(x0, layers: int):
+    """Each barrier reads the right neighbour's row + 1: after S of them, row c is x0's row c + S, + S."""
+    steps = layers * sum(BARRIER_AFTER)
+    return jnp.roll(x0, -steps, axis=0) + steps
+
+
+def _inputs(layers: int, ctas: int, abstract: bool = False):
+    shapes = ((ctas, *ROWS), (layers, ctas, _starts()[-1], 2, HALF, HALF))
+    if abstract:
+        return (jax.ShapeDtypeStruct(shapes[0], jnp.float32), jax.ShapeDtypeStruct(shapes[1], jnp.bfloat16))
+    x0 = jnp.floor(jax.random.uniform(jax.random.key(ctas), shapes[0], jnp.float32, 0.0, 1000.0))
+    return x0, jnp.ones(shapes[1], jnp.bfloat16)
+
+
+CONFIGS = (("barriers", 12, False), ("barriers", 12, True), ("barriers", 8, True), ("stream", 12, False),
+           ("stream", 12, True), ("chain", 12, False))
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=26)
+    parser.add_argument("--ctas", type=int, default=132, help="CTAs (at most the SMs: all must be resident)")
+    parser.add_argument("--calls", type=int, default=10, help="back-to-back calls in the profiler trace")
+    parser.add_argument("--quick", action="store_true", help="lower every config on CPU, time nothing")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        result = {f"{v}/{r}/{p}": lower_for_h200(
+            lambda x, w, v=v, r=r, p=p: layer_chain(x, w, variant=v, ring=r, products=p),
+            *_inputs(2, 8, abstract=True)).count("mosaic_gpu") for v, r, p in CONFIGS}
+        print(result)
+        return result
+    x0, w = _inputs(args.layers, args.ctas)
+    want = expected_rows(x0, args.layers)
+    rows = []
+    for variant, ring, products in CONFIGS:
+        fn = lambda x, w, v=variant, r=ring, p=products: layer_chain(x, w, variant=v, ring=r, products=p)
+        got, acc = jax.jit(fn)(x0, w)
+        wrong = int(jnp.sum(got != (want if variant != "stream" else x0)))
+        # a product adds 64 to column 0 of each accumulator row a half: 2 halves x the boxes streamed
+        acc_ok = bool(jnp.all(acc == (2 * HALF * args.layers * _starts()[-1] if products else 0)))
+        us = kernel_time_us(fn, (x0, w), calls=args.calls)["total"]
+        mb = 0.0 if variant == "chain" else w.size * 2 / 1e6
+        rows.append(dict(variant=variant, ring=ring, products=products, layers=args.layers,
+                         us_per_layer=round(us / args.layers, 2), tb_s=round(mb / us, 3) if mb else None,
+                         wrong_rows=wrong, products_ok=acc_ok))
+        print(rows[-1], flush=True)
+    columns = ["variant", "ring", "products", "layers", "us_per_layer", "tb_s", "wrong_rows", "products_ok"]
+    return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, ctas=args.ctas,
+                       mb_per_layer=round(w.size * 2 / 1e6 / args.layers, 1),
+                       command="python -m benchmarks.megakernel_probe")
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
