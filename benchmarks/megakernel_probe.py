@@ -24,7 +24,9 @@ barrier a CTA writes a row ([8, 128] f32) and after it reads its neighbour's (ro
 come out exact or a barrier is broken); the routed boxes' CTA is shifted by a value read from that row, so
 their addresses depend on the router's barrier, as an expert's id does. ``products``: each box is also
 multiplied as the expert launch does (two wgmma of a half^T x an [8, 64] tile), so the tensor work sits
-in the stream.
+in the stream, either waited for before the box's slot is refilled ("serial") or with one box's products
+in flight ("lag"); ``producer``: a second warpgroup issues the copies as slots free up, so that refills
+never wait behind the products or a barrier.
 
 Rows of the table: the schedule as described (``barriers``), the same stream with no barriers (the
 floor), and the barriers alone with no weights (the chain's own cost), µs a layer from a profiler trace.
@@ -68,12 +70,20 @@ def _starts() -> list[int]:
     return starts + [n]
 
 
-def layer_chain(x, w, *, variant: str, ring: int, products: bool):
+PRODUCTS = ("none", "serial", "lag")
+
+
+def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", producer: bool = False):
     """x f32[C, 8, 128] (the CTAs' rows), w bf16[L, C, B, 2, 64, 64] (each layer's boxes a CTA, B =
     sum of PHASES) -> (the rows after L layers' barriers, f32[C, 64] the products' accumulators' row
-    sums)."""
+    sums). ``products``: none; "serial" (each box's products waited for before its slot is refilled);
+    "lag" (a box's slot refilled once the next box's products are issued: one box's in flight).
+    ``producer``: a second warpgroup issues the copies, slot after slot as the products free them (else
+    the computing warpgroup issues them as it goes)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
+    if products not in PRODUCTS:
+        raise ValueError(f"products={products!r}; accepted: {', '.join(PRODUCTS)}")
     num_layers, num_ctas, boxes = w.shape[:3]
     starts = _starts()
     if boxes != starts[-1]:
@@ -81,10 +91,13 @@ def layer_chain(x, w, *, variant: str, ring: int, products: bool):
     if not 1 <= ring <= starts[ROUTED]:
         raise ValueError(f"ring={ring}: accepted 1 to {starts[ROUTED]} (a refill crosses at most one layer)")
     streams, syncs = variant != "chain", variant != "stream"
+    if not streams and (products != "none" or producer):
+        raise ValueError("variant='chain' streams nothing: products='none' and producer=False only")
     per_layer = sum(BARRIER_AFTER)
+    router_barrier = sum(BARRIER_AFTER[:ROUTED - 1])  # the layer's barriers up to the router's
     tiling = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def body(x_ref, w_ref, o_ref, acc_ref, ring_smem, tile_smem, acc_smem, bars):
+    def body(x_ref, w_ref, o_ref, acc_out, ring_smem, tile_smem, acc_smem, bars, free):
         c = lax.axis_index("c")
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
         neighbour = lax.rem(c + 1, num_ctas)
@@ -98,6 +111,10 @@ def layer_chain(x, w, *, variant: str, ring: int, products: bool):
         def slot_of(layer, n: int):
             return lax.rem(layer * boxes + n, ring)
 
+        def routed_shift(count):
+            """The routed boxes' CTA shift, from the neighbour's row of barrier ``count``."""
+            return lax.rem(o_ref[lax.rem(count, 2), neighbour, 0, 0].astype(jnp.int32), num_ctas)
+
         def arrive_and_wait(count, parity, rows):
             """This CTA's rows out, counted; once all C have arrived ``count`` times, the neighbour's + 1."""
             o_ref.at[parity, c][...] = rows
@@ -105,67 +122,113 @@ def layer_chain(x, w, *, variant: str, ring: int, products: bool):
             plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
             return o_ref.at[parity, neighbour][...] + 1.0
 
-        if products:  # the token's tile: ones in its first row
-            row = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
-            tile_smem[...] = jnp.where(row == 0, 1.0, 0.0).astype(jnp.bfloat16)
-            plgpu.commit_smem()
-        if streams:
-            for n in range(ring):
-                issue(0, n, jnp.int32(0), n)
-        rows = x_ref.at[c][...]
-        zeros = plgpu.layout_cast(jnp.zeros((HALF, 8), jnp.float32), plgpu.Layout.WGMMA)
-
-        def layer_body(layer, carry):
-            rows, acc, shift = carry
-            count = layer * per_layer
-            deferred = []  # routed boxes due before the router's barrier
-            for p, (_, num) in enumerate(PHASES):
-                if p == ROUTED - 1 and streams:  # the router's barrier has passed
-                    for m in deferred:
-                        issue(layer, m, shift, slot_of(layer, m))
-                for n in range(starts[p], starts[p] + num):
-                    if not streams:
-                        continue
+        def loads():
+            """The producer warpgroup: every box in order, each once its slot is free."""
+            def layer_loads(layer, shift):
+                for n in range(boxes):
+                    if n == starts[ROUTED] and syncs:
+                        count = layer * per_layer + router_barrier
+                        plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
+                        shift = routed_shift(count)
                     slot = slot_of(layer, n)
-                    plgpu.barrier_wait(bars.at[slot])
-                    if products:
-                        def mult(acc_ref_):
-                            tile = plgpu.transpose_ref(tile_smem.at[pl.ds(0, 8)], (1, 0))
-                            for h in range(2):
-                                plgpu.wgmma(acc_ref_, plgpu.transpose_ref(ring_smem.at[slot, h], (1, 0)), tile)
-                        acc = pl.run_state(mult)(plgpu.ACC.init(acc))
+                    pl.when(layer * boxes + n >= ring)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
+                    issue(layer, n, shift, slot)
+                return shift
+
+            lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
+
+        def compute(acc_ref):
+            if products != "none":  # the token's tile: ones in its first row
+                row = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
+                tile_smem[...] = jnp.where(row == 0, 1.0, 0.0).astype(jnp.bfloat16)
+                plgpu.commit_smem()
+            if streams and not producer:
+                for n in range(ring):
+                    issue(0, n, jnp.int32(0), n)
+            tile = plgpu.transpose_ref(tile_smem.at[pl.ds(0, 8)], (1, 0))
+
+            def layer_body(layer, carry):
+                rows, shift = carry
+                count = layer * per_layer
+                routing_known = False
+                deferred = []  # routed boxes due before the router's barrier
+
+                def consumed(n: int):
+                    """Box ``n``'s slot is free: the producer told, or box n + ring issued (or deferred)."""
+                    if producer:
+                        plgpu.barrier_arrive(free.at[slot_of(layer, n)])
+                        return
                     m = n + ring
-                    if m < boxes:
-                        if m >= starts[ROUTED] and p < ROUTED - 1:
-                            deferred.append(m)
-                        else:
-                            issue(layer, m, shift, slot_of(layer, m))
-                    else:
+                    if m >= boxes:
                         pl.when(layer + 1 < num_layers)(
-                            lambda m=m: issue(layer + 1, m - boxes, shift, slot_of(layer + 1, m - boxes)))
-                if BARRIER_AFTER[p] and syncs:
-                    count = count + 1
-                    rows = arrive_and_wait(count, lax.rem(count, 2), rows)
-                    if p == ROUTED - 2:  # the router's barrier: the routed boxes' CTA from the rows
-                        shift = lax.rem(o_ref[lax.rem(count, 2), neighbour, 0, 0].astype(jnp.int32), num_ctas)
-            return rows, acc, shift
+                            lambda: issue(layer + 1, m - boxes, shift, slot_of(layer + 1, m - boxes)))
+                    elif m >= starts[ROUTED] and not routing_known:
+                        deferred.append(m)
+                    else:
+                        issue(layer, m, shift, slot_of(layer, m))
 
-        rows, acc, _ = lax.fori_loop(0, num_layers, layer_body, (rows, zeros, jnp.int32(0)))
-        o_ref.at[2, c][...] = rows
-        acc_smem[...] = jnp.sum(acc, axis=1)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(acc_smem, acc_ref.at[c])
-        plgpu.wait_smem_to_gmem(0)
-        if syncs:
-            @pl.when(c == 0)
-            def _():  # every CTA has passed its last wait once all have arrived again: the semaphore to zero
-                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-                plgpu.semaphore_wait(sem, num_ctas * (num_layers * per_layer + 1), decrement=True,
-                                     memory_scope="gpu")
+                for p, (_, num) in enumerate(PHASES):
+                    if p == ROUTED - 1:  # the router's barrier has passed
+                        routing_known = True
+                        for m in deferred if streams else ():
+                            issue(layer, m, shift, slot_of(layer, m))
+                    for n in range(starts[p], starts[p] + num):
+                        if not streams:
+                            continue
+                        slot = slot_of(layer, n)
+                        plgpu.barrier_wait(bars.at[slot])
+                        if products != "none":
+                            for h in range(2):
+                                plgpu.wgmma(acc_ref, plgpu.transpose_ref(ring_smem.at[slot, h], (1, 0)), tile)
+                        if products == "serial":
+                            plgpu.wgmma_wait(0)
+                        if products == "lag":
+                            if n > 0:  # the previous box's products are done, this box's two may run on
+                                plgpu.wgmma_wait(2)
+                                consumed(n - 1)
+                            if n == boxes - 1:
+                                plgpu.wgmma_wait(0)
+                                consumed(n)
+                        else:
+                            consumed(n)
+                    if BARRIER_AFTER[p] and syncs:
+                        count = count + 1
+                        rows = arrive_and_wait(count, lax.rem(count, 2), rows)
+                        if p == ROUTED - 2:  # the router's barrier: the routed boxes' CTA from the rows
+                            shift = routed_shift(count)
+                return rows, shift
 
-            @pl.when(c != 0)
-            def _():
-                plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            rows, _ = lax.fori_loop(0, num_layers, layer_body, (x_ref.at[c][...], jnp.int32(0)))
+            o_ref.at[2, c][...] = rows
+            plgpu.wgmma_wait(0)
+            acc_smem[...] = jnp.sum(acc_ref[...], axis=1)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(acc_smem, acc_out.at[c])
+            plgpu.wait_smem_to_gmem(0)
+            if syncs:
+                @pl.when(c == 0)
+                def _():  # every CTA has passed its last wait once all arrive again: the semaphore to zero
+                    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+                    plgpu.semaphore_wait(sem, num_ctas * (num_layers * per_layer + 1), decrement=True,
+                                         memory_scope="gpu")
+
+                @pl.when(c != 0)
+                def _():
+                    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+        def warpgroups():
+            zeros = plgpu.layout_cast(jnp.zeros((HALF, 8), jnp.float32), plgpu.Layout.WGMMA)
+
+            def computing():
+                pl.run_state(compute)(plgpu.ACC.init(zeros))
+
+            if producer:
+                pl.when(lax.axis_index("wg") == 0)(computing)
+                pl.when(lax.axis_index("wg") == 1)(loads)
+            else:
+                computing()
+
+        warpgroups()
 
     rows_out, acc = plgpu.kernel(
         body,
@@ -174,9 +237,11 @@ def layer_chain(x, w, *, variant: str, ring: int, products: bool):
         scratch_types=[plgpu.SMEM((ring, 2, HALF, HALF), jnp.bfloat16, transforms=tiling),
                        plgpu.SMEM((HALF, HALF), jnp.bfloat16, transforms=tiling),
                        plgpu.SMEM((HALF,), jnp.float32),
-                       plgpu.Barrier(num_arrivals=2, num_barriers=ring)],
+                       plgpu.Barrier(num_arrivals=2, num_barriers=ring),  # a box landed
+                       plgpu.Barrier(num_barriers=ring)],  # its slot is free (with a producer warpgroup)
         grid=(num_ctas,),
         grid_names=("c",),
+        **({"num_threads": 2, "thread_name": "wg"} if producer else {}),
     )(x, w)
     return rows_out[2], acc
 
@@ -195,8 +260,19 @@ def _inputs(layers: int, ctas: int, abstract: bool = False):
     return x0, jnp.ones(shapes[1], jnp.bfloat16)
 
 
-CONFIGS = (("barriers", 12, False), ("barriers", 12, True), ("barriers", 8, True), ("stream", 12, False),
-           ("stream", 12, True), ("chain", 12, False))
+# (variant, ring, products, producer warpgroup)
+CONFIGS = (("barriers", 12, "none", False), ("barriers", 12, "serial", False), ("barriers", 12, "lag", False),
+           ("barriers", 12, "none", True), ("barriers", 12, "serial", True), ("barriers", 12, "lag", True),
+           ("barriers", 8, "lag", True), ("stream", 12, "lag", False), ("stream", 12, "lag", True),
+           ("chain", 12, "none", False))
+
+
+def _call(x, w, variant, ring, products, producer):
+    return layer_chain(x, w, variant=variant, ring=ring, products=products, producer=producer)
+
+
+def _name(variant, ring, products, producer) -> str:
+    return f"{variant}/{ring}/{products}" + ("/producer" if producer else "")
 
 
 def main(argv=None) -> dict:
@@ -208,27 +284,27 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.quick:
-        result = {f"{v}/{r}/{p}": lower_for_h200(
-            lambda x, w, v=v, r=r, p=p: layer_chain(x, w, variant=v, ring=r, products=p),
-            *_inputs(2, 8, abstract=True)).count("mosaic_gpu") for v, r, p in CONFIGS}
+        result = {_name(*config): lower_for_h200(lambda x, w, config=config: _call(x, w, *config),
+                                                 *_inputs(2, 8, abstract=True)).count("mosaic_gpu")
+                  for config in CONFIGS}
         print(result)
         return result
     x0, w = _inputs(args.layers, args.ctas)
     want = expected_rows(x0, args.layers)
     rows = []
-    for variant, ring, products in CONFIGS:
-        fn = lambda x, w, v=variant, r=ring, p=products: layer_chain(x, w, variant=v, ring=r, products=p)
+    for variant, ring, products, producer in CONFIGS:
+        fn = lambda x, w, config=(variant, ring, products, producer): _call(x, w, *config)
         got, acc = jax.jit(fn)(x0, w)
         wrong = int(jnp.sum(got != (want if variant != "stream" else x0)))
         # a product adds 64 to column 0 of each accumulator row a half: 2 halves x the boxes streamed
-        acc_ok = bool(jnp.all(acc == (2 * HALF * args.layers * _starts()[-1] if products else 0)))
+        acc_ok = bool(jnp.all(acc == (2 * HALF * args.layers * _starts()[-1] if products != "none" else 0)))
         us = kernel_time_us(fn, (x0, w), calls=args.calls)["total"]
         mb = 0.0 if variant == "chain" else w.size * 2 / 1e6
-        rows.append(dict(variant=variant, ring=ring, products=products, layers=args.layers,
+        rows.append(dict(variant=variant, ring=ring, products=products, producer=producer, layers=args.layers,
                          us_per_layer=round(us / args.layers, 2), tb_s=round(mb / us, 3) if mb else None,
                          wrong_rows=wrong, products_ok=acc_ok))
         print(rows[-1], flush=True)
-    columns = ["variant", "ring", "products", "layers", "us_per_layer", "tb_s", "wrong_rows", "products_ok"]
+    columns = ["variant", "ring", "products", "producer", "layers", "us_per_layer", "tb_s", "wrong_rows", "products_ok"]
     return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, ctas=args.ctas,
                        mb_per_layer=round(w.size * 2 / 1e6 / args.layers, 1),
                        command="python -m benchmarks.megakernel_probe")

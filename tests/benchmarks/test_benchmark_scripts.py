@@ -67,13 +67,17 @@ def test_megakernel_probe_lowers_each_variant_and_checks_its_arguments():
     from benchmarks import megakernel_probe as probe
 
     result = probe.main(["--quick"])
-    assert set(result) == {f"{v}/{r}/{p}" for v, r, p in probe.CONFIGS} and all(result.values())
+    assert set(result) == {probe._name(*config) for config in probe.CONFIGS} and all(result.values())
     assert probe._starts()[-1] == 79 and sum(probe.BARRIER_AFTER) == 7
     x, w = probe._inputs(2, 4, abstract=True)
     with pytest.raises(ValueError, match="ring=32: accepted 1 to 31"):
-        jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="barriers", ring=32, products=False), x, w)
+        jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="barriers", ring=32), x, w)
     with pytest.raises(ValueError, match="variant='fast'; accepted: barriers, stream, chain"):
-        jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="fast", ring=4, products=False), x, w)
+        jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="fast", ring=4), x, w)
+    with pytest.raises(ValueError, match="products='async'; accepted: none, serial, lag"):
+        jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="stream", ring=4, products="async"), x, w)
+    with pytest.raises(ValueError, match="streams nothing"):
+        jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="chain", ring=4, producer=True), x, w)
     # each barrier reads the right neighbour's row + 1
     x0 = jnp.arange(3 * 8 * 128, dtype=jnp.float32).reshape(3, 8, 128)
     assert bool(jnp.all(probe.expected_rows(x0, 1) == jnp.roll(x0, -7, axis=0) + 7))
