@@ -35,11 +35,13 @@ norms, GEMVs, attention, routing and experts as its phases) is worth building.
 
     python -m benchmarks.megakernel_probe --out benchmarks/results/megakernel_probe_h200.json
     python -m benchmarks.megakernel_probe --quick   # lower every variant for an abstract H200 (CPU)
+    python -m benchmarks.megakernel_probe --trace DIR  # per-CTA traces of the serial-products configs
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -48,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks.common import kernel_time_us, markdown_table, write_probe
+from benchmarks.common import kernel_time_us, markdown_table, traced, write_probe
 from benchmarks.pdl_probe import ROWS
 from pallas_kernels.common import lower_for_h200
 
@@ -73,13 +75,15 @@ def _starts() -> list[int]:
 PRODUCTS = ("none", "serial", "lag")
 
 
-def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", producer: bool = False):
+def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", producer: bool = False,
+                profile_dir: str | None = None):
     """x f32[C, 8, 128] (the CTAs' rows), w bf16[L, C, B, 2, 64, 64] (each layer's boxes a CTA, B =
     sum of PHASES) -> (the rows after L layers' barriers, f32[C, 64] the products' accumulators' row
     sums). ``products``: none; "serial" (each box's products waited for before its slot is refilled);
     "lag" (a box's slot refilled once the next box's products are issued: one box's in flight).
     ``producer``: a second warpgroup issues the copies, slot after slot as the products free them (else
-    the computing warpgroup issues them as it goes)."""
+    the computing warpgroup issues them as it goes). ``profile_dir``: a per-CTA trace of the named scopes
+    (wait for a box, products, refill, grid barrier; the producer's wait for a free slot and its copies)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant!r}; accepted: {', '.join(VARIANTS)}")
     if products not in PRODUCTS:
@@ -131,8 +135,10 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
                         plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
                         shift = routed_shift(count)
                     slot = slot_of(layer, n)
-                    pl.when(layer * boxes + n >= ring)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
-                    issue(layer, n, shift, slot)
+                    with jax.named_scope("free"):
+                        pl.when(layer * boxes + n >= ring)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
+                    with jax.named_scope("issue"):
+                        issue(layer, n, shift, slot)
                 return shift
 
             lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
@@ -176,24 +182,30 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
                         if not streams:
                             continue
                         slot = slot_of(layer, n)
-                        plgpu.barrier_wait(bars.at[slot])
-                        if products != "none":
-                            for h in range(2):
-                                plgpu.wgmma(acc_ref, plgpu.transpose_ref(ring_smem.at[slot, h], (1, 0)), tile)
-                        if products == "serial":
-                            plgpu.wgmma_wait(0)
-                        if products == "lag":
-                            if n > 0:  # the previous box's products are done, this box's two may run on
-                                plgpu.wgmma_wait(2)
-                                consumed(n - 1)
-                            if n == boxes - 1:
+                        with jax.named_scope("wait"):
+                            plgpu.barrier_wait(bars.at[slot])
+                        with jax.named_scope("products"):
+                            if products != "none":
+                                for h in range(2):
+                                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(ring_smem.at[slot, h], (1, 0)), tile)
+                            if products == "serial":
                                 plgpu.wgmma_wait(0)
+                            if products == "lag" and n > 0:  # the previous box's done, this box's may run on
+                                plgpu.wgmma_wait(2)
+                            if products == "lag" and n == boxes - 1:
+                                plgpu.wgmma_wait(0)
+                        with jax.named_scope("refill"):
+                            if products == "lag":
+                                if n > 0:
+                                    consumed(n - 1)
+                                if n == boxes - 1:
+                                    consumed(n)
+                            else:
                                 consumed(n)
-                        else:
-                            consumed(n)
                     if BARRIER_AFTER[p] and syncs:
                         count = count + 1
-                        rows = arrive_and_wait(count, lax.rem(count, 2), rows)
+                        with jax.named_scope("grid"):
+                            rows = arrive_and_wait(count, lax.rem(count, 2), rows)
                         if p == ROUTED - 2:  # the router's barrier: the routed boxes' CTA from the rows
                             shift = routed_shift(count)
                 return rows, shift
@@ -242,6 +254,8 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
         grid=(num_ctas,),
         grid_names=("c",),
         **({"num_threads": 2, "thread_name": "wg"} if producer else {}),
+        compiler_params=plgpu.CompilerParams(
+            **({"profile_space": TRACE_WORDS, "profile_dir": profile_dir} if profile_dir else {})),
     )(x, w)
     return rows_out[2], acc
 
@@ -260,6 +274,7 @@ def _inputs(layers: int, ctas: int, abstract: bool = False):
     return x0, jnp.ones(shapes[1], jnp.bfloat16)
 
 
+TRACE_WORDS = 2048  # a CTA's trace words with profile_dir (an event is 2): two layers' scopes, at 8 slots
 # (variant, ring, products, producer warpgroup)
 CONFIGS = (("barriers", 12, "none", False), ("barriers", 12, "serial", False), ("barriers", 12, "lag", False),
            ("barriers", 12, "none", True), ("barriers", 12, "serial", True), ("barriers", 12, "lag", True),
@@ -281,8 +296,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--ctas", type=int, default=132, help="CTAs (at most the SMs: all must be resident)")
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls in the profiler trace")
     parser.add_argument("--quick", action="store_true", help="lower every config on CPU, time nothing")
+    parser.add_argument("--trace", default=None, metavar="DIR",
+                        help="instead: trace the named scopes of the serial-products configs at 8 slots, two layers, "
+                             "with and without the producer warpgroup (Perfetto JSON and a summary in DIR)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.trace:
+        x0, w = _inputs(2, args.ctas)
+        for producer in (False, True):
+            directory = f"{args.trace}/{'producer' if producer else 'one_warpgroup'}"
+            traced(lambda d, producer=producer: jax.jit(functools.partial(
+                layer_chain, variant="barriers", ring=8, products="serial", producer=producer,
+                profile_dir=d))(x0, w), directory)
+        return {"traced": args.trace}
     if args.quick:
         result = {_name(*config): lower_for_h200(lambda x, w, config=config: _call(x, w, *config),
                                                  *_inputs(2, 8, abstract=True)).count("mosaic_gpu")
