@@ -72,7 +72,7 @@ def _starts() -> list[int]:
     return starts + [n]
 
 
-PRODUCTS = ("none", "serial", "lag")
+PRODUCTS = ("none", "serial", "lag", "halves", "halves_lag")
 
 
 def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", producer: bool = False,
@@ -80,7 +80,10 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
     """x f32[C, 8, 128] (the CTAs' rows), w bf16[L, C, B, 2, 64, 64] (each layer's boxes a CTA, B =
     sum of PHASES) -> (the rows after L layers' barriers, f32[C, 64] the products' accumulators' row
     sums). ``products``: none; "serial" (each box's products waited for before its slot is refilled);
-    "lag" (a box's slot refilled once the next box's products are issued: one box's in flight).
+    "lag" (a box's slot refilled once the next box's products are issued: one box's in flight); "halves"
+    and "halves_lag": the same with each half of a box into an accumulator of its own (and, lagged,
+    consecutive boxes into different pairs), so that the products are two chains of dependent wgmma
+    instructions, not one.
     ``producer``: a second warpgroup issues the copies, slot after slot as the products free them (else
     the computing warpgroup issues them as it goes). ``profile_dir``: a per-CTA trace of the named scopes
     (wait for a box, products, refill, grid barrier; the producer's wait for a free slot and its copies)."""
@@ -143,7 +146,13 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
 
             lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
 
-        def compute(acc_ref):
+        def compute(acc_refs):
+            lagged = products in ("lag", "halves_lag")
+
+            def acc_of(n: int, h: int):
+                return acc_refs[0] if products in ("serial", "lag") else acc_refs[
+                    2 * (n % 2 if products == "halves_lag" else 0) + h]
+
             if products != "none":  # the token's tile: ones in its first row
                 row = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
                 tile_smem[...] = jnp.where(row == 0, 1.0, 0.0).astype(jnp.bfloat16)
@@ -187,15 +196,16 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
                         with jax.named_scope("products"):
                             if products != "none":
                                 for h in range(2):
-                                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(ring_smem.at[slot, h], (1, 0)), tile)
-                            if products == "serial":
+                                    plgpu.wgmma(acc_of(n, h), plgpu.transpose_ref(ring_smem.at[slot, h], (1, 0)),
+                                                tile)
+                            if products in ("serial", "halves"):
                                 plgpu.wgmma_wait(0)
-                            if products == "lag" and n > 0:  # the previous box's done, this box's may run on
+                            if lagged and n > 0:  # the previous box's done, this box's may run on
                                 plgpu.wgmma_wait(2)
-                            if products == "lag" and n == boxes - 1:
+                            if lagged and n == boxes - 1:
                                 plgpu.wgmma_wait(0)
                         with jax.named_scope("refill"):
-                            if products == "lag":
+                            if lagged:
                                 if n > 0:
                                     consumed(n - 1)
                                 if n == boxes - 1:
@@ -213,7 +223,7 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
             rows, _ = lax.fori_loop(0, num_layers, layer_body, (x_ref.at[c][...], jnp.int32(0)))
             o_ref.at[2, c][...] = rows
             plgpu.wgmma_wait(0)
-            acc_smem[...] = jnp.sum(acc_ref[...], axis=1)
+            acc_smem[...] = jnp.sum(sum(acc[...] for acc in acc_refs), axis=1)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(acc_smem, acc_out.at[c])
             plgpu.wait_smem_to_gmem(0)
@@ -232,7 +242,7 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
             zeros = plgpu.layout_cast(jnp.zeros((HALF, 8), jnp.float32), plgpu.Layout.WGMMA)
 
             def computing():
-                pl.run_state(compute)(plgpu.ACC.init(zeros))
+                pl.run_state(compute)(tuple(plgpu.ACC.init(zeros) for _ in range(4)))
 
             if producer:
                 pl.when(lax.axis_index("wg") == 0)(computing)
@@ -279,7 +289,8 @@ TRACE_WORDS = 2048  # a CTA's trace words with profile_dir (an event is 2): two 
 CONFIGS = (("barriers", 12, "none", False), ("barriers", 12, "serial", False), ("barriers", 12, "lag", False),
            ("barriers", 12, "none", True), ("barriers", 12, "serial", True), ("barriers", 12, "lag", True),
            ("barriers", 8, "lag", True), ("stream", 12, "lag", False), ("stream", 12, "lag", True),
-           ("chain", 12, "none", False))
+           ("chain", 12, "none", False), ("barriers", 12, "halves", True), ("barriers", 12, "halves_lag", True),
+           ("barriers", 12, "halves", False), ("barriers", 12, "halves_lag", False))
 
 
 def _call(x, w, variant, ring, products, producer):
@@ -296,6 +307,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--ctas", type=int, default=132, help="CTAs (at most the SMs: all must be resident)")
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls in the profiler trace")
     parser.add_argument("--quick", action="store_true", help="lower every config on CPU, time nothing")
+    parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                        help="time only the configs named so (variant/ring/products[/producer], e.g. "
+                             "barriers/12/halves/producer)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="instead: trace the named scopes of the serial-products configs at 8 slots, two layers, "
                              "with and without the producer warpgroup (Perfetto JSON and a summary in DIR)")
@@ -318,7 +332,10 @@ def main(argv=None) -> dict:
     x0, w = _inputs(args.layers, args.ctas)
     want = expected_rows(x0, args.layers)
     rows = []
-    for variant, ring, products, producer in CONFIGS:
+    configs = [c for c in CONFIGS if args.only is None or _name(*c) in args.only]
+    if args.only and len(configs) != len(args.only):
+        raise ValueError(f"--only {args.only}: accepted names {[_name(*c) for c in CONFIGS]}")
+    for variant, ring, products, producer in configs:
         fn = lambda x, w, config=(variant, ring, products, producer): _call(x, w, *config)
         got, acc = jax.jit(fn)(x0, w)
         wrong = int(jnp.sum(got != (want if variant != "stream" else x0)))
