@@ -329,12 +329,12 @@ def main(argv=None) -> dict:
                   for config in CONFIGS}
         print(result)
         return result
-    x0, w = _inputs(args.layers, args.ctas)
-    want = expected_rows(x0, args.layers)
-    rows = []
     configs = [c for c in CONFIGS if args.only is None or _name(*c) in args.only]
     if args.only and len(configs) != len(args.only):
         raise ValueError(f"--only {args.only}: accepted names {[_name(*c) for c in CONFIGS]}")
+    x0, w = _inputs(args.layers, args.ctas)
+    want = expected_rows(x0, args.layers)
+    rows = []
     for variant, ring, products, producer in configs:
         fn = lambda x, w, config=(variant, ring, products, producer): _call(x, w, *config)
         got, acc = jax.jit(fn)(x0, w)
