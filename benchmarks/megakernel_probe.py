@@ -72,7 +72,8 @@ def _starts() -> list[int]:
     return starts + [n]
 
 
-PRODUCTS = ("none", "serial", "lag", "halves", "halves_lag")
+PRODUCTS = ("none", "serial", "lag", "halves", "halves_lag", "halves_lag2")
+LAG = {"lag": 1, "halves_lag": 1, "halves_lag2": 2}  # boxes whose products may be in flight behind the newest
 
 
 def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", producer: bool = False,
@@ -83,7 +84,7 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
     "lag" (a box's slot refilled once the next box's products are issued: one box's in flight); "halves"
     and "halves_lag": the same with each half of a box into an accumulator of its own (and, lagged,
     consecutive boxes into different pairs), so that the products are two chains of dependent wgmma
-    instructions, not one.
+    instructions, not one; "halves_lag2": two boxes' products in flight behind the newest.
     ``producer``: a second warpgroup issues the copies, slot after slot as the products free them (else
     the computing warpgroup issues them as it goes). ``profile_dir``: a per-CTA trace of the named scopes
     (wait for a box, products, refill, grid barrier; the producer's wait for a free slot and its copies)."""
@@ -147,11 +148,10 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
             lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
 
         def compute(acc_refs):
-            lagged = products in ("lag", "halves_lag")
+            lag = LAG.get(products, 0)
 
             def acc_of(n: int, h: int):
-                return acc_refs[0] if products in ("serial", "lag") else acc_refs[
-                    2 * (n % 2 if products == "halves_lag" else 0) + h]
+                return acc_refs[0] if products in ("serial", "lag") else acc_refs[2 * (n % (lag + 1)) + h]
 
             if products != "none":  # the token's tile: ones in its first row
                 row = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
@@ -200,16 +200,17 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
                                                 tile)
                             if products in ("serial", "halves"):
                                 plgpu.wgmma_wait(0)
-                            if lagged and n > 0:  # the previous box's done, this box's may run on
-                                plgpu.wgmma_wait(2)
-                            if lagged and n == boxes - 1:
+                            if lag and n >= lag:  # box n - lag's products are done, the later ones may run on
+                                plgpu.wgmma_wait(2 * lag)
+                            if lag and n == boxes - 1:
                                 plgpu.wgmma_wait(0)
                         with jax.named_scope("refill"):
-                            if lagged:
-                                if n > 0:
-                                    consumed(n - 1)
+                            if lag:
+                                if n >= lag:
+                                    consumed(n - lag)
                                 if n == boxes - 1:
-                                    consumed(n)
+                                    for m in range(n - lag + 1, n + 1):
+                                        consumed(m)
                             else:
                                 consumed(n)
                     if BARRIER_AFTER[p] and syncs:
@@ -242,7 +243,7 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
             zeros = plgpu.layout_cast(jnp.zeros((HALF, 8), jnp.float32), plgpu.Layout.WGMMA)
 
             def computing():
-                pl.run_state(compute)(tuple(plgpu.ACC.init(zeros) for _ in range(4)))
+                pl.run_state(compute)(tuple(plgpu.ACC.init(zeros) for _ in range(6)))
 
             if producer:
                 pl.when(lax.axis_index("wg") == 0)(computing)
@@ -290,7 +291,9 @@ CONFIGS = (("barriers", 12, "none", False), ("barriers", 12, "serial", False), (
            ("barriers", 12, "none", True), ("barriers", 12, "serial", True), ("barriers", 12, "lag", True),
            ("barriers", 8, "lag", True), ("stream", 12, "lag", False), ("stream", 12, "lag", True),
            ("chain", 12, "none", False), ("barriers", 12, "halves", True), ("barriers", 12, "halves_lag", True),
-           ("barriers", 12, "halves", False), ("barriers", 12, "halves_lag", False))
+           ("barriers", 12, "halves", False), ("barriers", 12, "halves_lag", False),
+           ("barriers", 12, "halves_lag2", True), ("barriers", 8, "halves_lag2", True),
+           ("stream", 12, "halves_lag2", True))
 
 
 def _call(x, w, variant, ring, products, producer):

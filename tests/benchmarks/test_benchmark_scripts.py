@@ -74,7 +74,7 @@ def test_megakernel_probe_lowers_each_variant_and_checks_its_arguments():
         jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="barriers", ring=32), x, w)
     with pytest.raises(ValueError, match="variant='fast'; accepted: barriers, stream, chain"):
         jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="fast", ring=4), x, w)
-    with pytest.raises(ValueError, match="products='async'; accepted: none, serial, lag, halves, halves_lag"):
+    with pytest.raises(ValueError, match="products='async'; accepted: none, serial, lag, halves, halves_lag, halves_lag2"):
         jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="stream", ring=4, products="async"), x, w)
     with pytest.raises(ValueError, match="streams nothing"):
         jax.eval_shape(lambda x, w: probe.layer_chain(x, w, variant="chain", ring=4, producer=True), x, w)
