@@ -36,6 +36,8 @@ norms, GEMVs, attention, routing and experts as its phases) is worth building.
     python -m benchmarks.megakernel_probe --out benchmarks/results/megakernel_probe_h200.json
     python -m benchmarks.megakernel_probe --quick   # lower every variant for an abstract H200 (CPU)
     python -m benchmarks.megakernel_probe --trace DIR  # per-CTA traces of the serial-products configs
+    python -m benchmarks.megakernel_probe --gemv-chain  # the step kernel's first real phase, a chain of
+        # dependent D x D GEMVs (pallas_kernels/decode_step_mgpu.gemv_chain), against one launch a layer
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from benchmarks.common import kernel_time_us, markdown_table, traced, write_probe
+from benchmarks.common import device_time_us, kernel_time_us, markdown_table, traced, write_probe
 from benchmarks.pdl_probe import ROWS
 from pallas_kernels.common import lower_for_h200
 
@@ -304,6 +306,39 @@ def _name(variant, ring, products, producer) -> str:
     return f"{variant}/{ring}/{products}" + ("/producer" if producer else "")
 
 
+def _gemv_chain(args, depth: int = 2048) -> dict:
+    """decode_step_mgpu.gemv_chain against a scan of launches over the same [L, D, D] weights: relative
+    error against the f32-summed reference, kernel time (profiler trace) and loop time a call (launch
+    gaps included), µs a layer."""
+    from pallas_kernels.decode_step_mgpu import gemv_chain, gemv_chain_reference
+    from pallas_kernels.stacked_gemv import stacked_gemv
+
+    def triton(x, w):
+        def layer(x, index):
+            return stacked_gemv(x[None], w, index)[0].astype(x.dtype), None
+        return lax.scan(layer, x, jnp.arange(w.shape[0]))[0]
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (depth,), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (args.layers, depth, depth), jnp.float32) / depth ** 0.5).astype(jnp.bfloat16)
+    want = jax.jit(gemv_chain_reference)(x, w).astype(jnp.float32)
+    rows = []
+    for name, fn in (("one kernel (gemv_chain)", gemv_chain), ("Triton stacked_gemv a layer", triton),
+                     ("XLA dot a layer", gemv_chain_reference)):
+        got = jax.jit(fn)(x, w).astype(jnp.float32)
+        error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        kernels = kernel_time_us(fn, (x, w), calls=args.calls)["total"]
+        loop = device_time_us(fn, (x, w), estimate_s=args.layers * 5e-6)
+        rows.append(dict(kernel=name, layers=args.layers, rel_error=round(error, 5),
+                         kernel_us_per_layer=round(kernels / args.layers, 2),
+                         loop_us_per_layer=round(loop / args.layers, 2),
+                         tb_s=round(w.size * 2 / loop / 1e6, 3)))
+        print(rows[-1], flush=True)
+    columns = ["kernel", "layers", "rel_error", "kernel_us_per_layer", "loop_us_per_layer", "tb_s"]
+    return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, depth=depth,
+                       command="python -m benchmarks.megakernel_probe --gemv-chain")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=26)
@@ -316,8 +351,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="instead: trace the named scopes of the serial-products configs at 8 slots, two layers, "
                              "with and without the producer warpgroup (Perfetto JSON and a summary in DIR)")
+    parser.add_argument("--gemv-chain", action="store_true",
+                        help="instead: decode_step_mgpu.gemv_chain (26 layers of 2048 x 2048) against a launch a "
+                             "layer (the Triton stacked GEMV, XLA's dot)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.gemv_chain:
+        return _gemv_chain(args)
     if args.trace:
         x0, w = _inputs(2, args.ctas)
         for producer in (False, True):

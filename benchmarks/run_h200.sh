@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -103,6 +103,12 @@ case $part in
       | grep -v -i warn | tail -10
     timeout 150 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
       | grep "decode-curve b" ;;
+  gemv-chain)  # the batch-1 step kernel's first phase (pallas_kernels/decode_step_mgpu.gemv_chain): its GPU test,
+               # then 26 dependent 2048 x 2048 GEMVs in one kernel against a launch a layer (~3 minutes)
+    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "gemv_chain" 2>&1 \
+      | tee "$OUT/gpu_tests_gemv_chain.log" | tail -3
+    timeout 200 python -m benchmarks.megakernel_probe --gemv-chain --out "$OUT/gemv_chain_h200.json" 2>&1 \
+      | grep -v -i warn | tail -8 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

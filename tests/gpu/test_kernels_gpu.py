@@ -538,3 +538,20 @@ def test_write_latents_with_query_partials_gpu(absorb, tokens):
     for g, w in zip(got, want):
         assert _rel(g, w) < 1e-2
 
+
+
+@pytest.mark.parametrize("layers, depth", [(1, 512), (4, 2048)])
+def test_gemv_chain_gpu(layers, depth):
+    """The step kernel's GEMV phase: a chain of dependent D x D GEMVs in one persistent kernel (split-K sums by
+    TMA adds, a grid barrier a layer) against the jnp chain with f32 sums, each layer rounded to bf16."""
+    from pallas_kernels.decode_step_mgpu import gemv_chain, gemv_chain_reference, supports
+
+    assert supports(depth, layers, jnp.bfloat16) is None
+    rng = np.random.default_rng(depth)
+    x = jnp.asarray(rng.standard_normal(depth), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((layers, depth, depth)) / np.sqrt(depth), jnp.bfloat16)
+    got = gemv_chain(x, w)
+    assert got.shape == (depth,) and got.dtype == jnp.bfloat16
+    assert _rel(got, gemv_chain_reference(x, w)) < 2e-2
+    # again: the semaphore was left at zero (the TMA adds' order may differ: not bitwise)
+    assert _rel(gemv_chain(x, w), gemv_chain_reference(x, w)) < 2e-2

@@ -1,0 +1,218 @@
+"""Batch-1 decode phases inside one persistent Mosaic GPU kernel: the GEMV phase and its grid barrier.
+
+Why: a batch-1 decode layer of V2-Lite is ~13 dependent launches, ~77 µs for ~167 MB of weights that
+the H200 streams in ~40 µs; each launch costs ~2 µs beyond its bytes inside XLA's CUDA graphs
+(decode_profile.md rounds 10-20). ``benchmarks/megakernel_probe.py`` ran the layer's schedule in one
+kernel of 132 CTAs: one TMA stream of 16 KiB boxes a CTA across phases and layers, a grid barrier
+after each phase, stand-in products: 42.2 µs a layer once a producer warpgroup issues the copies and
+each box's products are two independent wgmma chains with two boxes in flight (round 20). The step
+kernel is built from phases of that shape; this module holds the first, checked on its own.
+
+``gemv_chain``: x_{l+1} = bf16(x_l @ W_l) for l < L, all L in one kernel, as a chain of dependent
+GEMV phases (o_proj-like: D x D weights, one token):
+
+- CTA c owns one (64-column tile, K range of ``UNIT_K`` rows) unit of every layer: D / 64 tiles x
+  D / UNIT_K ranges (128 CTAs at D = 2048). Its boxes are [128 rows, 64 columns] of W_l as two [64, 64]
+  halves, the expert launch's boxes.
+- Warpgroup 1 streams the CTA's boxes of every layer in order through a ring of ``RING`` slots, each
+  refilled as soon as the products free it; weights do not depend on activations, so the stream runs
+  ahead across the barriers.
+- Warpgroup 0 multiplies: [64 columns, 8] += half^T x the input's [8, 64] tile (first row the input,
+  as bf16), each half into its own accumulator (two chains), the previous box's slot freed once the
+  current box's products are issued. Its column sums (the token's 64 partial outputs) go to layer l's
+  f32 output row by a TMA store that adds (split-K without another launch).
+- A grid barrier (a global semaphore counting arrivals) then orders layer l's sums before any CTA
+  reads its K range of them back (TMA) as the next layer's tiles.
+
+The output rows start at zero: the CTAs zero them by TMA at the start, behind one more barrier.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import why_not_hopper
+
+HALF = 64  # a box is two [64, 64] halves of bf16: rows of K, columns of N
+STEP = 2 * HALF  # K rows a box holds
+TOKEN_N = 8  # the products' N: the input as the first row of an [8, 64] tile
+UNIT_K = 512  # K rows a CTA owns of its column tile (4 boxes at 16 KiB)
+RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12)
+NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
+_TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def supports(depth: int, num_layers: int, dtype) -> str | None:
+    """None when ``gemv_chain`` takes [L, D, D] weights, else why not."""
+    if why_not := why_not_hopper():
+        return why_not
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        return f"weights in {jnp.dtype(dtype).name} (this kernel takes bfloat16)"
+    if depth % UNIT_K:
+        return f"depth {depth} is not a multiple of {UNIT_K}"
+    if (ctas := _ctas(depth)) > NUM_SMS:
+        return f"depth {depth} needs {ctas} CTAs resident at once (at most {NUM_SMS})"
+    if num_layers < 1:
+        return f"{num_layers} layers (at least 1)"
+    return None
+
+
+def _ctas(depth: int) -> int:
+    return depth // HALF * (depth // UNIT_K)
+
+
+@plgpu.inline_mgpu()
+def _proxy_fence(_):
+    """Orders this thread's generic-proxy and async-proxy (TMA) accesses of global memory."""
+    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
+
+
+def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem, full, free, xin_bar, *,
+          num_layers: int, depth: int):
+    # x_ref f32[D / 64, 64]; w_ref bf16[L, D, D]; out_ref f32[L, D / 64, 64] (layer l's outputs, summed
+    # by the CTAs' TMA adds); scratch: the ring [RING, 2, 64, 64], the CTA's K range of the input f32[UNIT_K
+    # / 64, 64], its tiles bf16[UNIT_K / 64 * 8, 64], a partial row f32[64], zeros f32[8, 64]; barriers
+    c = lax.axis_index("c")
+    ranges = depth // UNIT_K
+    tile, kq = lax.div(c, ranges), lax.rem(c, ranges)
+    boxes = UNIT_K // STEP
+    num_ctas = _ctas(depth)
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    chunks = UNIT_K // HALF
+
+    def loads():
+        """Warpgroup 1: box after box of every layer, each once its slot is free."""
+        def layer_loads(layer, _):
+            for i in range(boxes):
+                n = layer * boxes + i
+                slot = lax.rem(n, RING)
+                pl.when(n >= RING)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
+                for h in range(2):
+                    rows = pl.ds(kq * UNIT_K + i * STEP + h * HALF, HALF)
+                    plgpu.copy_gmem_to_smem(w_ref.at[layer, rows, pl.ds(tile * HALF, HALF)], ring.at[slot, h],
+                                            full.at[slot])
+            return ()
+
+        lax.fori_loop(0, num_layers, layer_loads, ())
+
+    def arrive_and_wait(count):
+        """This CTA's stores are out (TMA included): counted; then wait for all ``count`` arrivals."""
+        plgpu.wait_smem_to_gmem(0)
+        _proxy_fence()
+        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+        plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
+        _proxy_fence()
+
+    def input_tiles(source):
+        """The CTA's K range of ``source`` (f32 rows [D / 64, 64] in global memory) as bf16 [8, 64] tiles."""
+        plgpu.copy_gmem_to_smem(source.at[pl.ds(kq * chunks, chunks)], xin_smem, xin_bar.at[0])
+        plgpu.barrier_wait(xin_bar.at[0])
+        row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
+        per_block = HALF // TOKEN_N
+        for q in range(chunks // per_block):
+            block = jnp.zeros((HALF, HALF), jnp.float32)
+            for t in range(per_block):
+                chunk = plgpu.load(xin_smem.at[q * per_block + t], layout=plgpu.Layout.WGMMA.reduce(0))
+                block = jnp.where(row_of == TOKEN_N * t, lax.broadcast_in_dim(chunk, (HALF, HALF), [1]), block)
+            tiles_smem.at[pl.ds(q * HALF, HALF)][...] = block.astype(tiles_smem.dtype)
+        plgpu.commit_smem()
+
+    def compute():
+        # zero every layer's output rows (8 at a time by TMA), then the first barrier
+        zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
+        plgpu.commit_smem()
+        per_layer = depth // HALF // 8
+
+        def zero(j, _):
+            b = c + j * num_ctas
+            plgpu.copy_smem_to_gmem(zero_smem, out_ref.at[lax.div(b, per_layer), pl.ds(lax.rem(b, per_layer) * 8, 8)])
+            return ()
+
+        lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
+        input_tiles(x_ref)
+        arrive_and_wait(1)
+        zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
+
+        def layer_body(layer, _):
+            def products(accs):
+                for i in range(boxes):
+                    n = layer * boxes + i
+                    slot = lax.rem(n, RING)
+                    plgpu.barrier_wait(full.at[slot])
+                    for h in range(2):
+                        token = plgpu.transpose_ref(tiles_smem.at[pl.ds((2 * i + h) * TOKEN_N, TOKEN_N)], (1, 0))
+                        plgpu.wgmma(accs[h], plgpu.transpose_ref(ring.at[slot, h], (1, 0)), token)
+                    if i:  # the previous box's products are done (this box's may run on): its slot is free
+                        plgpu.wgmma_wait(2)
+                        plgpu.barrier_arrive(free.at[lax.rem(n - 1, RING)])
+
+            acc0, acc1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+            plgpu.barrier_arrive(free.at[lax.rem(layer * boxes + boxes - 1, RING)])
+            row_smem[...] = jnp.sum(acc0 + acc1, axis=1)  # column 0 holds the token's sums
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer, tile], reduction_op="add")
+            arrive_and_wait(layer + 2)
+
+            @pl.when(layer + 1 < num_layers)
+            def _():
+                input_tiles(out_ref.at[layer])
+            return ()
+
+        lax.fori_loop(0, num_layers, layer_body, ())
+
+        @pl.when(c == 0)
+        def _():  # every CTA has passed its last wait once all arrive once more: the semaphore back to zero
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            plgpu.semaphore_wait(sem, num_ctas * (num_layers + 2), decrement=True, memory_scope="gpu")
+
+        @pl.when(c != 0)
+        def _():
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+    pl.when(lax.axis_index("wg") == 0)(compute)
+    pl.when(lax.axis_index("wg") == 1)(loads)
+
+
+def gemv_chain(x, w, profile_dir: str | None = None):
+    """x [D] bf16, w [L, D, D] bf16 -> x_L [D] bf16, x_{l+1} = bf16(x_l @ w[l]) with f32 sums: L dependent
+    GEMVs in one persistent kernel (shapes must pass ``supports``). ``profile_dir``: a per-CTA trace."""
+    num_layers, depth, width = w.shape
+    if x.shape != (depth,) or width != depth:
+        raise ValueError(f"gemv_chain: x {x.shape}, w {w.shape}; expected x [D] and w [L, D, D]")
+    rows = depth // HALF
+    kernel = functools.partial(_body, num_layers=num_layers, depth=depth)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((num_layers, rows, HALF), jnp.float32),
+        scratch_types=[
+            plgpu.SMEM((RING, 2, HALF, HALF), w.dtype, transforms=_TILING),  # the ring of boxes
+            plgpu.SMEM((UNIT_K // HALF, HALF), jnp.float32),  # the CTA's K range of the input
+            plgpu.SMEM((UNIT_K // HALF * TOKEN_N, HALF), w.dtype, transforms=_TILING),  # its tiles
+            plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial outputs
+            plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
+            plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
+            plgpu.Barrier(num_barriers=RING),  # a slot's products are done
+            plgpu.Barrier(num_barriers=1),  # the input's K range landed
+        ],
+        grid=(_ctas(depth),),
+        grid_names=("c",),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **({"profile_space": 1024, "profile_dir": profile_dir} if profile_dir else {})),
+    )(x.astype(jnp.float32).reshape(rows, HALF), w)
+    return out[-1].reshape(depth).astype(x.dtype)
+
+
+def gemv_chain_reference(x, w):
+    """The same chain in jnp: each layer's product in f32, rounded to x's dtype."""
+    def layer(x, w_l):
+        return (x.astype(jnp.float32) @ w_l.astype(jnp.float32)).astype(x.dtype), None
+    return lax.scan(layer, x, w)[0]
