@@ -334,6 +334,8 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
                          loop_us_per_layer=round(loop / args.layers, 2),
                          tb_s=round(w.size * 2 / loop / 1e6, 3)))
         print(rows[-1], flush=True)
+    if args.trace:  # the one kernel's scopes a layer (barrier, input, tiles, products, store, stores out)
+        traced(lambda d: jax.jit(functools.partial(gemv_chain, profile_dir=d))(x, w), f"{args.trace}/gemv_chain")
     columns = ["kernel", "layers", "rel_error", "kernel_us_per_layer", "loop_us_per_layer", "tb_s"]
     return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, depth=depth,
                        command="python -m benchmarks.megakernel_probe --gemv-chain")
@@ -350,7 +352,8 @@ def main(argv=None) -> dict:
                              "barriers/12/halves/producer)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="instead: trace the named scopes of the serial-products configs at 8 slots, two layers, "
-                             "with and without the producer warpgroup (Perfetto JSON and a summary in DIR)")
+                             "with and without the producer warpgroup (Perfetto JSON and a summary in DIR); "
+                             "with --gemv-chain: also the one kernel's scopes")
     parser.add_argument("--gemv-chain", action="store_true",
                         help="instead: decode_step_mgpu.gemv_chain (26 layers of 2048 x 2048) against a launch a "
                              "layer (the Triton stacked GEMV, XLA's dot)")

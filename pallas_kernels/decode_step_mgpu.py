@@ -74,6 +74,20 @@ def _proxy_fence(_):
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
+def _build_tiles(rows_smem, tiles_smem):
+    """rows_smem f32[n, 64] -> tiles_smem bf16[n * 8, 64]: chunk i as the first row of tile i (rows [8i,
+    8i + 8)), zeros below, built 8 tiles (one [64, 64] register block) at a time."""
+    row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
+    per_block = HALF // TOKEN_N
+    for q in range(rows_smem.shape[0] // per_block):
+        block = jnp.zeros((HALF, HALF), jnp.float32)
+        for t in range(per_block):
+            chunk = plgpu.load(rows_smem.at[q * per_block + t], layout=plgpu.Layout.WGMMA.reduce(0))
+            block = jnp.where(row_of == TOKEN_N * t, lax.broadcast_in_dim(chunk, (HALF, HALF), [1]), block)
+        tiles_smem.at[pl.ds(q * HALF, HALF)][...] = block.astype(tiles_smem.dtype)
+    plgpu.commit_smem()
+
+
 def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem, full, free, xin_bar, *,
           num_layers: int, depth: int):
     # x_ref f32[D / 64, 64]; w_ref bf16[L, D, D]; out_ref f32[L, D / 64, 64] (layer l's outputs, summed
@@ -104,25 +118,21 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
 
     def arrive_and_wait(count):
         """This CTA's stores are out (TMA included): counted; then wait for all ``count`` arrivals."""
-        plgpu.wait_smem_to_gmem(0)
-        _proxy_fence()
-        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-        plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
-        _proxy_fence()
+        with jax.named_scope("stores_out"):
+            plgpu.wait_smem_to_gmem(0)
+            _proxy_fence()
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+        with jax.named_scope("barrier"):
+            plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
+            _proxy_fence()
 
     def input_tiles(source):
         """The CTA's K range of ``source`` (f32 rows [D / 64, 64] in global memory) as bf16 [8, 64] tiles."""
-        plgpu.copy_gmem_to_smem(source.at[pl.ds(kq * chunks, chunks)], xin_smem, xin_bar.at[0])
-        plgpu.barrier_wait(xin_bar.at[0])
-        row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
-        per_block = HALF // TOKEN_N
-        for q in range(chunks // per_block):
-            block = jnp.zeros((HALF, HALF), jnp.float32)
-            for t in range(per_block):
-                chunk = plgpu.load(xin_smem.at[q * per_block + t], layout=plgpu.Layout.WGMMA.reduce(0))
-                block = jnp.where(row_of == TOKEN_N * t, lax.broadcast_in_dim(chunk, (HALF, HALF), [1]), block)
-            tiles_smem.at[pl.ds(q * HALF, HALF)][...] = block.astype(tiles_smem.dtype)
-        plgpu.commit_smem()
+        with jax.named_scope("input"):
+            plgpu.copy_gmem_to_smem(source.at[pl.ds(kq * chunks, chunks)], xin_smem, xin_bar.at[0])
+            plgpu.barrier_wait(xin_bar.at[0])
+        with jax.named_scope("tiles"):
+            _build_tiles(xin_smem, tiles_smem)
 
     def compute():
         # zero every layer's output rows (8 at a time by TMA), then the first barrier
@@ -153,11 +163,13 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
                         plgpu.wgmma_wait(2)
                         plgpu.barrier_arrive(free.at[lax.rem(n - 1, RING)])
 
-            acc0, acc1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
-            plgpu.barrier_arrive(free.at[lax.rem(layer * boxes + boxes - 1, RING)])
-            row_smem[...] = jnp.sum(acc0 + acc1, axis=1)  # column 0 holds the token's sums
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer, tile], reduction_op="add")
+            with jax.named_scope("products"):
+                acc0, acc1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(free.at[lax.rem(layer * boxes + boxes - 1, RING)])
+            with jax.named_scope("store"):
+                row_smem[...] = jnp.sum(acc0 + acc1, axis=1)  # column 0 holds the token's sums
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer, tile], reduction_op="add")
             arrive_and_wait(layer + 2)
 
             @pl.when(layer + 1 < num_layers)
