@@ -48,6 +48,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -341,6 +342,50 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
                        command="python -m benchmarks.megakernel_probe --gemv-chain")
 
 
+def _moe_chain(args) -> dict:
+    """decode_step_mgpu.moe_chain against a scan of the one-token expert launch (its residual added where
+    XLA sums the partial rows), V2-Lite's layers: error against the reference chain, kernel time (trace)
+    and loop time a call, µs a layer."""
+    from pallas_kernels.decode_step_mgpu import moe_chain, moe_chain_reference
+    from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
+
+    layers = args.moe_chain
+    keys = iter(jax.random.split(jax.random.key(1), 8))
+    w = lambda *s: jax.random.normal(next(keys), s, jnp.bfloat16) * (s[-2] ** -0.5)
+    x = jax.random.normal(next(keys), (2048,), jnp.bfloat16)
+    routed = (w(layers, 64, 2048, 1408), w(layers, 64, 2048, 1408), w(layers, 64, 1408, 2048))
+    shared = (w(layers, 2048, 2816), w(layers, 2048, 2816), w(layers, 2816, 2048))
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(np.stack([rng.permutation(64)[:6] for _ in range(layers)]), jnp.int32)
+    weights = jnp.asarray(rng.random((layers, 6)), jnp.float32)
+
+    def launches(x, weights, ids, *experts):
+        *routed, shared = experts
+        def layer(x, index):
+            out = moe_decode_mgpu(x[None], weights[index][None], ids[index][None], *routed, index, shared, x[None])
+            return out[0], None
+        return lax.scan(layer, x, jnp.arange(layers))[0]
+
+    inputs = (x, weights, ids, *routed, shared)
+    want = jax.jit(moe_chain_reference)(*inputs).astype(jnp.float32)
+    layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6  # bytes a layer reads: top-6 + shared
+    rows = []
+    for name, fn in (("one kernel (moe_chain)", moe_chain), ("moe_decode_mgpu a layer", launches)):
+        got = jax.jit(fn)(*inputs).astype(jnp.float32)
+        error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        kernels = kernel_time_us(fn, inputs, calls=args.calls)["total"]
+        loop = device_time_us(fn, inputs, estimate_s=layers * 40e-6)
+        rows.append(dict(kernel=name, layers=layers, rel_error=round(error, 5),
+                         kernel_us_per_layer=round(kernels / layers, 2), loop_us_per_layer=round(loop / layers, 2),
+                         tb_s=round(layer_mb * layers / loop, 3)))
+        print(rows[-1], flush=True)
+    if args.trace:
+        traced(lambda d: jax.jit(functools.partial(moe_chain, profile_dir=d))(*inputs), f"{args.trace}/moe_chain")
+    columns = ["kernel", "layers", "rel_error", "kernel_us_per_layer", "loop_us_per_layer", "tb_s"]
+    return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, layer_mb=round(layer_mb, 1),
+                       command=f"python -m benchmarks.megakernel_probe --moe-chain {layers}")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=26)
@@ -357,8 +402,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--gemv-chain", action="store_true",
                         help="instead: decode_step_mgpu.gemv_chain (26 layers of 2048 x 2048) against a launch a "
                              "layer (the Triton stacked GEMV, XLA's dot)")
+    parser.add_argument("--moe-chain", type=int, default=0, metavar="LAYERS",
+                        help="instead: decode_step_mgpu.moe_chain (V2-Lite's one-token expert layers, this many) "
+                             "against moe_decode_mgpu a layer")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.moe_chain:
+        return _moe_chain(args)
     if args.gemv_chain:
         return _gemv_chain(args)
     if args.trace:

@@ -30,6 +30,7 @@ The output rows start at zero: the CTAs zero them by TMA at the start, behind on
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -228,3 +229,267 @@ def gemv_chain_reference(x, w):
     def layer(x, w_l):
         return (x.astype(jnp.float32) @ w_l.astype(jnp.float32)).astype(x.dtype), None
     return lax.scan(layer, x, w)[0]
+
+
+def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype) -> str | None:
+    """None when ``moe_chain`` takes the layers, else why not."""
+    if why_not := why_not_hopper():
+        return why_not
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        return f"weights in {jnp.dtype(dtype).name} (this kernel takes bfloat16)"
+    for name, size, block in (("hidden", hidden, 8 * HALF), ("moe intermediate", inter, HALF),
+                              ("shared intermediate", shared_inter, HALF)):
+        if size % block:
+            return f"{name} size {size} is not a multiple of {block}"
+    if hidden // HALF > 256:
+        return f"hidden size {hidden} is over {256 * HALF} (one TMA box of its rows)"
+    if num_layers < 1:
+        return f"{num_layers} layers (at least 1)"
+    if (need := _moe_smem_bytes(hidden)) > 227 * 1024:
+        return f"hidden size {hidden} needs {need} bytes of shared memory a CTA (at most {227 * 1024})"
+    return None
+
+
+def _moe_scratch(hidden: int, dtype) -> list:
+    rows = hidden // HALF
+    return [
+        plgpu.SMEM((RING, 2, HALF, HALF), dtype, transforms=_TILING),  # the ring of boxes
+        plgpu.SMEM((rows, HALF), jnp.float32),  # the layer's input rows (f32)
+        plgpu.SMEM((rows * TOKEN_N, HALF), dtype, transforms=_TILING),  # the input's [8, 64] tiles
+        plgpu.SMEM((HALF, HALF), dtype, transforms=_TILING),  # h as the first row of an [8, 64] tile
+        plgpu.SMEM((rows, HALF), jnp.float32),  # the tile's partial output row
+        plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
+        plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
+        plgpu.Barrier(num_barriers=RING),  # a slot's products are done
+        plgpu.Barrier(num_barriers=1),  # the input rows landed
+    ]
+
+
+def _moe_smem_bytes(hidden: int) -> int:
+    return sum(math.prod(m.shape) * jnp.dtype(m.dtype).itemsize for m in _moe_scratch(hidden, jnp.bfloat16)
+               if hasattr(m, "shape")) + 512
+
+
+def _moe_body(ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, ring, xin_smem,
+              tiles_smem, h_smem, row_smem, zero_smem, full, free, xin_bar, *, num_layers: int, top_k: int,
+              num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int):
+    # ids_ref i32[L * k], weights_ref f32[L * k]; x_ref f32[D / 64, 64]; routed experts [L, E, D, I] x 2 and
+    # [L, E, I, D]; shared [L, D, S] x 2 and [L, S, D]; out_ref f32[L, D / 64, 64]: layer l's output rows,
+    # x_l + the TMA adds of every tile's partial row
+    c = lax.axis_index("c")
+    rows = xin_smem.shape[0]
+    hidden = rows * HALF
+    gate_steps = down_steps = hidden // STEP
+    boxes = 2 * gate_steps + down_steps
+    my_tiles = lax.div(num_tiles - c + num_ctas - 1, jnp.int32(num_ctas))  # tiles c, c + C, ...
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+
+    def tile_of(layer, j):
+        """Tile j of this CTA at ``layer``: (routed?, expert, routing weight, first intermediate column)."""
+        t = c + j * num_ctas
+        is_routed = t < top_k * routed_tiles
+        slot_k = jnp.minimum(lax.div(t, jnp.int32(routed_tiles)), top_k - 1)
+        picked = ids_ref[layer * top_k + slot_k]
+        expert = jnp.minimum(picked, num_experts - 1)
+        scale = jnp.where(is_routed, jnp.where(picked >= num_experts, 0.0, weights_ref[layer * top_k + slot_k]), 1.0)
+        i0 = jnp.where(is_routed, lax.rem(t, jnp.int32(routed_tiles)), t - top_k * routed_tiles) * HALF
+        return is_routed, expert, scale, i0
+
+    def loads():
+        """Warpgroup 1: every box of every tile of every layer, each once its slot is free."""
+        def tile_loads(layer, j, base):
+            is_routed, expert, _, i0 = tile_of(layer, j)
+
+            def box(n, _):
+                slot = lax.rem(base + n, RING)
+                pl.when(base + n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
+                k, jd = lax.div(n, 2), n - 2 * gate_steps
+                for h in range(2):
+                    gate_up = (pl.ds(k * STEP + h * HALF, HALF), pl.ds(i0, HALF))
+                    down = (pl.ds(i0, HALF), pl.ds(jd * STEP + h * HALF, HALF))
+                    for routed, refs in ((True, (wg_ref, wu_ref, wd_ref)), (False, (sg_ref, su_ref, sd_ref))):
+                        prefix = (layer, expert) if routed else (layer,)
+                        which = (jnp.logical_not(is_routed), is_routed)[routed]
+                        for kind, (ref, index) in enumerate(((refs[0], gate_up), (refs[1], gate_up),
+                                                             (refs[2], down))):
+                            kind_is = ((n < 2 * gate_steps) & (lax.rem(n, 2) == 0), (n < 2 * gate_steps) & (
+                                lax.rem(n, 2) == 1), n >= 2 * gate_steps)[kind]
+                            pl.when(which & kind_is)(lambda ref=ref, index=index, prefix=prefix: plgpu.copy_gmem_to_smem(
+                                ref.at[(*prefix, *index)], ring.at[slot, h], full.at[slot]))
+                return ()
+
+            lax.fori_loop(0, boxes, box, ())
+
+        def layer_loads(layer, count):
+            def one(j, count):
+                tile_loads(layer, j, count * boxes)
+                return count + 1
+            return lax.fori_loop(0, my_tiles, one, count)
+
+        lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
+
+    def arrive_and_wait(count):
+        with jax.named_scope("stores_out"):
+            plgpu.wait_smem_to_gmem(0)
+            _proxy_fence()
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+        with jax.named_scope("barrier"):
+            plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
+            _proxy_fence()
+
+    def input_tiles(source):
+        with jax.named_scope("input"):
+            plgpu.copy_gmem_to_smem(source, xin_smem, xin_bar.at[0])
+            plgpu.barrier_wait(xin_bar.at[0])
+        with jax.named_scope("tiles"):
+            _build_tiles(xin_smem, tiles_smem)
+
+    def compute():
+        zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
+        plgpu.commit_smem()
+        per_layer = rows // 8
+
+        def zero(j, _):
+            b = c + j * num_ctas
+            plgpu.copy_smem_to_gmem(zero_smem, out_ref.at[lax.div(b, per_layer), pl.ds(lax.rem(b, per_layer) * 8, 8)])
+            return ()
+
+        lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
+        input_tiles(x_ref)
+        arrive_and_wait(1)
+        zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
+        row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
+
+        def one_tile(layer, j, base):
+            _, _, scale, _ = tile_of(layer, j)
+
+            def gate_up(accs):  # accumulators: gate half 0, gate half 1, up half 0, up half 1
+                def step(k, _):
+                    g_slot, u_slot = lax.rem(base + 2 * k, RING), lax.rem(base + 2 * k + 1, RING)
+                    plgpu.barrier_wait(full.at[g_slot])
+                    plgpu.barrier_wait(full.at[u_slot])
+                    for h in range(2):
+                        token = plgpu.transpose_ref(tiles_smem.at[pl.ds((2 * k + h) * TOKEN_N, TOKEN_N)], (1, 0))
+                        plgpu.wgmma(accs[h], plgpu.transpose_ref(ring.at[g_slot, h], (1, 0)), token)
+                        plgpu.wgmma(accs[2 + h], plgpu.transpose_ref(ring.at[u_slot, h], (1, 0)), token)
+
+                    @pl.when(k > 0)
+                    def _():  # the previous step's products are done (this step's may run on): free its slots
+                        plgpu.wgmma_wait(4)
+                        plgpu.barrier_arrive(free.at[lax.rem(base + 2 * k - 2, RING)])
+                        plgpu.barrier_arrive(free.at[lax.rem(base + 2 * k - 1, RING)])
+                    return ()
+
+                lax.fori_loop(0, gate_steps, step, ())
+
+            with jax.named_scope("gate_up"):
+                g0, g1, u0, u1 = pl.run_state(gate_up)(tuple(plgpu.ACC.init(zeros) for _ in range(4)))
+                plgpu.barrier_arrive(free.at[lax.rem(base + 2 * gate_steps - 2, RING)])
+                plgpu.barrier_arrive(free.at[lax.rem(base + 2 * gate_steps - 1, RING)])
+            g, u = g0 + g1, u0 + u1
+            h = g * jax.nn.sigmoid(g) * u * scale  # the token's column 0, zeros else
+            row_smem.at[0][...] = jnp.sum(h, axis=1)  # the column to a row, through shared memory
+            h = jnp.where(row_of == 0, lax.broadcast_in_dim(
+                plgpu.load(row_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0)), (HALF, HALF), [1]), 0)
+            h_smem[...] = h.astype(h_smem.dtype)
+            plgpu.commit_smem()
+            h_t = plgpu.transpose_ref(h_smem.at[pl.ds(0, TOKEN_N)], (1, 0))
+
+            def down(jd, _):
+                n = base + 2 * gate_steps + jd
+                slot = lax.rem(n, RING)
+                plgpu.barrier_wait(full.at[slot])
+
+                def products(accs):
+                    for half, acc in enumerate(accs):
+                        plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot, half], (1, 0)), h_t)
+
+                accs = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(free.at[slot])
+                for half in range(2):
+                    row_smem.at[2 * jd + half][...] = jnp.sum(accs[half], axis=1)
+                return ()
+
+            with jax.named_scope("down"):
+                lax.fori_loop(0, down_steps, down, ())
+            with jax.named_scope("store"):
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # row_smem is free for the next tile
+
+        def layer_body(layer, count):
+            @pl.when(c == 0)
+            def _():  # the residual: the layer's input rows once
+                plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add")
+
+            def tile(j, count):
+                one_tile(layer, j, count * boxes)
+                return count + 1
+
+            count = lax.fori_loop(0, my_tiles, tile, count)
+            arrive_and_wait(layer + 2)
+
+            @pl.when(layer + 1 < num_layers)
+            def _():
+                input_tiles(out_ref.at[layer])
+            return count
+
+        lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
+
+        @pl.when(c == 0)
+        def _():
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+            plgpu.semaphore_wait(sem, num_ctas * (num_layers + 2), decrement=True, memory_scope="gpu")
+
+        @pl.when(c != 0)
+        def _():
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+    pl.when(lax.axis_index("wg") == 0)(compute)
+    pl.when(lax.axis_index("wg") == 1)(loads)
+
+
+def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
+    """x [D] bf16, weights f32[L, k] / ids i32[L, k] (each layer's routing; E marks an empty slot), every
+    layer's routed experts (w_gate, w_up [L, E, D, I], w_down [L, E, I, D]) and shared experts (w_gate, w_up
+    [L, D, S], w_down [L, S, D]) -> x_L [D] bf16 with x_{l+1} = bf16(x_l + layer l's experts of x_l): the
+    expert phase of the step kernel, L of them in one persistent kernel. A CTA (one an SM) takes (expert,
+    64 intermediate columns) tiles c, c + 132, ... of each layer, as the one-token launch does
+    (``moe_decode_mgpu``), their boxes streamed by a producer warpgroup across tiles and layers; each
+    tile's partial output row is added to the layer's f32 output by TMA, the residual once, and a grid
+    barrier orders the layer's sums before the next layer reads them. Shapes must pass ``moe_supports``."""
+    num_layers, top_k = ids.shape
+    num_experts, hidden, inter = w_gate.shape[1:]
+    shared_inter = shared[0].shape[-1]
+    if x.shape != (hidden,) or weights.shape != ids.shape or w_gate.shape[0] != num_layers:
+        raise ValueError(f"moe_chain: x {x.shape}, weights {weights.shape}, ids {ids.shape}, w_gate {w_gate.shape}; "
+                         f"expected x [D={hidden}], weights and ids [L={w_gate.shape[0]}, k]")
+    routed_tiles = inter // HALF
+    num_tiles = top_k * routed_tiles + shared_inter // HALF
+    num_ctas = min(NUM_SMS, num_tiles)
+    rows = hidden // HALF
+    kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
+                               routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas)
+    out = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((num_layers, rows, HALF), jnp.float32),
+        scratch_types=_moe_scratch(hidden, x.dtype),
+        grid=(num_ctas,),
+        grid_names=("c",),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, **({"profile_space": 1024, "profile_dir": profile_dir} if profile_dir else {})),
+    )(ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32),
+      x.astype(jnp.float32).reshape(rows, HALF), w_gate, w_up, w_down, *shared)
+    return out[-1].reshape(hidden).astype(x.dtype)
+
+
+def moe_chain_reference(x, weights, ids, w_gate, w_up, w_down, shared):
+    """The same chain with ``moe_decode_reference`` a layer (f32 sums, the residual added before rounding)."""
+    from pallas_kernels.moe_decode import moe_decode_reference
+
+    for layer in range(ids.shape[0]):
+        x = moe_decode_reference(x[None], weights[layer][None], ids[layer][None], w_gate, w_up, w_down, layer,
+                                 shared, residual=x[None])[0]
+    return x

@@ -555,3 +555,28 @@ def test_gemv_chain_gpu(layers, depth):
     assert _rel(got, gemv_chain_reference(x, w)) < 2e-2
     # again: the semaphore was left at zero (the TMA adds' order may differ: not bitwise)
     assert _rel(gemv_chain(x, w), gemv_chain_reference(x, w)) < 2e-2
+
+
+@pytest.mark.parametrize("layers, empty_slot", [(1, False), (3, True)])
+def test_moe_chain_gpu(layers, empty_slot):
+    """The step kernel's expert phase: V2-Lite's one-token layer shape (top-6 of 16 experts here, 2 shared
+    experts), a chain of layers in one persistent kernel (each tile's partial row added by TMA, the residual
+    once, a grid barrier a layer) against the reference chain; an empty slot (id E) contributes nothing."""
+    import jax
+
+    from pallas_kernels.decode_step_mgpu import moe_chain, moe_chain_reference, moe_supports
+
+    assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16) is None
+    keys = iter(jax.random.split(jax.random.key(layers), 8))
+    w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) / np.sqrt(s[-2])).astype(jnp.bfloat16)
+    x = jax.random.normal(next(keys), (2048,), jnp.float32).astype(jnp.bfloat16)
+    routed = (w(layers, 16, 2048, 1408), w(layers, 16, 2048, 1408), w(layers, 16, 1408, 2048))
+    shared = (w(layers, 2048, 2816), w(layers, 2048, 2816), w(layers, 2816, 2048))
+    rng = np.random.default_rng(layers)
+    ids = np.stack([rng.permutation(16)[:6] for _ in range(layers)]).astype(np.int32)
+    if empty_slot:
+        ids[-1, 2] = 16
+    weights = jnp.asarray(rng.random((layers, 6)), jnp.float32)
+    got = moe_chain(x, weights, jnp.asarray(ids), *routed, shared)
+    assert got.shape == (2048,) and got.dtype == jnp.bfloat16
+    assert _rel(got, moe_chain_reference(x, weights, jnp.asarray(ids), *routed, shared)) < 2e-2

@@ -42,3 +42,46 @@ def test_gemv_chain_reference_is_the_rounded_chain():
         want = (want.astype(jnp.float32) @ w[layer].astype(jnp.float32)).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(kernel.gemv_chain_reference(x, w), np.float32),
                                   np.asarray(want, np.float32))
+
+
+def _moe_shapes(layers: int, experts: int = 64):
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    routed = (shape((layers, experts, 2048, 1408), bf16), shape((layers, experts, 2048, 1408), bf16),
+              shape((layers, experts, 1408, 2048), bf16))
+    shared = (shape((layers, 2048, 2816), bf16), shape((layers, 2048, 2816), bf16), shape((layers, 2816, 2048), bf16))
+    return (shape((2048,), bf16), shape((layers, 6), jnp.float32), shape((layers, 6), jnp.int32), *routed, shared)
+
+
+def test_moe_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
+    """The step kernel's expert phase (V2-Lite's layer, top-6 of 64 and 2 shared experts, a few layers) lowers;
+    moe_supports names what it does not take."""
+    hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
+    assert hlo.count("custom_call @mosaic_gpu") == 1
+    x, weights, ids, *rest = _moe_shapes(3)
+    with pytest.raises(ValueError, match=r"expected x \[D=2048\], weights and ids \[L=3, k\]"):
+        jax.eval_shape(kernel.moe_chain, x, weights, jax.ShapeDtypeStruct((2, 6), jnp.int32), *rest)
+    monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
+    assert kernel.moe_supports(2048, 1408, 2816, 26, jnp.bfloat16) is None
+    assert "hidden size 2000 is not a multiple of 512" in kernel.moe_supports(2000, 1408, 2816, 26, jnp.bfloat16)
+    assert "moe intermediate size 1400" in kernel.moe_supports(2048, 1400, 2816, 26, jnp.bfloat16)
+    assert "float32" in kernel.moe_supports(2048, 1408, 2816, 26, jnp.float32)
+    assert "shared memory" in kernel.moe_supports(8192, 2048, 2048, 26, jnp.bfloat16)
+    assert "0 layers" in kernel.moe_supports(2048, 1408, 2816, 0, jnp.bfloat16)
+
+
+def test_moe_chain_reference_adds_each_layer_to_its_input():
+    """The reference chain: x_{l+1} = x_l + layer l's experts of x_l, rounded each layer (tiny shapes, CPU)."""
+    from pallas_kernels.moe_decode import moe_decode_reference
+
+    rng = np.random.default_rng(1)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / 4, jnp.bfloat16)
+    x = w(16)
+    weights = jnp.asarray(rng.random((2, 2)), jnp.float32)
+    ids = jnp.asarray([[0, 3], [2, 4]], jnp.int32)  # 4: an empty slot of 4 experts
+    routed, shared = (w(2, 4, 16, 8), w(2, 4, 16, 8), w(2, 4, 8, 16)), (w(2, 16, 8), w(2, 16, 8), w(2, 8, 16))
+    want = x
+    for layer in range(2):
+        step = moe_decode_reference(want[None], weights[layer][None], ids[layer][None], *routed, layer, shared)[0]
+        want = (want.astype(jnp.float32) + step.astype(jnp.float32)).astype(jnp.bfloat16)
+    got = kernel.moe_chain_reference(x, weights, ids, *routed, shared)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
