@@ -311,6 +311,7 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
     """decode_step_mgpu.gemv_chain against a scan of launches over the same [L, D, D] weights: relative
     error against the f32-summed reference, kernel time (profiler trace) and loop time a call (launch
     gaps included), µs a layer."""
+    from pallas_kernels import decode_step_mgpu
     from pallas_kernels.decode_step_mgpu import gemv_chain, gemv_chain_reference
     from pallas_kernels.stacked_gemv import stacked_gemv
 
@@ -324,8 +325,17 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
     w = (jax.random.normal(keys[1], (args.layers, depth, depth), jnp.float32) / depth ** 0.5).astype(jnp.bfloat16)
     want = jax.jit(gemv_chain_reference)(x, w).astype(jnp.float32)
     rows = []
-    for name, fn in (("one kernel (gemv_chain)", gemv_chain), ("Triton stacked_gemv a layer", triton),
-                     ("XLA dot a layer", gemv_chain_reference)):
+    def partials(x, w):  # the split-K partial rows summed by their reader
+        built = decode_step_mgpu.SPLIT_SUMS
+        decode_step_mgpu.SPLIT_SUMS = "partials"
+        try:
+            return gemv_chain(x, w)
+        finally:
+            decode_step_mgpu.SPLIT_SUMS = built
+
+    for name, fn in (("one kernel (gemv_chain)", gemv_chain), ("one kernel, split-K partials summed by the reader",
+                                                               partials),
+                     ("Triton stacked_gemv a layer", triton), ("XLA dot a layer", gemv_chain_reference)):
         got = jax.jit(fn)(x, w).astype(jnp.float32)
         error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         kernels = kernel_time_us(fn, (x, w), calls=args.calls)["total"]
@@ -351,8 +361,8 @@ def _moe_chain(args) -> dict:
 
     layers = args.moe_chain
     keys = iter(jax.random.split(jax.random.key(1), 8))
-    w = lambda *s: jax.random.normal(next(keys), s, jnp.bfloat16) * (s[-2] ** -0.5)
-    x = jax.random.normal(next(keys), (2048,), jnp.bfloat16)
+    w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) * s[-2] ** -0.5).astype(jnp.bfloat16)
+    x = jax.random.normal(next(keys), (2048,), jnp.float32).astype(jnp.bfloat16)
     routed = (w(layers, 64, 2048, 1408), w(layers, 64, 2048, 1408), w(layers, 64, 1408, 2048))
     shared = (w(layers, 2048, 2816), w(layers, 2048, 2816), w(layers, 2816, 2048))
     rng = np.random.default_rng(0)
