@@ -311,7 +311,6 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
     """decode_step_mgpu.gemv_chain against a scan of launches over the same [L, D, D] weights: relative
     error against the f32-summed reference, kernel time (profiler trace) and loop time a call (launch
     gaps included), µs a layer."""
-    from pallas_kernels import decode_step_mgpu
     from pallas_kernels.decode_step_mgpu import gemv_chain, gemv_chain_reference
     from pallas_kernels.stacked_gemv import stacked_gemv
 
@@ -325,17 +324,8 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
     w = (jax.random.normal(keys[1], (args.layers, depth, depth), jnp.float32) / depth ** 0.5).astype(jnp.bfloat16)
     want = jax.jit(gemv_chain_reference)(x, w).astype(jnp.float32)
     rows = []
-    def partials(x, w):  # the split-K partial rows summed by their reader
-        built = decode_step_mgpu.SPLIT_SUMS
-        decode_step_mgpu.SPLIT_SUMS = "partials"
-        try:
-            return gemv_chain(x, w)
-        finally:
-            decode_step_mgpu.SPLIT_SUMS = built
-
-    for name, fn in (("one kernel (gemv_chain)", gemv_chain), ("one kernel, split-K partials summed by the reader",
-                                                               partials),
-                     ("Triton stacked_gemv a layer", triton), ("XLA dot a layer", gemv_chain_reference)):
+    for name, fn in (("one kernel (gemv_chain)", gemv_chain), ("Triton stacked_gemv a layer", triton),
+                     ("XLA dot a layer", gemv_chain_reference)):
         got = jax.jit(fn)(x, w).astype(jnp.float32)
         error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         kernels = kernel_time_us(fn, (x, w), calls=args.calls)["total"]

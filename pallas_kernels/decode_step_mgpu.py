@@ -25,6 +25,15 @@ GEMV phases (o_proj-like: D x D weights, one token):
   reads its K range of them back (TMA) as the next layer's tiles.
 
 The output rows start at zero: the CTAs zero them by TMA at the start, behind one more barrier.
+
+Measured on the H200 (``python -m benchmarks.megakernel_probe --gemv-chain``, 26 layers of 2048 x 2048,
+2026-12-02, ``gemv_chain_h200.json``, ``gemv_chain_partials_h200.json``): 4.1 µs a layer against 8.0 for
+a Triton ``stacked_gemv`` launch a layer (its split-K sum and rounding included) and 14.0 for XLA's dot.
+A phase is latency-bound: the trace (``--trace``) has the wait for the TMA add to complete before the
+barrier as its largest part. Storing each split's partial row from registers instead, its reader adding
+the splits, was slower (5.0 µs; code in git e61fb21).
+
+``moe_chain``: the expert phase, x_{l+1} = x_l + layer l's experts of x_l, in the same form.
 """
 
 from __future__ import annotations
@@ -46,11 +55,6 @@ STEP = 2 * HALF  # K rows a box holds
 TOKEN_N = 8  # the products' N: the input as the first row of an [8, 64] tile
 UNIT_K = 512  # K rows a CTA owns of its column tile (4 boxes at 16 KiB)
 RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12)
-# How gemv_chain's K splits are summed (read at trace time): "tma_add", each CTA's partial row added into
-# the layer's output by a TMA store that adds, waited for before the barrier; "partials", each CTA's row
-# stored from registers into a buffer of its own split, the reader summing the splits of its K range (no
-# bulk store to wait for; the trace has the TMA add's wait at ~half of a phase: gemv_chain_trace_h200.json).
-SPLIT_SUMS = "tma_add"
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -81,28 +85,24 @@ def _proxy_fence(_):
 
 
 def _build_tiles(rows_smem, tiles_smem):
-    """rows_smem f32[n, 64] (or [S, n, 64]: S partial sums of each row, added here) -> tiles_smem bf16[n * 8,
-    64]: chunk i as the first row of tile i (rows [8i, 8i + 8)), zeros below, built 8 tiles (one [64, 64]
-    register block) at a time."""
+    """rows_smem f32[n, 64] -> tiles_smem bf16[n * 8, 64]: chunk i as the first row of tile i (rows [8i,
+    8i + 8)), zeros below, built 8 tiles (one [64, 64] register block) at a time."""
     row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
     per_block = HALF // TOKEN_N
-    splits = [rows_smem] if len(rows_smem.shape) == 2 else [rows_smem.at[s] for s in range(rows_smem.shape[0])]
-    for q in range(splits[0].shape[0] // per_block):
+    for q in range(rows_smem.shape[0] // per_block):
         block = jnp.zeros((HALF, HALF), jnp.float32)
         for t in range(per_block):
-            chunk = sum(plgpu.load(part.at[q * per_block + t], layout=plgpu.Layout.WGMMA.reduce(0)) for part in splits)
+            chunk = plgpu.load(rows_smem.at[q * per_block + t], layout=plgpu.Layout.WGMMA.reduce(0))
             block = jnp.where(row_of == TOKEN_N * t, lax.broadcast_in_dim(chunk, (HALF, HALF), [1]), block)
         tiles_smem.at[pl.ds(q * HALF, HALF)][...] = block.astype(tiles_smem.dtype)
     plgpu.commit_smem()
 
 
 def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem, full, free, xin_bar, *,
-          num_layers: int, depth: int, split_sums: str):
+          num_layers: int, depth: int):
     # x_ref f32[D / 64, 64]; w_ref bf16[L, D, D]; out_ref f32[L, D / 64, 64] (layer l's outputs, summed
     # by the CTAs' TMA adds); scratch: the ring [RING, 2, 64, 64], the CTA's K range of the input f32[UNIT_K
-    # / 64, 64], its tiles bf16[UNIT_K / 64 * 8, 64], a partial row f32[64], zeros f32[8, 64]; barriers.
-    # split_sums "partials": x_ref f32[S, D / 64, 64] (x in split 0, zeros else), out_ref f32[L, S, D / 64,
-    # 64] (split s's partial rows), the input's K range f32[S, UNIT_K / 64, 64]
+    # / 64, 64], its tiles bf16[UNIT_K / 64 * 8, 64], a partial row f32[64], zeros f32[8, 64]; barriers
     c = lax.axis_index("c")
     ranges = depth // UNIT_K
     tile, kq = lax.div(c, ranges), lax.rem(c, ranges)
@@ -139,9 +139,7 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
     def input_tiles(source):
         """The CTA's K range of ``source`` (f32 rows [D / 64, 64] in global memory) as bf16 [8, 64] tiles."""
         with jax.named_scope("input"):
-            rows = pl.ds(kq * chunks, chunks)
-            plgpu.copy_gmem_to_smem(source.at[rows] if split_sums == "tma_add" else source.at[:, rows], xin_smem,
-                                    xin_bar.at[0])
+            plgpu.copy_gmem_to_smem(source.at[pl.ds(kq * chunks, chunks)], xin_smem, xin_bar.at[0])
             plgpu.barrier_wait(xin_bar.at[0])
         with jax.named_scope("tiles"):
             _build_tiles(xin_smem, tiles_smem)
@@ -157,8 +155,7 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
             plgpu.copy_smem_to_gmem(zero_smem, out_ref.at[lax.div(b, per_layer), pl.ds(lax.rem(b, per_layer) * 8, 8)])
             return ()
 
-        if split_sums == "tma_add":
-            lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
+        lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
         input_tiles(x_ref)
         arrive_and_wait(1)
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
@@ -180,13 +177,9 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
                 acc0, acc1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
                 plgpu.barrier_arrive(free.at[lax.rem(layer * boxes + boxes - 1, RING)])
             with jax.named_scope("store"):
-                row = jnp.sum(acc0 + acc1, axis=1)  # column 0 holds the token's sums
-                if split_sums == "tma_add":
-                    row_smem[...] = row
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer, tile], reduction_op="add")
-                else:
-                    out_ref.at[layer, kq, tile][...] = row
+                row_smem[...] = jnp.sum(acc0 + acc1, axis=1)  # column 0 holds the token's sums
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer, tile], reduction_op="add")
             arrive_and_wait(layer + 2)
 
             @pl.when(layer + 1 < num_layers)
@@ -215,18 +208,14 @@ def gemv_chain(x, w, profile_dir: str | None = None):
     num_layers, depth, width = w.shape
     if x.shape != (depth,) or width != depth:
         raise ValueError(f"gemv_chain: x {x.shape}, w {w.shape}; expected x [D] and w [L, D, D]")
-    rows, splits = depth // HALF, depth // UNIT_K
-    if SPLIT_SUMS not in ("tma_add", "partials"):
-        raise ValueError(f"SPLIT_SUMS={SPLIT_SUMS!r}; accepted: tma_add, partials")
-    partials = SPLIT_SUMS == "partials"
-    kernel = functools.partial(_body, num_layers=num_layers, depth=depth, split_sums=SPLIT_SUMS)
-    x_rows = x.astype(jnp.float32).reshape(rows, HALF)
+    rows = depth // HALF
+    kernel = functools.partial(_body, num_layers=num_layers, depth=depth)
     out = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_layers, *((splits,) if partials else ()), rows, HALF), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((num_layers, rows, HALF), jnp.float32),
         scratch_types=[
             plgpu.SMEM((RING, 2, HALF, HALF), w.dtype, transforms=_TILING),  # the ring of boxes
-            plgpu.SMEM(((splits,) if partials else ()) + (UNIT_K // HALF, HALF), jnp.float32),  # the input's K range
+            plgpu.SMEM((UNIT_K // HALF, HALF), jnp.float32),  # the CTA's K range of the input
             plgpu.SMEM((UNIT_K // HALF * TOKEN_N, HALF), w.dtype, transforms=_TILING),  # its tiles
             plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial outputs
             plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
@@ -240,9 +229,8 @@ def gemv_chain(x, w, profile_dir: str | None = None):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True, **({"profile_space": 1024, "profile_dir": profile_dir} if profile_dir else {})),
-    )(jnp.zeros((splits, rows, HALF), jnp.float32).at[0].set(x_rows) if partials else x_rows, w)
-    last = out[-1].sum(axis=0) if partials else out[-1]
-    return last.reshape(depth).astype(x.dtype)
+    )(x.astype(jnp.float32).reshape(rows, HALF), w)
+    return out[-1].reshape(depth).astype(x.dtype)
 
 
 def gemv_chain_reference(x, w):

@@ -13,18 +13,13 @@ from pallas_kernels import decode_step_mgpu as kernel
 from pallas_kernels.common import lower_for_h200
 
 
-@pytest.mark.parametrize("split_sums", ["tma_add", "partials"])
-def test_gemv_chain_lowers_for_hopper(split_sums, monkeypatch):
-    monkeypatch.setattr(kernel, "SPLIT_SUMS", split_sums)
+def test_gemv_chain_lowers_for_hopper():
     shape = jax.ShapeDtypeStruct
     for layers, depth in ((1, 512), (26, 2048)):
         hlo = lower_for_h200(kernel.gemv_chain, shape((depth,), jnp.bfloat16), shape((layers, depth, depth), jnp.bfloat16))
         assert hlo.count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match=r"expected x \[D\] and w \[L, D, D\]"):
         jax.eval_shape(kernel.gemv_chain, shape((2048,), jnp.bfloat16), shape((2, 2048, 1024), jnp.bfloat16))
-    monkeypatch.setattr(kernel, "SPLIT_SUMS", "atomics")
-    with pytest.raises(ValueError, match="SPLIT_SUMS='atomics'; accepted: tma_add, partials"):
-        jax.eval_shape(kernel.gemv_chain, shape((2048,), jnp.bfloat16), shape((2, 2048, 2048), jnp.bfloat16))
 
 
 def test_gemv_chain_supports_says_what_it_does_not_take(monkeypatch):
