@@ -346,6 +346,7 @@ def _moe_chain(args) -> dict:
     """decode_step_mgpu.moe_chain against a scan of the one-token expert launch (its residual added where
     XLA sums the partial rows), V2-Lite's layers: error against the reference chain, kernel time (trace)
     and loop time a call, µs a layer."""
+    from pallas_kernels import decode_step_mgpu
     from pallas_kernels.decode_step_mgpu import moe_chain, moe_chain_reference
     from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
 
@@ -369,8 +370,17 @@ def _moe_chain(args) -> dict:
     inputs = (x, weights, ids, *routed, shared)
     want = jax.jit(moe_chain_reference)(*inputs).astype(jnp.float32)
     layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6  # bytes a layer reads: top-6 + shared
+    def dealt(*args, **options):  # each CTA the same number of boxes (decode_step_mgpu.expert_plan)
+        built = decode_step_mgpu.EXPERT_PLAN
+        decode_step_mgpu.EXPERT_PLAN = "dealt"
+        try:
+            return moe_chain(*args, **options)
+        finally:
+            decode_step_mgpu.EXPERT_PLAN = built
+
     rows = []
-    for name, fn in (("one kernel (moe_chain)", moe_chain), ("moe_decode_mgpu a layer", launches)):
+    for name, fn in (("one kernel (moe_chain), tiles whole a CTA", moe_chain),
+                     ("one kernel (moe_chain), boxes dealt evenly", dealt), ("moe_decode_mgpu a layer", launches)):
         got = jax.jit(fn)(*inputs).astype(jnp.float32)
         error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         kernels = kernel_time_us(fn, inputs, calls=args.calls)["total"]
@@ -381,6 +391,7 @@ def _moe_chain(args) -> dict:
         print(rows[-1], flush=True)
     if args.trace:
         traced(lambda d: jax.jit(functools.partial(moe_chain, profile_dir=d))(*inputs), f"{args.trace}/moe_chain")
+        traced(lambda d: dealt(*inputs, profile_dir=d), f"{args.trace}/moe_chain_dealt")
     columns = ["kernel", "layers", "rel_error", "kernel_us_per_layer", "loop_us_per_layer", "tb_s"]
     return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, layer_mb=round(layer_mb, 1),
                        command=f"python -m benchmarks.megakernel_probe --moe-chain {layers}")

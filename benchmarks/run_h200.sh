@@ -110,7 +110,7 @@ case $part in
     timeout 200 python -m benchmarks.megakernel_probe --gemv-chain --out "$OUT/gemv_chain_h200.json" 2>&1 \
       | grep -v -i warn | tail -8 ;;
   step-phases)  # the step kernel's phases (pallas_kernels/decode_step_mgpu.py): GPU tests of the GEMV and expert
-                # chains, the expert chain (8 of V2-Lite's layers) against a launch a layer with its trace, then
+                # chains, the expert chain (8 of V2-Lite's layers, tiles whole or dealt) against a launch a layer with its trace, then
                 # the GEMV chain's trace (~4 minutes)
     timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "gemv_chain or moe_chain" 2>&1 \
       | tee "$OUT/gpu_tests_step_phases.log" | tail -4

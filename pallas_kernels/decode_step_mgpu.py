@@ -43,6 +43,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -266,11 +267,13 @@ def _moe_scratch(hidden: int, dtype) -> list:
         plgpu.SMEM((rows, HALF), jnp.float32),  # the layer's input rows (f32)
         plgpu.SMEM((rows * TOKEN_N, HALF), dtype, transforms=_TILING),  # the input's [8, 64] tiles
         plgpu.SMEM((HALF, HALF), dtype, transforms=_TILING),  # h as the first row of an [8, 64] tile
-        plgpu.SMEM((rows, HALF), jnp.float32),  # the tile's partial output row
+        plgpu.SMEM((HALF,), jnp.float32),  # h as a row (published, or fetched)
+        plgpu.SMEM((rows, HALF), jnp.float32),  # the CTA's partial output row
         plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
         plgpu.Barrier(num_barriers=RING),  # a slot's products are done
         plgpu.Barrier(num_barriers=1),  # the input rows landed
+        plgpu.Barrier(num_barriers=1),  # a fetched h landed
     ]
 
 
@@ -279,23 +282,82 @@ def _moe_smem_bytes(hidden: int) -> int:
                if hasattr(m, "shape")) + 512
 
 
-def _moe_body(ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, ring, xin_smem,
-              tiles_smem, h_smem, row_smem, zero_smem, full, free, xin_bar, *, num_layers: int, top_k: int,
-              num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int):
-    # ids_ref i32[L * k], weights_ref f32[L * k]; x_ref f32[D / 64, 64]; routed experts [L, E, D, I] x 2 and
-    # [L, E, I, D]; shared [L, D, S] x 2 and [L, S, D]; out_ref f32[L, D / 64, 64]: layer l's output rows,
-    # x_l + the TMA adds of every tile's partial row
+GATE_UP, DOWN = 0, 1  # the kinds of an expert plan's units
+# How moe_chain deals the layer's units to its CTAs (read at trace time): "tiles", CTA c takes tiles c,
+# c + C, ... whole (measured: 43.3 µs a layer at V2-Lite's 176 tiles, 44 CTAs streaming two tiles); "dealt",
+# each CTA the same number of boxes (``expert_plan``).
+EXPERT_PLAN = "tiles"
+
+
+def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int, dealt: bool) -> np.ndarray:
+    """Each CTA's units of an expert layer, in order: int32[C, U, 4] rows (kind, tile, first box, end box), kind
+    -1 after a CTA's last. A GATE_UP unit is a tile's 2 * gate_steps gate and up boxes (it publishes the tile's
+    h); a DOWN unit is boxes [first, end) of its down rows (it needs h).
+
+    Not ``dealt``: CTA c takes tiles c, c + C, ... whole. ``dealt`` (when C < tiles <= 2C): every CTA takes
+    tile c's gate / up, CTAs c < tiles - C the gate / up of tile C + c as well, the others their own tile's down
+    and, in halves, the downs of the two-tile CTAs' tiles, first-published first, each to the least-loaded
+    CTA: V2-Lite's 176 tiles on 132 CTAs give every CTA 64 boxes."""
+    gate_up = 2 * gate_steps
+    plans = [[] for _ in range(num_ctas)]
+    if not dealt or not num_ctas < num_tiles <= 2 * num_ctas:
+        for t in range(num_tiles):
+            plans[t % num_ctas] += [(GATE_UP, t, 0, gate_up), (DOWN, t, 0, down_steps)]
+    else:
+        extra = num_tiles - num_ctas
+        load = [gate_up] * num_ctas
+        for c in range(num_ctas):
+            plans[c].append((GATE_UP, c, 0, gate_up))
+        for c in range(extra):
+            plans[c].append((GATE_UP, num_ctas + c, 0, gate_up))
+            load[c] += gate_up
+        for c in range(extra, num_ctas):
+            plans[c].append((DOWN, c, 0, down_steps))
+            load[c] += down_steps
+        half = max(1, down_steps // 2)
+        for t in [*range(extra), *range(num_ctas, num_tiles)]:
+            for first in range(0, down_steps, half):
+                c = min(range(num_ctas), key=lambda c: (load[c], -c))
+                plans[c].append((DOWN, t, first, min(first + half, down_steps)))
+                load[c] += min(first + half, down_steps) - first
+    units = max(len(p) for p in plans)
+    table = np.full((num_ctas, units, 4), -1, np.int32)
+    for c, plan in enumerate(plans):
+        if plan:
+            table[c, :len(plan)] = plan
+    return table
+
+
+def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref,
+              ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, full, free, xin_bar, hin_bar, *,
+              num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
+              units: int):
+    # plan_ref i32[C * U * 4] (``expert_plan``); ids_ref i32[L * k], weights_ref f32[L * k]; x_ref f32[D / 64,
+    # 64]; routed experts [L, E, D, I] x 2 and [L, E, I, D]; shared [L, D, S] x 2 and [L, S, D]; out_ref f32[L,
+    # D / 64, 64]: layer l's output rows, x_l + the TMA adds of every CTA's partial rows; hs_ref f32[L, T, 64]:
+    # each tile's h, published for the CTAs that take its down rows
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
-    gate_steps = down_steps = hidden // STEP
-    boxes = 2 * gate_steps + down_steps
-    my_tiles = lax.div(num_tiles - c + num_ctas - 1, jnp.int32(num_ctas))  # tiles c, c + C, ...
+    gate_steps = hidden // STEP
+    gate_boxes = 2 * gate_steps
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    flags = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))  # tile t's h published (once a layer)
 
-    def tile_of(layer, j):
-        """Tile j of this CTA at ``layer``: (routed?, expert, routing weight, first intermediate column)."""
-        t = c + j * num_ctas
+    def unit(u):
+        """Unit u of this CTA's plan: (kind, tile, first box, end box) as boxes of its tile's stream (gate / up
+        boxes 0 .. 2 * gate_steps - 1, then the down boxes)."""
+        at = (c * units + u) * 4
+        kind, tile = plan_ref[at], plan_ref[at + 1]
+        is_down = kind == DOWN
+        first = jnp.where(is_down, gate_boxes + plan_ref[at + 2], 0)
+        end = jnp.where(is_down, gate_boxes + plan_ref[at + 3], gate_boxes)
+        return kind, jnp.maximum(tile, 0), first, end
+
+    num_units = sum(jnp.where(plan_ref[(c * units + u) * 4] >= 0, 1, 0) for u in range(units))
+
+    def tile_of(layer, t):
+        """Tile t at ``layer``: (routed?, expert, routing weight, first intermediate column)."""
         is_routed = t < top_k * routed_tiles
         slot_k = jnp.minimum(lax.div(t, jnp.int32(routed_tiles)), top_k - 1)
         picked = ids_ref[layer * top_k + slot_k]
@@ -305,14 +367,15 @@ def _moe_body(ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_re
         return is_routed, expert, scale, i0
 
     def loads():
-        """Warpgroup 1: every box of every tile of every layer, each once its slot is free."""
-        def tile_loads(layer, j, base):
-            is_routed, expert, _, i0 = tile_of(layer, j)
+        """Warpgroup 1: every box of every unit of every layer, each once its slot is free."""
+        def unit_loads(layer, u, count):
+            _, tile, first, end = unit(u)
+            is_routed, expert, _, i0 = tile_of(layer, tile)
 
-            def box(n, _):
-                slot = lax.rem(base + n, RING)
-                pl.when(base + n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
-                k, jd = lax.div(n, 2), n - 2 * gate_steps
+            def box(n, count):
+                slot = lax.rem(count, RING)
+                pl.when(count >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
+                k, jd = lax.div(n, 2), n - gate_boxes
                 for h in range(2):
                     gate_up = (pl.ds(k * STEP + h * HALF, HALF), pl.ds(i0, HALF))
                     down = (pl.ds(i0, HALF), pl.ds(jd * STEP + h * HALF, HALF))
@@ -321,19 +384,16 @@ def _moe_body(ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_re
                         which = (jnp.logical_not(is_routed), is_routed)[routed]
                         for kind, (ref, index) in enumerate(((refs[0], gate_up), (refs[1], gate_up),
                                                              (refs[2], down))):
-                            kind_is = ((n < 2 * gate_steps) & (lax.rem(n, 2) == 0), (n < 2 * gate_steps) & (
-                                lax.rem(n, 2) == 1), n >= 2 * gate_steps)[kind]
+                            kind_is = ((n < gate_boxes) & (lax.rem(n, 2) == 0), (n < gate_boxes) & (
+                                lax.rem(n, 2) == 1), n >= gate_boxes)[kind]
                             pl.when(which & kind_is)(lambda ref=ref, index=index, prefix=prefix: plgpu.copy_gmem_to_smem(
                                 ref.at[(*prefix, *index)], ring.at[slot, h], full.at[slot]))
-                return ()
+                return count + 1
 
-            lax.fori_loop(0, boxes, box, ())
+            return lax.fori_loop(first, end, box, count)
 
         def layer_loads(layer, count):
-            def one(j, count):
-                tile_loads(layer, j, count * boxes)
-                return count + 1
-            return lax.fori_loop(0, my_tiles, one, count)
+            return lax.fori_loop(0, num_units, lambda u, count: unit_loads(layer, u, count), count)
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
 
@@ -369,8 +429,14 @@ def _moe_body(ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_re
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
         row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
 
-        def one_tile(layer, j, base):
-            _, _, scale, _ = tile_of(layer, j)
+        def h_tile(h_row):
+            """h [64] (reduced WGMMA layout) as the first row of h_smem's [8, 64] tile."""
+            h = jnp.where(row_of == 0, lax.broadcast_in_dim(h_row, (HALF, HALF), [1]), 0)
+            h_smem[...] = h.astype(h_smem.dtype)
+            plgpu.commit_smem()
+
+        def gate_up_unit(layer, tile, base):
+            _, _, scale, _ = tile_of(layer, tile)
 
             def gate_up(accs):  # accumulators: gate half 0, gate half 1, up half 0, up half 1
                 def step(k, _):
@@ -393,20 +459,31 @@ def _moe_body(ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_re
 
             with jax.named_scope("gate_up"):
                 g0, g1, u0, u1 = pl.run_state(gate_up)(tuple(plgpu.ACC.init(zeros) for _ in range(4)))
-                plgpu.barrier_arrive(free.at[lax.rem(base + 2 * gate_steps - 2, RING)])
-                plgpu.barrier_arrive(free.at[lax.rem(base + 2 * gate_steps - 1, RING)])
+                plgpu.barrier_arrive(free.at[lax.rem(base + gate_boxes - 2, RING)])
+                plgpu.barrier_arrive(free.at[lax.rem(base + gate_boxes - 1, RING)])
             g, u = g0 + g1, u0 + u1
-            h = g * jax.nn.sigmoid(g) * u * scale  # the token's column 0, zeros else
-            row_smem.at[0][...] = jnp.sum(h, axis=1)  # the column to a row, through shared memory
-            h = jnp.where(row_of == 0, lax.broadcast_in_dim(
-                plgpu.load(row_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0)), (HALF, HALF), [1]), 0)
-            h_smem[...] = h.astype(h_smem.dtype)
+            hin_smem[...] = jnp.sum(g * jax.nn.sigmoid(g) * u * scale, axis=1)  # the token's column, as a row
             plgpu.commit_smem()
+            h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+            h_tile(h_row)
+            with jax.named_scope("publish"):  # for the CTAs that take this tile's down rows
+                hs_ref.at[layer, tile][...] = h_row
+                plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
+
+        def down_unit(layer, tile, first, end, base, local):
+            @pl.when(jnp.logical_not(local))
+            @jax.named_scope("fetch_h")
+            def _():  # another CTA's tile: its h once published
+                plgpu.semaphore_wait(flags.at[tile], layer + 1, decrement=False, memory_scope="gpu")
+                _proxy_fence()
+                plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], hin_smem, hin_bar.at[0])
+                plgpu.barrier_wait(hin_bar.at[0])
+                h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
+
             h_t = plgpu.transpose_ref(h_smem.at[pl.ds(0, TOKEN_N)], (1, 0))
 
-            def down(jd, _):
-                n = base + 2 * gate_steps + jd
-                slot = lax.rem(n, RING)
+            def down(n, _):
+                slot = lax.rem(base + n - first, RING)
                 plgpu.barrier_wait(full.at[slot])
 
                 def products(accs):
@@ -415,27 +492,33 @@ def _moe_body(ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_re
 
                 accs = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
                 plgpu.barrier_arrive(free.at[slot])
+                jd = n - gate_boxes
                 for half in range(2):
-                    row_smem.at[2 * jd + half][...] = jnp.sum(accs[half], axis=1)
+                    out_row = row_smem.at[2 * jd + half]
+                    out_row[...] = out_row[...] + jnp.sum(accs[half], axis=1)
                 return ()
 
             with jax.named_scope("down"):
-                lax.fori_loop(0, down_steps, down, ())
-            with jax.named_scope("store"):
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # row_smem is free for the next tile
+                lax.fori_loop(first, end, down, ())
 
         def layer_body(layer, count):
             @pl.when(c == 0)
             def _():  # the residual: the layer's input rows once
                 plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add")
 
-            def tile(j, count):
-                one_tile(layer, j, count * boxes)
-                return count + 1
+            row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)
 
-            count = lax.fori_loop(0, my_tiles, tile, count)
+            def one(u, carry):
+                count, last_gate_up = carry
+                kind, tile, first, end = unit(u)
+                pl.when(kind == GATE_UP)(lambda: gate_up_unit(layer, tile, count))
+                pl.when(kind == DOWN)(lambda: down_unit(layer, tile, first, end, count, tile == last_gate_up))
+                return count + end - first, jnp.where(kind == GATE_UP, tile, last_gate_up)
+
+            count, _ = lax.fori_loop(0, num_units, one, (count, jnp.int32(-1)))
+            with jax.named_scope("store"):
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
             arrive_and_wait(layer + 2)
 
             @pl.when(layer + 1 < num_layers)
@@ -444,6 +527,14 @@ def _moe_body(ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_re
             return count
 
         lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
+
+        def reset(u, _):  # every reader of this CTA's tiles has passed the last barrier: their flags to zero
+            kind, tile, _, _ = unit(u)
+            pl.when(kind == GATE_UP)(lambda: plgpu.semaphore_wait(flags.at[tile], num_layers, decrement=True,
+                                                                  memory_scope="gpu"))
+            return ()
+
+        lax.fori_loop(0, num_units, reset, ())
 
         @pl.when(c == 0)
         def _():
@@ -462,26 +553,31 @@ def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | 
     """x [D] bf16, weights f32[L, k] / ids i32[L, k] (each layer's routing; E marks an empty slot), every
     layer's routed experts (w_gate, w_up [L, E, D, I], w_down [L, E, I, D]) and shared experts (w_gate, w_up
     [L, D, S], w_down [L, S, D]) -> x_L [D] bf16 with x_{l+1} = bf16(x_l + layer l's experts of x_l): the
-    expert phase of the step kernel, L of them in one persistent kernel. A CTA (one an SM) takes (expert,
-    64 intermediate columns) tiles c, c + 132, ... of each layer, as the one-token launch does
-    (``moe_decode_mgpu``), their boxes streamed by a producer warpgroup across tiles and layers; each
-    tile's partial output row is added to the layer's f32 output by TMA, the residual once, and a grid
-    barrier orders the layer's sums before the next layer reads them. Shapes must pass ``moe_supports``."""
+    expert phase of the step kernel, L of them in one persistent kernel. The layer's (expert, 64 intermediate
+    columns) tiles, as the one-token launch has them (``moe_decode_mgpu``), are dealt to the CTAs (one an SM)
+    as ``expert_plan`` says; a producer warpgroup streams each CTA's boxes across units and layers; a tile's h
+    goes to the CTAs with its down rows through global memory and a flag; each CTA's partial output rows are
+    added to the layer's f32 output by TMA, the residual once, and a grid barrier orders the layer's sums
+    before the next layer reads them. Shapes must pass ``moe_supports``."""
     num_layers, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     shared_inter = shared[0].shape[-1]
     if x.shape != (hidden,) or weights.shape != ids.shape or w_gate.shape[0] != num_layers:
         raise ValueError(f"moe_chain: x {x.shape}, weights {weights.shape}, ids {ids.shape}, w_gate {w_gate.shape}; "
                          f"expected x [D={hidden}], weights and ids [L={w_gate.shape[0]}, k]")
+    if EXPERT_PLAN not in ("tiles", "dealt"):
+        raise ValueError(f"EXPERT_PLAN={EXPERT_PLAN!r}; accepted: tiles, dealt")
     routed_tiles = inter // HALF
     num_tiles = top_k * routed_tiles + shared_inter // HALF
     num_ctas = min(NUM_SMS, num_tiles)
     rows = hidden // HALF
+    plan = expert_plan(num_tiles, num_ctas, hidden // STEP, hidden // STEP, dealt=EXPERT_PLAN == "dealt")
     kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
-                               routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas)
-    out = plgpu.kernel(
+                               routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1])
+    out, _ = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((num_layers, rows, HALF), jnp.float32),
+        out_type=(jax.ShapeDtypeStruct((num_layers, rows, HALF), jnp.float32),
+                  jax.ShapeDtypeStruct((num_layers, num_tiles, HALF), jnp.float32)),
         scratch_types=_moe_scratch(hidden, x.dtype),
         grid=(num_ctas,),
         grid_names=("c",),
@@ -489,7 +585,7 @@ def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | 
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True, **({"profile_space": 1024, "profile_dir": profile_dir} if profile_dir else {})),
-    )(ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32),
+    )(jnp.asarray(plan.reshape(-1)), ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32),
       x.astype(jnp.float32).reshape(rows, HALF), w_gate, w_up, w_down, *shared)
     return out[-1].reshape(hidden).astype(x.dtype)
 

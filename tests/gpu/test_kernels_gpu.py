@@ -557,14 +557,19 @@ def test_gemv_chain_gpu(layers, depth):
     assert _rel(gemv_chain(x, w), gemv_chain_reference(x, w)) < 2e-2
 
 
-@pytest.mark.parametrize("layers, empty_slot", [(1, False), (3, True)])
-def test_moe_chain_gpu(layers, empty_slot):
+@pytest.mark.parametrize("layers, empty_slot, plan", [(1, False, "tiles"), (3, True, "tiles"), (1, False, "dealt"),
+                                                      (3, True, "dealt")])
+def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     """The step kernel's expert phase: V2-Lite's one-token layer shape (top-6 of 16 experts here, 2 shared
-    experts), a chain of layers in one persistent kernel (each tile's partial row added by TMA, the residual
-    once, a grid barrier a layer) against the reference chain; an empty slot (id E) contributes nothing."""
+    experts), a chain of layers in one persistent kernel (each CTA's partial rows added by TMA, the residual
+    once, a grid barrier a layer), its tiles whole a CTA or dealt evenly (h through global memory and a flag),
+    against the reference chain; an empty slot (id E) contributes nothing."""
     import jax
 
+    from pallas_kernels import decode_step_mgpu
     from pallas_kernels.decode_step_mgpu import moe_chain, moe_chain_reference, moe_supports
+
+    monkeypatch.setattr(decode_step_mgpu, "EXPERT_PLAN", plan)
 
     assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16) is None
     keys = iter(jax.random.split(jax.random.key(layers), 8))

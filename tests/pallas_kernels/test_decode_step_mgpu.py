@@ -53,10 +53,15 @@ def _moe_shapes(layers: int, experts: int = 64):
 
 
 def test_moe_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
-    """The step kernel's expert phase (V2-Lite's layer, top-6 of 64 and 2 shared experts, a few layers) lowers;
-    moe_supports names what it does not take."""
-    hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
-    assert hlo.count("custom_call @mosaic_gpu") == 1
+    """The step kernel's expert phase (V2-Lite's layer, top-6 of 64 and 2 shared experts, a few layers) lowers
+    with either plan; moe_supports names what it does not take."""
+    for plan in ("tiles", "dealt"):
+        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
+        hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
+        assert hlo.count("custom_call @mosaic_gpu") == 1
+    monkeypatch.setattr(kernel, "EXPERT_PLAN", "greedy")
+    with pytest.raises(ValueError, match="EXPERT_PLAN='greedy'; accepted: tiles, dealt"):
+        jax.eval_shape(kernel.moe_chain, *_moe_shapes(1))
     x, weights, ids, *rest = _moe_shapes(3)
     with pytest.raises(ValueError, match=r"expected x \[D=2048\], weights and ids \[L=3, k\]"):
         jax.eval_shape(kernel.moe_chain, x, weights, jax.ShapeDtypeStruct((2, 6), jnp.int32), *rest)
@@ -85,3 +90,34 @@ def test_moe_chain_reference_adds_each_layer_to_its_input():
         want = (want.astype(jnp.float32) + step.astype(jnp.float32)).astype(jnp.bfloat16)
     got = kernel.moe_chain_reference(x, weights, ids, *routed, shared)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dealt", [False, True])
+def test_expert_plan_covers_every_box_once(dealt):
+    """Every tile's gate / up is one CTA's unit and its 16 down boxes are covered once; dealt, V2-Lite's 176
+    tiles give each of 132 CTAs 64 boxes, and a CTA's own tile's down follows its gate / up."""
+    plan = kernel.expert_plan(176, 132, 16, 16, dealt=dealt)
+    gate_up, down = np.zeros(176, int), np.zeros((176, 16), int)
+    loads = []
+    for units in plan:
+        load, seen = 0, set()
+        for kind, tile, first, end in units:
+            if kind == kernel.GATE_UP:
+                gate_up[tile] += 1
+                seen.add(tile)
+                load += 32
+            elif kind == kernel.DOWN:
+                down[tile, first:end] += 1
+                load += end - first
+            else:
+                assert (kind, tile, first, end) == (-1, -1, -1, -1)
+        loads.append(load)
+    assert (gate_up == 1).all() and (down == 1).all()
+    if dealt:
+        assert set(loads) == {64}
+        singles = plan[44:]  # CTAs with one tile: its gate / up, its down, halves of two others' downs
+        assert (singles[:, 0, :2] == np.stack([np.zeros(88, int), np.arange(44, 132)], 1)).all()
+        assert (singles[:, 1, :2] == singles[:, 0, 1:2] * [0, 1] + [kernel.DOWN, 0]).all()
+    else:
+        assert sorted(loads) == [48] * 88 + [96] * 44
+    assert kernel.expert_plan(100, 132, 16, 16, dealt=True).shape == (132, 2, 4)  # fewer tiles than CTAs: whole
