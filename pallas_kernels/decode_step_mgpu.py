@@ -99,6 +99,53 @@ def _build_tiles(rows_smem, tiles_smem):
     plgpu.commit_smem()
 
 
+def _arrive_and_wait(sem, num_ctas: int, count):
+    """A grid barrier on the global semaphore ``sem``: this CTA's stores are out (its TMA stores waited for
+    and fenced against later TMA reads), counted; then wait until all ``num_ctas`` have arrived ``count``
+    times in all."""
+    with jax.named_scope("stores_out"):
+        plgpu.wait_smem_to_gmem(0)
+        _proxy_fence()
+        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+    with jax.named_scope("barrier"):
+        plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
+        _proxy_fence()
+
+
+def _release(sem, c, num_ctas: int, barriers: int):
+    """The kernel's end, after ``barriers`` arrivals a CTA: each arrives once more, and CTA 0, once all have
+    (so every CTA has passed its last wait), takes the semaphore back to zero for the next call."""
+    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+
+    @pl.when(c == 0)
+    def _():
+        plgpu.semaphore_wait(sem, num_ctas * (barriers + 1), decrement=True, memory_scope="gpu")
+
+
+def _zero_rows(zero_smem, out_ref, c, num_ctas: int):
+    """out_ref f32[L, R, 64] to zero, 8 rows (one TMA store from ``zero_smem`` f32[8, 64]) at a time, the
+    blocks dealt to the CTAs in turn (waited for by the next ``_arrive_and_wait``)."""
+    zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
+    plgpu.commit_smem()
+    num_layers, per_layer = out_ref.shape[0], out_ref.shape[1] // 8
+
+    def zero(j, _):
+        b = c + j * num_ctas
+        plgpu.copy_smem_to_gmem(zero_smem, out_ref.at[lax.div(b, per_layer), pl.ds(lax.rem(b, per_layer) * 8, 8)])
+        return ()
+
+    lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
+
+
+def _input_tiles(source, rows_smem, tiles_smem, bar):
+    """``source`` (f32 rows [n, 64] in global memory) by TMA into rows_smem, then as bf16 [8, 64] tiles."""
+    with jax.named_scope("input"):
+        plgpu.copy_gmem_to_smem(source, rows_smem, bar)
+        plgpu.barrier_wait(bar)
+    with jax.named_scope("tiles"):
+        _build_tiles(rows_smem, tiles_smem)
+
+
 def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem, full, free, xin_bar, *,
           num_layers: int, depth: int):
     # x_ref f32[D / 64, 64]; w_ref bf16[L, D, D]; out_ref f32[L, D / 64, 64] (layer l's outputs, summed
@@ -127,38 +174,13 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
 
         lax.fori_loop(0, num_layers, layer_loads, ())
 
-    def arrive_and_wait(count):
-        """This CTA's stores are out (TMA included): counted; then wait for all ``count`` arrivals."""
-        with jax.named_scope("stores_out"):
-            plgpu.wait_smem_to_gmem(0)
-            _proxy_fence()
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-        with jax.named_scope("barrier"):
-            plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
-            _proxy_fence()
-
-    def input_tiles(source):
-        """The CTA's K range of ``source`` (f32 rows [D / 64, 64] in global memory) as bf16 [8, 64] tiles."""
-        with jax.named_scope("input"):
-            plgpu.copy_gmem_to_smem(source.at[pl.ds(kq * chunks, chunks)], xin_smem, xin_bar.at[0])
-            plgpu.barrier_wait(xin_bar.at[0])
-        with jax.named_scope("tiles"):
-            _build_tiles(xin_smem, tiles_smem)
+    def input_tiles(source):  # the CTA's K range of ``source`` (f32 rows [D / 64, 64])
+        _input_tiles(source.at[pl.ds(kq * chunks, chunks)], xin_smem, tiles_smem, xin_bar.at[0])
 
     def compute():
-        # zero every layer's output rows (8 at a time by TMA), then the first barrier
-        zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
-        plgpu.commit_smem()
-        per_layer = depth // HALF // 8
-
-        def zero(j, _):
-            b = c + j * num_ctas
-            plgpu.copy_smem_to_gmem(zero_smem, out_ref.at[lax.div(b, per_layer), pl.ds(lax.rem(b, per_layer) * 8, 8)])
-            return ()
-
-        lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
+        _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
         input_tiles(x_ref)
-        arrive_and_wait(1)
+        _arrive_and_wait(sem, num_ctas, 1)
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
 
         def layer_body(layer, _):
@@ -181,7 +203,7 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
                 row_smem[...] = jnp.sum(acc0 + acc1, axis=1)  # column 0 holds the token's sums
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer, tile], reduction_op="add")
-            arrive_and_wait(layer + 2)
+            _arrive_and_wait(sem, num_ctas, layer + 2)
 
             @pl.when(layer + 1 < num_layers)
             def _():
@@ -189,15 +211,7 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
             return ()
 
         lax.fori_loop(0, num_layers, layer_body, ())
-
-        @pl.when(c == 0)
-        def _():  # every CTA has passed its last wait once all arrive once more: the semaphore back to zero
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-            plgpu.semaphore_wait(sem, num_ctas * (num_layers + 2), decrement=True, memory_scope="gpu")
-
-        @pl.when(c != 0)
-        def _():
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+        _release(sem, c, num_ctas, num_layers + 1)
 
     pl.when(lax.axis_index("wg") == 0)(compute)
     pl.when(lax.axis_index("wg") == 1)(loads)
@@ -397,35 +411,13 @@ def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
 
-    def arrive_and_wait(count):
-        with jax.named_scope("stores_out"):
-            plgpu.wait_smem_to_gmem(0)
-            _proxy_fence()
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-        with jax.named_scope("barrier"):
-            plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
-            _proxy_fence()
-
     def input_tiles(source):
-        with jax.named_scope("input"):
-            plgpu.copy_gmem_to_smem(source, xin_smem, xin_bar.at[0])
-            plgpu.barrier_wait(xin_bar.at[0])
-        with jax.named_scope("tiles"):
-            _build_tiles(xin_smem, tiles_smem)
+        _input_tiles(source, xin_smem, tiles_smem, xin_bar.at[0])
 
     def compute():
-        zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
-        plgpu.commit_smem()
-        per_layer = rows // 8
-
-        def zero(j, _):
-            b = c + j * num_ctas
-            plgpu.copy_smem_to_gmem(zero_smem, out_ref.at[lax.div(b, per_layer), pl.ds(lax.rem(b, per_layer) * 8, 8)])
-            return ()
-
-        lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
+        _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
         input_tiles(x_ref)
-        arrive_and_wait(1)
+        _arrive_and_wait(sem, num_ctas, 1)
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
         row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
 
@@ -519,7 +511,7 @@ def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_
             with jax.named_scope("store"):
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
-            arrive_and_wait(layer + 2)
+            _arrive_and_wait(sem, num_ctas, layer + 2)
 
             @pl.when(layer + 1 < num_layers)
             def _():
@@ -535,15 +527,7 @@ def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_
             return ()
 
         lax.fori_loop(0, num_units, reset, ())
-
-        @pl.when(c == 0)
-        def _():
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-            plgpu.semaphore_wait(sem, num_ctas * (num_layers + 2), decrement=True, memory_scope="gpu")
-
-        @pl.when(c != 0)
-        def _():
-            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+        _release(sem, c, num_ctas, num_layers + 1)
 
     pl.when(lax.axis_index("wg") == 0)(compute)
     pl.when(lax.axis_index("wg") == 1)(loads)
