@@ -6,7 +6,8 @@ the H200 streams in ~40 µs; each launch costs ~2 µs beyond its bytes inside XL
 kernel of 132 CTAs: one TMA stream of 16 KiB boxes a CTA across phases and layers, a grid barrier
 after each phase, stand-in products: 42.2 µs a layer once a producer warpgroup issues the copies and
 each box's products are two independent wgmma chains with two boxes in flight (round 20). The step
-kernel is built from phases of that shape; this module holds the first, checked on its own.
+kernel is built from phases of that shape; this module holds the first, checked on its own. The plan
+for the whole kernel: ``docs/decode_step_kernel.md``.
 
 ``gemv_chain``: x_{l+1} = bf16(x_l @ W_l) for l < L, all L in one kernel, as a chain of dependent
 GEMV phases (o_proj-like: D x D weights, one token):
