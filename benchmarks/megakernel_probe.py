@@ -397,6 +397,57 @@ def _moe_chain(args) -> dict:
                        command=f"python -m benchmarks.megakernel_probe --moe-chain {layers}")
 
 
+def _moe_block_chain(args) -> dict:
+    """decode_step_mgpu.moe_block_chain (both plans) against moe_chain given the same routing: what the norm,
+    the router's products, its barrier and the routing add to a layer. Today's launches for the same work
+    (round 20's profile): router products + their sum + routing + experts + their sum, ~44 µs a layer."""
+    from pallas_kernels import decode_step_mgpu
+    from pallas_kernels.decode_step_mgpu import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_chain
+
+    layers = args.moe_block_chain
+    keys = iter(jax.random.split(jax.random.key(3), 10))
+    w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) * s[-2] ** -0.5).astype(jnp.bfloat16)
+    x = jax.random.normal(next(keys), (2048,), jnp.float32).astype(jnp.bfloat16)
+    norm = (1 + jax.random.uniform(next(keys), (layers, 2048)) / 4).astype(jnp.bfloat16)
+    router = jax.random.normal(next(keys), (layers, 2048, 64), jnp.float32) / 2048 ** 0.5
+    experts = (w(layers, 64, 2048, 1408), w(layers, 64, 2048, 1408), w(layers, 64, 1408, 2048))
+    shared = (w(layers, 2048, 2816), w(layers, 2048, 2816), w(layers, 2816, 2048))
+    spec = RouterSpec(1e-6)
+    want, ids, weights = jax.jit(lambda *a: moe_block_chain_reference(*a[:3], spec, 6, *a[3:6], a[6:]))(
+        x, norm, router, *experts, *shared)
+
+    def with_plan(plan):
+        def run(x, norm, router, *rest):
+            built = decode_step_mgpu.EXPERT_PLAN
+            decode_step_mgpu.EXPERT_PLAN = plan
+            try:
+                return moe_block_chain(x, norm, router, spec, 6, *rest[:3], rest[3:])[0]
+            finally:
+                decode_step_mgpu.EXPERT_PLAN = built
+        return run
+
+    inputs = (x, norm, router, *experts, *shared)
+    layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6 + 2048 * 64 * 4 / 1e6
+    rows = []
+    for name, fn, args_ in (
+            ("moe_block_chain, tiles whole a CTA", with_plan("tiles"), inputs),
+            ("moe_block_chain, boxes dealt evenly", with_plan("dealt"), inputs),
+            ("moe_chain (routing given, no norm)", lambda x, i, wt, *e: moe_chain(x, wt, i, *e[:3], e[3:]),
+             (x, ids, weights, *experts, *shared))):
+        got = jax.jit(fn)(*args_).astype(jnp.float32)
+        error = None if args_ is not inputs else float(  # moe_chain (routing given, no norm): another chain
+            jnp.linalg.norm(got - want.astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+        kernels = kernel_time_us(fn, args_, calls=args.calls)["total"]
+        loop = device_time_us(fn, args_, estimate_s=layers * 45e-6)
+        rows.append(dict(kernel=name, layers=layers, rel_error=None if error is None else round(error, 5),
+                         kernel_us_per_layer=round(kernels / layers, 2), loop_us_per_layer=round(loop / layers, 2),
+                         tb_s=round(layer_mb * layers / loop, 3)))
+        print(rows[-1], flush=True)
+    columns = ["kernel", "layers", "rel_error", "kernel_us_per_layer", "loop_us_per_layer", "tb_s"]
+    return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, layer_mb=round(layer_mb, 1),
+                       command=f"python -m benchmarks.megakernel_probe --moe-block-chain {layers}")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=26)
@@ -416,8 +467,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--moe-chain", type=int, default=0, metavar="LAYERS",
                         help="instead: decode_step_mgpu.moe_chain (V2-Lite's one-token expert layers, this many) "
                              "against moe_decode_mgpu a layer")
+    parser.add_argument("--moe-block-chain", type=int, default=0, metavar="LAYERS",
+                        help="instead: decode_step_mgpu.moe_block_chain (V2-Lite's MoE halves, norm and router in the "
+                             "kernel, this many) against moe_chain with the routing given")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.moe_block_chain:
+        return _moe_block_chain(args)
     if args.moe_chain:
         return _moe_chain(args)
     if args.gemv_chain:

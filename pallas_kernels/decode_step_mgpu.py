@@ -34,13 +34,17 @@ A phase is latency-bound: the trace (``--trace``) has the wait for the TMA add t
 barrier as its largest part. Storing each split's partial row from registers instead, its reader adding
 the splits, was slower (5.0 µs; code in git e61fb21).
 
-``moe_chain``: the expert phase, x_{l+1} = x_l + layer l's experts of x_l, in the same form.
+``moe_chain``: the expert phase, x_{l+1} = x_l + layer l's experts of x_l, in the same form (measured with
+whole tiles a CTA: 43.3 µs a layer; the even plan is built and not yet run). ``moe_block_chain``: the MoE half
+of a layer, x_{l+1} = x_l + experts(RMSNorm(x_l)) with the router's products and the routing in the kernel
+(built, lowered for the H200, not yet run: ``bash benchmarks/run_h200.sh step-phases``).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -86,15 +90,18 @@ def _proxy_fence(_):
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
-def _build_tiles(rows_smem, tiles_smem):
-    """rows_smem f32[n, 64] -> tiles_smem bf16[n * 8, 64]: chunk i as the first row of tile i (rows [8i,
-    8i + 8)), zeros below, built 8 tiles (one [64, 64] register block) at a time."""
+def _build_tiles(rows_smem, tiles_smem, transform=None):
+    """rows_smem f32[n, 64] -> tiles_smem bf16[n * 8, 64]: chunk i (``transform(i, chunk)`` when given) as the
+    first row of tile i (rows [8i, 8i + 8)), zeros below, built 8 tiles (one [64, 64] register block) at a
+    time."""
     row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
     per_block = HALF // TOKEN_N
     for q in range(rows_smem.shape[0] // per_block):
         block = jnp.zeros((HALF, HALF), jnp.float32)
         for t in range(per_block):
             chunk = plgpu.load(rows_smem.at[q * per_block + t], layout=plgpu.Layout.WGMMA.reduce(0))
+            if transform is not None:
+                chunk = transform(q * per_block + t, chunk)
             block = jnp.where(row_of == TOKEN_N * t, lax.broadcast_in_dim(chunk, (HALF, HALF), [1]), block)
         tiles_smem.at[pl.ds(q * HALF, HALF)][...] = block.astype(tiles_smem.dtype)
     plgpu.commit_smem()
@@ -256,8 +263,10 @@ def gemv_chain_reference(x, w):
     return lax.scan(layer, x, w)[0]
 
 
-def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype) -> str | None:
-    """None when ``moe_chain`` takes the layers, else why not."""
+def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
+                 num_experts: int = HALF, top_k: int = 1) -> str | None:
+    """None when ``moe_chain`` (``router``: ``moe_block_chain``, with ``num_experts`` and ``top_k``) takes the
+    layers, else why not."""
     if why_not := why_not_hopper():
         return why_not
     if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
@@ -270,13 +279,34 @@ def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dt
         return f"hidden size {hidden} is over {256 * HALF} (one TMA box of its rows)"
     if num_layers < 1:
         return f"{num_layers} layers (at least 1)"
-    if (need := _moe_smem_bytes(hidden)) > 227 * 1024:
+    if router and num_experts != HALF:
+        return f"{num_experts} routed experts (the in-kernel router takes {HALF})"
+    if router and not 1 <= top_k <= ROUTE_SLOTS:
+        return f"top-{top_k} routing (the in-kernel router takes 1 to {ROUTE_SLOTS})"
+    if router and hidden % ROUTER_ROWS:
+        return f"hidden size {hidden} is not a multiple of {ROUTER_ROWS} (the router's K ranges)"
+    if (need := _moe_smem_bytes(hidden, router)) > 227 * 1024:
         return f"hidden size {hidden} needs {need} bytes of shared memory a CTA (at most {227 * 1024})"
     return None
 
 
-def _moe_scratch(hidden: int, dtype) -> list:
+ROUTER_ROWS = 128  # hidden rows of a router CTA's slab (f32 [128, 64]: 32 KiB)
+ROUTE_SLOTS = 8  # the routing's ids and weights a layer, in shared memory (top-k at most this)
+
+
+def _moe_scratch(hidden: int, dtype, router: bool = False) -> list:
     rows = hidden // HALF
+    router_scratch = [
+        plgpu.SMEM((ROUTER_ROWS, HALF), jnp.float32),  # the CTA's slab of the router's weights
+        plgpu.SMEM((ROUTER_ROWS,), jnp.float32),  # the normed rows of its K range
+        plgpu.SMEM((HALF,), jnp.float32),  # its partial logits
+        plgpu.SMEM((2 * HALF,), jnp.float32),  # the layer's logits
+        plgpu.SMEM((ROUTE_SLOTS,), jnp.int32),  # the chosen experts
+        plgpu.SMEM((ROUTE_SLOTS,), jnp.float32),  # their weights
+        plgpu.Barrier(num_barriers=1),  # the slab landed
+        plgpu.Barrier(num_barriers=1),  # the logits landed
+        plgpu.Barrier(num_barriers=1),  # the routing is in shared memory (for the producer)
+    ] if router else []
     return [
         plgpu.SMEM((RING, 2, HALF, HALF), dtype, transforms=_TILING),  # the ring of boxes
         plgpu.SMEM((rows, HALF), jnp.float32),  # the layer's input rows (f32)
@@ -289,11 +319,12 @@ def _moe_scratch(hidden: int, dtype) -> list:
         plgpu.Barrier(num_barriers=RING),  # a slot's products are done
         plgpu.Barrier(num_barriers=1),  # the input rows landed
         plgpu.Barrier(num_barriers=1),  # a fetched h landed
+        *router_scratch,
     ]
 
 
-def _moe_smem_bytes(hidden: int) -> int:
-    return sum(math.prod(m.shape) * jnp.dtype(m.dtype).itemsize for m in _moe_scratch(hidden, jnp.bfloat16)
+def _moe_smem_bytes(hidden: int, router: bool = False) -> int:
+    return sum(math.prod(m.shape) * jnp.dtype(m.dtype).itemsize for m in _moe_scratch(hidden, jnp.bfloat16, router)
                if hasattr(m, "shape")) + 512
 
 
@@ -304,7 +335,8 @@ GATE_UP, DOWN = 0, 1  # the kinds of an expert plan's units
 EXPERT_PLAN = "tiles"
 
 
-def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int, dealt: bool) -> np.ndarray:
+def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int, dealt: bool,
+                shared_from: int | None = None) -> np.ndarray:
     """Each CTA's units of an expert layer, in order: int32[C, U, 4] rows (kind, tile, first box, end box), kind
     -1 after a CTA's last. A GATE_UP unit is a tile's 2 * gate_steps gate and up boxes (it publishes the tile's
     h); a DOWN unit is boxes [first, end) of its down rows (it needs h).
@@ -312,7 +344,10 @@ def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int,
     Not ``dealt``: CTA c takes tiles c, c + C, ... whole. ``dealt`` (when C < tiles <= 2C): every CTA takes
     tile c's gate / up, CTAs c < tiles - C the gate / up of tile C + c as well, the others their own tile's down
     and, in halves, the downs of the two-tile CTAs' tiles, first-published first, each to the least-loaded
-    CTA: V2-Lite's 176 tiles on 132 CTAs give every CTA 64 boxes."""
+    CTA: V2-Lite's 176 tiles on 132 CTAs give every CTA 64 boxes.
+
+    ``shared_from`` (the first shared expert's tile): each CTA's shared tiles first (their boxes need no
+    routing, so they stream while it is computed), a tile's gate / up still before its own down."""
     gate_up = 2 * gate_steps
     plans = [[] for _ in range(num_ctas)]
     if not dealt or not num_ctas < num_tiles <= 2 * num_ctas:
@@ -326,15 +361,22 @@ def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int,
         for c in range(extra):
             plans[c].append((GATE_UP, num_ctas + c, 0, gate_up))
             load[c] += gate_up
+            if shared_from is not None and num_ctas + c >= shared_from > c:
+                plans[c].reverse()  # the shared tile's gate / up first
         for c in range(extra, num_ctas):
             plans[c].append((DOWN, c, 0, down_steps))
             load[c] += down_steps
         half = max(1, down_steps // 2)
-        for t in [*range(extra), *range(num_ctas, num_tiles)]:
+        published = [plans[c][i][1] for i in range(2) for c in range(extra)]  # the order the h's come in
+        for t in published:
             for first in range(0, down_steps, half):
                 c = min(range(num_ctas), key=lambda c: (load[c], -c))
                 plans[c].append((DOWN, t, first, min(first + half, down_steps)))
                 load[c] += min(first + half, down_steps) - first
+    if shared_from is not None and not dealt:
+        for c, plan in enumerate(plans):  # whole tiles: (gate / up, down) pairs, the shared ones first
+            pairs = [plan[i:i + 2] for i in range(0, len(plan), 2)]
+            plans[c] = [u for pair in sorted(pairs, key=lambda pair: pair[0][1] < shared_from) for u in pair]
     units = max(len(p) for p in plans)
     table = np.full((num_ctas, units, 4), -1, np.int32)
     for c, plan in enumerate(plans):
@@ -343,14 +385,31 @@ def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int,
     return table
 
 
-def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref,
-              ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, full, free, xin_bar, hin_bar, *,
-              num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
-              units: int):
-    # plan_ref i32[C * U * 4] (``expert_plan``); ids_ref i32[L * k], weights_ref f32[L * k]; x_ref f32[D / 64,
-    # 64]; routed experts [L, E, D, I] x 2 and [L, E, I, D]; shared [L, D, S] x 2 and [L, S, D]; out_ref f32[L,
-    # D / 64, 64]: layer l's output rows, x_l + the TMA adds of every CTA's partial rows; hs_ref f32[L, T, 64]:
-    # each tile's h, published for the CTAs that take its down rows
+class RouterSpec(NamedTuple):
+    """moe_chain's in-kernel router (static): RMSNorm's eps, then softmax scores, greedy top-k."""
+
+    eps: float
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
+              units: int, router: RouterSpec | None):
+    # plan_ref i32[C * U * 4] (``expert_plan``); without a router: ids_ref i32[L * k], weights_ref f32[L * k];
+    # x_ref f32[D / 64, 64]; routed experts [L, E, D, I] x 2 and [L, E, I, D]; shared [L, D, S] x 2 and [L, S,
+    # D]; with a router: its norm's weights g_ref f32[L, D / 64, 64] and weights wr_ref f32[L, D, E]. Outputs:
+    # out_ref f32[L, D / 64, 64]: layer l's output rows, x_l + the TMA adds of every CTA's partial rows; hs_ref
+    # f32[L, T, 64]: each tile's h, published for the CTAs that take its down rows; with a router: the logits
+    # f32[L, 8, E] (row 0, summed by TMA adds), the chosen ids i32[L, 8] and weights f32[L, 8] (first k)
+    if router:
+        (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, out_ref, hs_ref, logits_ref,
+         ids_out, weights_out, ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, full, free, xin_bar,
+         hin_bar, slab_smem, nvec_smem, part_smem, logits_smem, rid_smem, rw_smem, slab_bar, logits_bar,
+         route_bar) = refs
+    else:
+        (plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref, ring,
+         xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, full, free, xin_bar, hin_bar) = refs
+    barriers_a_layer = 2 if router else 1  # (the router's,) the experts' sums
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
@@ -375,16 +434,25 @@ def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_
         """Tile t at ``layer``: (routed?, expert, routing weight, first intermediate column)."""
         is_routed = t < top_k * routed_tiles
         slot_k = jnp.minimum(lax.div(t, jnp.int32(routed_tiles)), top_k - 1)
-        picked = ids_ref[layer * top_k + slot_k]
+        if router:  # this layer's routing, in shared memory
+            picked, weight = rid_smem[slot_k], rw_smem[slot_k]
+        else:
+            picked, weight = ids_ref[layer * top_k + slot_k], weights_ref[layer * top_k + slot_k]
         expert = jnp.minimum(picked, num_experts - 1)
-        scale = jnp.where(is_routed, jnp.where(picked >= num_experts, 0.0, weights_ref[layer * top_k + slot_k]), 1.0)
+        scale = jnp.where(is_routed, jnp.where(picked >= num_experts, 0.0, weight), 1.0)
         i0 = jnp.where(is_routed, lax.rem(t, jnp.int32(routed_tiles)), t - top_k * routed_tiles) * HALF
         return is_routed, expert, scale, i0
 
     def loads():
-        """Warpgroup 1: every box of every unit of every layer, each once its slot is free."""
-        def unit_loads(layer, u, count):
+        """Warpgroup 1: every box of every unit of every layer, each once its slot is free (with a router, the
+        routed tiles' once the computing warpgroup has routed the layer)."""
+        def unit_loads(layer, u, carry):
+            count, routed = carry
             _, tile, first, end = unit(u)
+            if router:
+                first_routed = (tile < top_k * routed_tiles) & jnp.logical_not(routed)
+                pl.when(first_routed)(lambda: plgpu.barrier_wait(route_bar.at[0]))
+                routed = routed | first_routed
             is_routed, expert, _, i0 = tile_of(layer, tile)
 
             def box(n, count):
@@ -405,18 +473,104 @@ def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_
                                 ref.at[(*prefix, *index)], ring.at[slot, h], full.at[slot]))
                 return count + 1
 
-            return lax.fori_loop(first, end, box, count)
+            return lax.fori_loop(first, end, box, count), routed
 
         def layer_loads(layer, count):
-            return lax.fori_loop(0, num_units, lambda u, count: unit_loads(layer, u, count), count)
+            count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
+            if router:  # one wait a layer for the one arrival, routed tiles or not
+                pl.when(jnp.logical_not(routed))(lambda: plgpu.barrier_wait(route_bar.at[0]))
+            return count
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
 
     def input_tiles(source):
-        _input_tiles(source, xin_smem, tiles_smem, xin_bar.at[0])
+        if router:  # the rows only: the tiles are of the normed rows (``route``)
+            with jax.named_scope("input"):
+                plgpu.copy_gmem_to_smem(source, xin_smem, xin_bar.at[0])
+                plgpu.barrier_wait(xin_bar.at[0])
+        else:
+            _input_tiles(source, xin_smem, tiles_smem, xin_bar.at[0])
+
+    ranges = hidden // ROUTER_ROWS  # router CTAs: c < ranges, each a K range of the router's rows
+
+    def route(layer, count):
+        """RMSNorm of the layer's rows into the tiles; the router's partial logits (CTAs c < ranges, f32 on
+        the CUDA cores) added by TMA; the router's barrier; then every CTA routes the layer (softmax, greedy
+        top-k) into shared memory and tells its producer. -> the barriers counted so far."""
+        plgpu.copy_gmem_to_smem(g_ref.at[layer], row_smem, xin_bar.at[0])  # the norm's weights, rows as x's
+        plgpu.barrier_wait(xin_bar.at[0])
+        squares = jnp.zeros((HALF,), jnp.float32)
+        for r in range(rows):
+            v = plgpu.load(xin_smem.at[r], layout=plgpu.Layout.WGMMA.reduce(0))
+            squares = squares + v * v
+        inv_rms = lax.rsqrt(jnp.sum(squares) / hidden + router.eps)
+
+        def normed(i, chunk):  # as rms_norm: x * 1 / rms rounded to bf16, times g, rounded
+            g = plgpu.load(row_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(0))
+            return ((chunk * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(
+                jnp.bfloat16).astype(jnp.float32)
+
+        with jax.named_scope("norm"):
+            _build_tiles(xin_smem, tiles_smem, normed)
+
+        @pl.when(c < ranges)
+        @jax.named_scope("router")
+        def _():
+            per = ROUTER_ROWS // HALF
+            for j in range(per):
+                i = c * per + j
+                nvec_smem.at[pl.ds(j * HALF, HALF)][...] = normed(
+                    i, plgpu.load(xin_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(0)))
+            plgpu.barrier_wait(slab_bar.at[0])
+            logits = lax.fori_loop(0, ROUTER_ROWS, lambda k, acc: acc + nvec_smem[k] * plgpu.load(
+                slab_smem.at[k], layout=plgpu.Layout.WGMMA.reduce(0)), jnp.zeros((HALF,), jnp.float32))
+            part_smem[...] = logits
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(part_smem, logits_ref.at[layer, 0], reduction_op="add")
+
+            @pl.when(layer + 1 < num_layers)
+            def _():  # the next layer's slab, while this one routes and runs its experts
+                plgpu.copy_gmem_to_smem(wr_ref.at[layer + 1, pl.ds(c * ROUTER_ROWS, ROUTER_ROWS)], slab_smem,
+                                        slab_bar.at[0])
+
+        row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # g read: the rows take the experts' sums
+        count = count + 1
+        _arrive_and_wait(sem, num_ctas, count)
+        with jax.named_scope("routing"):
+            plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
+            plgpu.barrier_wait(logits_bar.at[0])
+            strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
+            iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
+            logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+            scores = jnp.exp(logits - jnp.max(logits))
+            scores = scores / jnp.sum(scores)
+            left, chosen = logits, []  # chosen by logit: the softmax keeps their order, and no exp rounds them
+            for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order)
+                best = jnp.max(left)
+                pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
+                chosen.append((pick, jnp.sum(jnp.where(iota == pick, scores, 0.0))))
+                left = jnp.where(iota == pick, -jnp.inf, left)
+            total = sum(w for _, w in chosen) + 1e-20 if router.norm_topk_prob else 1.0
+            for k, (pick, w) in enumerate(chosen):
+                rid_smem[k] = pick
+                rw_smem[k] = w / total * router.routed_scaling_factor
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(route_bar.at[0])
+
+            @pl.when(c == 0)
+            def _():  # the layer's routing, for the caller
+                plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
+                plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
+        return count
 
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
+        if router:
+            _zero_rows(zero_smem, logits_ref, c, num_ctas)
+
+            @pl.when(c < ranges)
+            def _():
+                plgpu.copy_gmem_to_smem(wr_ref.at[0, pl.ds(c * ROUTER_ROWS, ROUTER_ROWS)], slab_smem, slab_bar.at[0])
         input_tiles(x_ref)
         _arrive_and_wait(sem, num_ctas, 1)
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
@@ -499,7 +653,11 @@ def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_
             def _():  # the residual: the layer's input rows once
                 plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add")
 
-            row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)
+            barriers = 1 + barriers_a_layer * layer
+            if router:
+                barriers = route(layer, barriers)
+            else:
+                row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)
 
             def one(u, carry):
                 count, last_gate_up = carry
@@ -512,7 +670,7 @@ def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_
             with jax.named_scope("store"):
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
-            _arrive_and_wait(sem, num_ctas, layer + 2)
+            _arrive_and_wait(sem, num_ctas, barriers + 1)
 
             @pl.when(layer + 1 < num_layers)
             def _():
@@ -528,7 +686,7 @@ def _moe_body(plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_
             return ()
 
         lax.fori_loop(0, num_units, reset, ())
-        _release(sem, c, num_ctas, num_layers + 1)
+        _release(sem, c, num_ctas, 1 + barriers_a_layer * num_layers)
 
     pl.when(lax.axis_index("wg") == 0)(compute)
     pl.when(lax.axis_index("wg") == 1)(loads)
@@ -545,34 +703,76 @@ def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | 
     added to the layer's f32 output by TMA, the residual once, and a grid barrier orders the layer's sums
     before the next layer reads them. Shapes must pass ``moe_supports``."""
     num_layers, top_k = ids.shape
+    if weights.shape != ids.shape or num_layers != w_gate.shape[0]:
+        raise ValueError(f"moe_chain: weights {weights.shape}, ids {ids.shape}, w_gate {w_gate.shape}; expected "
+                         f"weights and ids [L={w_gate.shape[0]}, k]")
+    out, _ = _moe_call(x, (ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)), None,
+                       top_k, (w_gate, w_up, w_down), shared, profile_dir)
+    return out
+
+
+def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared,
+                    profile_dir: str | None = None):
+    """The MoE half of a decoder layer, L of them in one persistent kernel: x_{l+1} = bf16(x_l + experts of
+    RMSNorm_l(x_l), routed by the layer's router). x [D] bf16, norm bf16[L, D] (the norm's weights), router
+    f32[L, D, E] (E = 64), ``spec`` (eps, softmax scores, greedy top-k of ``top_k``), the experts as
+    ``moe_chain`` -> (x_L [D] bf16, ids i32[L, k], weights f32[L, k]: each layer's routing). In the kernel,
+    every CTA norms the rows into its tiles; 16 CTAs compute the router's products of a K range each (f32,
+    CUDA cores), added by TMA; after a grid barrier every CTA routes the layer itself and its producer issues
+    the routed tiles' boxes (each CTA's shared tiles come first in its plan). Shapes must pass
+    ``moe_supports(..., router=True)``."""
+    num_layers, hidden = norm.shape
+    if router.shape[:2] != (num_layers, hidden):
+        raise ValueError(f"moe_block_chain: norm {norm.shape}, router {router.shape}; expected [L, D] and [L, D, E]")
+    rows = hidden // HALF
+    out, (ids, weights) = _moe_call(x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF), router), spec,
+                                    top_k, (w_gate, w_up, w_down), shared, profile_dir)
+    return out, ids[:, :top_k], weights[:, :top_k]
+
+
+def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir):
+    """moe_chain / moe_block_chain's kernel: ``extra`` the routing (ids, weights flattened) or, with
+    ``router``, the norm's rows and the router's weights."""
+    w_gate, w_up, w_down = routed
     num_experts, hidden, inter = w_gate.shape[1:]
+    num_layers = w_gate.shape[0]
     shared_inter = shared[0].shape[-1]
-    if x.shape != (hidden,) or weights.shape != ids.shape or w_gate.shape[0] != num_layers:
-        raise ValueError(f"moe_chain: x {x.shape}, weights {weights.shape}, ids {ids.shape}, w_gate {w_gate.shape}; "
-                         f"expected x [D={hidden}], weights and ids [L={w_gate.shape[0]}, k]")
+    if x.shape != (hidden,):
+        raise ValueError(f"moe_chain: x {x.shape}, w_gate {w_gate.shape}; expected x [D={hidden}]")
     if EXPERT_PLAN not in ("tiles", "dealt"):
         raise ValueError(f"EXPERT_PLAN={EXPERT_PLAN!r}; accepted: tiles, dealt")
+    if router is not None and extra[1].shape[-1] != HALF:
+        raise ValueError(f"moe_block_chain: {extra[1].shape[-1]} experts; the in-kernel router takes {HALF}")
     routed_tiles = inter // HALF
     num_tiles = top_k * routed_tiles + shared_inter // HALF
     num_ctas = min(NUM_SMS, num_tiles)
     rows = hidden // HALF
-    plan = expert_plan(num_tiles, num_ctas, hidden // STEP, hidden // STEP, dealt=EXPERT_PLAN == "dealt")
+    plan = expert_plan(num_tiles, num_ctas, hidden // STEP, hidden // STEP, dealt=EXPERT_PLAN == "dealt",
+                       shared_from=top_k * routed_tiles if router is not None else None)
     kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
-                               routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1])
-    out, _ = plgpu.kernel(
+                               routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1],
+                               router=router)
+    f32 = jnp.float32
+    out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), jax.ShapeDtypeStruct((num_layers, num_tiles, HALF), f32)]
+    if router is not None:
+        out_type += [jax.ShapeDtypeStruct((num_layers, 8, HALF), f32),
+                     jax.ShapeDtypeStruct((num_layers, ROUTE_SLOTS), jnp.int32),
+                     jax.ShapeDtypeStruct((num_layers, ROUTE_SLOTS), f32)]
+    x_rows = x.astype(f32).reshape(rows, HALF)
+    inputs = ((*extra[:2], x_rows, *routed, *shared) if router is None else (x_rows, *routed, *shared, *extra))
+    outs = plgpu.kernel(
         kernel,
-        out_type=(jax.ShapeDtypeStruct((num_layers, rows, HALF), jnp.float32),
-                  jax.ShapeDtypeStruct((num_layers, num_tiles, HALF), jnp.float32)),
-        scratch_types=_moe_scratch(hidden, x.dtype),
+        out_type=tuple(out_type),
+        scratch_types=_moe_scratch(hidden, x.dtype, router is not None),
         grid=(num_ctas,),
         grid_names=("c",),
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             approx_math=True, **({"profile_space": 1024, "profile_dir": profile_dir} if profile_dir else {})),
-    )(jnp.asarray(plan.reshape(-1)), ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32),
-      x.astype(jnp.float32).reshape(rows, HALF), w_gate, w_up, w_down, *shared)
-    return out[-1].reshape(hidden).astype(x.dtype)
+    )(jnp.asarray(plan.reshape(-1)), *inputs)
+    result = outs[0][-1].reshape(hidden).astype(x.dtype)
+    return result, (outs[3], outs[4]) if router is not None else None
 
 
 def moe_chain_reference(x, weights, ids, w_gate, w_up, w_down, shared):
@@ -583,3 +783,23 @@ def moe_chain_reference(x, weights, ids, w_gate, w_up, w_down, shared):
         x = moe_decode_reference(x[None], weights[layer][None], ids[layer][None], w_gate, w_up, w_down, layer,
                                  shared, residual=x[None])[0]
     return x
+
+
+def moe_block_chain_reference(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared):
+    """The same chain in jnp: the model's RMSNorm, the router's f32 products (at full f32 precision),
+    ``route_reference`` (softmax, greedy), ``moe_decode_reference`` with the residual -> (x_L, ids, weights)."""
+    from pallas_kernels.common import rms_norm
+    from pallas_kernels.moe_decode import moe_decode_reference
+    from pallas_kernels.moe_routing import RoutingSpec, route_reference
+
+    routing = RoutingSpec(top_k=top_k, norm_topk_prob=spec.norm_topk_prob,
+                          routed_scaling_factor=spec.routed_scaling_factor)
+    all_ids, all_weights = [], []
+    for layer in range(norm.shape[0]):
+        normed = rms_norm(x[None], norm[layer], spec.eps)
+        logits = jnp.dot(normed.astype(jnp.float32), router[layer], precision=lax.Precision.HIGHEST)
+        weights, ids = route_reference(logits, None, routing)
+        x = moe_decode_reference(normed, weights, ids, w_gate, w_up, w_down, layer, shared, residual=x[None])[0]
+        all_ids.append(ids[0])
+        all_weights.append(weights[0])
+    return x, jnp.stack(all_ids), jnp.stack(all_weights)

@@ -585,3 +585,31 @@ def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     got = moe_chain(x, weights, jnp.asarray(ids), *routed, shared)
     assert got.shape == (2048,) and got.dtype == jnp.bfloat16
     assert _rel(got, moe_chain_reference(x, weights, jnp.asarray(ids), *routed, shared)) < 2e-2
+
+
+@pytest.mark.parametrize("plan", ["tiles", "dealt"])
+def test_moe_block_chain_gpu(plan, monkeypatch):
+    """The MoE half of two V2-Lite layers in one persistent kernel (RMSNorm, the router's products on 16 CTAs,
+    softmax top-6 routing in every CTA, the experts with the shared tiles first) against the reference chain:
+    the same experts chosen, their weights, and the output."""
+    import jax
+
+    from pallas_kernels import decode_step_mgpu
+    from pallas_kernels.decode_step_mgpu import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_supports
+
+    monkeypatch.setattr(decode_step_mgpu, "EXPERT_PLAN", plan)
+    layers = 2
+    assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16, router=True, num_experts=64, top_k=6) is None
+    keys = iter(jax.random.split(jax.random.key(7), 10))
+    w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) / np.sqrt(s[-2])).astype(jnp.bfloat16)
+    x = jax.random.normal(next(keys), (2048,), jnp.float32).astype(jnp.bfloat16)
+    norm = (1 + jax.random.uniform(next(keys), (layers, 2048)) / 4).astype(jnp.bfloat16)
+    router = jax.random.normal(next(keys), (layers, 2048, 64), jnp.float32) / np.sqrt(2048)
+    experts = (w(layers, 64, 2048, 1408), w(layers, 64, 2048, 1408), w(layers, 64, 1408, 2048))
+    shared = (w(layers, 2048, 2816), w(layers, 2048, 2816), w(layers, 2816, 2048))
+    spec = RouterSpec(1e-6)
+    got, ids, weights = moe_block_chain(x, norm, router, spec, 6, *experts, shared)
+    want, want_ids, want_weights = moe_block_chain_reference(x, norm, router, spec, 6, *experts, shared)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-3)
+    assert got.shape == (2048,) and _rel(got, want) < 2e-2

@@ -63,7 +63,7 @@ def test_moe_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     with pytest.raises(ValueError, match="EXPERT_PLAN='greedy'; accepted: tiles, dealt"):
         jax.eval_shape(kernel.moe_chain, *_moe_shapes(1))
     x, weights, ids, *rest = _moe_shapes(3)
-    with pytest.raises(ValueError, match=r"expected x \[D=2048\], weights and ids \[L=3, k\]"):
+    with pytest.raises(ValueError, match=r"expected weights and ids \[L=3, k\]"):
         jax.eval_shape(kernel.moe_chain, x, weights, jax.ShapeDtypeStruct((2, 6), jnp.int32), *rest)
     monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
     assert kernel.moe_supports(2048, 1408, 2816, 26, jnp.bfloat16) is None
@@ -121,3 +121,43 @@ def test_expert_plan_covers_every_box_once(dealt):
     else:
         assert sorted(loads) == [48] * 88 + [96] * 44
     assert kernel.expert_plan(100, 132, 16, 16, dealt=True).shape == (132, 2, 4)  # fewer tiles than CTAs: whole
+
+
+def test_moe_block_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
+    """The MoE half of a layer in the step kernel (RMSNorm, the router's products on 16 CTAs, routing in every
+    CTA, the experts) lowers with either plan at V2-Lite's shapes; moe_supports names what the router takes."""
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    x, _, _, *routed, shared = _moe_shapes(2)
+    norm, router = shape((2, 2048), bf16), shape((2, 2048, 64), jnp.float32)
+    call = lambda x, norm, router, *experts: kernel.moe_block_chain(
+        x, norm, router, kernel.RouterSpec(1e-6), 6, *experts[:3], experts[3:])
+    for plan in ("tiles", "dealt"):
+        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
+        assert lower_for_h200(call, x, norm, router, *routed, *shared).count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match="32 experts; the in-kernel router takes 64"):
+        jax.eval_shape(call, x, norm, shape((2, 2048, 32), jnp.float32), *routed, *shared)
+    with pytest.raises(ValueError, match=r"expected \[L, D\] and \[L, D, E\]"):
+        jax.eval_shape(call, x, norm, shape((3, 2048, 64), jnp.float32), *routed, *shared)
+    monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
+    assert kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=64, top_k=6) is None
+    assert "160 routed experts" in kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=160,
+                                                       top_k=6)
+    assert "top-9 routing" in kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=64, top_k=9)
+
+
+def test_moe_block_chain_reference_routes_each_layer_from_its_normed_input():
+    """The reference: each layer's routing from its own normed input, its output the next layer's input."""
+    from pallas_kernels.common import rms_norm
+    from pallas_kernels.moe_routing import RoutingSpec, route_reference
+
+    rng = np.random.default_rng(2)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / 4, jnp.bfloat16)
+    x, norm = w(16), jnp.asarray(1 + rng.random((2, 16)) / 4, jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((2, 16, 4)), jnp.float32)
+    routed, shared = (w(2, 4, 16, 8), w(2, 4, 16, 8), w(2, 4, 8, 16)), (w(2, 16, 8), w(2, 16, 8), w(2, 8, 16))
+    spec = kernel.RouterSpec(1e-6, norm_topk_prob=True, routed_scaling_factor=2.0)
+    out, ids, weights = kernel.moe_block_chain_reference(x, norm, router, spec, 2, *routed, shared)
+    assert out.shape == (16,) and ids.shape == weights.shape == (2, 2)
+    np.testing.assert_allclose(np.asarray(weights.sum(-1)), 2.0, rtol=1e-5)  # normed to 1, scaled by 2
+    logits = rms_norm(x[None], norm[0], 1e-6).astype(jnp.float32) @ router[0]
+    assert (route_reference(logits, None, RoutingSpec(top_k=2, norm_topk_prob=True))[1][0] == ids[0]).all()
