@@ -462,9 +462,9 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 for h in range(2):
                     gate_up = (pl.ds(k * STEP + h * HALF, HALF), pl.ds(i0, HALF))
                     down = (pl.ds(i0, HALF), pl.ds(jd * STEP + h * HALF, HALF))
-                    for routed, refs in ((True, (wg_ref, wu_ref, wd_ref)), (False, (sg_ref, su_ref, sd_ref))):
-                        prefix = (layer, expert) if routed else (layer,)
-                        which = (jnp.logical_not(is_routed), is_routed)[routed]
+                    for routed_refs, refs in ((True, (wg_ref, wu_ref, wd_ref)), (False, (sg_ref, su_ref, sd_ref))):
+                        prefix = (layer, expert) if routed_refs else (layer,)
+                        which = is_routed if routed_refs else jnp.logical_not(is_routed)
                         for kind, (ref, index) in enumerate(((refs[0], gate_up), (refs[1], gate_up),
                                                              (refs[2], down))):
                             kind_is = ((n < gate_boxes) & (lax.rem(n, 2) == 0), (n < gate_boxes) & (
@@ -521,6 +521,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 i = c * per + j
                 nvec_smem.at[pl.ds(j * HALF, HALF)][...] = normed(
                     i, plgpu.load(xin_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(0)))
+            plgpu.commit_smem()
             plgpu.barrier_wait(slab_bar.at[0])
             logits = lax.fori_loop(0, ROUTER_ROWS, lambda k, acc: acc + nvec_smem[k] * plgpu.load(
                 slab_smem.at[k], layout=plgpu.Layout.WGMMA.reduce(0)), jnp.zeros((HALF,), jnp.float32))
