@@ -25,19 +25,26 @@ come out exact or a barrier is broken); the routed boxes' CTA is shifted by a va
 their addresses depend on the router's barrier, as an expert's id does. ``products``: each box is also
 multiplied as the expert launch does (two wgmma of a half^T x an [8, 64] tile), so the tensor work sits
 in the stream, either waited for before the box's slot is refilled ("serial") or with one box's products
-in flight ("lag"); ``producer``: a second warpgroup issues the copies as slots free up, so that refills
-never wait behind the products or a barrier.
+in flight ("lag"), each box one wgmma chain or two ("halves", "halves_lag", "halves_lag2": each half
+into its own accumulator, one or two boxes in flight); ``producer``: a second warpgroup issues the copies
+as slots free up, so that refills never wait behind the products or a barrier.
 
 Rows of the table: the schedule as described (``barriers``), the same stream with no barriers (the
 floor), and the barriers alone with no weights (the chain's own cost), µs a layer from a profiler trace.
-Against today's ~77 µs a layer: if the schedule lands near the floor, one kernel a step (the layer's
-norms, GEMVs, attention, routing and experts as its phases) is worth building.
+Measured (round 20): 42.2 µs a layer with a producer warpgroup, two chains a box, two boxes in flight and
+8 slots, against ~77 for today's launches; so the step kernel is being built
+(``pallas_kernels/decode_step_mgpu.py``), and its phases are timed here too (``--gemv-chain``,
+``--moe-chain``, ``--moe-block-chain``).
 
     python -m benchmarks.megakernel_probe --out benchmarks/results/megakernel_probe_h200.json
     python -m benchmarks.megakernel_probe --quick   # lower every variant for an abstract H200 (CPU)
     python -m benchmarks.megakernel_probe --trace DIR  # per-CTA traces of the serial-products configs
-    python -m benchmarks.megakernel_probe --gemv-chain  # the step kernel's first real phase, a chain of
+    python -m benchmarks.megakernel_probe --only barriers/8/halves_lag2/producer  # named configs only
+    python -m benchmarks.megakernel_probe --gemv-chain  # the step kernel's GEMV phase, a chain of
         # dependent D x D GEMVs (pallas_kernels/decode_step_mgpu.gemv_chain), against one launch a layer
+    python -m benchmarks.megakernel_probe --moe-chain 8  # its expert phase (8 layers), both plans, against
+        # moe_decode_mgpu a layer
+    python -m benchmarks.megakernel_probe --moe-block-chain 8  # the MoE half: norm, router, routing, experts
 """
 
 from __future__ import annotations
