@@ -462,7 +462,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--calls", type=int, default=10, help="back-to-back calls in the profiler trace")
     parser.add_argument("--quick", action="store_true", help="lower every config on CPU, time nothing")
     parser.add_argument("--only", nargs="+", default=None, metavar="NAME",
-                        help="time only the configs named so (variant/ring/products[/producer], e.g. "
+                        help="time (with --quick: lower) only the configs named so (variant/ring/products[/producer], e.g. "
                              "barriers/12/halves/producer)")
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="instead: trace the named scopes of the serial-products configs at 8 slots, two layers, "
@@ -493,15 +493,15 @@ def main(argv=None) -> dict:
                 layer_chain, variant="barriers", ring=8, products="serial", producer=producer,
                 profile_dir=d))(x0, w), directory)
         return {"traced": args.trace}
-    if args.quick:
-        result = {_name(*config): lower_for_h200(lambda x, w, config=config: _call(x, w, *config),
-                                                 *_inputs(2, 8, abstract=True)).count("mosaic_gpu")
-                  for config in CONFIGS}
-        print(result)
-        return result
     configs = [c for c in CONFIGS if args.only is None or _name(*c) in args.only]
     if args.only and len(configs) != len(args.only):
         raise ValueError(f"--only {args.only}: accepted names {[_name(*c) for c in CONFIGS]}")
+    if args.quick:
+        result = {_name(*config): lower_for_h200(lambda x, w, config=config: _call(x, w, *config),
+                                                 *_inputs(2, 8, abstract=True)).count("mosaic_gpu")
+                  for config in configs}
+        print(result)
+        return result
     x0, w = _inputs(args.layers, args.ctas)
     want = expected_rows(x0, args.layers)
     rows = []
