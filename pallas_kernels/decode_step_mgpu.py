@@ -1,4 +1,4 @@
-"""Batch-1 decode phases inside one persistent Mosaic GPU kernel: the GEMV phase and its grid barrier.
+"""Batch-1 decode phases inside one persistent Mosaic GPU kernel: GEMV, expert and MoE-half chains.
 
 Why: a batch-1 decode layer of V2-Lite is ~13 dependent launches, ~77 µs for ~167 MB of weights that
 the H200 streams in ~40 µs; each launch costs ~2 µs beyond its bytes inside XLA's CUDA graphs
@@ -65,6 +65,13 @@ NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be residen
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
+def num_sms() -> int:
+    """The SMs of the GPU these kernels run on: all of a persistent kernel's CTAs must be resident at once
+    (one an SM), or its grid barriers never open. Off the GPU (lowering for an abstract H200), the H200's."""
+    device = jax.devices()[0]
+    return (getattr(device, "core_count", None) or NUM_SMS) if device.platform == "gpu" else NUM_SMS
+
+
 def supports(depth: int, num_layers: int, dtype) -> str | None:
     """None when ``gemv_chain`` takes [L, D, D] weights, else why not."""
     if why_not := why_not_hopper():
@@ -73,8 +80,8 @@ def supports(depth: int, num_layers: int, dtype) -> str | None:
         return f"weights in {jnp.dtype(dtype).name} (this kernel takes bfloat16)"
     if depth % UNIT_K:
         return f"depth {depth} is not a multiple of {UNIT_K}"
-    if (ctas := _ctas(depth)) > NUM_SMS:
-        return f"depth {depth} needs {ctas} CTAs resident at once (at most {NUM_SMS})"
+    if (ctas := _ctas(depth)) > num_sms():
+        return f"depth {depth} needs {ctas} CTAs resident at once (this GPU has {num_sms()} SMs)"
     if num_layers < 1:
         return f"{num_layers} layers (at least 1)"
     return None
@@ -231,6 +238,9 @@ def gemv_chain(x, w, profile_dir: str | None = None):
     num_layers, depth, width = w.shape
     if x.shape != (depth,) or width != depth:
         raise ValueError(f"gemv_chain: x {x.shape}, w {w.shape}; expected x [D] and w [L, D, D]")
+    if depth % UNIT_K or _ctas(depth) > num_sms():
+        raise ValueError(f"gemv_chain: depth {depth} (a multiple of {UNIT_K} whose {_ctas(depth)} CTAs fit the GPU's "
+                         f"{num_sms()} SMs at once)")
     rows = depth // HALF
     kernel = functools.partial(_body, num_layers=num_layers, depth=depth)
     out = plgpu.kernel(
@@ -746,7 +756,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         raise ValueError(f"moe_block_chain: {extra[1].shape[-1]} experts; the in-kernel router takes {HALF}")
     routed_tiles = inter // HALF
     num_tiles = top_k * routed_tiles + shared_inter // HALF
-    num_ctas = min(NUM_SMS, num_tiles)
+    num_ctas = min(num_sms(), num_tiles)
     rows = hidden // HALF
     plan = expert_plan(num_tiles, num_ctas, hidden // STEP, hidden // STEP, dealt=EXPERT_PLAN == "dealt",
                        shared_from=top_k * routed_tiles if router is not None else None)

@@ -20,6 +20,8 @@ def test_gemv_chain_lowers_for_hopper():
         assert hlo.count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match=r"expected x \[D\] and w \[L, D, D\]"):
         jax.eval_shape(kernel.gemv_chain, shape((2048,), jnp.bfloat16), shape((2, 2048, 1024), jnp.bfloat16))
+    with pytest.raises(ValueError, match="392 CTAs fit the GPU's 132 SMs"):  # the grid barriers would never open
+        jax.eval_shape(kernel.gemv_chain, shape((3584,), jnp.bfloat16), shape((1, 3584, 3584), jnp.bfloat16))
 
 
 def test_gemv_chain_supports_says_what_it_does_not_take(monkeypatch):
@@ -27,7 +29,7 @@ def test_gemv_chain_supports_says_what_it_does_not_take(monkeypatch):
     assert kernel.supports(2048, 26, jnp.bfloat16) is None  # 32 column tiles x 4 K ranges: 128 CTAs
     assert "float32" in kernel.supports(2048, 26, jnp.float32)
     assert "depth 2000 is not a multiple of 512" in kernel.supports(2000, 26, jnp.bfloat16)
-    assert "needs 392 CTAs" in kernel.supports(3584, 26, jnp.bfloat16)
+    assert "needs 392 CTAs resident at once (this GPU has 132 SMs)" in kernel.supports(3584, 26, jnp.bfloat16)
     assert "0 layers" in kernel.supports(2048, 0, jnp.bfloat16)
     monkeypatch.setattr(kernel, "why_not_hopper", lambda: "no GPU")
     assert kernel.supports(2048, 26, jnp.bfloat16) == "no GPU"
