@@ -539,7 +539,6 @@ def test_write_latents_with_query_partials_gpu(absorb, tokens):
         assert _rel(g, w) < 1e-2
 
 
-
 @pytest.mark.parametrize("layers, depth", [(1, 512), (4, 2048)])
 def test_gemv_chain_gpu(layers, depth):
     """The step kernel's GEMV phase: a chain of dependent D x D GEMVs in one persistent kernel (split-K sums by
@@ -570,7 +569,6 @@ def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     from pallas_kernels.decode_step_mgpu import moe_chain, moe_chain_reference, moe_supports
 
     monkeypatch.setattr(decode_step_mgpu, "EXPERT_PLAN", plan)
-
     assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16) is None
     keys = iter(jax.random.split(jax.random.key(layers), 8))
     w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) / np.sqrt(s[-2])).astype(jnp.bfloat16)
