@@ -349,11 +349,24 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
                        command="python -m benchmarks.megakernel_probe --gemv-chain")
 
 
+def _under_plan(plan: str, fn):
+    """``fn`` traced with decode_step_mgpu.EXPERT_PLAN set to ``plan`` (a trace-time module constant)."""
+    from pallas_kernels import decode_step_mgpu
+
+    def call(*args, **options):
+        built = decode_step_mgpu.EXPERT_PLAN
+        decode_step_mgpu.EXPERT_PLAN = plan
+        try:
+            return fn(*args, **options)
+        finally:
+            decode_step_mgpu.EXPERT_PLAN = built
+    return call
+
+
 def _moe_chain(args) -> dict:
     """decode_step_mgpu.moe_chain against a scan of the one-token expert launch (its residual added where
     XLA sums the partial rows), V2-Lite's layers: error against the reference chain, kernel time (trace)
     and loop time a call, µs a layer."""
-    from pallas_kernels import decode_step_mgpu
     from pallas_kernels.decode_step_mgpu import moe_chain, moe_chain_reference
     from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
 
@@ -377,14 +390,7 @@ def _moe_chain(args) -> dict:
     inputs = (x, weights, ids, *routed, shared)
     want = jax.jit(moe_chain_reference)(*inputs).astype(jnp.float32)
     layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6  # bytes a layer reads: top-6 + shared
-    def dealt(*args, **options):  # each CTA the same number of boxes (decode_step_mgpu.expert_plan)
-        built = decode_step_mgpu.EXPERT_PLAN
-        decode_step_mgpu.EXPERT_PLAN = "dealt"
-        try:
-            return moe_chain(*args, **options)
-        finally:
-            decode_step_mgpu.EXPERT_PLAN = built
-
+    dealt = _under_plan("dealt", moe_chain)  # each CTA the same number of boxes (decode_step_mgpu.expert_plan)
     rows = []
     for name, fn in (("one kernel (moe_chain), tiles whole a CTA", moe_chain),
                      ("one kernel (moe_chain), boxes dealt evenly", dealt), ("moe_decode_mgpu a layer", launches)):
@@ -408,7 +414,6 @@ def _moe_block_chain(args) -> dict:
     """decode_step_mgpu.moe_block_chain (both plans) against moe_chain given the same routing: what the norm,
     the router's products, its barrier and the routing add to a layer. Today's launches for the same work
     (round 20's profile): router products + their sum + routing + experts + their sum, ~44 µs a layer."""
-    from pallas_kernels import decode_step_mgpu
     from pallas_kernels.decode_step_mgpu import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_chain
 
     layers = args.moe_block_chain
@@ -424,14 +429,8 @@ def _moe_block_chain(args) -> dict:
         x, norm, router, *experts, *shared)
 
     def with_plan(plan):
-        def run(x, norm, router, *rest):
-            built = decode_step_mgpu.EXPERT_PLAN
-            decode_step_mgpu.EXPERT_PLAN = plan
-            try:
-                return moe_block_chain(x, norm, router, spec, 6, *rest[:3], rest[3:])[0]
-            finally:
-                decode_step_mgpu.EXPERT_PLAN = built
-        return run
+        block = _under_plan(plan, moe_block_chain)
+        return lambda x, norm, router, *rest: block(x, norm, router, spec, 6, *rest[:3], rest[3:])[0]
 
     inputs = (x, norm, router, *experts, *shared)
     layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6 + 2048 * 64 * 4 / 1e6

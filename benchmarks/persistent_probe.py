@@ -41,12 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.common import best_seconds, write_probe
 from benchmarks.pdl_probe import ROWS, stream_step
 from pallas_kernels.common import lower_for_h200
+from pallas_kernels.decode_step_mgpu import proxy_fence
 
 VARIANTS = ("launches", "barrier", "persistent", "prefetch")
 ROW_PATHS = ("tma", "ld")
@@ -57,13 +57,6 @@ def _slab(slab_kb: int) -> tuple[int, int, int]:
     if slab_kb % 16 or not 16 <= slab_kb <= 256:
         raise ValueError(f"slab_kb={slab_kb}: accepted multiples of 16 from 16 to 256")
     return (slab_kb // 16, 64, 128)
-
-
-@plgpu.inline_mgpu()
-def _proxy_fence(_):
-    """Orders this thread's generic-proxy accesses of global memory with its TMA (async-proxy) ones:
-    rows a TMA store wrote before a release, rows a TMA load reads after an acquire."""
-    mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
 def launch_step(x, w):
@@ -97,7 +90,7 @@ def persistent_chain(x, weights, *, variant: str, stages: int = 1, rows: str = "
 
         def arrive():  # this CTA's row is in global memory: count it
             plgpu.wait_smem_to_gmem(0)
-            _proxy_fence()
+            proxy_fence()
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
         if variant == "prefetch":
@@ -116,7 +109,7 @@ def persistent_chain(x, weights, *, variant: str, stages: int = 1, rows: str = "
                 load_weights(k, 0)
             source = o_ref.at[lax.rem(k + 1, 2), neighbour]
             if rows == "tma":
-                _proxy_fence()
+                proxy_fence()
                 plgpu.copy_gmem_to_smem(source, rows_smem.at[0], bars.at[stages])
                 plgpu.barrier_wait(bars.at[stages])
                 new_rows = rows_smem.at[0][...] + 1.0

@@ -92,8 +92,9 @@ def _ctas(depth: int) -> int:
 
 
 @plgpu.inline_mgpu()
-def _proxy_fence(_):
-    """Orders this thread's generic-proxy and async-proxy (TMA) accesses of global memory."""
+def proxy_fence(_):
+    """Orders this thread's generic-proxy accesses of global memory with its TMA (async-proxy) ones: rows a
+    TMA store wrote before a release, rows a TMA load reads after an acquire."""
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
@@ -120,11 +121,11 @@ def _arrive_and_wait(sem, num_ctas: int, count):
     times in all."""
     with jax.named_scope("stores_out"):
         plgpu.wait_smem_to_gmem(0)
-        _proxy_fence()
+        proxy_fence()
         plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
     with jax.named_scope("barrier"):
         plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
-        _proxy_fence()
+        proxy_fence()
 
 
 def _release(sem, c, num_ctas: int, barriers: int):
@@ -404,7 +405,7 @@ class RouterSpec(NamedTuple):
 
 
 def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
-              units: int, router: RouterSpec | None):
+              units: int, router: RouterSpec | None, publishes: bool):
     # plan_ref i32[C * U * 4] (``expert_plan``); without a router: ids_ref i32[L * k], weights_ref f32[L * k];
     # x_ref f32[D / 64, 64]; routed experts [L, E, D, I] x 2 and [L, E, I, D]; shared [L, D, S] x 2 and [L, S,
     # D]; with a router: its norm's weights g_ref f32[L, D / 64, 64] and weights wr_ref f32[L, D, E]. Outputs:
@@ -624,16 +625,17 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             plgpu.commit_smem()
             h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
             h_tile(h_row)
-            with jax.named_scope("publish"):  # for the CTAs that take this tile's down rows
-                hs_ref.at[layer, tile][...] = h_row
-                plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
+            if publishes:  # for the CTAs that take this tile's down rows (a plan with no such CTA: none)
+                with jax.named_scope("publish"):
+                    hs_ref.at[layer, tile][...] = h_row
+                    plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
 
         def down_unit(layer, tile, first, end, base, local):
             @pl.when(jnp.logical_not(local))
             @jax.named_scope("fetch_h")
             def _():  # another CTA's tile: its h once published
                 plgpu.semaphore_wait(flags.at[tile], layer + 1, decrement=False, memory_scope="gpu")
-                _proxy_fence()
+                proxy_fence()
                 plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], hin_smem, hin_bar.at[0])
                 plgpu.barrier_wait(hin_bar.at[0])
                 h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
@@ -696,7 +698,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                                                                   memory_scope="gpu"))
             return ()
 
-        lax.fori_loop(0, num_units, reset, ())
+        if publishes:
+            lax.fori_loop(0, num_units, reset, ())
         _release(sem, c, num_ctas, 1 + barriers_a_layer * num_layers)
 
     pl.when(lax.axis_index("wg") == 0)(compute)
@@ -741,6 +744,19 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
     return out, ids[:, :top_k], weights[:, :top_k]
 
 
+def _fetches_h(plan: np.ndarray) -> bool:
+    """Whether some CTA of ``plan`` takes down rows of a tile whose gate / up it did not just compute (so
+    the tiles' h must go through global memory): the kernel's own test of a local down unit."""
+    for units in plan:
+        last = -1
+        for kind, tile, _, _ in units:
+            if kind == GATE_UP:
+                last = tile
+            elif kind == DOWN and tile != last:
+                return True
+    return False
+
+
 def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir):
     """moe_chain / moe_block_chain's kernel: ``extra`` the routing (ids, weights flattened) or, with
     ``router``, the norm's rows and the router's weights."""
@@ -762,7 +778,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
                        shared_from=top_k * routed_tiles if router is not None else None)
     kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
                                routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1],
-                               router=router)
+                               router=router, publishes=_fetches_h(plan))
     f32 = jnp.float32
     out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), jax.ShapeDtypeStruct((num_layers, num_tiles, HALF), f32)]
     if router is not None:

@@ -115,6 +115,7 @@ def test_expert_plan_covers_every_box_once(dealt):
                 assert (kind, tile, first, end) == (-1, -1, -1, -1)
         loads.append(load)
     assert (gate_up == 1).all() and (down == 1).all()
+    assert kernel._fetches_h(plan) == dealt  # whole tiles: every h stays in its CTA
     if dealt:
         assert set(loads) == {64}
         singles = plan[44:]  # CTAs with one tile: its gate / up, its down, halves of two others' downs
