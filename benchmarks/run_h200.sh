@@ -116,8 +116,8 @@ case $part in
       2>&1 | tee "$OUT/gpu_tests_step_phases.log" | tail -4
     timeout 150 python -m benchmarks.megakernel_probe --moe-chain 8 --trace "$OUT/trace" \
       --out "$OUT/moe_chain_h200.json" 2>&1 | grep -v -i warn | tail -24
-    timeout 150 python -m benchmarks.megakernel_probe --moe-block-chain 8 \
-      --out "$OUT/moe_block_chain_h200.json" 2>&1 | grep -v -i warn | tail -6 ;;
+    timeout 150 python -m benchmarks.megakernel_probe --moe-block-chain 8 --trace "$OUT/trace" \
+      --out "$OUT/moe_block_chain_h200.json" 2>&1 | grep -v -i warn | tail -24 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

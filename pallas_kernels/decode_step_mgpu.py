@@ -34,10 +34,11 @@ A phase is latency-bound: the trace (``--trace``) has the wait for the TMA add t
 barrier as its largest part. Storing each split's partial row from registers instead, its reader adding
 the splits, was slower (5.0 µs; code in git e61fb21).
 
-``moe_chain``: the expert phase, x_{l+1} = x_l + layer l's experts of x_l, in the same form (measured with
-whole tiles a CTA: 43.3 µs a layer; the even plan is built and not yet run). ``moe_block_chain``: the MoE half
-of a layer, x_{l+1} = x_l + experts(RMSNorm(x_l)) with the router's products and the routing in the kernel
-(built, lowered for the H200, not yet run: ``bash benchmarks/run_h200.sh step-phases``).
+``moe_chain`` is the expert phase, x_{l+1} = x_l + layer l's experts of x_l, in the same form: 38.5 µs a
+layer against 43.4 for ``moe_decode_mgpu`` a layer (8 layers, round 22). ``moe_block_chain`` is the MoE
+half of a layer, x_{l+1} = x_l + experts(RMSNorm(x_l)), with the norm, the router's products (its
+weights as boxes in the ring) and the routing in the kernel: 44.6 µs a layer (``bash
+benchmarks/run_h200.sh step-phases``; decode_profile.md round 22).
 """
 
 from __future__ import annotations
@@ -294,27 +295,25 @@ def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dt
         return f"{num_experts} routed experts (the in-kernel router takes {HALF})"
     if router and not 1 <= top_k <= ROUTE_SLOTS:
         return f"top-{top_k} routing (the in-kernel router takes 1 to {ROUTE_SLOTS})"
-    if router and hidden % ROUTER_ROWS:
-        return f"hidden size {hidden} is not a multiple of {ROUTER_ROWS} (the router's K ranges)"
+    if router and hidden // STEP > min(num_sms(), top_k * (inter // HALF) + shared_inter // HALF):
+        return f"hidden size {hidden} needs {hidden // STEP} router CTAs (one a {STEP}-row K step)"
     if (need := _moe_smem_bytes(hidden, router)) > 227 * 1024:
         return f"hidden size {hidden} needs {need} bytes of shared memory a CTA (at most {227 * 1024})"
     return None
 
 
-ROUTER_ROWS = 128  # hidden rows of a router CTA's slab (f32 [128, 64]: 32 KiB)
 ROUTE_SLOTS = 8  # the routing's ids and weights a layer, in shared memory (top-k at most this)
 
 
 def _moe_scratch(hidden: int, dtype, router: bool = False) -> list:
     rows = hidden // HALF
     router_scratch = [
-        plgpu.SMEM((ROUTER_ROWS, HALF), jnp.float32),  # the CTA's slab of the router's weights
-        plgpu.SMEM((ROUTER_ROWS,), jnp.float32),  # the normed rows of its K range
-        plgpu.SMEM((HALF,), jnp.float32),  # its partial logits
+        plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
+        plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial logits
         plgpu.SMEM((2 * HALF,), jnp.float32),  # the layer's logits
         plgpu.SMEM((ROUTE_SLOTS,), jnp.int32),  # the chosen experts
         plgpu.SMEM((ROUTE_SLOTS,), jnp.float32),  # their weights
-        plgpu.Barrier(num_barriers=1),  # the slab landed
+        plgpu.Barrier(num_barriers=1),  # the norm's weights landed
         plgpu.Barrier(num_barriers=1),  # the logits landed
         plgpu.Barrier(num_barriers=1),  # the routing is in shared memory (for the producer)
     ] if router else []
@@ -341,9 +340,9 @@ def _moe_smem_bytes(hidden: int, router: bool = False) -> int:
 
 GATE_UP, DOWN = 0, 1  # the kinds of an expert plan's units
 # How moe_chain deals the layer's units to its CTAs (read at trace time): "tiles", CTA c takes tiles c,
-# c + C, ... whole (measured: 43.3 µs a layer at V2-Lite's 176 tiles, 44 CTAs streaming two tiles); "dealt",
-# each CTA the same number of boxes (``expert_plan``).
-EXPERT_PLAN = "tiles"
+# c + C, ... whole; "dealt", each CTA the same number of boxes (``expert_plan``). Measured at V2-Lite's 176
+# tiles, 8 layers (round 22): 43.8 µs a layer whole and 39.1 dealt in one run, 38.5 and 38.5 in another.
+EXPERT_PLAN = "dealt"
 
 
 def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int, dealt: bool,
@@ -408,25 +407,29 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
               units: int, router: RouterSpec | None, publishes: bool):
     # plan_ref i32[C * U * 4] (``expert_plan``); without a router: ids_ref i32[L * k], weights_ref f32[L * k];
     # x_ref f32[D / 64, 64]; routed experts [L, E, D, I] x 2 and [L, E, I, D]; shared [L, D, S] x 2 and [L, S,
-    # D]; with a router: its norm's weights g_ref f32[L, D / 64, 64] and weights wr_ref f32[L, D, E]. Outputs:
+    # D]; with a router: its norm's weights g_ref f32[L, D / 64, 64] and weights wr_ref bf16[L, P, D, E], P parts
+    # (f32 weights as hi + lo, ``moe_block_chain``) whose sum is the router. Outputs:
     # out_ref f32[L, D / 64, 64]: layer l's output rows, x_l + the TMA adds of every CTA's partial rows; hs_ref
     # f32[L, T, 64]: each tile's h, published for the CTAs that take its down rows; with a router: the logits
     # f32[L, 8, E] (row 0, summed by TMA adds), the chosen ids i32[L, 8] and weights f32[L, 8] (first k)
     if router:
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, out_ref, hs_ref, logits_ref,
          ids_out, weights_out, ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, full, free, xin_bar,
-         hin_bar, slab_smem, nvec_smem, part_smem, logits_smem, rid_smem, rw_smem, slab_bar, logits_bar,
-         route_bar) = refs
+         hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar) = refs
     else:
         (plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref, ring,
          xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, full, free, xin_bar, hin_bar) = refs
-    barriers_a_layer = 2 if router else 1  # (the router's,) the experts' sums
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
     gate_steps = hidden // STEP
     gate_boxes = 2 * gate_steps
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    routers = gate_steps  # router CTAs: c < routers, K step c of the router's rows each
+    parts = wr_ref.shape[1] if router else 0  # the router's boxes a router CTA takes a layer
+    router_boxes = jnp.where(c < routers, parts, 0)
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each layer's sums
+    if router:  # the router CTAs' logits added (each once a layer)
+        routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     flags = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))  # tile t's h published (once a layer)
 
     def unit(u):
@@ -487,6 +490,17 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             return lax.fori_loop(first, end, box, count), routed
 
         def layer_loads(layer, count):
+            if router:  # a router CTA's K step of the router, each part a box, before the layer's units
+
+                @pl.when(c < routers)
+                def _():
+                    for p in range(parts):
+                        slot = lax.rem(count + p, RING)
+                        pl.when(count + p >= RING)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
+                        for h in range(2):
+                            plgpu.copy_gmem_to_smem(wr_ref.at[layer, p, pl.ds(c * STEP + h * HALF, HALF)],
+                                                    ring.at[slot, h], full.at[slot])
+                count = count + router_boxes
             count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
             if router:  # one wait a layer for the one arrival, routed tiles or not
                 pl.when(jnp.logical_not(routed))(lambda: plgpu.barrier_wait(route_bar.at[0]))
@@ -502,65 +516,70 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         else:
             _input_tiles(source, xin_smem, tiles_smem, xin_bar.at[0])
 
-    ranges = hidden // ROUTER_ROWS  # router CTAs: c < ranges, each a K range of the router's rows
-
     def route(layer, count):
-        """RMSNorm of the layer's rows into the tiles; the router's partial logits (CTAs c < ranges, f32 on
-        the CUDA cores) added by TMA; the router's barrier; then every CTA routes the layer (softmax, greedy
-        top-k) into shared memory and tells its producer. -> the barriers counted so far."""
-        plgpu.copy_gmem_to_smem(g_ref.at[layer], row_smem, xin_bar.at[0])  # the norm's weights, rows as x's
-        plgpu.barrier_wait(xin_bar.at[0])
-        squares = jnp.zeros((HALF,), jnp.float32)
-        for r in range(rows):
-            v = plgpu.load(xin_smem.at[r], layout=plgpu.Layout.WGMMA.reduce(0))
-            squares = squares + v * v
-        inv_rms = lax.rsqrt(jnp.sum(squares) / hidden + router.eps)
-
-        def normed(i, chunk):  # as rms_norm: x * 1 / rms rounded to bf16, times g, rounded
-            g = plgpu.load(row_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(0))
-            return ((chunk * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(
+        """RMSNorm of the layer's rows into the tiles; a router CTA multiplies the tiles of its K step by its
+        router boxes (``parts`` of them, two wgmma chains) and adds its partial logits by TMA; once every
+        router CTA has counted its add on ``routed_sem``, every CTA routes the layer (softmax, greedy top-k)
+        into shared memory and tells its producer. -> the ring's count after the router boxes."""
+        plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
+        with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
+            flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
+            x = plgpu.load(xin_smem, layout=flat)
+            inv_rms = lax.rsqrt(jnp.sum(x * x) / hidden + router.eps)
+            g = plgpu.load(g_smem, layout=flat)  # as rms_norm: x * 1 / rms rounded to bf16, times g, rounded
+            row_smem[...] = ((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(
                 jnp.bfloat16).astype(jnp.float32)
+            plgpu.commit_smem()
+            _build_tiles(row_smem, tiles_smem)
 
-        with jax.named_scope("norm"):
-            _build_tiles(xin_smem, tiles_smem, normed)
-
-        @pl.when(c < ranges)
+        @pl.when(c < routers)
         @jax.named_scope("router")
         def _():
-            per = ROUTER_ROWS // HALF
-            for j in range(per):
-                i = c * per + j
-                nvec_smem.at[pl.ds(j * HALF, HALF)][...] = normed(
-                    i, plgpu.load(xin_smem.at[i], layout=plgpu.Layout.WGMMA.reduce(0)))
-            plgpu.commit_smem()
-            plgpu.barrier_wait(slab_bar.at[0])
-            logits = lax.fori_loop(0, ROUTER_ROWS, lambda k, acc: acc + nvec_smem[k] * plgpu.load(
-                slab_smem.at[k], layout=plgpu.Layout.WGMMA.reduce(0)), jnp.zeros((HALF,), jnp.float32))
-            part_smem[...] = logits
+            def products(accs):
+                for p in range(parts):
+                    slot = lax.rem(count + p, RING)
+                    plgpu.barrier_wait(full.at[slot])
+                    for h in range(2):
+                        token = plgpu.transpose_ref(tiles_smem.at[pl.ds((2 * c + h) * TOKEN_N, TOKEN_N)], (1, 0))
+                        plgpu.wgmma(accs[h], plgpu.transpose_ref(ring.at[slot, h], (1, 0)), token)
+
+            zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
+            a0, a1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+            for p in range(parts):
+                plgpu.barrier_arrive(free.at[lax.rem(count + p, RING)])
+            part_smem[...] = jnp.sum(a0 + a1, axis=1)  # the token's column: the partial logits
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(part_smem, logits_ref.at[layer, 0], reduction_op="add")
 
-            @pl.when(layer + 1 < num_layers)
-            def _():  # the next layer's slab, while this one routes and runs its experts
-                plgpu.copy_gmem_to_smem(wr_ref.at[layer + 1, pl.ds(c * ROUTER_ROWS, ROUTER_ROWS)], slab_smem,
-                                        slab_bar.at[0])
+        @pl.when(layer + 1 < num_layers)
+        def _():  # the next layer's norm weights, while this one routes and runs its experts
+            plgpu.copy_gmem_to_smem(g_ref.at[layer + 1], g_smem, g_bar.at[0])
 
-        row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # g read: the rows take the experts' sums
-        count = count + 1
-        _arrive_and_wait(sem, num_ctas, count)
-        with jax.named_scope("routing"):
+        @pl.when(c < routers)
+        @jax.named_scope("stores_out")
+        def _():
+            plgpu.wait_smem_to_gmem(0)
+            proxy_fence()
+            plgpu.semaphore_signal(routed_sem, 1, memory_scope="gpu")
+
+        row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # the CTA's partial output rows
+        with jax.named_scope("logits"):  # every router CTA's add, then the sums
+            plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
+            proxy_fence()
             plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
             plgpu.barrier_wait(logits_bar.at[0])
+        with jax.named_scope("routing"):
             strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
             iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
             logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
-            scores = jnp.exp(logits - jnp.max(logits))
-            scores = scores / jnp.sum(scores)
-            left, chosen = logits, []  # chosen by logit: the softmax keeps their order, and no exp rounds them
-            for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order)
-                best = jnp.max(left)
+            top = jnp.max(logits)
+            total_exp = jnp.sum(jnp.exp(logits - top))
+            left, chosen, best = logits, [], top  # chosen by logit: the softmax keeps their order
+            for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order): two reductions a pick
+                if k:
+                    best = jnp.max(left)
                 pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
-                chosen.append((pick, jnp.sum(jnp.where(iota == pick, scores, 0.0))))
+                chosen.append((pick, jnp.exp(best - top) / total_exp))  # its softmax score, as the scores' formula
                 left = jnp.where(iota == pick, -jnp.inf, left)
             total = sum(w for _, w in chosen) + 1e-20 if router.norm_topk_prob else 1.0
             for k, (pick, w) in enumerate(chosen):
@@ -573,16 +592,13 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             def _():  # the layer's routing, for the caller
                 plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
                 plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
-        return count
+        return count + router_boxes
 
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
         if router:
             _zero_rows(zero_smem, logits_ref, c, num_ctas)
-
-            @pl.when(c < ranges)
-            def _():
-                plgpu.copy_gmem_to_smem(wr_ref.at[0, pl.ds(c * ROUTER_ROWS, ROUTER_ROWS)], slab_smem, slab_bar.at[0])
+            plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])  # the first layer's norm weights
         input_tiles(x_ref)
         _arrive_and_wait(sem, num_ctas, 1)
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
@@ -666,9 +682,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             def _():  # the residual: the layer's input rows once
                 plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add")
 
-            barriers = 1 + barriers_a_layer * layer
             if router:
-                barriers = route(layer, barriers)
+                count = route(layer, count)
             else:
                 row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)
 
@@ -683,7 +698,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             with jax.named_scope("store"):
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
-            _arrive_and_wait(sem, num_ctas, barriers + 1)
+            _arrive_and_wait(sem, num_ctas, layer + 2)  # the kernel's first barrier, then one a layer
 
             @pl.when(layer + 1 < num_layers)
             def _():
@@ -700,7 +715,10 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
         if publishes:
             lax.fori_loop(0, num_units, reset, ())
-        _release(sem, c, num_ctas, 1 + barriers_a_layer * num_layers)
+        if router:  # every CTA has passed its last wait on routed_sem (it arrived at the last barrier since)
+            pl.when(c == 0)(lambda: plgpu.semaphore_wait(routed_sem, routers * num_layers, decrement=True,
+                                                         memory_scope="gpu"))
+        _release(sem, c, num_ctas, 1 + num_layers)
 
     pl.when(lax.axis_index("wg") == 0)(compute)
     pl.when(lax.axis_index("wg") == 1)(loads)
@@ -729,17 +747,24 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
                     profile_dir: str | None = None):
     """The MoE half of a decoder layer, L of them in one persistent kernel: x_{l+1} = bf16(x_l + experts of
     RMSNorm_l(x_l), routed by the layer's router). x [D] bf16, norm bf16[L, D] (the norm's weights), router
-    f32[L, D, E] (E = 64), ``spec`` (eps, softmax scores, greedy top-k of ``top_k``), the experts as
-    ``moe_chain`` -> (x_L [D] bf16, ids i32[L, k], weights f32[L, k]: each layer's routing). In the kernel,
-    every CTA norms the rows into its tiles; 16 CTAs compute the router's products of a K range each (f32,
-    CUDA cores), added by TMA; after a grid barrier every CTA routes the layer itself and its producer issues
-    the routed tiles' boxes (each CTA's shared tiles come first in its plan). Shapes must pass
-    ``moe_supports(..., router=True)``."""
+    [L, D, E] (E = 64; bf16, or f32 taken as the sum of two bf16 parts, hi + lo: relative error ~2^-17 a
+    weight, against the model's f32 products of bf16 activations), ``spec`` (eps, softmax scores, greedy top-k
+    of ``top_k``), the experts as ``moe_chain`` -> (x_L [D] bf16, ids i32[L, k], weights f32[L, k]: each layer's
+    routing). In the kernel, every CTA norms the rows into its tiles; D / 128 router CTAs multiply the tiles
+    of their K step by the router's boxes (streamed by the producer ahead of the layer, like any weights),
+    add their partial logits by TMA and count them on a semaphore; once all have,
+    every CTA routes the layer itself and its producer issues the routed tiles' boxes (each CTA's shared
+    tiles come first in its plan). Shapes must pass ``moe_supports(..., router=True)``."""
     num_layers, hidden = norm.shape
     if router.shape[:2] != (num_layers, hidden):
         raise ValueError(f"moe_block_chain: norm {norm.shape}, router {router.shape}; expected [L, D] and [L, D, E]")
+    if router.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"moe_block_chain: router weights in {router.dtype}; accepted: bfloat16, float32")
     rows = hidden // HALF
-    out, (ids, weights) = _moe_call(x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF), router), spec,
+    hi = router.astype(jnp.bfloat16)
+    parts = (hi,) if router.dtype == jnp.bfloat16 else (hi, (router - hi.astype(jnp.float32)).astype(jnp.bfloat16))
+    out, (ids, weights) = _moe_call(x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF),
+                                        jnp.stack(parts, axis=1)), spec,
                                     top_k, (w_gate, w_up, w_down), shared, profile_dir)
     return out, ids[:, :top_k], weights[:, :top_k]
 
@@ -796,7 +821,8 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, **({"profile_space": 1024, "profile_dir": profile_dir} if profile_dir else {})),
+            # the trace's buffer is shared memory: 1024 entries overflow the MoE half's (round 22)
+            approx_math=True, **({"profile_space": 512, "profile_dir": profile_dir} if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)
     result = outs[0][-1].reshape(hidden).astype(x.dtype)
     return result, (outs[3], outs[4]) if router is not None else None

@@ -585,11 +585,11 @@ def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     assert _rel(got, moe_chain_reference(x, weights, jnp.asarray(ids), *routed, shared)) < 2e-2
 
 
-@pytest.mark.parametrize("plan", ["tiles", "dealt"])
-def test_moe_block_chain_gpu(plan, monkeypatch):
-    """The MoE half of two V2-Lite layers in one persistent kernel (RMSNorm, the router's products on 16 CTAs,
-    softmax top-6 routing in every CTA, the experts with the shared tiles first) against the reference chain:
-    the same experts chosen, their weights, and the output."""
+@pytest.mark.parametrize("plan, router_dtype", [("tiles", "float32"), ("dealt", "float32"), ("dealt", "bfloat16")])
+def test_moe_block_chain_gpu(plan, router_dtype, monkeypatch):
+    """The MoE half of two V2-Lite layers in one persistent kernel (RMSNorm, the router's products on 16 CTAs
+    from its boxes, f32 weights as two bf16 parts, softmax top-6 routing in every CTA, the experts with the
+    shared tiles first) against the reference chain: the same experts chosen, their weights, the output."""
     import jax
 
     from pallas_kernels import decode_step_mgpu
@@ -602,12 +602,15 @@ def test_moe_block_chain_gpu(plan, monkeypatch):
     w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) / np.sqrt(s[-2])).astype(jnp.bfloat16)
     x = jax.random.normal(next(keys), (2048,), jnp.float32).astype(jnp.bfloat16)
     norm = (1 + jax.random.uniform(next(keys), (layers, 2048)) / 4).astype(jnp.bfloat16)
-    router = jax.random.normal(next(keys), (layers, 2048, 64), jnp.float32) / np.sqrt(2048)
+    router = (jax.random.normal(next(keys), (layers, 2048, 64), jnp.float32) / np.sqrt(2048)).astype(router_dtype)
     experts = (w(layers, 64, 2048, 1408), w(layers, 64, 2048, 1408), w(layers, 64, 1408, 2048))
     shared = (w(layers, 2048, 2816), w(layers, 2048, 2816), w(layers, 2816, 2048))
     spec = RouterSpec(1e-6)
     got, ids, weights = moe_block_chain(x, norm, router, spec, 6, *experts, shared)
     want, want_ids, want_weights = moe_block_chain_reference(x, norm, router, spec, 6, *experts, shared)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
-    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_weights), rtol=1e-3)
+    # layer 0 routes the same input as the reference; layer 1 routes the kernel's own layer-0 output, which
+    # differs from the reference's by the experts' rounding (measured: 0.45% in a weight)
+    np.testing.assert_allclose(np.asarray(weights[0]), np.asarray(want_weights[0]), rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(weights[1:]), np.asarray(want_weights[1:]), rtol=2e-2)
     assert got.shape == (2048,) and _rel(got, want) < 2e-2

@@ -134,9 +134,12 @@ def test_moe_block_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     norm, router = shape((2, 2048), bf16), shape((2, 2048, 64), jnp.float32)
     call = lambda x, norm, router, *experts: kernel.moe_block_chain(
         x, norm, router, kernel.RouterSpec(1e-6), 6, *experts[:3], experts[3:])
-    for plan in ("tiles", "dealt"):
-        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
-        assert lower_for_h200(call, x, norm, router, *routed, *shared).count("custom_call @mosaic_gpu") == 1
+    for plan, router_dtype in (("tiles", jnp.float32), ("dealt", jnp.float32), ("dealt", bf16)):
+        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)  # f32 router weights: two bf16 parts, two boxes
+        hlo = lower_for_h200(call, x, norm, shape(router.shape, router_dtype), *routed, *shared)
+        assert hlo.count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match="router weights in float16; accepted: bfloat16, float32"):
+        jax.eval_shape(call, x, norm, shape(router.shape, jnp.float16), *routed, *shared)
     with pytest.raises(ValueError, match="32 experts; the in-kernel router takes 64"):
         jax.eval_shape(call, x, norm, shape((2, 2048, 32), jnp.float32), *routed, *shared)
     with pytest.raises(ValueError, match=r"expected \[L, D\] and \[L, D, E\]"):
@@ -146,6 +149,8 @@ def test_moe_block_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     assert "160 routed experts" in kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=160,
                                                        top_k=6)
     assert "top-9 routing" in kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=64, top_k=9)
+    # a router CTA a 128-row K step: 32 of them, but only 2 expert tiles (so 2 CTAs)
+    assert "needs 32 router CTAs" in kernel.moe_supports(4096, 64, 64, 1, bf16, router=True, num_experts=64, top_k=1)
 
 
 def test_moe_block_chain_reference_routes_each_layer_from_its_normed_input():
