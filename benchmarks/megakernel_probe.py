@@ -170,7 +170,7 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
             if streams and not producer:
                 for n in range(ring):
                     issue(0, n, jnp.int32(0), n)
-            tile = plgpu.transpose_ref(tile_smem.at[pl.ds(0, 8)], (1, 0))
+            tile = tile_smem.at[pl.ds(0, 8)].transpose((1, 0))
 
             def layer_body(layer, carry):
                 rows, shift = carry
@@ -206,7 +206,7 @@ def layer_chain(x, w, *, variant: str, ring: int, products: str = "none", produc
                         with jax.named_scope("products"):
                             if products != "none":
                                 for h in range(2):
-                                    plgpu.wgmma(acc_of(n, h), plgpu.transpose_ref(ring_smem.at[slot, h], (1, 0)),
+                                    plgpu.wgmma(acc_of(n, h), ring_smem.at[slot, h].transpose((1, 0)),
                                                 tile)
                             if products in ("serial", "halves"):
                                 plgpu.wgmma_wait(0)

@@ -207,8 +207,8 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
                     slot = lax.rem(n, RING)
                     plgpu.barrier_wait(full.at[slot])
                     for h in range(2):
-                        token = plgpu.transpose_ref(tiles_smem.at[pl.ds((2 * i + h) * TOKEN_N, TOKEN_N)], (1, 0))
-                        plgpu.wgmma(accs[h], plgpu.transpose_ref(ring.at[slot, h], (1, 0)), token)
+                        token = tiles_smem.at[pl.ds((2 * i + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+                        plgpu.wgmma(accs[h], ring.at[slot, h].transpose((1, 0)), token)
                     if i:  # the previous box's products are done (this box's may run on): its slot is free
                         plgpu.wgmma_wait(2)
                         plgpu.barrier_arrive(free.at[lax.rem(n - 1, RING)])
@@ -540,8 +540,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                     slot = lax.rem(count + p, RING)
                     plgpu.barrier_wait(full.at[slot])
                     for h in range(2):
-                        token = plgpu.transpose_ref(tiles_smem.at[pl.ds((2 * c + h) * TOKEN_N, TOKEN_N)], (1, 0))
-                        plgpu.wgmma(accs[h], plgpu.transpose_ref(ring.at[slot, h], (1, 0)), token)
+                        token = tiles_smem.at[pl.ds((2 * c + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+                        plgpu.wgmma(accs[h], ring.at[slot, h].transpose((1, 0)), token)
 
             zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
             a0, a1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
@@ -619,9 +619,9 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                     plgpu.barrier_wait(full.at[g_slot])
                     plgpu.barrier_wait(full.at[u_slot])
                     for h in range(2):
-                        token = plgpu.transpose_ref(tiles_smem.at[pl.ds((2 * k + h) * TOKEN_N, TOKEN_N)], (1, 0))
-                        plgpu.wgmma(accs[h], plgpu.transpose_ref(ring.at[g_slot, h], (1, 0)), token)
-                        plgpu.wgmma(accs[2 + h], plgpu.transpose_ref(ring.at[u_slot, h], (1, 0)), token)
+                        token = tiles_smem.at[pl.ds((2 * k + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+                        plgpu.wgmma(accs[h], ring.at[g_slot, h].transpose((1, 0)), token)
+                        plgpu.wgmma(accs[2 + h], ring.at[u_slot, h].transpose((1, 0)), token)
 
                     @pl.when(k > 0)
                     def _():  # the previous step's products are done (this step's may run on): free its slots
@@ -656,7 +656,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 plgpu.barrier_wait(hin_bar.at[0])
                 h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
 
-            h_t = plgpu.transpose_ref(h_smem.at[pl.ds(0, TOKEN_N)], (1, 0))
+            h_t = h_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
 
             def down(n, _):
                 slot = lax.rem(base + n - first, RING)
@@ -664,7 +664,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
                 def products(accs):
                     for half, acc in enumerate(accs):
-                        plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot, half], (1, 0)), h_t)
+                        plgpu.wgmma(acc, ring.at[slot, half].transpose((1, 0)), h_t)
 
                 accs = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
                 plgpu.barrier_arrive(free.at[slot])

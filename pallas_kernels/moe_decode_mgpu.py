@@ -194,9 +194,9 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         def products(refs):
             g_acc, u_acc = refs
             for half in range(2):  # [BLOCK_I, 8] += box half^T [BLOCK_I, HALF] x the token's tile^T [HALF, 8]
-                token = plgpu.transpose_ref(tiles_smem.at[pl.ds((2 * k + half) * TOKEN_N, TOKEN_N)], (1, 0))
-                plgpu.wgmma(g_acc, plgpu.transpose_ref(ring.at[g_slot, half], (1, 0)), token)
-                plgpu.wgmma(u_acc, plgpu.transpose_ref(ring.at[u_slot, half], (1, 0)), token)
+                token = tiles_smem.at[pl.ds((2 * k + half) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+                plgpu.wgmma(g_acc, ring.at[g_slot, half].transpose((1, 0)), token)
+                plgpu.wgmma(u_acc, ring.at[u_slot, half].transpose((1, 0)), token)
 
         with jax.named_scope("gate_up"):
             acc_g, acc_u = pl.run_state(products)((plgpu.ACC.init(acc_g), plgpu.ACC.init(acc_u)))
@@ -213,7 +213,7 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         plgpu.load(row_smem.at[0], layout=plgpu.Layout.WGMMA.reduce(0)), (ROWS, HALF), [1]), 0)
     tiles_smem.at[pl.ds(0, ROWS)][...] = h.astype(tiles_smem.dtype)
     plgpu.commit_smem()
-    h_t = plgpu.transpose_ref(tiles_smem.at[pl.ds(0, TOKEN_N)], (1, 0))  # [BLOCK_I, 8]: column 0 the token's h
+    h_t = tiles_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))  # [BLOCK_I, 8]: column 0 the token's h
 
     def down(j, _):
         n = 2 * gate_steps + j
@@ -223,7 +223,7 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
 
         def products(refs):  # [HALF output columns, 8]: column 0 the token's outputs
             for half, acc in enumerate(refs):
-                plgpu.wgmma(acc, plgpu.transpose_ref(ring.at[slot, half], (1, 0)), h_t)
+                plgpu.wgmma(acc, ring.at[slot, half].transpose((1, 0)), h_t)
 
         zero = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
         with jax.named_scope("down"):
