@@ -394,8 +394,10 @@ def _moe_chain(args) -> dict:
     layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6  # bytes a layer reads: top-6 + shared
     dealt = _under_plan("dealt", moe_chain)  # each CTA the same number of boxes (decode_step_mgpu.expert_plan)
     rows = []
-    for name, fn in (("one kernel (moe_chain), tiles whole a CTA", moe_chain),
-                     ("one kernel (moe_chain), boxes dealt evenly", dealt), ("moe_decode_mgpu a layer", launches)):
+    for name, fn in (("one kernel (moe_chain), tiles whole a CTA", _under_plan("tiles", moe_chain)),
+                     ("one kernel (moe_chain), boxes dealt evenly", dealt),
+                     ("one kernel (moe_chain), 44 tiles split in K ranges", _under_plan("split", moe_chain)),
+                     ("moe_decode_mgpu a layer", launches)):
         got = jax.jit(fn)(*inputs).astype(jnp.float32)
         error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
         kernels = kernel_time_us(fn, inputs, calls=args.calls)["total"]
@@ -405,8 +407,8 @@ def _moe_chain(args) -> dict:
                          tb_s=round(layer_mb * layers / loop, 3)))
         print(rows[-1], flush=True)
     if args.trace:
-        traced(lambda d: jax.jit(functools.partial(moe_chain, profile_dir=d))(*inputs), f"{args.trace}/moe_chain")
         traced(lambda d: dealt(*inputs, profile_dir=d), f"{args.trace}/moe_chain_dealt")
+        traced(lambda d: _under_plan("split", moe_chain)(*inputs, profile_dir=d), f"{args.trace}/moe_chain_split")
     columns = ["kernel", "layers", "rel_error", "kernel_us_per_layer", "loop_us_per_layer", "tb_s"]
     return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, layer_mb=round(layer_mb, 1),
                        command=f"python -m benchmarks.megakernel_probe --moe-chain {layers}")
@@ -442,6 +444,7 @@ def _moe_block_chain(args) -> dict:
             ("moe_block_chain, tiles whole a CTA", with_plan("tiles"), inputs),
             ("moe_block_chain, boxes dealt evenly", with_plan("dealt"), inputs),
             ("moe_block_chain, dealt, bf16 router (one box a router CTA)", with_plan("dealt", jnp.bfloat16), inputs),
+            ("moe_block_chain, 44 shared tiles split in K ranges, first", with_plan("split"), inputs),
             ("moe_chain (routing given, no norm)", lambda x, i, wt, *e: moe_chain(x, wt, i, *e[:3], e[3:]),
              (x, ids, weights, *experts, *shared))):
         if args.only and not any(part in name for part in args.only):
@@ -457,6 +460,7 @@ def _moe_block_chain(args) -> dict:
         print(rows[-1], flush=True)
     if args.trace:
         traced(lambda d: jax.jit(with_plan("dealt", profile_dir=d))(*inputs), f"{args.trace}/moe_block_chain")
+        traced(lambda d: jax.jit(with_plan("split", profile_dir=d))(*inputs), f"{args.trace}/moe_block_chain_split")
     columns = ["kernel", "layers", "rel_error", "kernel_us_per_layer", "loop_us_per_layer", "tb_s"]
     return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, layer_mb=round(layer_mb, 1),
                        command=f"python -m benchmarks.megakernel_probe --moe-block-chain {layers}")

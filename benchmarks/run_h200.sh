@@ -110,14 +110,14 @@ case $part in
     timeout 200 python -m benchmarks.megakernel_probe --gemv-chain --out "$OUT/gemv_chain_h200.json" 2>&1 \
       | grep -v -i warn | tail -8 ;;
   step-phases)  # the step kernel's phases (pallas_kernels/decode_step_mgpu.py): GPU tests of the GEMV, expert and
-                # MoE-half chains; the expert chain (8 of V2-Lite's layers, tiles whole or dealt) against a launch a
-                # layer, with traces; the MoE halves (norm, router and routing in the kernel) (~6 minutes)
+                # MoE-half chains; the expert chain (8 of V2-Lite's layers; tiles whole, dealt or split) against a
+                # launch a layer; the MoE halves (norm, router and routing in the kernel); traces (~8 minutes)
     timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "gemv_chain or moe_chain or moe_block_chain" \
       2>&1 | tee "$OUT/gpu_tests_step_phases.log" | tail -4
-    timeout 150 python -m benchmarks.megakernel_probe --moe-chain 8 --trace "$OUT/trace" \
-      --out "$OUT/moe_chain_h200.json" 2>&1 | grep -v -i warn | tail -24
-    timeout 150 python -m benchmarks.megakernel_probe --moe-block-chain 8 --trace "$OUT/trace" \
-      --out "$OUT/moe_block_chain_h200.json" 2>&1 | grep -v -i warn | tail -24 ;;
+    timeout 180 python -m benchmarks.megakernel_probe --moe-chain 8 --trace "$OUT/trace" \
+      --out "$OUT/moe_chain_h200.json" 2>&1 | grep -v -i warn | tail -30
+    timeout 220 python -m benchmarks.megakernel_probe --moe-block-chain 8 --trace "$OUT/trace" \
+      --out "$OUT/moe_block_chain_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

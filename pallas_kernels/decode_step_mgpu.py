@@ -35,7 +35,8 @@ barrier as its largest part. Storing each split's partial row from registers ins
 the splits, was slower (5.0 µs; code in git e61fb21).
 
 ``moe_chain`` is the expert phase, x_{l+1} = x_l + layer l's experts of x_l, in the same form: 38.5 µs a
-layer against 43.4 for ``moe_decode_mgpu`` a layer (8 layers, round 22). ``moe_block_chain`` is the MoE
+layer against 43.4 for ``moe_decode_mgpu`` a layer (8 layers, round 22). How a layer's tiles are dealt to
+the CTAs is ``expert_plan``'s (``EXPERT_PLAN``; the "split" plan is built and not yet run). ``moe_block_chain`` is the MoE
 half of a layer, x_{l+1} = x_l + experts(RMSNorm(x_l)), with the norm, the router's products (its
 weights as boxes in the ring) and the routing in the kernel: 44.6 µs a layer (``bash
 benchmarks/run_h200.sh step-phases``; decode_profile.md round 22).
@@ -297,7 +298,9 @@ def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dt
         return f"top-{top_k} routing (the in-kernel router takes 1 to {ROUTE_SLOTS})"
     if router and hidden // STEP > min(num_sms(), top_k * (inter // HALF) + shared_inter // HALF):
         return f"hidden size {hidden} needs {hidden // STEP} router CTAs (one a {STEP}-row K step)"
-    if (need := _moe_smem_bytes(hidden, router)) > 227 * 1024:
+    num_tiles = top_k * (inter // HALF) + shared_inter // HALF
+    splits = split_parts(num_tiles, min(num_sms(), num_tiles)) if EXPERT_PLAN == "split" else 0
+    if (need := _moe_smem_bytes(hidden, router, splits)) > 227 * 1024:
         return f"hidden size {hidden} needs {need} bytes of shared memory a CTA (at most {227 * 1024})"
     return None
 
@@ -305,7 +308,7 @@ def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dt
 ROUTE_SLOTS = 8  # the routing's ids and weights a layer, in shared memory (top-k at most this)
 
 
-def _moe_scratch(hidden: int, dtype, router: bool = False) -> list:
+def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0) -> list:
     rows = hidden // HALF
     router_scratch = [
         plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
@@ -325,6 +328,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False) -> list:
         plgpu.SMEM((HALF,), jnp.float32),  # h as a row (published, or fetched)
         plgpu.SMEM((rows, HALF), jnp.float32),  # the CTA's partial output row
         plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
+        plgpu.SMEM((max(splits, 1), 2, HALF), jnp.float32),  # a split tile's partial gate and up sums, fetched
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
         plgpu.Barrier(num_barriers=RING),  # a slot's products are done
         plgpu.Barrier(num_barriers=1),  # the input rows landed
@@ -333,62 +337,96 @@ def _moe_scratch(hidden: int, dtype, router: bool = False) -> list:
     ]
 
 
-def _moe_smem_bytes(hidden: int, router: bool = False) -> int:
-    return sum(math.prod(m.shape) * jnp.dtype(m.dtype).itemsize for m in _moe_scratch(hidden, jnp.bfloat16, router)
-               if hasattr(m, "shape")) + 512
+def _moe_smem_bytes(hidden: int, router: bool = False, splits: int = 0) -> int:
+    return sum(math.prod(m.shape) * jnp.dtype(m.dtype).itemsize
+               for m in _moe_scratch(hidden, jnp.bfloat16, router, splits) if hasattr(m, "shape")) + 512
 
 
 GATE_UP, DOWN = 0, 1  # the kinds of an expert plan's units
-# How moe_chain deals the layer's units to its CTAs (read at trace time): "tiles", CTA c takes tiles c,
-# c + C, ... whole; "dealt", each CTA the same number of boxes (``expert_plan``). Measured at V2-Lite's 176
-# tiles, 8 layers (round 22): 43.8 µs a layer whole and 39.1 dealt in one run, 38.5 and 38.5 in another.
+PLANS = ("tiles", "dealt", "split")
+# How moe_chain deals the layer's units to its CTAs (read at trace time; ``expert_plan``). Measured at
+# V2-Lite's 176 tiles, 8 layers (round 22): 43.8 µs a layer whole ("tiles") and 39.1 "dealt" in one run,
+# 38.5 and 38.5 in another; "split" is built and not yet run.
 EXPERT_PLAN = "dealt"
 
 
-def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int, dealt: bool,
-                shared_from: int | None = None) -> np.ndarray:
-    """Each CTA's units of an expert layer, in order: int32[C, U, 4] rows (kind, tile, first box, end box), kind
-    -1 after a CTA's last. A GATE_UP unit is a tile's 2 * gate_steps gate and up boxes (it publishes the tile's
-    h); a DOWN unit is boxes [first, end) of its down rows (it needs h).
+def split_parts(num_tiles: int, num_ctas: int) -> int:
+    """How many K ranges the split plan cuts each of the tiles past the first C into (0: no split plan)."""
+    extra = num_tiles - num_ctas
+    return num_ctas // extra if 0 < extra and num_ctas // extra >= 2 else 0
 
-    Not ``dealt``: CTA c takes tiles c, c + C, ... whole. ``dealt`` (when C < tiles <= 2C): every CTA takes
-    tile c's gate / up, CTAs c < tiles - C the gate / up of tile C + c as well, the others their own tile's down
-    and, in halves, the downs of the two-tile CTAs' tiles, first-published first, each to the least-loaded
-    CTA: V2-Lite's 176 tiles on 132 CTAs give every CTA 64 boxes.
+
+def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int, kind: str,
+                shared_from: int | None = None) -> np.ndarray:
+    """Each CTA's units of an expert layer, in order: int32[C, U, 5] rows (kind, tile, first box, end box,
+    part), kind -1 after a CTA's last. A GATE_UP unit is gate and up boxes [first, end) of a tile (2 a K
+    step: whole, [0, 2 * gate_steps), or one part of the tile's K steps); a DOWN unit is boxes [first, end) of
+    its down rows (it needs h: from the GATE_UP unit just before it, or from global memory).
+
+    "tiles": CTA c takes tiles c, c + C, ... whole. Past C tiles (C < tiles <= 2C):
+
+    - "dealt": every CTA takes tile c's gate / up, CTAs c < tiles - C the gate / up of tile C + c as well
+      (publishing h), the others their own tile's down and, in halves, the downs of the two-tile CTAs'
+      tiles, first-published first, each to the least-loaded CTA. V2-Lite's 176 tiles on 132 CTAs give
+      every CTA 64 boxes, but a half down waits for an h its owner computes last.
+    - "split" (``split_parts`` P >= 2): CTA c takes its own tile c whole (gate / up, then down) and, for
+      c < P (tiles - C), first the gate / up of part c % P of tile C + c // P's K steps (publishing the
+      partial gate and up sums), last a part of that tile's down rows, sized so that every CTA streams
+      the same boxes (V2-Lite: 12 + 4, 10 + 6, 10 + 6 on top of 48). No CTA waits for a tile's sums until
+      its own tile is done, and the tiles past C (the shared experts' when ``shared_from`` is C) stream first.
+    Otherwise whole tiles.
 
     ``shared_from`` (the first shared expert's tile): each CTA's shared tiles first (their boxes need no
     routing, so they stream while it is computed), a tile's gate / up still before its own down."""
+    if kind not in PLANS:
+        raise ValueError(f"expert plan {kind!r}; accepted: {', '.join(PLANS)}")
     gate_up = 2 * gate_steps
     plans = [[] for _ in range(num_ctas)]
-    if not dealt or not num_ctas < num_tiles <= 2 * num_ctas:
-        for t in range(num_tiles):
-            plans[t % num_ctas] += [(GATE_UP, t, 0, gate_up), (DOWN, t, 0, down_steps)]
-    else:
+    parts = split_parts(num_tiles, num_ctas)
+    if kind == "split" and parts:
+        steps = np.array_split(np.arange(gate_steps), parts)  # each part's K steps of the tile's gate / up
+        per_tile = gate_up + down_steps
+        targets = [per_tile // parts + (j < per_tile % parts) for j in range(parts)]
+        downs = [max(0, t - 2 * len(k)) for t, k in zip(targets, steps)]  # its down boxes: the boxes even
+        downs[-1] = down_steps - sum(downs[:-1])
+        bounds = np.cumsum([0] + downs)
+        for c in range(parts * (num_tiles - num_ctas)):
+            plans[c].append((GATE_UP, num_ctas + c // parts, 2 * int(steps[c % parts][0]),
+                             2 * int(steps[c % parts][-1]) + 2, c % parts))
+        for c in range(num_ctas):
+            plans[c] += [(GATE_UP, c, 0, gate_up, 0), (DOWN, c, 0, down_steps, 0)]
+        for c in range(parts * (num_tiles - num_ctas)):
+            if downs[c % parts]:
+                plans[c].append((DOWN, num_ctas + c // parts, int(bounds[c % parts]), int(bounds[c % parts + 1]), 0))
+    elif kind == "dealt" and num_ctas < num_tiles <= 2 * num_ctas:
         extra = num_tiles - num_ctas
         load = [gate_up] * num_ctas
         for c in range(num_ctas):
-            plans[c].append((GATE_UP, c, 0, gate_up))
+            plans[c].append((GATE_UP, c, 0, gate_up, 0))
         for c in range(extra):
-            plans[c].append((GATE_UP, num_ctas + c, 0, gate_up))
+            plans[c].append((GATE_UP, num_ctas + c, 0, gate_up, 0))
             load[c] += gate_up
             if shared_from is not None and num_ctas + c >= shared_from > c:
                 plans[c].reverse()  # the shared tile's gate / up first
         for c in range(extra, num_ctas):
-            plans[c].append((DOWN, c, 0, down_steps))
+            plans[c].append((DOWN, c, 0, down_steps, 0))
             load[c] += down_steps
         half = max(1, down_steps // 2)
         published = [plans[c][i][1] for i in range(2) for c in range(extra)]  # the order the h's come in
         for t in published:
             for first in range(0, down_steps, half):
                 c = min(range(num_ctas), key=lambda c: (load[c], -c))
-                plans[c].append((DOWN, t, first, min(first + half, down_steps)))
+                plans[c].append((DOWN, t, first, min(first + half, down_steps), 0))
                 load[c] += min(first + half, down_steps) - first
-    if shared_from is not None and not dealt:
-        for c, plan in enumerate(plans):  # whole tiles: (gate / up, down) pairs, the shared ones first
-            pairs = [plan[i:i + 2] for i in range(0, len(plan), 2)]
-            plans[c] = [u for pair in sorted(pairs, key=lambda pair: pair[0][1] < shared_from) for u in pair]
+    else:
+        for t in range(num_tiles):
+            plans[t % num_ctas] += [(GATE_UP, t, 0, gate_up, 0), (DOWN, t, 0, down_steps, 0)]
+        if shared_from is not None:
+            for c, plan in enumerate(plans):  # whole tiles: (gate / up, down) pairs, the shared ones first
+                pairs = [plan[i:i + 2] for i in range(0, len(plan), 2)]
+                plans[c] = [u for pair in sorted(pairs, key=lambda pair: pair[0][1] < shared_from) for u in pair]
     units = max(len(p) for p in plans)
-    table = np.full((num_ctas, units, 4), -1, np.int32)
+    table = np.full((num_ctas, units, 5), -1, np.int32)
     for c, plan in enumerate(plans):
         if plan:
             table[c, :len(plan)] = plan
@@ -404,21 +442,24 @@ class RouterSpec(NamedTuple):
 
 
 def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
-              units: int, router: RouterSpec | None, publishes: bool):
-    # plan_ref i32[C * U * 4] (``expert_plan``); without a router: ids_ref i32[L * k], weights_ref f32[L * k];
+              units: int, router: RouterSpec | None, publishes: bool, splits: int):
+    # plan_ref i32[C * U * 5] (``expert_plan``); ``publishes``: whole gate / up units publish h (some CTA takes
+    # their down rows); ``splits``: tiles num_ctas and on are cut into this many K ranges (the split plan).
+    # Without a router: ids_ref i32[L * k], weights_ref f32[L * k];
     # x_ref f32[D / 64, 64]; routed experts [L, E, D, I] x 2 and [L, E, I, D]; shared [L, D, S] x 2 and [L, S,
     # D]; with a router: its norm's weights g_ref f32[L, D / 64, 64] and weights wr_ref bf16[L, P, D, E], P parts
     # (f32 weights as hi + lo, ``moe_block_chain``) whose sum is the router. Outputs:
     # out_ref f32[L, D / 64, 64]: layer l's output rows, x_l + the TMA adds of every CTA's partial rows; hs_ref
-    # f32[L, T, 64]: each tile's h, published for the CTAs that take its down rows; with a router: the logits
+    # f32[L, T, max(splits, 1), 2, 64]: each tile's h ([.., 0, 0]) or its K ranges' partial gate and up sums,
+    # published for the CTAs that take its down rows; with a router: the logits
     # f32[L, 8, E] (row 0, summed by TMA adds), the chosen ids i32[L, 8] and weights f32[L, 8] (first k)
     if router:
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, out_ref, hs_ref, logits_ref,
-         ids_out, weights_out, ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, full, free, xin_bar,
-         hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar) = refs
+         ids_out, weights_out, ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, full, free,
+         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar) = refs
     else:
         (plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref, ring,
-         xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, full, free, xin_bar, hin_bar) = refs
+         xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, full, free, xin_bar, hin_bar) = refs
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
@@ -430,19 +471,18 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each layer's sums
     if router:  # the router CTAs' logits added (each once a layer)
         routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
-    flags = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))  # tile t's h published (once a layer)
+    # tile t's h published (once a layer), or its K ranges' sums (``splits`` times a layer)
+    flags = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))
 
     def unit(u):
-        """Unit u of this CTA's plan: (kind, tile, first box, end box) as boxes of its tile's stream (gate / up
-        boxes 0 .. 2 * gate_steps - 1, then the down boxes)."""
-        at = (c * units + u) * 4
+        """Unit u of this CTA's plan: (kind, tile, first box, end box, part) as boxes of its tile's stream
+        (gate / up boxes 0 .. 2 * gate_steps - 1, then the down boxes)."""
+        at = (c * units + u) * 5
         kind, tile = plan_ref[at], plan_ref[at + 1]
-        is_down = kind == DOWN
-        first = jnp.where(is_down, gate_boxes + plan_ref[at + 2], 0)
-        end = jnp.where(is_down, gate_boxes + plan_ref[at + 3], gate_boxes)
-        return kind, jnp.maximum(tile, 0), first, end
+        offset = jnp.where(kind == DOWN, gate_boxes, 0)
+        return kind, jnp.maximum(tile, 0), offset + plan_ref[at + 2], offset + plan_ref[at + 3], plan_ref[at + 4]
 
-    num_units = sum(jnp.where(plan_ref[(c * units + u) * 4] >= 0, 1, 0) for u in range(units))
+    num_units = sum(jnp.where(plan_ref[(c * units + u) * 5] >= 0, 1, 0) for u in range(units))
 
     def tile_of(layer, t):
         """Tile t at ``layer``: (routed?, expert, routing weight, first intermediate column)."""
@@ -462,7 +502,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         routed tiles' once the computing warpgroup has routed the layer)."""
         def unit_loads(layer, u, carry):
             count, routed = carry
-            _, tile, first, end = unit(u)
+            _, tile, first, end, _ = unit(u)
             if router:
                 first_routed = (tile < top_k * routed_tiles) & jnp.logical_not(routed)
                 pl.when(first_routed)(lambda: plgpu.barrier_wait(route_bar.at[0]))
@@ -610,12 +650,16 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             h_smem[...] = h.astype(h_smem.dtype)
             plgpu.commit_smem()
 
-        def gate_up_unit(layer, tile, base):
+        def gate_up_unit(layer, tile, first, end, part, base):
+            """Gate and up boxes [first, end) of ``tile``: the whole tile's give h (in h_smem; published when
+            ``publishes``), a K range's give its partial gate and up sums, published."""
             _, _, scale, _ = tile_of(layer, tile)
+            k0 = lax.div(first, 2)
 
             def gate_up(accs):  # accumulators: gate half 0, gate half 1, up half 0, up half 1
-                def step(k, _):
-                    g_slot, u_slot = lax.rem(base + 2 * k, RING), lax.rem(base + 2 * k + 1, RING)
+                def step(j, _):
+                    k = k0 + j
+                    g_slot, u_slot = lax.rem(base + 2 * j, RING), lax.rem(base + 2 * j + 1, RING)
                     plgpu.barrier_wait(full.at[g_slot])
                     plgpu.barrier_wait(full.at[u_slot])
                     for h in range(2):
@@ -623,38 +667,66 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                         plgpu.wgmma(accs[h], ring.at[g_slot, h].transpose((1, 0)), token)
                         plgpu.wgmma(accs[2 + h], ring.at[u_slot, h].transpose((1, 0)), token)
 
-                    @pl.when(k > 0)
+                    @pl.when(j > 0)
                     def _():  # the previous step's products are done (this step's may run on): free its slots
                         plgpu.wgmma_wait(4)
-                        plgpu.barrier_arrive(free.at[lax.rem(base + 2 * k - 2, RING)])
-                        plgpu.barrier_arrive(free.at[lax.rem(base + 2 * k - 1, RING)])
+                        plgpu.barrier_arrive(free.at[lax.rem(base + 2 * j - 2, RING)])
+                        plgpu.barrier_arrive(free.at[lax.rem(base + 2 * j - 1, RING)])
                     return ()
 
-                lax.fori_loop(0, gate_steps, step, ())
+                lax.fori_loop(0, lax.div(end - first, 2), step, ())
 
             with jax.named_scope("gate_up"):
                 g0, g1, u0, u1 = pl.run_state(gate_up)(tuple(plgpu.ACC.init(zeros) for _ in range(4)))
-                plgpu.barrier_arrive(free.at[lax.rem(base + gate_boxes - 2, RING)])
-                plgpu.barrier_arrive(free.at[lax.rem(base + gate_boxes - 1, RING)])
+                plgpu.barrier_arrive(free.at[lax.rem(base + end - first - 2, RING)])
+                plgpu.barrier_arrive(free.at[lax.rem(base + end - first - 1, RING)])
             g, u = g0 + g1, u0 + u1
-            hin_smem[...] = jnp.sum(g * jax.nn.sigmoid(g) * u * scale, axis=1)  # the token's column, as a row
-            plgpu.commit_smem()
-            h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-            h_tile(h_row)
-            if publishes:  # for the CTAs that take this tile's down rows (a plan with no such CTA: none)
-                with jax.named_scope("publish"):
-                    hs_ref.at[layer, tile][...] = h_row
+
+            @pl.when((first == 0) & (end == gate_boxes))
+            def _():
+                hin_smem[...] = jnp.sum(g * jax.nn.sigmoid(g) * u * scale, axis=1)  # the token's column, a row
+                plgpu.commit_smem()
+                h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+                h_tile(h_row)
+                if publishes:  # for the CTAs that take this tile's down rows (a plan with no such CTA: none)
+                    with jax.named_scope("publish"):
+                        hs_ref.at[layer, tile, 0, 0][...] = h_row
+                        plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
+
+            if splits:
+                @pl.when((first != 0) | (end != gate_boxes))
+                @jax.named_scope("publish")
+                def _():  # a K range of the tile: its partial sums, for the CTAs that take the tile's down rows
+                    for i, acc in enumerate((g, u)):
+                        hin_smem[...] = jnp.sum(acc, axis=1)
+                        plgpu.commit_smem()
+                        hs_ref.at[layer, tile, part, i][...] = plgpu.load(hin_smem,
+                                                                          layout=plgpu.Layout.WGMMA.reduce(0))
                     plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
 
         def down_unit(layer, tile, first, end, base, local):
-            @pl.when(jnp.logical_not(local))
+            split = (tile >= num_ctas) if splits else False  # its h from its K ranges' partial sums
+
+            @pl.when(jnp.logical_not(local) & jnp.logical_not(split))
             @jax.named_scope("fetch_h")
             def _():  # another CTA's tile: its h once published
                 plgpu.semaphore_wait(flags.at[tile], layer + 1, decrement=False, memory_scope="gpu")
                 proxy_fence()
-                plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], hin_smem, hin_bar.at[0])
+                plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile, 0, 0], hin_smem, hin_bar.at[0])
                 plgpu.barrier_wait(hin_bar.at[0])
                 h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
+
+            if splits:
+                @pl.when(jnp.logical_not(local) & split)
+                @jax.named_scope("fetch_h")
+                def _():  # a split tile: h from the sums of its K ranges, once all are published
+                    plgpu.semaphore_wait(flags.at[tile], splits * (layer + 1), decrement=False, memory_scope="gpu")
+                    proxy_fence()
+                    plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
+                    plgpu.barrier_wait(hin_bar.at[0])
+                    g, u = (sum(plgpu.load(sums_smem.at[p, i], layout=plgpu.Layout.WGMMA.reduce(0))
+                                for p in range(splits)) for i in range(2))
+                    h_tile(g * jax.nn.sigmoid(g) * u * tile_of(layer, tile)[2])
 
             h_t = h_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
 
@@ -688,11 +760,12 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)
 
             def one(u, carry):
-                count, last_gate_up = carry
-                kind, tile, first, end = unit(u)
-                pl.when(kind == GATE_UP)(lambda: gate_up_unit(layer, tile, count))
+                count, last_gate_up = carry  # the last whole tile's gate / up: its h is in h_smem
+                kind, tile, first, end, part = unit(u)
+                pl.when(kind == GATE_UP)(lambda: gate_up_unit(layer, tile, first, end, part, count))
                 pl.when(kind == DOWN)(lambda: down_unit(layer, tile, first, end, count, tile == last_gate_up))
-                return count + end - first, jnp.where(kind == GATE_UP, tile, last_gate_up)
+                whole = (kind == GATE_UP) & (first == 0) & (end == gate_boxes)
+                return count + end - first, jnp.where(whole, tile, last_gate_up)
 
             count, _ = lax.fori_loop(0, num_units, one, (count, jnp.int32(-1)))
             with jax.named_scope("store"):
@@ -707,13 +780,15 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
         lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
 
-        def reset(u, _):  # every reader of this CTA's tiles has passed the last barrier: their flags to zero
-            kind, tile, _, _ = unit(u)
-            pl.when(kind == GATE_UP)(lambda: plgpu.semaphore_wait(flags.at[tile], num_layers, decrement=True,
-                                                                  memory_scope="gpu"))
+        def reset(u, _):  # every reader of this CTA's tiles has passed the last barrier: take its signals back
+            kind, tile, first, end, _ = unit(u)
+            whole = (first == 0) & (end == gate_boxes)
+            signalled = (kind == GATE_UP) & ((whole & publishes) | (jnp.logical_not(whole) & (splits > 0)))
+            pl.when(signalled)(lambda: plgpu.semaphore_wait(flags.at[tile], num_layers, decrement=True,
+                                                            memory_scope="gpu"))
             return ()
 
-        if publishes:
+        if publishes or splits:
             lax.fori_loop(0, num_units, reset, ())
         if router:  # every CTA has passed its last wait on routed_sem (it arrived at the last barrier since)
             pl.when(c == 0)(lambda: plgpu.semaphore_wait(routed_sem, routers * num_layers, decrement=True,
@@ -769,15 +844,18 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
     return out, ids[:, :top_k], weights[:, :top_k]
 
 
-def _fetches_h(plan: np.ndarray) -> bool:
-    """Whether some CTA of ``plan`` takes down rows of a tile whose gate / up it did not just compute (so
-    the tiles' h must go through global memory): the kernel's own test of a local down unit."""
+def _fetches_h(plan: np.ndarray, gate_boxes: int) -> bool:
+    """Whether some CTA of ``plan`` takes down rows of a tile whose whole gate / up it did not just compute,
+    and that is not split by K ranges (so that tile's h must go through global memory): the kernel's own
+    test of a local down unit."""
+    split = {tile for units in plan for kind, tile, first, end, _ in units
+             if kind == GATE_UP and (first, end) != (0, gate_boxes)}
     for units in plan:
         last = -1
-        for kind, tile, _, _ in units:
-            if kind == GATE_UP:
+        for kind, tile, first, end, _ in units:
+            if kind == GATE_UP and (first, end) == (0, gate_boxes):
                 last = tile
-            elif kind == DOWN and tile != last:
+            elif kind == DOWN and tile != last and tile not in split:
                 return True
     return False
 
@@ -791,21 +869,23 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
     shared_inter = shared[0].shape[-1]
     if x.shape != (hidden,):
         raise ValueError(f"moe_chain: x {x.shape}, w_gate {w_gate.shape}; expected x [D={hidden}]")
-    if EXPERT_PLAN not in ("tiles", "dealt"):
-        raise ValueError(f"EXPERT_PLAN={EXPERT_PLAN!r}; accepted: tiles, dealt")
+    if EXPERT_PLAN not in PLANS:
+        raise ValueError(f"EXPERT_PLAN={EXPERT_PLAN!r}; accepted: {', '.join(PLANS)}")
     if router is not None and extra[1].shape[-1] != HALF:
         raise ValueError(f"moe_block_chain: {extra[1].shape[-1]} experts; the in-kernel router takes {HALF}")
     routed_tiles = inter // HALF
     num_tiles = top_k * routed_tiles + shared_inter // HALF
     num_ctas = min(num_sms(), num_tiles)
     rows = hidden // HALF
-    plan = expert_plan(num_tiles, num_ctas, hidden // STEP, hidden // STEP, dealt=EXPERT_PLAN == "dealt",
+    plan = expert_plan(num_tiles, num_ctas, hidden // STEP, hidden // STEP, EXPERT_PLAN,
                        shared_from=top_k * routed_tiles if router is not None else None)
+    splits = split_parts(num_tiles, num_ctas) if EXPERT_PLAN == "split" else 0
     kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
                                routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1],
-                               router=router, publishes=_fetches_h(plan))
+                               router=router, publishes=_fetches_h(plan, 2 * (hidden // STEP)), splits=splits)
     f32 = jnp.float32
-    out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), jax.ShapeDtypeStruct((num_layers, num_tiles, HALF), f32)]
+    out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),
+                jax.ShapeDtypeStruct((num_layers, num_tiles, max(splits, 1), 2, HALF), f32)]
     if router is not None:
         out_type += [jax.ShapeDtypeStruct((num_layers, 8, HALF), f32),
                      jax.ShapeDtypeStruct((num_layers, ROUTE_SLOTS), jnp.int32),
@@ -815,7 +895,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
     outs = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
-        scratch_types=_moe_scratch(hidden, x.dtype, router is not None),
+        scratch_types=_moe_scratch(hidden, x.dtype, router is not None, splits),
         grid=(num_ctas,),
         grid_names=("c",),
         num_threads=2,

@@ -557,12 +557,13 @@ def test_gemv_chain_gpu(layers, depth):
 
 
 @pytest.mark.parametrize("layers, empty_slot, plan", [(1, False, "tiles"), (3, True, "tiles"), (1, False, "dealt"),
-                                                      (3, True, "dealt")])
+                                                      (3, True, "dealt"), (3, True, "split")])
 def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     """The step kernel's expert phase: V2-Lite's one-token layer shape (top-6 of 16 experts here, 2 shared
     experts), a chain of layers in one persistent kernel (each CTA's partial rows added by TMA, the residual
-    once, a grid barrier a layer), its tiles whole a CTA or dealt evenly (h through global memory and a flag),
-    against the reference chain; an empty slot (id E) contributes nothing."""
+    once, a grid barrier a layer), its tiles whole a CTA, dealt evenly (h through global memory and a flag) or
+    split (44 tiles' gate / up in 3 K ranges, partial sums through global memory), against the reference
+    chain; an empty slot (id E) contributes nothing."""
     import jax
 
     from pallas_kernels import decode_step_mgpu
@@ -585,7 +586,8 @@ def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     assert _rel(got, moe_chain_reference(x, weights, jnp.asarray(ids), *routed, shared)) < 2e-2
 
 
-@pytest.mark.parametrize("plan, router_dtype", [("tiles", "float32"), ("dealt", "float32"), ("dealt", "bfloat16")])
+@pytest.mark.parametrize("plan, router_dtype", [("tiles", "float32"), ("dealt", "float32"), ("dealt", "bfloat16"),
+                                                ("split", "float32")])
 def test_moe_block_chain_gpu(plan, router_dtype, monkeypatch):
     """The MoE half of two V2-Lite layers in one persistent kernel (RMSNorm, the router's products on 16 CTAs
     from its boxes, f32 weights as two bf16 parts, softmax top-6 routing in every CTA, the experts with the

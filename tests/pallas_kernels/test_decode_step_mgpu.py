@@ -57,12 +57,12 @@ def _moe_shapes(layers: int, experts: int = 64):
 def test_moe_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     """The step kernel's expert phase (V2-Lite's layer, top-6 of 64 and 2 shared experts, a few layers) lowers
     with either plan; moe_supports names what it does not take."""
-    for plan in ("tiles", "dealt"):
+    for plan in kernel.PLANS:
         monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
         hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
         assert hlo.count("custom_call @mosaic_gpu") == 1
     monkeypatch.setattr(kernel, "EXPERT_PLAN", "greedy")
-    with pytest.raises(ValueError, match="EXPERT_PLAN='greedy'; accepted: tiles, dealt"):
+    with pytest.raises(ValueError, match="EXPERT_PLAN='greedy'; accepted: tiles, dealt, split"):
         jax.eval_shape(kernel.moe_chain, *_moe_shapes(1))
     x, weights, ids, *rest = _moe_shapes(3)
     with pytest.raises(ValueError, match=r"expected weights and ids \[L=3, k\]"):
@@ -94,36 +94,48 @@ def test_moe_chain_reference_adds_each_layer_to_its_input():
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dealt", [False, True])
-def test_expert_plan_covers_every_box_once(dealt):
-    """Every tile's gate / up is one CTA's unit and its 16 down boxes are covered once; dealt, V2-Lite's 176
-    tiles give each of 132 CTAs 64 boxes, and a CTA's own tile's down follows its gate / up."""
-    plan = kernel.expert_plan(176, 132, 16, 16, dealt=dealt)
-    gate_up, down = np.zeros(176, int), np.zeros((176, 16), int)
+@pytest.mark.parametrize("kind", ["tiles", "dealt", "split"])
+def test_expert_plan_covers_every_box_once(kind):
+    """Every gate / up box of V2-Lite's 176 tiles is one CTA's and its 16 down boxes are covered once; dealt
+    or split, each of 132 CTAs streams 64 boxes and a CTA's own tile's down follows its gate / up; split, the
+    first 132 tiles stay whole and the 44 others are cut into 3 K ranges, each CTA's range first."""
+    plan = kernel.expert_plan(176, 132, 16, 16, kind, shared_from=132)
+    assert plan.shape[2] == 5
+    gate_up, down = np.zeros((176, 32), int), np.zeros((176, 16), int)
     loads = []
     for units in plan:
-        load, seen = 0, set()
-        for kind, tile, first, end in units:
-            if kind == kernel.GATE_UP:
-                gate_up[tile] += 1
-                seen.add(tile)
-                load += 32
-            elif kind == kernel.DOWN:
+        load = 0
+        for kind_, tile, first, end, part in units:
+            if kind_ == kernel.GATE_UP:
+                gate_up[tile, first:end] += 1
+                load += end - first
+            elif kind_ == kernel.DOWN:
                 down[tile, first:end] += 1
                 load += end - first
             else:
-                assert (kind, tile, first, end) == (-1, -1, -1, -1)
+                assert (kind_, tile, first, end, part) == (-1,) * 5
         loads.append(load)
     assert (gate_up == 1).all() and (down == 1).all()
-    assert kernel._fetches_h(plan) == dealt  # whole tiles: every h stays in its CTA
-    if dealt:
+    assert kernel._fetches_h(plan, 32) == (kind == "dealt")  # whole tiles: every h stays in its CTA
+    if kind == "dealt":
         assert set(loads) == {64}
         singles = plan[44:]  # CTAs with one tile: its gate / up, its down, halves of two others' downs
         assert (singles[:, 0, :2] == np.stack([np.zeros(88, int), np.arange(44, 132)], 1)).all()
         assert (singles[:, 1, :2] == singles[:, 0, 1:2] * [0, 1] + [kernel.DOWN, 0]).all()
+    elif kind == "split":
+        assert set(loads) == {64} and kernel.split_parts(176, 132) == 3
+        first = plan[:, 0]  # a K range of tile 132 + c // 3 first: 6, 5, 5 K steps (12, 10, 10 boxes)
+        assert (first[:, 1] == 132 + np.arange(132) // 3).all() and (first[:, 4] == np.arange(132) % 3).all()
+        assert [tuple(r[2:4]) for r in first[:3]] == [(0, 12), (12, 22), (22, 32)]
+        assert (plan[:, 1, 1] == np.arange(132)).all()  # then its own tile, whole
+        assert (plan[:, 2, :2] == [[kernel.DOWN, c] for c in range(132)]).all()
+        assert [tuple(r[2:4]) for r in plan[:3, 3]] == [(0, 4), (4, 10), (10, 16)]  # its down rows, last
     else:
         assert sorted(loads) == [48] * 88 + [96] * 44
-    assert kernel.expert_plan(100, 132, 16, 16, dealt=True).shape == (132, 2, 4)  # fewer tiles than CTAs: whole
+    assert kernel.expert_plan(100, 132, 16, 16, kind).shape == (132, 2, 5)  # fewer tiles than CTAs: whole
+    assert kernel.split_parts(100, 132) == 0 and kernel.split_parts(240, 132) == 0  # none, or one range a tile
+    with pytest.raises(ValueError, match="expert plan 'greedy'; accepted: tiles, dealt, split"):
+        kernel.expert_plan(176, 132, 16, 16, "greedy")
 
 
 def test_moe_block_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
@@ -134,7 +146,7 @@ def test_moe_block_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     norm, router = shape((2, 2048), bf16), shape((2, 2048, 64), jnp.float32)
     call = lambda x, norm, router, *experts: kernel.moe_block_chain(
         x, norm, router, kernel.RouterSpec(1e-6), 6, *experts[:3], experts[3:])
-    for plan, router_dtype in (("tiles", jnp.float32), ("dealt", jnp.float32), ("dealt", bf16)):
+    for plan, router_dtype in (("tiles", jnp.float32), ("dealt", jnp.float32), ("dealt", bf16), ("split", bf16)):
         monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)  # f32 router weights: two bf16 parts, two boxes
         hlo = lower_for_h200(call, x, norm, shape(router.shape, router_dtype), *routed, *shared)
         assert hlo.count("custom_call @mosaic_gpu") == 1
