@@ -329,6 +329,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0) -> l
         plgpu.SMEM((rows, HALF), jnp.float32),  # the CTA's partial output row
         plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
         plgpu.SMEM((max(splits, 1), 2, HALF), jnp.float32),  # a split tile's partial gate and up sums, fetched
+        plgpu.SMEM((2, HALF), jnp.float32),  # this CTA's K range's gate and up sums, published by TMA
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
         plgpu.Barrier(num_barriers=RING),  # a slot's products are done
         plgpu.Barrier(num_barriers=1),  # the input rows landed
@@ -455,11 +456,13 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # f32[L, 8, E] (row 0, summed by TMA adds), the chosen ids i32[L, 8] and weights f32[L, 8] (first k)
     if router:
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, out_ref, hs_ref, logits_ref,
-         ids_out, weights_out, ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, full, free,
-         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar) = refs
+         ids_out, weights_out, ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem,
+         full, free, xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar,
+         route_bar) = refs
     else:
         (plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref, ring,
-         xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, full, free, xin_bar, hin_bar) = refs
+         xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free, xin_bar,
+         hin_bar) = refs
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
@@ -696,13 +699,20 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             if splits:
                 @pl.when((first != 0) | (end != gate_boxes))
                 @jax.named_scope("publish")
-                def _():  # a K range of the tile: its partial sums, for the CTAs that take the tile's down rows
-                    for i, acc in enumerate((g, u)):
-                        hin_smem[...] = jnp.sum(acc, axis=1)
-                        plgpu.commit_smem()
-                        hs_ref.at[layer, tile, part, i][...] = plgpu.load(hin_smem,
-                                                                          layout=plgpu.Layout.WGMMA.reduce(0))
-                    plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
+                def _():  # a K range of the tile: its partial sums, for the CTAs that take the tile's down rows,
+                    for i, acc in enumerate((g, u)):  # stored by TMA; ``signal`` counts them once surely out
+                        pub_smem.at[i][...] = jnp.sum(acc, axis=1)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(pub_smem, hs_ref.at[layer, tile, part])
+
+        @jax.named_scope("signal")
+        def signal(tile):
+            """Counts a K range's sums on the tile's flag, a unit after their TMA store was issued: a release
+            right behind a store waits out its round trip, 4-6 µs while the SM's stream is in flight (the
+            "publish" of round 22's traces)."""
+            plgpu.wait_smem_to_gmem(0)
+            proxy_fence()
+            plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
 
         def down_unit(layer, tile, first, end, base, local):
             split = (tile >= num_ctas) if splits else False  # its h from its K ranges' partial sums
@@ -760,14 +770,20 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)
 
             def one(u, carry):
-                count, last_gate_up = carry  # the last whole tile's gate / up: its h is in h_smem
+                # the last whole tile's gate / up (its h is in h_smem); the tile whose K range's sums are
+                # stored and not yet counted (-1: none), counted before this CTA's first down unit after them
+                count, last_gate_up, pending = carry
                 kind, tile, first, end, part = unit(u)
+                pl.when((kind == DOWN) & (pending >= 0))(lambda: signal(pending))
+                pending = jnp.where(kind == DOWN, -1, pending)
                 pl.when(kind == GATE_UP)(lambda: gate_up_unit(layer, tile, first, end, part, count))
                 pl.when(kind == DOWN)(lambda: down_unit(layer, tile, first, end, count, tile == last_gate_up))
                 whole = (kind == GATE_UP) & (first == 0) & (end == gate_boxes)
-                return count + end - first, jnp.where(whole, tile, last_gate_up)
+                pending = jnp.where((kind == GATE_UP) & jnp.logical_not(whole), tile, pending)
+                return count + end - first, jnp.where(whole, tile, last_gate_up), pending
 
-            count, _ = lax.fori_loop(0, num_units, one, (count, jnp.int32(-1)))
+            count, _, pending = lax.fori_loop(0, num_units, one, (count, jnp.int32(-1), jnp.int32(-1)))
+            pl.when(pending >= 0)(lambda: signal(pending))  # before the barrier: readers of this layer wait on it
             with jax.named_scope("store"):
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
