@@ -561,9 +561,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
     def route(layer, count):
         """RMSNorm of the layer's rows into the tiles; a router CTA multiplies the tiles of its K step by its
-        router boxes (``parts`` of them, two wgmma chains) and adds its partial logits by TMA; once every
-        router CTA has counted its add on ``routed_sem``, every CTA routes the layer (softmax, greedy top-k)
-        into shared memory and tells its producer. -> the ring's count after the router boxes."""
+        router boxes (``parts`` of them, two wgmma chains), adds its partial logits by TMA and counts them on
+        ``routed_sem`` (``routing`` takes it from there). -> the ring's count after the router boxes."""
         plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
         with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
             flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
@@ -606,36 +605,49 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             plgpu.semaphore_signal(routed_sem, 1, memory_scope="gpu")
 
         row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # the CTA's partial output rows
-        with jax.named_scope("logits"):  # every router CTA's add, then the sums
-            plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
-            proxy_fence()
-            plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
-            plgpu.barrier_wait(logits_bar.at[0])
-        with jax.named_scope("routing"):
-            strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
-            iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
-            logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
-            top = jnp.max(logits)
-            total_exp = jnp.sum(jnp.exp(logits - top))
-            left, chosen, best = logits, [], top  # chosen by logit: the softmax keeps their order
-            for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order): two reductions a pick
-                if k:
-                    best = jnp.max(left)
-                pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
-                chosen.append((pick, jnp.exp(best - top) / total_exp))  # its softmax score, as the scores' formula
-                left = jnp.where(iota == pick, -jnp.inf, left)
-            total = sum(w for _, w in chosen) + 1e-20 if router.norm_topk_prob else 1.0
-            for k, (pick, w) in enumerate(chosen):
-                rid_smem[k] = pick
-                rw_smem[k] = w / total * router.routed_scaling_factor
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(route_bar.at[0])
-
-            @pl.when(c == 0)
-            def _():  # the layer's routing, for the caller
-                plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
-                plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
         return count + router_boxes
+
+    def routing():
+        """Warpgroup 2 (with a router), each layer: once every router CTA has counted its add on
+        ``routed_sem``, the layer's logits, softmax and greedy top-k into shared memory; ``route_bar`` tells
+        the producer and the computing warpgroup, which runs the shared tiles' products meanwhile."""
+        def layer_routing(layer, _):
+            with jax.named_scope("logits"):  # every router CTA's add, then the sums
+                plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
+                proxy_fence()
+                plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
+                plgpu.barrier_wait(logits_bar.at[0])
+            with jax.named_scope("routing"):
+                strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
+                iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
+                logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+                top = jnp.max(logits)
+                total_exp = jnp.sum(jnp.exp(logits - top))
+                left, chosen, best = logits, [], top  # chosen by logit: the softmax keeps their order
+                for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order): two reductions a pick
+                    if k:
+                        best = jnp.max(left)
+                    pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
+                    chosen.append((pick, jnp.exp(best - top) / total_exp))  # its score, as the scores' formula
+                    left = jnp.where(iota == pick, -jnp.inf, left)
+                total = sum(w for _, w in chosen) + 1e-20 if router.norm_topk_prob else 1.0
+                plgpu.wait_smem_to_gmem(0)  # the layer before's routing out of shared memory (CTA 0's copies)
+                for k, (pick, w) in enumerate(chosen):
+                    rid_smem[k] = pick
+                    rw_smem[k] = w / total * router.routed_scaling_factor
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(route_bar.at[0])
+
+                @pl.when(c == 0)
+                def _():  # the layer's routing, for the caller
+                    plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
+                    plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
+            return ()
+
+        # The next layer's routing overwrites this one's only after routed_sem counts the next layer's router
+        # products, which follow the grid barrier that this CTA's computing warpgroup reaches after its units.
+        lax.fori_loop(0, num_layers, layer_routing, ())
+        plgpu.wait_smem_to_gmem(0)
 
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
@@ -771,18 +783,26 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
             def one(u, carry):
                 # the last whole tile's gate / up (its h is in h_smem); the tile whose K range's sums are
-                # stored and not yet counted (-1: none), counted before this CTA's first down unit after them
-                count, last_gate_up, pending = carry
+                # stored and not yet counted (-1: none), counted before this CTA's first down unit after them;
+                # whether the layer's routing is in (waited for before the first routed tile's unit)
+                count, last_gate_up, pending, routed = carry
                 kind, tile, first, end, part = unit(u)
+                if router:
+                    first_routed = (tile < top_k * routed_tiles) & jnp.logical_not(routed)
+                    pl.when(first_routed)(lambda: plgpu.barrier_wait(route_bar.at[0]))
+                    routed = routed | first_routed
                 pl.when((kind == DOWN) & (pending >= 0))(lambda: signal(pending))
                 pending = jnp.where(kind == DOWN, -1, pending)
                 pl.when(kind == GATE_UP)(lambda: gate_up_unit(layer, tile, first, end, part, count))
                 pl.when(kind == DOWN)(lambda: down_unit(layer, tile, first, end, count, tile == last_gate_up))
                 whole = (kind == GATE_UP) & (first == 0) & (end == gate_boxes)
                 pending = jnp.where((kind == GATE_UP) & jnp.logical_not(whole), tile, pending)
-                return count + end - first, jnp.where(whole, tile, last_gate_up), pending
+                return count + end - first, jnp.where(whole, tile, last_gate_up), pending, routed
 
-            count, _, pending = lax.fori_loop(0, num_units, one, (count, jnp.int32(-1), jnp.int32(-1)))
+            count, _, pending, routed = lax.fori_loop(0, num_units, one,
+                                                      (count, jnp.int32(-1), jnp.int32(-1), jnp.bool_(False)))
+            if router:  # one wait a layer for the one arrival, routed tiles or not
+                pl.when(jnp.logical_not(routed))(lambda: plgpu.barrier_wait(route_bar.at[0]))
             pl.when(pending >= 0)(lambda: signal(pending))  # before the barrier: readers of this layer wait on it
             with jax.named_scope("store"):
                 plgpu.commit_smem()
@@ -813,6 +833,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
     pl.when(lax.axis_index("wg") == 0)(compute)
     pl.when(lax.axis_index("wg") == 1)(loads)
+    if router:
+        pl.when(lax.axis_index("wg") == 2)(routing)
 
 
 def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
@@ -844,8 +866,9 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
     routing). In the kernel, every CTA norms the rows into its tiles; D / 128 router CTAs multiply the tiles
     of their K step by the router's boxes (streamed by the producer ahead of the layer, like any weights),
     add their partial logits by TMA and count them on a semaphore; once all have,
-    every CTA routes the layer itself and its producer issues the routed tiles' boxes (each CTA's shared
-    tiles come first in its plan). Shapes must pass ``moe_supports(..., router=True)``."""
+    a third warpgroup in every CTA routes the layer, and its producer issues the routed tiles' boxes, while
+    the computing warpgroup runs its shared tiles' products (they come first in its plan). Shapes must pass
+    ``moe_supports(..., router=True)``."""
     num_layers, hidden = norm.shape
     if router.shape[:2] != (num_layers, hidden):
         raise ValueError(f"moe_block_chain: norm {norm.shape}, router {router.shape}; expected [L, D] and [L, D, E]")
@@ -914,11 +937,12 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         scratch_types=_moe_scratch(hidden, x.dtype, router is not None, splits),
         grid=(num_ctas,),
         grid_names=("c",),
-        num_threads=2,
+        num_threads=3 if router is not None else 2,  # with a router, warpgroup 2 routes
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            # the trace's buffer is shared memory: 1024 entries overflow the MoE half's (round 22)
-            approx_math=True, **({"profile_space": 512, "profile_dir": profile_dir} if profile_dir else {})),
+            # the trace's buffer is shared memory: 1024 entries overflow the MoE half's (round 22), and 512 its
+            # three warpgroups' (384 hold 8 layers' ~15 scopes a warpgroup)
+            approx_math=True, **({"profile_space": 384, "profile_dir": profile_dir} if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)
     result = outs[0][-1].reshape(hidden).astype(x.dtype)
     return result, (outs[3], outs[4]) if router is not None else None
