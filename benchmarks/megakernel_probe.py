@@ -33,7 +33,7 @@ Rows of the table: the schedule as described (``barriers``), the same stream wit
 floor), and the barriers alone with no weights (the chain's own cost), µs a layer from a profiler trace.
 Measured (round 20): 42.2 µs a layer with a producer warpgroup, two chains a box, two boxes in flight and
 8 slots, against ~77 for today's launches; so the step kernel is being built
-(``pallas_kernels/decode_step_mgpu.py``), and its phases are timed here too (``--gemv-chain``,
+(``pallas_kernels/decode_step_mgpu.py``, ``decode_step_moe.py``), and its phases are timed here too (``--gemv-chain``,
 ``--moe-chain``, ``--moe-block-chain``).
 
     python -m benchmarks.megakernel_probe --out benchmarks/results/megakernel_probe_h200.json
@@ -350,24 +350,24 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
 
 
 def _under_plan(plan: str, fn):
-    """``fn`` traced with decode_step_mgpu.EXPERT_PLAN set to ``plan`` (a trace-time module constant)."""
-    from pallas_kernels import decode_step_mgpu
+    """``fn`` traced with decode_step_moe.EXPERT_PLAN set to ``plan`` (a trace-time module constant)."""
+    from pallas_kernels import decode_step_moe
 
     def call(*args, **options):
-        built = decode_step_mgpu.EXPERT_PLAN
-        decode_step_mgpu.EXPERT_PLAN = plan
+        built = decode_step_moe.EXPERT_PLAN
+        decode_step_moe.EXPERT_PLAN = plan
         try:
             return fn(*args, **options)
         finally:
-            decode_step_mgpu.EXPERT_PLAN = built
+            decode_step_moe.EXPERT_PLAN = built
     return call
 
 
 def _moe_chain(args) -> dict:
-    """decode_step_mgpu.moe_chain against a scan of the one-token expert launch (its residual added where
+    """decode_step_moe.moe_chain against a scan of the one-token expert launch (its residual added where
     XLA sums the partial rows), V2-Lite's layers: error against the reference chain, kernel time (trace)
     and loop time a call, µs a layer."""
-    from pallas_kernels.decode_step_mgpu import moe_chain, moe_chain_reference
+    from pallas_kernels.decode_step_moe import moe_chain, moe_chain_reference
     from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
 
     layers = args.moe_chain
@@ -392,7 +392,7 @@ def _moe_chain(args) -> dict:
     inputs = (x, weights, ids, *routed, shared)
     want = jax.jit(moe_chain_reference)(*inputs).astype(jnp.float32)
     layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6  # bytes a layer reads: top-6 + shared
-    dealt = _under_plan("dealt", moe_chain)  # each CTA the same number of boxes (decode_step_mgpu.expert_plan)
+    dealt = _under_plan("dealt", moe_chain)  # each CTA the same number of boxes (decode_step_moe.expert_plan)
     rows = []
     for name, fn in (("one kernel (moe_chain), tiles whole a CTA", _under_plan("tiles", moe_chain)),
                      ("one kernel (moe_chain), boxes dealt evenly", dealt),
@@ -415,10 +415,10 @@ def _moe_chain(args) -> dict:
 
 
 def _moe_block_chain(args) -> dict:
-    """decode_step_mgpu.moe_block_chain (both plans) against moe_chain given the same routing: what the norm,
+    """decode_step_moe.moe_block_chain (each plan) against moe_chain given the same routing: what the norm,
     the router's products, its barrier and the routing add to a layer. Today's launches for the same work
     (round 20's profile): router products + their sum + routing + experts + their sum, ~44 µs a layer."""
-    from pallas_kernels.decode_step_mgpu import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_chain
+    from pallas_kernels.decode_step_moe import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_chain
 
     layers = args.moe_block_chain
     keys = iter(jax.random.split(jax.random.key(3), 10))
@@ -484,10 +484,10 @@ def main(argv=None) -> dict:
                         help="instead: decode_step_mgpu.gemv_chain (26 layers of 2048 x 2048) against a launch a "
                              "layer (the Triton stacked GEMV, XLA's dot)")
     parser.add_argument("--moe-chain", type=int, default=0, metavar="LAYERS",
-                        help="instead: decode_step_mgpu.moe_chain (V2-Lite's one-token expert layers, this many) "
+                        help="instead: decode_step_moe.moe_chain (V2-Lite's one-token expert layers, this many) "
                              "against moe_decode_mgpu a layer")
     parser.add_argument("--moe-block-chain", type=int, default=0, metavar="LAYERS",
-                        help="instead: decode_step_mgpu.moe_block_chain (V2-Lite's MoE halves, norm and router in the "
+                        help="instead: decode_step_moe.moe_block_chain (V2-Lite's MoE halves, norm and router in the "
                              "kernel, this many) against moe_chain with the routing given")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)

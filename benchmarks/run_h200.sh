@@ -109,7 +109,7 @@ case $part in
       | tee "$OUT/gpu_tests_gemv_chain.log" | tail -3
     timeout 200 python -m benchmarks.megakernel_probe --gemv-chain --out "$OUT/gemv_chain_h200.json" 2>&1 \
       | grep -v -i warn | tail -8 ;;
-  step-phases)  # the step kernel's phases (pallas_kernels/decode_step_mgpu.py): GPU tests of the GEMV, expert and
+  step-phases)  # the step kernel's phases (pallas_kernels/decode_step_mgpu.py, decode_step_moe.py): GPU tests of the GEMV, expert and
                 # MoE-half chains; the expert chain (8 of V2-Lite's layers; tiles whole, dealt or split) against a
                 # launch a layer; the MoE halves (norm, router and routing in the kernel); traces (~8 minutes)
     timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "gemv_chain or moe_chain or moe_block_chain" \

@@ -566,10 +566,10 @@ def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     chain; an empty slot (id E) contributes nothing."""
     import jax
 
-    from pallas_kernels import decode_step_mgpu
-    from pallas_kernels.decode_step_mgpu import moe_chain, moe_chain_reference, moe_supports
+    from pallas_kernels import decode_step_moe
+    from pallas_kernels.decode_step_moe import moe_chain, moe_chain_reference, moe_supports
 
-    monkeypatch.setattr(decode_step_mgpu, "EXPERT_PLAN", plan)
+    monkeypatch.setattr(decode_step_moe, "EXPERT_PLAN", plan)
     assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16) is None
     keys = iter(jax.random.split(jax.random.key(layers), 8))
     w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) / np.sqrt(s[-2])).astype(jnp.bfloat16)
@@ -594,10 +594,10 @@ def test_moe_block_chain_gpu(plan, router_dtype, monkeypatch):
     shared tiles first) against the reference chain: the same experts chosen, their weights, the output."""
     import jax
 
-    from pallas_kernels import decode_step_mgpu
-    from pallas_kernels.decode_step_mgpu import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_supports
+    from pallas_kernels import decode_step_moe
+    from pallas_kernels.decode_step_moe import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_supports
 
-    monkeypatch.setattr(decode_step_mgpu, "EXPERT_PLAN", plan)
+    monkeypatch.setattr(decode_step_moe, "EXPERT_PLAN", plan)
     layers = 2
     assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16, router=True, num_experts=64, top_k=6) is None
     keys = iter(jax.random.split(jax.random.key(7), 10))

@@ -1,0 +1,730 @@
+"""The step kernel's expert phase and the MoE half of a decoder layer, as chains over layers in one
+persistent Mosaic GPU kernel (the machinery: ``decode_step_mgpu``; the plan: ``docs/decode_step_kernel.md``).
+
+``moe_chain`` is the expert phase, x_{l+1} = x_l + layer l's experts of x_l, in the GEMV chain's form (a
+producer warpgroup streaming 16 KiB boxes through a ring, wgmma products, TMA adds, a grid barrier a layer):
+38.5 µs a layer against 43.4 for ``moe_decode_mgpu`` a layer (8 layers, round 22). How a layer's tiles are
+dealt to the CTAs is ``expert_plan``'s (``EXPERT_PLAN``; the "split" plan is built and not yet run).
+``moe_block_chain`` is the MoE half of a layer, x_{l+1} = x_l + experts(RMSNorm(x_l)), with the norm, the
+router's products (its weights as boxes in the ring) and the routing in the kernel: 44.6 µs a layer
+(``bash benchmarks/run_h200.sh step-phases``; decode_profile.md round 22).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import why_not_hopper
+from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, _TILING, _arrive_and_wait, _build_tiles,
+                                             _input_tiles, _release, _zero_rows, num_sms, proxy_fence)
+
+
+def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
+                 num_experts: int = HALF, top_k: int = 1) -> str | None:
+    """None when ``moe_chain`` (``router``: ``moe_block_chain``, with ``num_experts`` and ``top_k``) takes the
+    layers, else why not."""
+    if why_not := why_not_hopper():
+        return why_not
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        return f"weights in {jnp.dtype(dtype).name} (this kernel takes bfloat16)"
+    for name, size, block in (("hidden", hidden, 8 * HALF), ("moe intermediate", inter, HALF),
+                              ("shared intermediate", shared_inter, HALF)):
+        if size % block:
+            return f"{name} size {size} is not a multiple of {block}"
+    if hidden // HALF > 256:
+        return f"hidden size {hidden} is over {256 * HALF} (one TMA box of its rows)"
+    if num_layers < 1:
+        return f"{num_layers} layers (at least 1)"
+    if router and num_experts != HALF:
+        return f"{num_experts} routed experts (the in-kernel router takes {HALF})"
+    if router and not 1 <= top_k <= ROUTE_SLOTS:
+        return f"top-{top_k} routing (the in-kernel router takes 1 to {ROUTE_SLOTS})"
+    if router and hidden // STEP > min(num_sms(), top_k * (inter // HALF) + shared_inter // HALF):
+        return f"hidden size {hidden} needs {hidden // STEP} router CTAs (one a {STEP}-row K step)"
+    num_tiles = top_k * (inter // HALF) + shared_inter // HALF
+    splits = split_parts(num_tiles, min(num_sms(), num_tiles)) if EXPERT_PLAN == "split" else 0
+    if (need := _moe_smem_bytes(hidden, router, splits)) > 227 * 1024:
+        return f"hidden size {hidden} needs {need} bytes of shared memory a CTA (at most {227 * 1024})"
+    return None
+
+
+ROUTE_SLOTS = 8  # the routing's ids and weights a layer, in shared memory (top-k at most this)
+
+
+def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0) -> list:
+    rows = hidden // HALF
+    router_scratch = [
+        plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
+        plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial logits
+        plgpu.SMEM((2 * HALF,), jnp.float32),  # the layer's logits
+        plgpu.SMEM((ROUTE_SLOTS,), jnp.int32),  # the chosen experts
+        plgpu.SMEM((ROUTE_SLOTS,), jnp.float32),  # their weights
+        plgpu.Barrier(num_barriers=1),  # the norm's weights landed
+        plgpu.Barrier(num_barriers=1),  # the logits landed
+        plgpu.Barrier(num_barriers=1),  # the routing is in shared memory (for the producer)
+    ] if router else []
+    return [
+        plgpu.SMEM((RING, 2, HALF, HALF), dtype, transforms=_TILING),  # the ring of boxes
+        plgpu.SMEM((rows, HALF), jnp.float32),  # the layer's input rows (f32)
+        plgpu.SMEM((rows * TOKEN_N, HALF), dtype, transforms=_TILING),  # the input's [8, 64] tiles
+        plgpu.SMEM((HALF, HALF), dtype, transforms=_TILING),  # h as the first row of an [8, 64] tile
+        plgpu.SMEM((HALF,), jnp.float32),  # h as a row (published, or fetched)
+        plgpu.SMEM((rows, HALF), jnp.float32),  # the CTA's partial output row
+        plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
+        plgpu.SMEM((max(splits, 1), 2, HALF), jnp.float32),  # a split tile's partial gate and up sums, fetched
+        plgpu.SMEM((2, HALF), jnp.float32),  # this CTA's K range's gate and up sums, published by TMA
+        plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
+        plgpu.Barrier(num_barriers=RING),  # a slot's products are done
+        plgpu.Barrier(num_barriers=1),  # the input rows landed
+        plgpu.Barrier(num_barriers=1),  # a fetched h landed
+        *router_scratch,
+    ]
+
+
+def _moe_smem_bytes(hidden: int, router: bool = False, splits: int = 0) -> int:
+    return sum(math.prod(m.shape) * jnp.dtype(m.dtype).itemsize
+               for m in _moe_scratch(hidden, jnp.bfloat16, router, splits) if hasattr(m, "shape")) + 512
+
+
+GATE_UP, DOWN = 0, 1  # the kinds of an expert plan's units
+PLANS = ("tiles", "dealt", "split")
+# How moe_chain deals the layer's units to its CTAs (read at trace time; ``expert_plan``). Measured at
+# V2-Lite's 176 tiles, 8 layers (round 22): 43.8 µs a layer whole ("tiles") and 39.1 "dealt" in one run,
+# 38.5 and 38.5 in another; "split" is built and not yet run.
+EXPERT_PLAN = "dealt"
+
+
+def split_parts(num_tiles: int, num_ctas: int) -> int:
+    """How many K ranges the split plan cuts each of the tiles past the first C into (0: no split plan)."""
+    extra = num_tiles - num_ctas
+    return num_ctas // extra if 0 < extra and num_ctas // extra >= 2 else 0
+
+
+def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int, kind: str,
+                shared_from: int | None = None) -> np.ndarray:
+    """Each CTA's units of an expert layer, in order: int32[C, U, 5] rows (kind, tile, first box, end box,
+    part), kind -1 after a CTA's last. A GATE_UP unit is gate and up boxes [first, end) of a tile (2 a K
+    step: whole, [0, 2 * gate_steps), or one part of the tile's K steps); a DOWN unit is boxes [first, end) of
+    its down rows (it needs h: from the GATE_UP unit just before it, or from global memory).
+
+    "tiles": CTA c takes tiles c, c + C, ... whole. Past C tiles (C < tiles <= 2C):
+
+    - "dealt": every CTA takes tile c's gate / up, CTAs c < tiles - C the gate / up of tile C + c as well
+      (publishing h), the others their own tile's down and, in halves, the downs of the two-tile CTAs'
+      tiles, first-published first, each to the least-loaded CTA. V2-Lite's 176 tiles on 132 CTAs give
+      every CTA 64 boxes, but a half down waits for an h its owner computes last.
+    - "split" (``split_parts`` P >= 2): CTA c takes its own tile c whole (gate / up, then down) and, for
+      c < P (tiles - C), first the gate / up of part c % P of tile C + c // P's K steps (publishing the
+      partial gate and up sums), last a part of that tile's down rows, sized so that every CTA streams
+      the same boxes (V2-Lite: 12 + 4, 10 + 6, 10 + 6 on top of 48). No CTA waits for a tile's sums until
+      its own tile is done, and the tiles past C (the shared experts' when ``shared_from`` is C) stream first.
+    Otherwise whole tiles.
+
+    ``shared_from`` (the first shared expert's tile): each CTA's shared tiles first (their boxes need no
+    routing, so they stream while it is computed), a tile's gate / up still before its own down."""
+    if kind not in PLANS:
+        raise ValueError(f"expert plan {kind!r}; accepted: {', '.join(PLANS)}")
+    gate_up = 2 * gate_steps
+    plans = [[] for _ in range(num_ctas)]
+    parts = split_parts(num_tiles, num_ctas)
+    if kind == "split" and parts:
+        steps = np.array_split(np.arange(gate_steps), parts)  # each part's K steps of the tile's gate / up
+        per_tile = gate_up + down_steps
+        targets = [per_tile // parts + (j < per_tile % parts) for j in range(parts)]
+        downs = [max(0, t - 2 * len(k)) for t, k in zip(targets, steps)]  # its down boxes: the boxes even
+        downs[-1] = down_steps - sum(downs[:-1])
+        bounds = np.cumsum([0] + downs)
+        for c in range(parts * (num_tiles - num_ctas)):
+            plans[c].append((GATE_UP, num_ctas + c // parts, 2 * int(steps[c % parts][0]),
+                             2 * int(steps[c % parts][-1]) + 2, c % parts))
+        for c in range(num_ctas):
+            plans[c] += [(GATE_UP, c, 0, gate_up, 0), (DOWN, c, 0, down_steps, 0)]
+        for c in range(parts * (num_tiles - num_ctas)):
+            if downs[c % parts]:
+                plans[c].append((DOWN, num_ctas + c // parts, int(bounds[c % parts]), int(bounds[c % parts + 1]), 0))
+    elif kind == "dealt" and num_ctas < num_tiles <= 2 * num_ctas:
+        extra = num_tiles - num_ctas
+        load = [gate_up] * num_ctas
+        for c in range(num_ctas):
+            plans[c].append((GATE_UP, c, 0, gate_up, 0))
+        for c in range(extra):
+            plans[c].append((GATE_UP, num_ctas + c, 0, gate_up, 0))
+            load[c] += gate_up
+            if shared_from is not None and num_ctas + c >= shared_from > c:
+                plans[c].reverse()  # the shared tile's gate / up first
+        for c in range(extra, num_ctas):
+            plans[c].append((DOWN, c, 0, down_steps, 0))
+            load[c] += down_steps
+        half = max(1, down_steps // 2)
+        published = [plans[c][i][1] for i in range(2) for c in range(extra)]  # the order the h's come in
+        for t in published:
+            for first in range(0, down_steps, half):
+                c = min(range(num_ctas), key=lambda c: (load[c], -c))
+                plans[c].append((DOWN, t, first, min(first + half, down_steps), 0))
+                load[c] += min(first + half, down_steps) - first
+    else:
+        for t in range(num_tiles):
+            plans[t % num_ctas] += [(GATE_UP, t, 0, gate_up, 0), (DOWN, t, 0, down_steps, 0)]
+        if shared_from is not None:
+            for c, plan in enumerate(plans):  # whole tiles: (gate / up, down) pairs, the shared ones first
+                pairs = [plan[i:i + 2] for i in range(0, len(plan), 2)]
+                plans[c] = [u for pair in sorted(pairs, key=lambda pair: pair[0][1] < shared_from) for u in pair]
+    units = max(len(p) for p in plans)
+    table = np.full((num_ctas, units, 5), -1, np.int32)
+    for c, plan in enumerate(plans):
+        if plan:
+            table[c, :len(plan)] = plan
+    return table
+
+
+class RouterSpec(NamedTuple):
+    """moe_chain's in-kernel router (static): RMSNorm's eps, then softmax scores, greedy top-k."""
+
+    eps: float
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
+              units: int, router: RouterSpec | None, publishes: bool, splits: int):
+    # plan_ref i32[C * U * 5] (``expert_plan``); ``publishes``: whole gate / up units publish h (some CTA takes
+    # their down rows); ``splits``: tiles num_ctas and on are cut into this many K ranges (the split plan).
+    # Without a router: ids_ref i32[L * k], weights_ref f32[L * k];
+    # x_ref f32[D / 64, 64]; routed experts [L, E, D, I] x 2 and [L, E, I, D]; shared [L, D, S] x 2 and [L, S,
+    # D]; with a router: its norm's weights g_ref f32[L, D / 64, 64] and weights wr_ref bf16[L, P, D, E], P parts
+    # (f32 weights as hi + lo, ``moe_block_chain``) whose sum is the router. Outputs:
+    # out_ref f32[L, D / 64, 64]: layer l's output rows, x_l + the TMA adds of every CTA's partial rows; hs_ref
+    # f32[L, T, max(splits, 1), 2, 64]: each tile's h ([.., 0, 0]) or its K ranges' partial gate and up sums,
+    # published for the CTAs that take its down rows; with a router: the logits
+    # f32[L, 8, E] (row 0, summed by TMA adds), the chosen ids i32[L, 8] and weights f32[L, 8] (first k)
+    if router:
+        (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, out_ref, hs_ref, logits_ref,
+         ids_out, weights_out, ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem,
+         full, free, xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar,
+         route_bar) = refs
+    else:
+        (plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref, ring,
+         xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free, xin_bar,
+         hin_bar) = refs
+    c = lax.axis_index("c")
+    rows = xin_smem.shape[0]
+    hidden = rows * HALF
+    gate_steps = hidden // STEP
+    gate_boxes = 2 * gate_steps
+    routers = gate_steps  # router CTAs: c < routers, K step c of the router's rows each
+    parts = wr_ref.shape[1] if router else 0  # the router's boxes a router CTA takes a layer
+    router_boxes = jnp.where(c < routers, parts, 0)
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each layer's sums
+    if router:  # the router CTAs' logits added (each once a layer)
+        routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    # tile t's h published (once a layer), or its K ranges' sums (``splits`` times a layer)
+    flags = pl.get_global(plgpu.SemaphoreType.REGULAR((num_tiles,)))
+
+    def unit(u):
+        """Unit u of this CTA's plan: (kind, tile, first box, end box, part) as boxes of its tile's stream
+        (gate / up boxes 0 .. 2 * gate_steps - 1, then the down boxes)."""
+        at = (c * units + u) * 5
+        kind, tile = plan_ref[at], plan_ref[at + 1]
+        offset = jnp.where(kind == DOWN, gate_boxes, 0)
+        return kind, jnp.maximum(tile, 0), offset + plan_ref[at + 2], offset + plan_ref[at + 3], plan_ref[at + 4]
+
+    num_units = sum(jnp.where(plan_ref[(c * units + u) * 5] >= 0, 1, 0) for u in range(units))
+
+    def tile_of(layer, t):
+        """Tile t at ``layer``: (routed?, expert, routing weight, first intermediate column)."""
+        is_routed = t < top_k * routed_tiles
+        slot_k = jnp.minimum(lax.div(t, jnp.int32(routed_tiles)), top_k - 1)
+        if router:  # this layer's routing, in shared memory
+            picked, weight = rid_smem[slot_k], rw_smem[slot_k]
+        else:
+            picked, weight = ids_ref[layer * top_k + slot_k], weights_ref[layer * top_k + slot_k]
+        expert = jnp.minimum(picked, num_experts - 1)
+        scale = jnp.where(is_routed, jnp.where(picked >= num_experts, 0.0, weight), 1.0)
+        i0 = jnp.where(is_routed, lax.rem(t, jnp.int32(routed_tiles)), t - top_k * routed_tiles) * HALF
+        return is_routed, expert, scale, i0
+
+    def loads():
+        """Warpgroup 1: every box of every unit of every layer, each once its slot is free (with a router, the
+        routed tiles' once the computing warpgroup has routed the layer)."""
+        def unit_loads(layer, u, carry):
+            count, routed = carry
+            _, tile, first, end, _ = unit(u)
+            if router:
+                first_routed = (tile < top_k * routed_tiles) & jnp.logical_not(routed)
+                pl.when(first_routed)(lambda: plgpu.barrier_wait(route_bar.at[0]))
+                routed = routed | first_routed
+            is_routed, expert, _, i0 = tile_of(layer, tile)
+
+            def box(n, count):
+                slot = lax.rem(count, RING)
+                pl.when(count >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
+                k, jd = lax.div(n, 2), n - gate_boxes
+                for h in range(2):
+                    gate_up = (pl.ds(k * STEP + h * HALF, HALF), pl.ds(i0, HALF))
+                    down = (pl.ds(i0, HALF), pl.ds(jd * STEP + h * HALF, HALF))
+                    for routed_refs, refs in ((True, (wg_ref, wu_ref, wd_ref)), (False, (sg_ref, su_ref, sd_ref))):
+                        prefix = (layer, expert) if routed_refs else (layer,)
+                        which = is_routed if routed_refs else jnp.logical_not(is_routed)
+                        for kind, (ref, index) in enumerate(((refs[0], gate_up), (refs[1], gate_up),
+                                                             (refs[2], down))):
+                            kind_is = ((n < gate_boxes) & (lax.rem(n, 2) == 0), (n < gate_boxes) & (
+                                lax.rem(n, 2) == 1), n >= gate_boxes)[kind]
+                            pl.when(which & kind_is)(lambda ref=ref, index=index, prefix=prefix: plgpu.copy_gmem_to_smem(
+                                ref.at[(*prefix, *index)], ring.at[slot, h], full.at[slot]))
+                return count + 1
+
+            return lax.fori_loop(first, end, box, count), routed
+
+        def layer_loads(layer, count):
+            if router:  # a router CTA's K step of the router, each part a box, before the layer's units
+
+                @pl.when(c < routers)
+                def _():
+                    for p in range(parts):
+                        slot = lax.rem(count + p, RING)
+                        pl.when(count + p >= RING)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
+                        for h in range(2):
+                            plgpu.copy_gmem_to_smem(wr_ref.at[layer, p, pl.ds(c * STEP + h * HALF, HALF)],
+                                                    ring.at[slot, h], full.at[slot])
+                count = count + router_boxes
+            count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
+            if router:  # one wait a layer for the one arrival, routed tiles or not
+                pl.when(jnp.logical_not(routed))(lambda: plgpu.barrier_wait(route_bar.at[0]))
+            return count
+
+        lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
+
+    def input_tiles(source):
+        if router:  # the rows only: the tiles are of the normed rows (``route``)
+            with jax.named_scope("input"):
+                plgpu.copy_gmem_to_smem(source, xin_smem, xin_bar.at[0])
+                plgpu.barrier_wait(xin_bar.at[0])
+        else:
+            _input_tiles(source, xin_smem, tiles_smem, xin_bar.at[0])
+
+    def route(layer, count):
+        """RMSNorm of the layer's rows into the tiles; a router CTA multiplies the tiles of its K step by its
+        router boxes (``parts`` of them, two wgmma chains), adds its partial logits by TMA and counts them on
+        ``routed_sem`` (``routing`` takes it from there). -> the ring's count after the router boxes."""
+        plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
+        with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
+            flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
+            x = plgpu.load(xin_smem, layout=flat)
+            inv_rms = lax.rsqrt(jnp.sum(x * x) / hidden + router.eps)
+            g = plgpu.load(g_smem, layout=flat)  # as rms_norm: x * 1 / rms rounded to bf16, times g, rounded
+            row_smem[...] = ((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(
+                jnp.bfloat16).astype(jnp.float32)
+            plgpu.commit_smem()
+            _build_tiles(row_smem, tiles_smem)
+
+        @pl.when(c < routers)
+        @jax.named_scope("router")
+        def _():
+            def products(accs):
+                for p in range(parts):
+                    slot = lax.rem(count + p, RING)
+                    plgpu.barrier_wait(full.at[slot])
+                    for h in range(2):
+                        token = tiles_smem.at[pl.ds((2 * c + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+                        plgpu.wgmma(accs[h], ring.at[slot, h].transpose((1, 0)), token)
+
+            zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
+            a0, a1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+            for p in range(parts):
+                plgpu.barrier_arrive(free.at[lax.rem(count + p, RING)])
+            part_smem[...] = jnp.sum(a0 + a1, axis=1)  # the token's column: the partial logits
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(part_smem, logits_ref.at[layer, 0], reduction_op="add")
+
+        @pl.when(layer + 1 < num_layers)
+        def _():  # the next layer's norm weights, while this one routes and runs its experts
+            plgpu.copy_gmem_to_smem(g_ref.at[layer + 1], g_smem, g_bar.at[0])
+
+        @pl.when(c < routers)
+        @jax.named_scope("stores_out")
+        def _():
+            plgpu.wait_smem_to_gmem(0)
+            proxy_fence()
+            plgpu.semaphore_signal(routed_sem, 1, memory_scope="gpu")
+
+        row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # the CTA's partial output rows
+        return count + router_boxes
+
+    def routing():
+        """Warpgroup 2 (with a router), each layer: once every router CTA has counted its add on
+        ``routed_sem``, the layer's logits, softmax and greedy top-k into shared memory; ``route_bar`` tells
+        the producer and the computing warpgroup, which runs the shared tiles' products meanwhile."""
+        def layer_routing(layer, _):
+            with jax.named_scope("logits"):  # every router CTA's add, then the sums
+                plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
+                proxy_fence()
+                plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
+                plgpu.barrier_wait(logits_bar.at[0])
+            with jax.named_scope("routing"):
+                strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
+                iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
+                logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+                top = jnp.max(logits)
+                total_exp = jnp.sum(jnp.exp(logits - top))
+                left, chosen, best = logits, [], top  # chosen by logit: the softmax keeps their order
+                for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order): two reductions a pick
+                    if k:
+                        best = jnp.max(left)
+                    pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
+                    chosen.append((pick, jnp.exp(best - top) / total_exp))  # its score, as the scores' formula
+                    left = jnp.where(iota == pick, -jnp.inf, left)
+                total = sum(w for _, w in chosen) + 1e-20 if router.norm_topk_prob else 1.0
+                plgpu.wait_smem_to_gmem(0)  # the layer before's routing out of shared memory (CTA 0's copies)
+                for k, (pick, w) in enumerate(chosen):
+                    rid_smem[k] = pick
+                    rw_smem[k] = w / total * router.routed_scaling_factor
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(route_bar.at[0])
+
+                @pl.when(c == 0)
+                def _():  # the layer's routing, for the caller
+                    plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
+                    plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
+            return ()
+
+        # The next layer's routing overwrites this one's only after routed_sem counts the next layer's router
+        # products, which follow the grid barrier that this CTA's computing warpgroup reaches after its units.
+        lax.fori_loop(0, num_layers, layer_routing, ())
+        plgpu.wait_smem_to_gmem(0)
+
+    def compute():
+        _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
+        if router:
+            _zero_rows(zero_smem, logits_ref, c, num_ctas)
+            plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])  # the first layer's norm weights
+        input_tiles(x_ref)
+        _arrive_and_wait(sem, num_ctas, 1)
+        zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
+        row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
+
+        def h_tile(h_row):
+            """h [64] (reduced WGMMA layout) as the first row of h_smem's [8, 64] tile."""
+            h = jnp.where(row_of == 0, lax.broadcast_in_dim(h_row, (HALF, HALF), [1]), 0)
+            h_smem[...] = h.astype(h_smem.dtype)
+            plgpu.commit_smem()
+
+        def gate_up_unit(layer, tile, first, end, part, base):
+            """Gate and up boxes [first, end) of ``tile``: the whole tile's give h (in h_smem; published when
+            ``publishes``), a K range's give its partial gate and up sums, published."""
+            _, _, scale, _ = tile_of(layer, tile)
+            k0 = lax.div(first, 2)
+
+            def gate_up(accs):  # accumulators: gate half 0, gate half 1, up half 0, up half 1
+                def step(j, _):
+                    k = k0 + j
+                    g_slot, u_slot = lax.rem(base + 2 * j, RING), lax.rem(base + 2 * j + 1, RING)
+                    plgpu.barrier_wait(full.at[g_slot])
+                    plgpu.barrier_wait(full.at[u_slot])
+                    for h in range(2):
+                        token = tiles_smem.at[pl.ds((2 * k + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+                        plgpu.wgmma(accs[h], ring.at[g_slot, h].transpose((1, 0)), token)
+                        plgpu.wgmma(accs[2 + h], ring.at[u_slot, h].transpose((1, 0)), token)
+
+                    @pl.when(j > 0)
+                    def _():  # the previous step's products are done (this step's may run on): free its slots
+                        plgpu.wgmma_wait(4)
+                        plgpu.barrier_arrive(free.at[lax.rem(base + 2 * j - 2, RING)])
+                        plgpu.barrier_arrive(free.at[lax.rem(base + 2 * j - 1, RING)])
+                    return ()
+
+                lax.fori_loop(0, lax.div(end - first, 2), step, ())
+
+            with jax.named_scope("gate_up"):
+                g0, g1, u0, u1 = pl.run_state(gate_up)(tuple(plgpu.ACC.init(zeros) for _ in range(4)))
+                plgpu.barrier_arrive(free.at[lax.rem(base + end - first - 2, RING)])
+                plgpu.barrier_arrive(free.at[lax.rem(base + end - first - 1, RING)])
+            g, u = g0 + g1, u0 + u1
+
+            @pl.when((first == 0) & (end == gate_boxes))
+            def _():
+                hin_smem[...] = jnp.sum(g * jax.nn.sigmoid(g) * u * scale, axis=1)  # the token's column, a row
+                plgpu.commit_smem()
+                h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+                h_tile(h_row)
+                if publishes:  # for the CTAs that take this tile's down rows (a plan with no such CTA: none)
+                    with jax.named_scope("publish"):
+                        hs_ref.at[layer, tile, 0, 0][...] = h_row
+                        plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
+
+            if splits:
+                @pl.when((first != 0) | (end != gate_boxes))
+                @jax.named_scope("publish")
+                def _():  # a K range of the tile: its partial sums, for the CTAs that take the tile's down rows,
+                    for i, acc in enumerate((g, u)):  # stored by TMA; ``signal`` counts them once surely out
+                        pub_smem.at[i][...] = jnp.sum(acc, axis=1)
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(pub_smem, hs_ref.at[layer, tile, part])
+
+        @jax.named_scope("signal")
+        def signal(tile):
+            """Counts a K range's sums on the tile's flag, a unit after their TMA store was issued: a release
+            right behind a store waits out its round trip, 4-6 µs while the SM's stream is in flight (the
+            "publish" of round 22's traces)."""
+            plgpu.wait_smem_to_gmem(0)
+            proxy_fence()
+            plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
+
+        def down_unit(layer, tile, first, end, base, local):
+            split = (tile >= num_ctas) if splits else False  # its h from its K ranges' partial sums
+
+            @pl.when(jnp.logical_not(local) & jnp.logical_not(split))
+            @jax.named_scope("fetch_h")
+            def _():  # another CTA's tile: its h once published
+                plgpu.semaphore_wait(flags.at[tile], layer + 1, decrement=False, memory_scope="gpu")
+                proxy_fence()
+                plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile, 0, 0], hin_smem, hin_bar.at[0])
+                plgpu.barrier_wait(hin_bar.at[0])
+                h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
+
+            if splits:
+                @pl.when(jnp.logical_not(local) & split)
+                @jax.named_scope("fetch_h")
+                def _():  # a split tile: h from the sums of its K ranges, once all are published
+                    plgpu.semaphore_wait(flags.at[tile], splits * (layer + 1), decrement=False, memory_scope="gpu")
+                    proxy_fence()
+                    plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
+                    plgpu.barrier_wait(hin_bar.at[0])
+                    g, u = (sum(plgpu.load(sums_smem.at[p, i], layout=plgpu.Layout.WGMMA.reduce(0))
+                                for p in range(splits)) for i in range(2))
+                    h_tile(g * jax.nn.sigmoid(g) * u * tile_of(layer, tile)[2])
+
+            h_t = h_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
+
+            def down(n, _):
+                slot = lax.rem(base + n - first, RING)
+                plgpu.barrier_wait(full.at[slot])
+
+                def products(accs):
+                    for half, acc in enumerate(accs):
+                        plgpu.wgmma(acc, ring.at[slot, half].transpose((1, 0)), h_t)
+
+                accs = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(free.at[slot])
+                jd = n - gate_boxes
+                for half in range(2):
+                    out_row = row_smem.at[2 * jd + half]
+                    out_row[...] = out_row[...] + jnp.sum(accs[half], axis=1)
+                return ()
+
+            with jax.named_scope("down"):
+                lax.fori_loop(first, end, down, ())
+
+        def layer_body(layer, count):
+            @pl.when(c == 0)
+            def _():  # the residual: the layer's input rows once
+                plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add")
+
+            if router:
+                count = route(layer, count)
+            else:
+                row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)
+
+            def one(u, carry):
+                # the last whole tile's gate / up (its h is in h_smem); the tile whose K range's sums are
+                # stored and not yet counted (-1: none), counted before this CTA's first down unit after them;
+                # whether the layer's routing is in (waited for before the first routed tile's unit)
+                count, last_gate_up, pending, routed = carry
+                kind, tile, first, end, part = unit(u)
+                if router:
+                    first_routed = (tile < top_k * routed_tiles) & jnp.logical_not(routed)
+                    pl.when(first_routed)(lambda: plgpu.barrier_wait(route_bar.at[0]))
+                    routed = routed | first_routed
+                pl.when((kind == DOWN) & (pending >= 0))(lambda: signal(pending))
+                pending = jnp.where(kind == DOWN, -1, pending)
+                pl.when(kind == GATE_UP)(lambda: gate_up_unit(layer, tile, first, end, part, count))
+                pl.when(kind == DOWN)(lambda: down_unit(layer, tile, first, end, count, tile == last_gate_up))
+                whole = (kind == GATE_UP) & (first == 0) & (end == gate_boxes)
+                pending = jnp.where((kind == GATE_UP) & jnp.logical_not(whole), tile, pending)
+                return count + end - first, jnp.where(whole, tile, last_gate_up), pending, routed
+
+            count, _, pending, routed = lax.fori_loop(0, num_units, one,
+                                                      (count, jnp.int32(-1), jnp.int32(-1), jnp.bool_(False)))
+            if router:  # one wait a layer for the one arrival, routed tiles or not
+                pl.when(jnp.logical_not(routed))(lambda: plgpu.barrier_wait(route_bar.at[0]))
+            pl.when(pending >= 0)(lambda: signal(pending))  # before the barrier: readers of this layer wait on it
+            with jax.named_scope("store"):
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
+            _arrive_and_wait(sem, num_ctas, layer + 2)  # the kernel's first barrier, then one a layer
+
+            @pl.when(layer + 1 < num_layers)
+            def _():
+                input_tiles(out_ref.at[layer])
+            return count
+
+        lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
+
+        def reset(u, _):  # every reader of this CTA's tiles has passed the last barrier: take its signals back
+            kind, tile, first, end, _ = unit(u)
+            whole = (first == 0) & (end == gate_boxes)
+            signalled = (kind == GATE_UP) & ((whole & publishes) | (jnp.logical_not(whole) & (splits > 0)))
+            pl.when(signalled)(lambda: plgpu.semaphore_wait(flags.at[tile], num_layers, decrement=True,
+                                                            memory_scope="gpu"))
+            return ()
+
+        if publishes or splits:
+            lax.fori_loop(0, num_units, reset, ())
+        if router:  # every CTA has passed its last wait on routed_sem (it arrived at the last barrier since)
+            pl.when(c == 0)(lambda: plgpu.semaphore_wait(routed_sem, routers * num_layers, decrement=True,
+                                                         memory_scope="gpu"))
+        _release(sem, c, num_ctas, 1 + num_layers)
+
+    pl.when(lax.axis_index("wg") == 0)(compute)
+    pl.when(lax.axis_index("wg") == 1)(loads)
+    if router:
+        pl.when(lax.axis_index("wg") == 2)(routing)
+
+
+def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
+    """x [D] bf16, weights f32[L, k] / ids i32[L, k] (each layer's routing; E marks an empty slot), every
+    layer's routed experts (w_gate, w_up [L, E, D, I], w_down [L, E, I, D]) and shared experts (w_gate, w_up
+    [L, D, S], w_down [L, S, D]) -> x_L [D] bf16 with x_{l+1} = bf16(x_l + layer l's experts of x_l): the
+    expert phase of the step kernel, L of them in one persistent kernel. The layer's (expert, 64 intermediate
+    columns) tiles, as the one-token launch has them (``moe_decode_mgpu``), are dealt to the CTAs (one an SM)
+    as ``expert_plan`` says; a producer warpgroup streams each CTA's boxes across units and layers; a tile's h
+    goes to the CTAs with its down rows through global memory and a flag; each CTA's partial output rows are
+    added to the layer's f32 output by TMA, the residual once, and a grid barrier orders the layer's sums
+    before the next layer reads them. Shapes must pass ``moe_supports``."""
+    num_layers, top_k = ids.shape
+    if weights.shape != ids.shape or num_layers != w_gate.shape[0]:
+        raise ValueError(f"moe_chain: weights {weights.shape}, ids {ids.shape}, w_gate {w_gate.shape}; expected "
+                         f"weights and ids [L={w_gate.shape[0]}, k]")
+    out, _ = _moe_call(x, (ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)), None,
+                       top_k, (w_gate, w_up, w_down), shared, profile_dir)
+    return out
+
+
+def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared,
+                    profile_dir: str | None = None):
+    """The MoE half of a decoder layer, L of them in one persistent kernel: x_{l+1} = bf16(x_l + experts of
+    RMSNorm_l(x_l), routed by the layer's router). x [D] bf16, norm bf16[L, D] (the norm's weights), router
+    [L, D, E] (E = 64; bf16, or f32 taken as the sum of two bf16 parts, hi + lo: relative error ~2^-17 a
+    weight, against the model's f32 products of bf16 activations), ``spec`` (eps, softmax scores, greedy top-k
+    of ``top_k``), the experts as ``moe_chain`` -> (x_L [D] bf16, ids i32[L, k], weights f32[L, k]: each layer's
+    routing). In the kernel, every CTA norms the rows into its tiles; D / 128 router CTAs multiply the tiles
+    of their K step by the router's boxes (streamed by the producer ahead of the layer, like any weights),
+    add their partial logits by TMA and count them on a semaphore; once all have,
+    a third warpgroup in every CTA routes the layer, and its producer issues the routed tiles' boxes, while
+    the computing warpgroup runs its shared tiles' products (they come first in its plan). Shapes must pass
+    ``moe_supports(..., router=True)``."""
+    num_layers, hidden = norm.shape
+    if router.shape[:2] != (num_layers, hidden):
+        raise ValueError(f"moe_block_chain: norm {norm.shape}, router {router.shape}; expected [L, D] and [L, D, E]")
+    if router.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"moe_block_chain: router weights in {router.dtype}; accepted: bfloat16, float32")
+    rows = hidden // HALF
+    hi = router.astype(jnp.bfloat16)
+    parts = (hi,) if router.dtype == jnp.bfloat16 else (hi, (router - hi.astype(jnp.float32)).astype(jnp.bfloat16))
+    out, (ids, weights) = _moe_call(x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF),
+                                        jnp.stack(parts, axis=1)), spec,
+                                    top_k, (w_gate, w_up, w_down), shared, profile_dir)
+    return out, ids[:, :top_k], weights[:, :top_k]
+
+
+def _fetches_h(plan: np.ndarray, gate_boxes: int) -> bool:
+    """Whether some CTA of ``plan`` takes down rows of a tile whose whole gate / up it did not just compute,
+    and that is not split by K ranges (so that tile's h must go through global memory): the kernel's own
+    test of a local down unit."""
+    split = {tile for units in plan for kind, tile, first, end, _ in units
+             if kind == GATE_UP and (first, end) != (0, gate_boxes)}
+    for units in plan:
+        last = -1
+        for kind, tile, first, end, _ in units:
+            if kind == GATE_UP and (first, end) == (0, gate_boxes):
+                last = tile
+            elif kind == DOWN and tile != last and tile not in split:
+                return True
+    return False
+
+
+def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir):
+    """moe_chain / moe_block_chain's kernel: ``extra`` the routing (ids, weights flattened) or, with
+    ``router``, the norm's rows and the router's weights."""
+    w_gate, w_up, w_down = routed
+    num_experts, hidden, inter = w_gate.shape[1:]
+    num_layers = w_gate.shape[0]
+    shared_inter = shared[0].shape[-1]
+    if x.shape != (hidden,):
+        raise ValueError(f"moe_chain: x {x.shape}, w_gate {w_gate.shape}; expected x [D={hidden}]")
+    if EXPERT_PLAN not in PLANS:
+        raise ValueError(f"EXPERT_PLAN={EXPERT_PLAN!r}; accepted: {', '.join(PLANS)}")
+    if router is not None and extra[1].shape[-1] != HALF:
+        raise ValueError(f"moe_block_chain: {extra[1].shape[-1]} experts; the in-kernel router takes {HALF}")
+    routed_tiles = inter // HALF
+    num_tiles = top_k * routed_tiles + shared_inter // HALF
+    num_ctas = min(num_sms(), num_tiles)
+    rows = hidden // HALF
+    plan = expert_plan(num_tiles, num_ctas, hidden // STEP, hidden // STEP, EXPERT_PLAN,
+                       shared_from=top_k * routed_tiles if router is not None else None)
+    splits = split_parts(num_tiles, num_ctas) if EXPERT_PLAN == "split" else 0
+    kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
+                               routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1],
+                               router=router, publishes=_fetches_h(plan, 2 * (hidden // STEP)), splits=splits)
+    f32 = jnp.float32
+    out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),
+                jax.ShapeDtypeStruct((num_layers, num_tiles, max(splits, 1), 2, HALF), f32)]
+    if router is not None:
+        out_type += [jax.ShapeDtypeStruct((num_layers, 8, HALF), f32),
+                     jax.ShapeDtypeStruct((num_layers, ROUTE_SLOTS), jnp.int32),
+                     jax.ShapeDtypeStruct((num_layers, ROUTE_SLOTS), f32)]
+    x_rows = x.astype(f32).reshape(rows, HALF)
+    inputs = ((*extra[:2], x_rows, *routed, *shared) if router is None else (x_rows, *routed, *shared, *extra))
+    outs = plgpu.kernel(
+        kernel,
+        out_type=tuple(out_type),
+        scratch_types=_moe_scratch(hidden, x.dtype, router is not None, splits),
+        grid=(num_ctas,),
+        grid_names=("c",),
+        num_threads=3 if router is not None else 2,  # with a router, warpgroup 2 routes
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            # the trace's buffer is shared memory: 1024 entries overflow the MoE half's (round 22), and 512 its
+            # three warpgroups' (384 hold 8 layers' ~15 scopes a warpgroup)
+            approx_math=True, **({"profile_space": 384, "profile_dir": profile_dir} if profile_dir else {})),
+    )(jnp.asarray(plan.reshape(-1)), *inputs)
+    result = outs[0][-1].reshape(hidden).astype(x.dtype)
+    return result, (outs[3], outs[4]) if router is not None else None
+
+
+def moe_chain_reference(x, weights, ids, w_gate, w_up, w_down, shared):
+    """The same chain with ``moe_decode_reference`` a layer (f32 sums, the residual added before rounding)."""
+    from pallas_kernels.moe_decode import moe_decode_reference
+
+    for layer in range(ids.shape[0]):
+        x = moe_decode_reference(x[None], weights[layer][None], ids[layer][None], w_gate, w_up, w_down, layer,
+                                 shared, residual=x[None])[0]
+    return x
+
+
+def moe_block_chain_reference(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared):
+    """The same chain in jnp: the model's RMSNorm, the router's f32 products (at full f32 precision),
+    ``route_reference`` (softmax, greedy), ``moe_decode_reference`` with the residual -> (x_L, ids, weights)."""
+    from pallas_kernels.common import rms_norm
+    from pallas_kernels.moe_decode import moe_decode_reference
+    from pallas_kernels.moe_routing import RoutingSpec, route_reference
+
+    routing = RoutingSpec(top_k=top_k, norm_topk_prob=spec.norm_topk_prob,
+                          routed_scaling_factor=spec.routed_scaling_factor)
+    all_ids, all_weights = [], []
+    for layer in range(norm.shape[0]):
+        normed = rms_norm(x[None], norm[layer], spec.eps)
+        logits = jnp.dot(normed.astype(jnp.float32), router[layer], precision=lax.Precision.HIGHEST)
+        weights, ids = route_reference(logits, None, routing)
+        x = moe_decode_reference(normed, weights, ids, w_gate, w_up, w_down, layer, shared, residual=x[None])[0]
+        all_ids.append(ids[0])
+        all_weights.append(weights[0])
+    return x, jnp.stack(all_ids), jnp.stack(all_weights)

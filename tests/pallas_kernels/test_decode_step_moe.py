@@ -1,0 +1,150 @@
+"""The batch-1 step kernel's expert phase and MoE half (pallas_kernels/decode_step_moe.py): they lower for an
+abstract H200 with each expert plan, say what they do not take, the plans cover every box once, and the jnp
+references are the chains they claim. Numerics on the GPU in tests/gpu."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import decode_step_moe as kernel
+from pallas_kernels.common import lower_for_h200
+
+
+def _moe_shapes(layers: int, experts: int = 64):
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    routed = (shape((layers, experts, 2048, 1408), bf16), shape((layers, experts, 2048, 1408), bf16),
+              shape((layers, experts, 1408, 2048), bf16))
+    shared = (shape((layers, 2048, 2816), bf16), shape((layers, 2048, 2816), bf16), shape((layers, 2816, 2048), bf16))
+    return (shape((2048,), bf16), shape((layers, 6), jnp.float32), shape((layers, 6), jnp.int32), *routed, shared)
+
+
+def test_moe_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
+    """The step kernel's expert phase (V2-Lite's layer, top-6 of 64 and 2 shared experts, a few layers) lowers
+    with either plan; moe_supports names what it does not take."""
+    for plan in kernel.PLANS:
+        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
+        hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
+        assert hlo.count("custom_call @mosaic_gpu") == 1
+    monkeypatch.setattr(kernel, "EXPERT_PLAN", "greedy")
+    with pytest.raises(ValueError, match="EXPERT_PLAN='greedy'; accepted: tiles, dealt, split"):
+        jax.eval_shape(kernel.moe_chain, *_moe_shapes(1))
+    x, weights, ids, *rest = _moe_shapes(3)
+    with pytest.raises(ValueError, match=r"expected weights and ids \[L=3, k\]"):
+        jax.eval_shape(kernel.moe_chain, x, weights, jax.ShapeDtypeStruct((2, 6), jnp.int32), *rest)
+    monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
+    assert kernel.moe_supports(2048, 1408, 2816, 26, jnp.bfloat16) is None
+    assert "hidden size 2000 is not a multiple of 512" in kernel.moe_supports(2000, 1408, 2816, 26, jnp.bfloat16)
+    assert "moe intermediate size 1400" in kernel.moe_supports(2048, 1400, 2816, 26, jnp.bfloat16)
+    assert "float32" in kernel.moe_supports(2048, 1408, 2816, 26, jnp.float32)
+    assert "shared memory" in kernel.moe_supports(8192, 2048, 2048, 26, jnp.bfloat16)
+    assert "0 layers" in kernel.moe_supports(2048, 1408, 2816, 0, jnp.bfloat16)
+
+
+def test_moe_chain_reference_adds_each_layer_to_its_input():
+    """The reference chain: x_{l+1} = x_l + layer l's experts of x_l, rounded each layer (tiny shapes, CPU)."""
+    from pallas_kernels.moe_decode import moe_decode_reference
+
+    rng = np.random.default_rng(1)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / 4, jnp.bfloat16)
+    x = w(16)
+    weights = jnp.asarray(rng.random((2, 2)), jnp.float32)
+    ids = jnp.asarray([[0, 3], [2, 4]], jnp.int32)  # 4: an empty slot of 4 experts
+    routed, shared = (w(2, 4, 16, 8), w(2, 4, 16, 8), w(2, 4, 8, 16)), (w(2, 16, 8), w(2, 16, 8), w(2, 8, 16))
+    want = x
+    for layer in range(2):
+        step = moe_decode_reference(want[None], weights[layer][None], ids[layer][None], *routed, layer, shared)[0]
+        want = (want.astype(jnp.float32) + step.astype(jnp.float32)).astype(jnp.bfloat16)
+    got = kernel.moe_chain_reference(x, weights, ids, *routed, shared)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["tiles", "dealt", "split"])
+def test_expert_plan_covers_every_box_once(kind):
+    """Every gate / up box of V2-Lite's 176 tiles is one CTA's and its 16 down boxes are covered once; dealt
+    or split, each of 132 CTAs streams 64 boxes and a CTA's own tile's down follows its gate / up; split, the
+    first 132 tiles stay whole and the 44 others are cut into 3 K ranges, each CTA's range first."""
+    plan = kernel.expert_plan(176, 132, 16, 16, kind, shared_from=132)
+    assert plan.shape[2] == 5
+    gate_up, down = np.zeros((176, 32), int), np.zeros((176, 16), int)
+    loads = []
+    for units in plan:
+        load = 0
+        for kind_, tile, first, end, part in units:
+            if kind_ == kernel.GATE_UP:
+                gate_up[tile, first:end] += 1
+                load += end - first
+            elif kind_ == kernel.DOWN:
+                down[tile, first:end] += 1
+                load += end - first
+            else:
+                assert (kind_, tile, first, end, part) == (-1,) * 5
+        loads.append(load)
+    assert (gate_up == 1).all() and (down == 1).all()
+    assert kernel._fetches_h(plan, 32) == (kind == "dealt")  # whole tiles: every h stays in its CTA
+    if kind == "dealt":
+        assert set(loads) == {64}
+        singles = plan[44:]  # CTAs with one tile: its gate / up, its down, halves of two others' downs
+        assert (singles[:, 0, :2] == np.stack([np.zeros(88, int), np.arange(44, 132)], 1)).all()
+        assert (singles[:, 1, :2] == singles[:, 0, 1:2] * [0, 1] + [kernel.DOWN, 0]).all()
+    elif kind == "split":
+        assert set(loads) == {64} and kernel.split_parts(176, 132) == 3
+        first = plan[:, 0]  # a K range of tile 132 + c // 3 first: 6, 5, 5 K steps (12, 10, 10 boxes)
+        assert (first[:, 1] == 132 + np.arange(132) // 3).all() and (first[:, 4] == np.arange(132) % 3).all()
+        assert [tuple(r[2:4]) for r in first[:3]] == [(0, 12), (12, 22), (22, 32)]
+        assert (plan[:, 1, 1] == np.arange(132)).all()  # then its own tile, whole
+        assert (plan[:, 2, :2] == [[kernel.DOWN, c] for c in range(132)]).all()
+        assert [tuple(r[2:4]) for r in plan[:3, 3]] == [(0, 4), (4, 10), (10, 16)]  # its down rows, last
+    else:
+        assert sorted(loads) == [48] * 88 + [96] * 44
+    assert kernel.expert_plan(100, 132, 16, 16, kind).shape == (132, 2, 5)  # fewer tiles than CTAs: whole
+    assert kernel.split_parts(100, 132) == 0 and kernel.split_parts(240, 132) == 0  # none, or one range a tile
+    with pytest.raises(ValueError, match="expert plan 'greedy'; accepted: tiles, dealt, split"):
+        kernel.expert_plan(176, 132, 16, 16, "greedy")
+
+
+def test_moe_block_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
+    """The MoE half of a layer in the step kernel (RMSNorm, the router's products on 16 CTAs, routing in every
+    CTA, the experts) lowers with either plan at V2-Lite's shapes; moe_supports names what the router takes."""
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    x, _, _, *routed, shared = _moe_shapes(2)
+    norm, router = shape((2, 2048), bf16), shape((2, 2048, 64), jnp.float32)
+    call = lambda x, norm, router, *experts: kernel.moe_block_chain(
+        x, norm, router, kernel.RouterSpec(1e-6), 6, *experts[:3], experts[3:])
+    for plan, router_dtype in (("tiles", jnp.float32), ("dealt", jnp.float32), ("dealt", bf16), ("split", bf16)):
+        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)  # f32 router weights: two bf16 parts, two boxes
+        hlo = lower_for_h200(call, x, norm, shape(router.shape, router_dtype), *routed, *shared)
+        assert hlo.count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match="router weights in float16; accepted: bfloat16, float32"):
+        jax.eval_shape(call, x, norm, shape(router.shape, jnp.float16), *routed, *shared)
+    with pytest.raises(ValueError, match="32 experts; the in-kernel router takes 64"):
+        jax.eval_shape(call, x, norm, shape((2, 2048, 32), jnp.float32), *routed, *shared)
+    with pytest.raises(ValueError, match=r"expected \[L, D\] and \[L, D, E\]"):
+        jax.eval_shape(call, x, norm, shape((3, 2048, 64), jnp.float32), *routed, *shared)
+    monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
+    assert kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=64, top_k=6) is None
+    assert "160 routed experts" in kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=160,
+                                                       top_k=6)
+    assert "top-9 routing" in kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=64, top_k=9)
+    # a router CTA a 128-row K step: 32 of them, but only 2 expert tiles (so 2 CTAs)
+    assert "needs 32 router CTAs" in kernel.moe_supports(4096, 64, 64, 1, bf16, router=True, num_experts=64, top_k=1)
+
+
+def test_moe_block_chain_reference_routes_each_layer_from_its_normed_input():
+    """The reference: each layer's routing from its own normed input, its output the next layer's input."""
+    from pallas_kernels.common import rms_norm
+    from pallas_kernels.moe_routing import RoutingSpec, route_reference
+
+    rng = np.random.default_rng(2)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / 4, jnp.bfloat16)
+    x, norm = w(16), jnp.asarray(1 + rng.random((2, 16)) / 4, jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((2, 16, 4)), jnp.float32)
+    routed, shared = (w(2, 4, 16, 8), w(2, 4, 16, 8), w(2, 4, 8, 16)), (w(2, 16, 8), w(2, 16, 8), w(2, 8, 16))
+    spec = kernel.RouterSpec(1e-6, norm_topk_prob=True, routed_scaling_factor=2.0)
+    out, ids, weights = kernel.moe_block_chain_reference(x, norm, router, spec, 2, *routed, shared)
+    assert out.shape == (16,) and ids.shape == weights.shape == (2, 2)
+    np.testing.assert_allclose(np.asarray(weights.sum(-1)), 2.0, rtol=1e-5)  # normed to 1, scaled by 2
+    logits = rms_norm(x[None], norm[0], 1e-6).astype(jnp.float32) @ router[0]
+    assert (route_reference(logits, None, RoutingSpec(top_k=2, norm_topk_prob=True))[1][0] == ids[0]).all()
