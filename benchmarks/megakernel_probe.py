@@ -417,8 +417,11 @@ def _moe_chain(args) -> dict:
 def _moe_block_chain(args) -> dict:
     """decode_step_moe.moe_block_chain (each plan) against moe_chain given the same routing: what the norm,
     the router's products, its barrier and the routing add to a layer. Today's launches for the same work
-    (round 20's profile): router products + their sum + routing + experts + their sum, ~44 µs a layer."""
-    from pallas_kernels.decode_step_moe import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_chain
+    (round 20's profile): router products + their sum + routing + experts + their sum, ~44 µs a layer. Then
+    moe_layer_tail_chain: o_proj (2048 x 2048) and its barrier in front (today: o_proj's launch, 4.5 µs, and
+    the residual's sum)."""
+    from pallas_kernels.decode_step_moe import (RouterSpec, moe_block_chain, moe_block_chain_reference, moe_chain,
+                                                moe_layer_tail_chain, moe_layer_tail_chain_reference)
 
     layers = args.moe_block_chain
     keys = iter(jax.random.split(jax.random.key(3), 10))
@@ -431,14 +434,24 @@ def _moe_block_chain(args) -> dict:
     spec = RouterSpec(1e-6)
     want, ids, weights = jax.jit(lambda *a: moe_block_chain_reference(*a[:3], spec, 6, *a[3:6], a[6:]))(
         x, norm, router, *experts, *shared)
+    attn, o_proj = w(layers, 1, 2048)[:, 0], w(layers, 2048, 2048) / 4  # attention outputs, given
+    want_tail = jax.jit(lambda *a: moe_layer_tail_chain_reference(*a[:5], spec, 6, *a[5:8], a[8:])[0])(
+        x, attn, o_proj, norm, router, *experts, *shared)
 
     def with_plan(plan, router_dtype=jnp.float32, **options):
         block = _under_plan(plan, moe_block_chain)
         return lambda x, norm, router, *rest: block(x, norm, router.astype(router_dtype), spec, 6, *rest[:3],
                                                     rest[3:], **options)[0]
 
+    def tail(plan):
+        chain = _under_plan(plan, moe_layer_tail_chain)
+        return lambda x, attn, o_proj, norm, router, *rest: chain(x, attn, o_proj, norm, router, spec, 6, *rest[:3],
+                                                                  rest[3:])[0]
+
     inputs = (x, norm, router, *experts, *shared)
+    tail_inputs = (x, attn, o_proj, norm, router, *experts, *shared)
     layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6 + 2048 * 64 * 4 / 1e6
+    o_proj_mb = 2048 * 2048 * 2 / 1e6
     rows = []
     for name, fn, args_ in (
             ("moe_block_chain, tiles whole a CTA", with_plan("tiles"), inputs),
@@ -446,17 +459,21 @@ def _moe_block_chain(args) -> dict:
             ("moe_block_chain, dealt, bf16 router (one box a router CTA)", with_plan("dealt", jnp.bfloat16), inputs),
             ("moe_block_chain, 44 shared tiles split in K ranges, first", with_plan("split"), inputs),
             ("moe_chain (routing given, no norm)", lambda x, i, wt, *e: moe_chain(x, wt, i, *e[:3], e[3:]),
-             (x, ids, weights, *experts, *shared))):
+             (x, ids, weights, *experts, *shared)),
+            ("moe_layer_tail_chain (o_proj, then the MoE half), dealt", tail("dealt"), tail_inputs),
+            ("moe_layer_tail_chain (o_proj, then the MoE half), split", tail("split"), tail_inputs)):
         if args.only and not any(part in name for part in args.only):
             continue
         got = jax.jit(fn)(*args_).astype(jnp.float32)
-        error = None if args_ is not inputs else float(  # moe_chain (routing given, no norm): another chain
-            jnp.linalg.norm(got - want.astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+        reference = {id(inputs): want, id(tail_inputs): want_tail}.get(id(args_))  # none: moe_chain's own chain
+        error = None if reference is None else float(
+            jnp.linalg.norm(got - reference.astype(jnp.float32)) / jnp.linalg.norm(reference.astype(jnp.float32)))
         kernels = kernel_time_us(fn, args_, calls=args.calls)["total"]
         loop = device_time_us(fn, args_, estimate_s=layers * 45e-6)
+        mb = layer_mb + (o_proj_mb if args_ is tail_inputs else 0)
         rows.append(dict(kernel=name, layers=layers, rel_error=None if error is None else round(error, 5),
                          kernel_us_per_layer=round(kernels / layers, 2), loop_us_per_layer=round(loop / layers, 2),
-                         tb_s=round(layer_mb * layers / loop, 3)))
+                         tb_s=round(mb * layers / loop, 3)))
         print(rows[-1], flush=True)
     if args.trace:
         traced(lambda d: jax.jit(with_plan("dealt", profile_dir=d))(*inputs), f"{args.trace}/moe_block_chain")

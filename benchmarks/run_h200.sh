@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -109,14 +109,16 @@ case $part in
       | tee "$OUT/gpu_tests_gemv_chain.log" | tail -3
     timeout 200 python -m benchmarks.megakernel_probe --gemv-chain --out "$OUT/gemv_chain_h200.json" 2>&1 \
       | grep -v -i warn | tail -8 ;;
-  step-phases)  # the step kernel's phases (pallas_kernels/decode_step_mgpu.py, decode_step_moe.py): GPU tests of the GEMV, expert and
-                # MoE-half chains; the expert chain (8 of V2-Lite's layers; tiles whole, dealt or split) against a
-                # launch a layer; the MoE halves (norm, router and routing in the kernel); traces (~8 minutes)
-    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "gemv_chain or moe_chain or moe_block_chain" \
-      2>&1 | tee "$OUT/gpu_tests_step_phases.log" | tail -4
+  step-phases)  # the step kernel's phases (pallas_kernels/decode_step_mgpu.py, decode_step_moe.py): GPU tests of the
+                # GEMV, expert, MoE-half and layer-tail chains; the expert chain (8 of V2-Lite's layers; tiles whole,
+                # dealt or split) against a launch a layer, traced (~7 minutes; then step-block)
+    timeout 260 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "gemv_chain or moe_chain or moe_block_chain or moe_layer_tail" 2>&1 | tee "$OUT/gpu_tests_step_phases.log" | tail -4
     timeout 180 python -m benchmarks.megakernel_probe --moe-chain 8 --trace "$OUT/trace" \
-      --out "$OUT/moe_chain_h200.json" 2>&1 | grep -v -i warn | tail -30
-    timeout 220 python -m benchmarks.megakernel_probe --moe-block-chain 8 --trace "$OUT/trace" \
+      --out "$OUT/moe_chain_h200.json" 2>&1 | grep -v -i warn | tail -30 ;;
+  step-block)   # the MoE halves (norm, router and routing in the kernel) and the layer tails (o_proj in front), 8
+                # layers, each plan, against the expert chain given the routing; traced (~5 minutes)
+    timeout 300 python -m benchmarks.megakernel_probe --moe-block-chain 8 --trace "$OUT/trace" \
       --out "$OUT/moe_block_chain_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12

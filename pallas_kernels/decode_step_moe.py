@@ -7,7 +7,8 @@ producer warpgroup streaming 16 KiB boxes through a ring, wgmma products, TMA ad
 dealt to the CTAs is ``expert_plan``'s (``EXPERT_PLAN``; the "split" plan is built and not yet run).
 ``moe_block_chain`` is the MoE half of a layer, x_{l+1} = x_l + experts(RMSNorm(x_l)), with the norm, the
 router's products (its weights as boxes in the ring) and the routing in the kernel: 44.6 µs a layer
-(``bash benchmarks/run_h200.sh step-phases``; decode_profile.md round 22).
+(``bash benchmarks/run_h200.sh step-phases``; decode_profile.md round 22). ``moe_layer_tail_chain`` puts
+o_proj in front (built, not yet run).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
-from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, _TILING, _arrive_and_wait, _build_tiles,
-                                             _input_tiles, _release, _zero_rows, num_sms, proxy_fence)
+from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
+                                             _build_tiles, _input_tiles, _release, _zero_rows, num_sms, proxy_fence)
 
 
 def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
-                 num_experts: int = HALF, top_k: int = 1) -> str | None:
-    """None when ``moe_chain`` (``router``: ``moe_block_chain``, with ``num_experts`` and ``top_k``) takes the
-    layers, else why not."""
+                 num_experts: int = HALF, top_k: int = 1, attention: int = 0) -> str | None:
+    """None when ``moe_chain`` (``router``: ``moe_block_chain``, with ``num_experts`` and ``top_k``; and
+    ``attention`` A > 0: ``moe_layer_tail_chain``) takes the layers, else why not."""
     if why_not := why_not_hopper():
         return why_not
     if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
@@ -48,8 +49,15 @@ def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dt
         return f"{num_experts} routed experts (the in-kernel router takes {HALF})"
     if router and not 1 <= top_k <= ROUTE_SLOTS:
         return f"top-{top_k} routing (the in-kernel router takes 1 to {ROUTE_SLOTS})"
-    if router and hidden // STEP > min(num_sms(), top_k * (inter // HALF) + shared_inter // HALF):
+    ctas = min(num_sms(), top_k * (inter // HALF) + shared_inter // HALF)
+    if router and hidden // STEP > ctas:
         return f"hidden size {hidden} needs {hidden // STEP} router CTAs (one a {STEP}-row K step)"
+    if attention and not router:
+        return "an o_proj phase (attention > 0) comes with the router"
+    if attention % UNIT_K:
+        return f"attention width {attention} is not a multiple of {UNIT_K} (o_proj's K ranges)"
+    if (units := hidden // HALF * (attention // UNIT_K)) > ctas:
+        return f"o_proj of {attention} x {hidden} needs {units} CTAs (this kernel runs {ctas})"
     num_tiles = top_k * (inter // HALF) + shared_inter // HALF
     splits = split_parts(num_tiles, min(num_sms(), num_tiles)) if EXPERT_PLAN == "split" else 0
     if (need := _moe_smem_bytes(hidden, router, splits)) > 227 * 1024:
@@ -195,7 +203,7 @@ class RouterSpec(NamedTuple):
 
 
 def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
-              units: int, router: RouterSpec | None, publishes: bool, splits: int):
+              units: int, router: RouterSpec | None, publishes: bool, splits: int, attention: int = 0):
     # plan_ref i32[C * U * 5] (``expert_plan``); ``publishes``: whole gate / up units publish h (some CTA takes
     # their down rows); ``splits``: tiles num_ctas and on are cut into this many K ranges (the split plan).
     # Without a router: ids_ref i32[L * k], weights_ref f32[L * k];
@@ -205,12 +213,19 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # out_ref f32[L, D / 64, 64]: layer l's output rows, x_l + the TMA adds of every CTA's partial rows; hs_ref
     # f32[L, T, max(splits, 1), 2, 64]: each tile's h ([.., 0, 0]) or its K ranges' partial gate and up sums,
     # published for the CTAs that take its down rows; with a router: the logits
-    # f32[L, 8, E] (row 0, summed by TMA adds), the chosen ids i32[L, 8] and weights f32[L, 8] (first k)
+    # f32[L, 8, E] (row 0, summed by TMA adds), the chosen ids i32[L, 8] and weights f32[L, 8] (first k).
+    # ``attention`` (A > 0, with a router): an o_proj phase first, inputs attn_ref f32[L, A / 64, 64] (each
+    # layer's attention output rows) and wo_ref bf16[L, A, D], output mid_ref f32[L, D / 64, 64] (x_l + attn_l @
+    # W_o, the MoE half's input).
     if router:
-        (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, out_ref, hs_ref, logits_ref,
-         ids_out, weights_out, ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem,
-         full, free, xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar,
-         route_bar) = refs
+        num_in = 10 + (2 if attention else 0)
+        (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, *attention_in) = refs[:num_in]
+        (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + 5 + bool(attention)]
+        (ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free, xin_bar,
+         hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar,
+         route_bar) = refs[num_in + 5 + bool(attention):]
+        if attention:
+            (attn_ref, wo_ref), (mid_ref,) = attention_in, attention_out
     else:
         (plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref, ring,
          xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free, xin_bar,
@@ -223,7 +238,12 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     routers = gate_steps  # router CTAs: c < routers, K step c of the router's rows each
     parts = wr_ref.shape[1] if router else 0  # the router's boxes a router CTA takes a layer
     router_boxes = jnp.where(c < routers, parts, 0)
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each layer's sums
+    o_ranges = attention // UNIT_K  # o_proj units: CTA c < o_units takes column tile c // o_ranges, K range c % o_ranges
+    o_units = (hidden // HALF) * o_ranges
+    o_tile, o_kq = lax.div(c, max(o_ranges, 1)), lax.rem(c, max(o_ranges, 1))
+    o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
+    per_layer = 2 if attention else 1  # grid barriers a layer: (o_proj's sums,) the experts' sums
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each phase's sums
     if router:  # the router CTAs' logits added (each once a layer)
         routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     # tile t's h published (once a layer), or its K ranges' sums (``splits`` times a layer)
@@ -285,6 +305,18 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             return lax.fori_loop(first, end, box, count), routed
 
         def layer_loads(layer, count):
+            if attention:  # an o_proj unit's boxes first
+
+                @pl.when(c < o_units)
+                def _():
+                    for i in range(UNIT_K // STEP):
+                        slot = lax.rem(count + i, RING)
+                        pl.when(count + i >= RING)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
+                        for h in range(2):
+                            rows = pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF)
+                            plgpu.copy_gmem_to_smem(wo_ref.at[layer, rows, pl.ds(o_tile * HALF, HALF)],
+                                                    ring.at[slot, h], full.at[slot])
+                count = count + o_boxes
             if router:  # a router CTA's K step of the router, each part a box, before the layer's units
 
                 @pl.when(c < routers)
@@ -304,10 +336,12 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
 
     def input_tiles(source):
-        if router:  # the rows only: the tiles are of the normed rows (``route``)
-            with jax.named_scope("input"):
+        if router:  # the rows only (the tiles are of the normed rows, ``route``), rounded to bf16 as the model's
+            with jax.named_scope("input"):  # residual stream is: the norm and the residual add take them so
                 plgpu.copy_gmem_to_smem(source, xin_smem, xin_bar.at[0])
                 plgpu.barrier_wait(xin_bar.at[0])
+                flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
+                xin_smem[...] = plgpu.load(xin_smem, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
         else:
             _input_tiles(source, xin_smem, tiles_smem, xin_bar.at[0])
 
@@ -406,6 +440,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         if router:
             _zero_rows(zero_smem, logits_ref, c, num_ctas)
             plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])  # the first layer's norm weights
+        if attention:
+            _zero_rows(zero_smem, mid_ref, c, num_ctas)
         input_tiles(x_ref)
         _arrive_and_wait(sem, num_ctas, 1)
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
@@ -523,7 +559,44 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             with jax.named_scope("down"):
                 lax.fori_loop(first, end, down, ())
 
+        def o_proj(layer, count):
+            """x_mid = x_l + attn_l @ W_o: CTA c < o_units multiplies its unit (the attention rows' K range as
+            tiles, in the first of the tiles and rows the norm fills later) and adds its 64 partial sums by
+            TMA, CTA 0 adds x_l once; after the barrier x_mid's rows are the MoE half's input (xin_smem).
+            -> the ring's count after the unit's boxes."""
+            @pl.when(c < o_units)
+            @jax.named_scope("o_proj")
+            def _():
+                chunks = UNIT_K // HALF
+                _input_tiles(attn_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)],
+                             tiles_smem.at[pl.ds(0, chunks * TOKEN_N)], xin_bar.at[0])
+
+                def products(accs):
+                    for i in range(UNIT_K // STEP):
+                        slot = lax.rem(count + i, RING)
+                        plgpu.barrier_wait(full.at[slot])
+                        for h in range(2):
+                            token = tiles_smem.at[pl.ds((2 * i + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+                            plgpu.wgmma(accs[h], ring.at[slot, h].transpose((1, 0)), token)
+                        if i:  # the previous box's products are done: its slot is free
+                            plgpu.wgmma_wait(2)
+                            plgpu.barrier_arrive(free.at[lax.rem(count + i - 1, RING)])
+
+                a0, a1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+                plgpu.barrier_arrive(free.at[lax.rem(count + UNIT_K // STEP - 1, RING)])
+                part_smem[...] = jnp.sum(a0 + a1, axis=1)  # column 0 holds the token's sums
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(part_smem, mid_ref.at[layer, o_tile], reduction_op="add")
+
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, mid_ref.at[layer], reduction_op="add"))
+            _arrive_and_wait(sem, num_ctas, 2 + per_layer * layer)
+            input_tiles(mid_ref.at[layer])
+            return count + o_boxes
+
         def layer_body(layer, count):
+            if attention:
+                count = o_proj(layer, count)
+
             @pl.when(c == 0)
             def _():  # the residual: the layer's input rows once
                 plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add")
@@ -559,7 +632,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             with jax.named_scope("store"):
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
-            _arrive_and_wait(sem, num_ctas, layer + 2)  # the kernel's first barrier, then one a layer
+            _arrive_and_wait(sem, num_ctas, 1 + per_layer * (layer + 1))  # the kernel's first, then a phase's
 
             @pl.when(layer + 1 < num_layers)
             def _():
@@ -581,7 +654,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         if router:  # every CTA has passed its last wait on routed_sem (it arrived at the last barrier since)
             pl.when(c == 0)(lambda: plgpu.semaphore_wait(routed_sem, routers * num_layers, decrement=True,
                                                          memory_scope="gpu"))
-        _release(sem, c, num_ctas, 1 + num_layers)
+        _release(sem, c, num_ctas, 1 + per_layer * num_layers)
 
     pl.when(lax.axis_index("wg") == 0)(compute)
     pl.when(lax.axis_index("wg") == 1)(loads)
@@ -603,8 +676,8 @@ def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | 
     if weights.shape != ids.shape or num_layers != w_gate.shape[0]:
         raise ValueError(f"moe_chain: weights {weights.shape}, ids {ids.shape}, w_gate {w_gate.shape}; expected "
                          f"weights and ids [L={w_gate.shape[0]}, k]")
-    out, _ = _moe_call(x, (ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)), None,
-                       top_k, (w_gate, w_up, w_down), shared, profile_dir)
+    out, _, _ = _moe_call(x, (ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)), None,
+                          top_k, (w_gate, w_up, w_down), shared, profile_dir)
     return out
 
 
@@ -621,6 +694,26 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
     a third warpgroup in every CTA routes the layer, and its producer issues the routed tiles' boxes, while
     the computing warpgroup runs its shared tiles' products (they come first in its plan). Shapes must pass
     ``moe_supports(..., router=True)``."""
+    return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir)
+
+
+def moe_layer_tail_chain(x, attn, o_proj, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared,
+                         profile_dir: str | None = None):
+    """A decoder layer from its attention output on, L of them in one persistent kernel: x_mid = x_l + attn_l @
+    o_proj_l, then x_{l+1} = x_mid + experts(RMSNorm_l(x_mid)) as ``moe_block_chain``. attn bf16[L, A] (each
+    layer's attention output over its heads, given: the attention phases are not in the kernel yet), o_proj
+    bf16[L, A, D]; the rest as ``moe_block_chain`` -> (x_L, ids, weights). The o_proj phase is a GEMV phase
+    (``gemv_chain``'s units: 64-column tile x 512-row K range, a CTA each, its sums added by TMA, CTA 0 adding
+    x_l) with a grid barrier before the MoE half reads x_mid. Shapes must pass ``moe_supports(...,
+    router=True, attention=A)``."""
+    num_layers = norm.shape[0]
+    if attn.ndim != 2 or o_proj.shape != (num_layers, attn.shape[-1], x.shape[0]) or attn.shape[0] != num_layers:
+        raise ValueError(f"moe_layer_tail_chain: attn {attn.shape}, o_proj {o_proj.shape}; expected [L={num_layers}, "
+                         f"A] and [L, A, D={x.shape[0]}]")
+    return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir, (attn, o_proj))
+
+
+def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, profile_dir, attention=()):
     num_layers, hidden = norm.shape
     if router.shape[:2] != (num_layers, hidden):
         raise ValueError(f"moe_block_chain: norm {norm.shape}, router {router.shape}; expected [L, D] and [L, D, E]")
@@ -629,9 +722,9 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
     rows = hidden // HALF
     hi = router.astype(jnp.bfloat16)
     parts = (hi,) if router.dtype == jnp.bfloat16 else (hi, (router - hi.astype(jnp.float32)).astype(jnp.bfloat16))
-    out, (ids, weights) = _moe_call(x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF),
-                                        jnp.stack(parts, axis=1)), spec,
-                                    top_k, (w_gate, w_up, w_down), shared, profile_dir)
+    out, (ids, weights), _ = _moe_call(x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF),
+                                           jnp.stack(parts, axis=1)), spec, top_k, routed, shared, profile_dir,
+                                       attention)
     return out, ids[:, :top_k], weights[:, :top_k]
 
 
@@ -651,9 +744,10 @@ def _fetches_h(plan: np.ndarray, gate_boxes: int) -> bool:
     return False
 
 
-def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir):
-    """moe_chain / moe_block_chain's kernel: ``extra`` the routing (ids, weights flattened) or, with
-    ``router``, the norm's rows and the router's weights."""
+def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir, attention=()):
+    """moe_chain / moe_block_chain / moe_layer_tail_chain's kernel: ``extra`` the routing (ids, weights
+    flattened) or, with ``router``, the norm's rows and the router's weights; ``attention`` (with a router):
+    each layer's attention output attn [L, A] and o_proj [L, A, D] for an o_proj phase first."""
     w_gate, w_up, w_down = routed
     num_experts, hidden, inter = w_gate.shape[1:]
     num_layers = w_gate.shape[0]
@@ -671,9 +765,11 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
     plan = expert_plan(num_tiles, num_ctas, hidden // STEP, hidden // STEP, EXPERT_PLAN,
                        shared_from=top_k * routed_tiles if router is not None else None)
     splits = split_parts(num_tiles, num_ctas) if EXPERT_PLAN == "split" else 0
+    attention_dim = attention[1].shape[1] if attention else 0
     kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
                                routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1],
-                               router=router, publishes=_fetches_h(plan, 2 * (hidden // STEP)), splits=splits)
+                               router=router, publishes=_fetches_h(plan, 2 * (hidden // STEP)), splits=splits,
+                               attention=attention_dim)
     f32 = jnp.float32
     out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),
                 jax.ShapeDtypeStruct((num_layers, num_tiles, max(splits, 1), 2, HALF), f32)]
@@ -683,6 +779,10 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
                      jax.ShapeDtypeStruct((num_layers, ROUTE_SLOTS), f32)]
     x_rows = x.astype(f32).reshape(rows, HALF)
     inputs = ((*extra[:2], x_rows, *routed, *shared) if router is None else (x_rows, *routed, *shared, *extra))
+    if attention:
+        attn, o_proj = attention
+        inputs += (attn.astype(f32).reshape(num_layers, attention_dim // HALF, HALF), o_proj)
+        out_type.append(jax.ShapeDtypeStruct((num_layers, rows, HALF), f32))  # x_mid's rows
     outs = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
@@ -697,7 +797,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
             approx_math=True, **({"profile_space": 384, "profile_dir": profile_dir} if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)
     result = outs[0][-1].reshape(hidden).astype(x.dtype)
-    return result, (outs[3], outs[4]) if router is not None else None
+    return result, (outs[3], outs[4]) if router is not None else None, (outs[5] if attention else None)
 
 
 def moe_chain_reference(x, weights, ids, w_gate, w_up, w_down, shared):
@@ -725,6 +825,22 @@ def moe_block_chain_reference(x, norm, router, spec: RouterSpec, top_k: int, w_g
         logits = jnp.dot(normed.astype(jnp.float32), router[layer], precision=lax.Precision.HIGHEST)
         weights, ids = route_reference(logits, None, routing)
         x = moe_decode_reference(normed, weights, ids, w_gate, w_up, w_down, layer, shared, residual=x[None])[0]
+        all_ids.append(ids[0])
+        all_weights.append(weights[0])
+    return x, jnp.stack(all_ids), jnp.stack(all_weights)
+
+
+def moe_layer_tail_chain_reference(x, attn, o_proj, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up, w_down,
+                                   shared):
+    """The same chain in jnp: x_mid = bf16(x_l + attn_l @ o_proj_l) (f32 products), then
+    ``moe_block_chain_reference``'s layer -> (x_L, ids, weights)."""
+    all_ids, all_weights = [], []
+    for layer in range(norm.shape[0]):
+        x = (x.astype(jnp.float32) + jnp.dot(attn[layer].astype(jnp.float32), o_proj[layer].astype(jnp.float32),
+                                             precision=lax.Precision.HIGHEST)).astype(x.dtype)
+        one = lambda a: a[layer:layer + 1]
+        x, ids, weights = moe_block_chain_reference(x, one(norm), one(router), spec, top_k, one(w_gate), one(w_up),
+                                                    one(w_down), tuple(one(w) for w in shared))
         all_ids.append(ids[0])
         all_weights.append(weights[0])
     return x, jnp.stack(all_ids), jnp.stack(all_weights)

@@ -616,3 +616,38 @@ def test_moe_block_chain_gpu(plan, router_dtype, monkeypatch):
     np.testing.assert_allclose(np.asarray(weights[0]), np.asarray(want_weights[0]), rtol=1e-4)
     np.testing.assert_allclose(np.asarray(weights[1:]), np.asarray(want_weights[1:]), rtol=2e-2)
     assert got.shape == (2048,) and _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("plan", ["dealt", "split"])
+def test_moe_layer_tail_chain_gpu(plan, monkeypatch):
+    """Two V2-Lite layers from the attention output on in one persistent kernel (o_proj by TMA adds, a grid
+    barrier, then the MoE half) against the reference chain: the same experts chosen, their weights, the
+    output."""
+    import jax
+
+    from pallas_kernels import decode_step_moe
+    from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_tail_chain, moe_layer_tail_chain_reference,
+                                                moe_supports)
+
+    monkeypatch.setattr(decode_step_moe, "EXPERT_PLAN", plan)
+    layers = 2
+    assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16, router=True, num_experts=64, top_k=6,
+                        attention=2048) is None
+    keys = iter(jax.random.split(jax.random.key(11), 12))
+    w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) / np.sqrt(s[-2])).astype(jnp.bfloat16)
+    x = jax.random.normal(next(keys), (2048,), jnp.float32).astype(jnp.bfloat16)
+    attn = jax.random.normal(next(keys), (layers, 2048), jnp.float32).astype(jnp.bfloat16)
+    o_proj = w(layers, 2048, 2048)
+    norm = (1 + jax.random.uniform(next(keys), (layers, 2048)) / 4).astype(jnp.bfloat16)
+    router = jax.random.normal(next(keys), (layers, 2048, 64), jnp.float32) / np.sqrt(2048)
+    experts = (w(layers, 64, 2048, 1408), w(layers, 64, 2048, 1408), w(layers, 64, 1408, 2048))
+    shared = (w(layers, 2048, 2816), w(layers, 2048, 2816), w(layers, 2816, 2048))
+    spec = RouterSpec(1e-6)
+    got, ids, weights = moe_layer_tail_chain(x, attn, o_proj, norm, router, spec, 6, *experts, shared)
+    want, want_ids, want_weights = moe_layer_tail_chain_reference(x, attn, o_proj, norm, router, spec, 6, *experts,
+                                                                  shared)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    # layer 0 routes x + o_proj's sums, rounded to bf16 in both; later layers the kernel's own outputs
+    np.testing.assert_allclose(np.asarray(weights[0]), np.asarray(want_weights[0]), rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(weights[1:]), np.asarray(want_weights[1:]), rtol=2e-2)
+    assert got.shape == (2048,) and _rel(got, want) < 2e-2

@@ -148,3 +148,48 @@ def test_moe_block_chain_reference_routes_each_layer_from_its_normed_input():
     np.testing.assert_allclose(np.asarray(weights.sum(-1)), 2.0, rtol=1e-5)  # normed to 1, scaled by 2
     logits = rms_norm(x[None], norm[0], 1e-6).astype(jnp.float32) @ router[0]
     assert (route_reference(logits, None, RoutingSpec(top_k=2, norm_topk_prob=True))[1][0] == ids[0]).all()
+
+
+def test_moe_layer_tail_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
+    """The layer from its attention output on (o_proj, a barrier, the MoE half) lowers at V2-Lite's shapes with
+    the dealt and split plans; moe_supports names what the o_proj phase does not take."""
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    x, _, _, *routed, shared = _moe_shapes(2)
+    attn, o_proj = shape((2, 2048), bf16), shape((2, 2048, 2048), bf16)
+    norm, router = shape((2, 2048), bf16), shape((2, 2048, 64), jnp.float32)
+    call = lambda x, attn, o_proj, norm, router, *experts: kernel.moe_layer_tail_chain(
+        x, attn, o_proj, norm, router, kernel.RouterSpec(1e-6), 6, *experts[:3], experts[3:])
+    for plan in ("dealt", "split"):
+        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
+        hlo = lower_for_h200(call, x, attn, o_proj, norm, router, *routed, *shared)
+        assert hlo.count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match=r"expected \[L=2, A\] and \[L, A, D=2048\]"):
+        jax.eval_shape(call, x, attn, shape((2, 2048, 1024), bf16), norm, router, *routed, *shared)
+    monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
+    supports = lambda attention, router=True: kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=router,
+                                                                  num_experts=64, top_k=6, attention=attention)
+    assert supports(2048) is None  # 32 column tiles x 4 K ranges: 128 of the 132 CTAs
+    assert "attention width 2000 is not a multiple of 512" in supports(2000)
+    assert "needs 160 CTAs" in supports(2560)
+    assert "comes with the router" in supports(2048, router=False)
+
+
+def test_moe_layer_tail_chain_reference_adds_o_proj_before_the_moe_half():
+    """The reference: x_mid = bf16(x + attn @ o_proj) feeds the MoE half (tiny shapes, CPU)."""
+    rng = np.random.default_rng(3)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / 4, jnp.bfloat16)
+    x, attn, o_proj = w(16), w(2, 8), w(2, 8, 16)
+    norm = jnp.asarray(1 + rng.random((2, 16)) / 4, jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((2, 16, 4)), jnp.float32)
+    routed, shared = (w(2, 4, 16, 8), w(2, 4, 16, 8), w(2, 4, 8, 16)), (w(2, 16, 8), w(2, 16, 8), w(2, 8, 16))
+    spec = kernel.RouterSpec(1e-6)
+    out, ids, weights = kernel.moe_layer_tail_chain_reference(x, attn, o_proj, norm, router, spec, 2, *routed, shared)
+    want = x
+    for layer in range(2):
+        want = (want.astype(jnp.float32) + attn[layer].astype(jnp.float32) @ o_proj[layer].astype(jnp.float32)).astype(
+            jnp.bfloat16)
+        one = lambda a: a[layer:layer + 1]
+        want, want_ids, _ = kernel.moe_block_chain_reference(want, one(norm), one(router), spec, 2, one(routed[0]),
+                                                             one(routed[1]), one(routed[2]), tuple(map(one, shared)))
+        assert (ids[layer] == want_ids[0]).all()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
