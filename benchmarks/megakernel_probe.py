@@ -33,8 +33,8 @@ Rows of the table: the schedule as described (``barriers``), the same stream wit
 floor), and the barriers alone with no weights (the chain's own cost), µs a layer from a profiler trace.
 Measured (round 20): 42.2 µs a layer with a producer warpgroup, two chains a box, two boxes in flight and
 8 slots, against ~77 for today's launches; so the step kernel is being built
-(``pallas_kernels/decode_step_mgpu.py``, ``decode_step_moe.py``), and its phases are timed here too (``--gemv-chain``,
-``--moe-chain``, ``--moe-block-chain``).
+(``pallas_kernels/decode_step_mgpu.py``, ``decode_step_moe.py``), and its phases are timed here too
+(``--gemv-chain``, ``--moe-chain``, ``--moe-block-chain``).
 
     python -m benchmarks.megakernel_probe --out benchmarks/results/megakernel_probe_h200.json
     python -m benchmarks.megakernel_probe --quick   # lower every variant for an abstract H200 (CPU)

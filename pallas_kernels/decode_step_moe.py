@@ -238,7 +238,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     routers = gate_steps  # router CTAs: c < routers, K step c of the router's rows each
     parts = wr_ref.shape[1] if router else 0  # the router's boxes a router CTA takes a layer
     router_boxes = jnp.where(c < routers, parts, 0)
-    o_ranges = attention // UNIT_K  # o_proj units: CTA c < o_units takes column tile c // o_ranges, K range c % o_ranges
+    # o_proj's units: CTA c < o_units takes column tile c // o_ranges, K range c % o_ranges (UNIT_K rows)
+    o_ranges = attention // UNIT_K
     o_units = (hidden // HALF) * o_ranges
     o_tile, o_kq = lax.div(c, max(o_ranges, 1)), lax.rem(c, max(o_ranges, 1))
     o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
