@@ -314,8 +314,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                         slot = lax.rem(count + i, RING)
                         pl.when(count + i >= RING)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
                         for h in range(2):
-                            rows = pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF)
-                            plgpu.copy_gmem_to_smem(wo_ref.at[layer, rows, pl.ds(o_tile * HALF, HALF)],
+                            k_rows = pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF)
+                            plgpu.copy_gmem_to_smem(wo_ref.at[layer, k_rows, pl.ds(o_tile * HALF, HALF)],
                                                     ring.at[slot, h], full.at[slot])
                 count = count + o_boxes
             if router:  # a router CTA's K step of the router, each part a box, before the layer's units
