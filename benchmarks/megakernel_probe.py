@@ -393,10 +393,11 @@ def _moe_chain(args) -> dict:
     want = jax.jit(moe_chain_reference)(*inputs).astype(jnp.float32)
     layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6  # bytes a layer reads: top-6 + shared
     dealt = _under_plan("dealt", moe_chain)  # each CTA the same number of boxes (decode_step_moe.expert_plan)
+    split = _under_plan("split", moe_chain)
     rows = []
     for name, fn in (("one kernel (moe_chain), tiles whole a CTA", _under_plan("tiles", moe_chain)),
                      ("one kernel (moe_chain), boxes dealt evenly", dealt),
-                     ("one kernel (moe_chain), 44 tiles split in K ranges", _under_plan("split", moe_chain)),
+                     ("one kernel (moe_chain), 44 tiles split in K ranges", split),
                      ("moe_decode_mgpu a layer", launches)):
         got = jax.jit(fn)(*inputs).astype(jnp.float32)
         error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
@@ -408,7 +409,7 @@ def _moe_chain(args) -> dict:
         print(rows[-1], flush=True)
     if args.trace:
         traced(lambda d: dealt(*inputs, profile_dir=d), f"{args.trace}/moe_chain_dealt")
-        traced(lambda d: _under_plan("split", moe_chain)(*inputs, profile_dir=d), f"{args.trace}/moe_chain_split")
+        traced(lambda d: split(*inputs, profile_dir=d), f"{args.trace}/moe_chain_split")
     columns = ["kernel", "layers", "rel_error", "kernel_us_per_layer", "loop_us_per_layer", "tb_s"]
     return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls, layer_mb=round(layer_mb, 1),
                        command=f"python -m benchmarks.megakernel_probe --moe-chain {layers}")

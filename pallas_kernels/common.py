@@ -54,11 +54,21 @@ def scale_rows(x, weight, scale):
     return weight * (x.astype(jnp.float32) * scale).astype(x.dtype)
 
 
-def rotate_pair(x1, x2, freqs, cos_sin_scale: float):
-    """One rope rotation of the pairs (x1, x2) by angles freqs -> (x1 cos - x2 sin, x2 cos + x1 sin),
-    cos and sin scaled by ``cos_sin_scale`` (YaRN); kernels that load the two halves apart call it."""
-    cos, sin = jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
+def cos_sin(freqs, cos_sin_scale: float):
+    """cos and sin of the rope angles ``freqs``, scaled by ``cos_sin_scale`` (YaRN)."""
+    return jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
+
+
+def rotate_by(x1, x2, cos, sin):
+    """One rope rotation of the pairs (x1, x2) given the (scaled) cos and sin of its angles -> (x1 cos - x2
+    sin, x2 cos + x1 sin)."""
     return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+def rotate_pair(x1, x2, freqs, cos_sin_scale: float):
+    """One rope rotation of the pairs (x1, x2) by angles freqs, cos and sin scaled by ``cos_sin_scale``
+    (YaRN); kernels that load the two halves apart call it."""
+    return rotate_by(x1, x2, *cos_sin(freqs, cos_sin_scale))
 
 
 def rotate(x32, freqs, cos_sin_scale: float, interleave: bool):

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.common import rms_norm
+from pallas_kernels.common import cos_sin, rms_norm, rotate_by
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -67,15 +67,13 @@ def permute_rope_columns(q_proj, kv_a, rope_dim: int, interleave: bool):
 def rope_cos_sin(position, inv_freq, cos_sin_scale: float):
     """cos and sin f32 [R / 2] of the angles position * inv_freq, times ``cos_sin_scale``: what the caller
     hands the kernel (a few XLA ops a step)."""
-    freqs = jnp.asarray(position, jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-    return jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
+    return cos_sin(jnp.asarray(position, jnp.float32) * jnp.asarray(inv_freq, jnp.float32), cos_sin_scale)
 
 
 def rotate_halves(x32, cos, sin):
     """f32 x [..., R] in the [evens | odds] layout, rotated by the angles whose scaled cos and sin [R / 2] are
-    given -> f32 [..., R], the model's halves layout (``pallas_kernels.common.rotate_pair``'s arithmetic)."""
-    x1, x2 = jnp.split(x32, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    given -> f32 [..., R], the model's halves layout."""
+    return jnp.concatenate(rotate_by(*jnp.split(x32, 2, axis=-1), cos, sin), axis=-1)
 
 
 def attention_half_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec):

@@ -146,6 +146,27 @@ def _zero_rows(zero_smem, out_ref, c, num_ctas: int):
     lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
 
 
+def _unit_sums(ring, full, free, tiles_smem, base, boxes: int, zeros):
+    """A GEMV unit's products: its ``boxes`` boxes at ring positions base, base + 1, ... times the token's tiles
+    (box i's halves with tiles 2i and 2i + 1), each half into its own accumulator, a box's slot freed once the
+    next box's products are issued -> the token's 64 column sums (column 0 of the products; reduced WGMMA
+    layout)."""
+    def products(accs):
+        for i in range(boxes):
+            slot = lax.rem(base + i, RING)
+            plgpu.barrier_wait(full.at[slot])
+            for h in range(2):
+                token = tiles_smem.at[pl.ds((2 * i + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+                plgpu.wgmma(accs[h], ring.at[slot, h].transpose((1, 0)), token)
+            if i:  # the previous box's products are done (this box's may run on): its slot is free
+                plgpu.wgmma_wait(2)
+                plgpu.barrier_arrive(free.at[lax.rem(base + i - 1, RING)])
+
+    acc0, acc1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
+    plgpu.barrier_arrive(free.at[lax.rem(base + boxes - 1, RING)])
+    return jnp.sum(acc0 + acc1, axis=1)
+
+
 def _input_tiles(source, rows_smem, tiles_smem, bar):
     """``source`` (f32 rows [n, 64] in global memory) by TMA into rows_smem, then as bf16 [8, 64] tiles."""
     with jax.named_scope("input"):
@@ -193,23 +214,10 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
 
         def layer_body(layer, _):
-            def products(accs):
-                for i in range(boxes):
-                    n = layer * boxes + i
-                    slot = lax.rem(n, RING)
-                    plgpu.barrier_wait(full.at[slot])
-                    for h in range(2):
-                        token = tiles_smem.at[pl.ds((2 * i + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
-                        plgpu.wgmma(accs[h], ring.at[slot, h].transpose((1, 0)), token)
-                    if i:  # the previous box's products are done (this box's may run on): its slot is free
-                        plgpu.wgmma_wait(2)
-                        plgpu.barrier_arrive(free.at[lax.rem(n - 1, RING)])
-
             with jax.named_scope("products"):
-                acc0, acc1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
-                plgpu.barrier_arrive(free.at[lax.rem(layer * boxes + boxes - 1, RING)])
+                sums = _unit_sums(ring, full, free, tiles_smem, layer * boxes, boxes, zeros)
             with jax.named_scope("store"):
-                row_smem[...] = jnp.sum(acc0 + acc1, axis=1)  # column 0 holds the token's sums
+                row_smem[...] = sums
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer, tile], reduction_op="add")
             _arrive_and_wait(sem, num_ctas, layer + 2)

@@ -26,7 +26,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _build_tiles, _input_tiles, _release, _zero_rows, num_sms, proxy_fence)
+                                             _build_tiles, _input_tiles, _release, _unit_sums, _zero_rows, num_sms,
+                                             proxy_fence)
 
 
 def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
@@ -49,7 +50,8 @@ def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dt
         return f"{num_experts} routed experts (the in-kernel router takes {HALF})"
     if router and not 1 <= top_k <= ROUTE_SLOTS:
         return f"top-{top_k} routing (the in-kernel router takes 1 to {ROUTE_SLOTS})"
-    ctas = min(num_sms(), top_k * (inter // HALF) + shared_inter // HALF)
+    num_tiles = top_k * (inter // HALF) + shared_inter // HALF
+    ctas = min(num_sms(), num_tiles)
     if router and hidden // STEP > ctas:
         return f"hidden size {hidden} needs {hidden // STEP} router CTAs (one a {STEP}-row K step)"
     if attention and not router:
@@ -58,8 +60,7 @@ def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dt
         return f"attention width {attention} is not a multiple of {UNIT_K} (o_proj's K ranges)"
     if (units := hidden // HALF * (attention // UNIT_K)) > ctas:
         return f"o_proj of {attention} x {hidden} needs {units} CTAs (this kernel runs {ctas})"
-    num_tiles = top_k * (inter // HALF) + shared_inter // HALF
-    splits = split_parts(num_tiles, min(num_sms(), num_tiles)) if EXPERT_PLAN == "split" else 0
+    splits = split_parts(num_tiles, ctas) if EXPERT_PLAN == "split" else 0
     if (need := _moe_smem_bytes(hidden, router, splits)) > 227 * 1024:
         return f"hidden size {hidden} needs {need} bytes of shared memory a CTA (at most {227 * 1024})"
     return None
@@ -273,16 +274,30 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         i0 = jnp.where(is_routed, lax.rem(t, jnp.int32(routed_tiles)), t - top_k * routed_tiles) * HALF
         return is_routed, expert, scale, i0
 
+    def await_routing(tile, routed):
+        """The producer's and the computing warpgroup's one wait a layer for ``route_bar`` (the layer's
+        routing in shared memory): before the first routed tile's unit (``routed``: waited already this
+        layer); ``tile`` None: at the layer's end, if no unit needed it. -> routed."""
+        first = jnp.logical_not(routed) if tile is None else (tile < top_k * routed_tiles) & jnp.logical_not(routed)
+        pl.when(first)(lambda: plgpu.barrier_wait(route_bar.at[0]))
+        return routed | first
+
     def loads():
         """Warpgroup 1: every box of every unit of every layer, each once its slot is free (with a router, the
         routed tiles' once the computing warpgroup has routed the layer)."""
+        def issue(n, halves):
+            """The box at ring position n (its two [64, 64] halves, ``halves(h)`` in global memory) once its
+            slot is free."""
+            slot = lax.rem(n, RING)
+            pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
+            for h in range(2):
+                plgpu.copy_gmem_to_smem(halves(h), ring.at[slot, h], full.at[slot])
+
         def unit_loads(layer, u, carry):
             count, routed = carry
             _, tile, first, end, _ = unit(u)
             if router:
-                first_routed = (tile < top_k * routed_tiles) & jnp.logical_not(routed)
-                pl.when(first_routed)(lambda: plgpu.barrier_wait(route_bar.at[0]))
-                routed = routed | first_routed
+                routed = await_routing(tile, routed)
             is_routed, expert, _, i0 = tile_of(layer, tile)
 
             def box(n, count):
@@ -311,27 +326,19 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 @pl.when(c < o_units)
                 def _():
                     for i in range(UNIT_K // STEP):
-                        slot = lax.rem(count + i, RING)
-                        pl.when(count + i >= RING)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
-                        for h in range(2):
-                            k_rows = pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF)
-                            plgpu.copy_gmem_to_smem(wo_ref.at[layer, k_rows, pl.ds(o_tile * HALF, HALF)],
-                                                    ring.at[slot, h], full.at[slot])
+                        issue(count + i, lambda h, i=i: wo_ref.at[
+                            layer, pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(o_tile * HALF, HALF)])
                 count = count + o_boxes
             if router:  # a router CTA's K step of the router, each part a box, before the layer's units
 
                 @pl.when(c < routers)
                 def _():
                     for p in range(parts):
-                        slot = lax.rem(count + p, RING)
-                        pl.when(count + p >= RING)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
-                        for h in range(2):
-                            plgpu.copy_gmem_to_smem(wr_ref.at[layer, p, pl.ds(c * STEP + h * HALF, HALF)],
-                                                    ring.at[slot, h], full.at[slot])
+                        issue(count + p, lambda h, p=p: wr_ref.at[layer, p, pl.ds(c * STEP + h * HALF, HALF)])
                 count = count + router_boxes
             count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
-            if router:  # one wait a layer for the one arrival, routed tiles or not
-                pl.when(jnp.logical_not(routed))(lambda: plgpu.barrier_wait(route_bar.at[0]))
+            if router:
+                await_routing(None, routed)
             return count
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
@@ -572,20 +579,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 _input_tiles(attn_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)],
                              tiles_smem.at[pl.ds(0, chunks * TOKEN_N)], xin_bar.at[0])
 
-                def products(accs):
-                    for i in range(UNIT_K // STEP):
-                        slot = lax.rem(count + i, RING)
-                        plgpu.barrier_wait(full.at[slot])
-                        for h in range(2):
-                            token = tiles_smem.at[pl.ds((2 * i + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
-                            plgpu.wgmma(accs[h], ring.at[slot, h].transpose((1, 0)), token)
-                        if i:  # the previous box's products are done: its slot is free
-                            plgpu.wgmma_wait(2)
-                            plgpu.barrier_arrive(free.at[lax.rem(count + i - 1, RING)])
-
-                a0, a1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
-                plgpu.barrier_arrive(free.at[lax.rem(count + UNIT_K // STEP - 1, RING)])
-                part_smem[...] = jnp.sum(a0 + a1, axis=1)  # column 0 holds the token's sums
+                part_smem[...] = _unit_sums(ring, full, free, tiles_smem, count, UNIT_K // STEP, zeros)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(part_smem, mid_ref.at[layer, o_tile], reduction_op="add")
 
@@ -614,9 +608,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 count, last_gate_up, pending, routed = carry
                 kind, tile, first, end, part = unit(u)
                 if router:
-                    first_routed = (tile < top_k * routed_tiles) & jnp.logical_not(routed)
-                    pl.when(first_routed)(lambda: plgpu.barrier_wait(route_bar.at[0]))
-                    routed = routed | first_routed
+                    routed = await_routing(tile, routed)
                 pl.when((kind == DOWN) & (pending >= 0))(lambda: signal(pending))
                 pending = jnp.where(kind == DOWN, -1, pending)
                 pl.when(kind == GATE_UP)(lambda: gate_up_unit(layer, tile, first, end, part, count))
@@ -627,8 +619,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
             count, _, pending, routed = lax.fori_loop(0, num_units, one,
                                                       (count, jnp.int32(-1), jnp.int32(-1), jnp.bool_(False)))
-            if router:  # one wait a layer for the one arrival, routed tiles or not
-                pl.when(jnp.logical_not(routed))(lambda: plgpu.barrier_wait(route_bar.at[0]))
+            if router:
+                await_routing(None, routed)
             pl.when(pending >= 0)(lambda: signal(pending))  # before the barrier: readers of this layer wait on it
             with jax.named_scope("store"):
                 plgpu.commit_smem()
