@@ -425,7 +425,7 @@ def _moe_block_chain(args) -> dict:
                                                 moe_layer_tail_chain, moe_layer_tail_chain_reference)
 
     layers = args.moe_block_chain
-    keys = iter(jax.random.split(jax.random.key(3), 10))
+    keys = iter(jax.random.split(jax.random.key(3), 16))
     w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) * s[-2] ** -0.5).astype(jnp.bfloat16)
     x = jax.random.normal(next(keys), (2048,), jnp.float32).astype(jnp.bfloat16)
     norm = (1 + jax.random.uniform(next(keys), (layers, 2048)) / 4).astype(jnp.bfloat16)
@@ -484,6 +484,65 @@ def _moe_block_chain(args) -> dict:
                        command=f"python -m benchmarks.megakernel_probe --moe-block-chain {layers}")
 
 
+def attention_inputs(layers: int, position: int, capacity: int = 512, block_size: int = 64, seed: int = 5):
+    """Random V2-Lite attention halves for ``attention_chain`` (16 heads, rope columns as drawn): x, the
+    position, a block table over a shuffled pool, the caches (finite everywhere), the stacked weights and the
+    spec."""
+    from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights
+
+    keys = iter(jax.random.split(jax.random.key(seed), 16))
+    bf16, hidden, heads = jnp.bfloat16, 2048, 16
+    w = lambda fan_in, *s: (jax.random.normal(next(keys), s, jnp.float32) * fan_in ** -0.5).astype(bf16)
+    pages = capacity // block_size
+    table = jax.random.permutation(next(keys), 2 * pages)[:pages].astype(jnp.int32)
+    c_kv = jax.random.normal(next(keys), (layers, 2 * pages, block_size, 512), jnp.float32).astype(bf16)
+    k_pe = jax.random.normal(next(keys), (layers, 2 * pages, block_size, 64), jnp.float32).astype(bf16)
+    norm = lambda *s: (1 + jax.random.uniform(next(keys), s) / 4).astype(bf16)
+    weights = AttentionWeights(norm(layers, hidden), w(hidden, layers, hidden, heads, 192),
+                               w(hidden, layers, hidden, 576), norm(layers, 512), w(128, layers, 512, heads, 128),
+                               w(512, layers, 512, heads, 128), w(heads * 128, layers, heads, 128, hidden))
+    inv_freq = tuple(float(f) for f in 10000.0 ** (-np.arange(0, 64, 2) / 64))
+    spec = AttentionSpec(1e-6, 1e-6, 192 ** -0.5, inv_freq, 1.0)
+    x = jax.random.normal(next(keys), (hidden,), jnp.float32).astype(bf16)
+    return x, jnp.int32(position), table, c_kv, k_pe, weights, spec
+
+
+def _attention_chain(args) -> dict:
+    """decode_step_attention.attention_chain: V2-Lite's attention halves (norm, q / kv_a, W_UK, rope, paged
+    attention over the context, W_UV, o_proj, the residual) at one token, ``--attention-chain`` layers in one
+    kernel, against its jnp reference. Today's launches for the same work (round 20's profile): norm + q + kv_a
+    6.7 µs, write_latents 3.6, mla_decode 5.8 + combine 1.5, W_UV 2.5, o_proj 4.5, and the sums: ~30 µs a
+    layer."""
+    from pallas_kernels.decode_step_attention import attention_chain, attention_chain_reference
+
+    layers, rows = args.attention_chain, []
+    for position in (0, 255, 511):
+        x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(layers, position)
+        fn = lambda x, pos, table, c_kv, k_pe, *w: attention_chain(x, pos, table, c_kv, k_pe, type(weights)(*w), spec)
+        inputs = (x, pos, table, c_kv, k_pe, *weights)
+        got, kv = jax.jit(fn)(*inputs)
+        want, want_kv = jax.jit(lambda x, pos, table, c_kv, k_pe, *w: attention_chain_reference(
+            x, pos, table, c_kv, k_pe, type(weights)(*w), spec))(*inputs)
+        rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
+                                 / jnp.linalg.norm(b.astype(jnp.float32)))
+        kernels = kernel_time_us(fn, inputs, calls=args.calls)["total"]
+        loop = device_time_us(fn, inputs, estimate_s=layers * 30e-6)
+        mb = sum(int(np.prod(w.shape[1:])) for w in weights) * 2 / 1e6 + position * 1152 / 1e6
+        rows.append(dict(kernel="attention_chain", layers=layers, position=position, rel_error=round(rel(got, want), 5),
+                         kv_rel_error=round(rel(kv, want_kv), 5), kernel_us_per_layer=round(kernels / layers, 2),
+                         loop_us_per_layer=round(loop / layers, 2), tb_s=round(mb * layers / loop, 3)))
+        print(rows[-1], flush=True)
+    columns = ["kernel", "layers", "position", "rel_error", "kv_rel_error", "kernel_us_per_layer", "loop_us_per_layer",
+               "tb_s"]
+    result = write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
+                         command=f"python -m benchmarks.megakernel_probe --attention-chain {layers}")
+    if args.trace:  # 3 layers: the trace's buffer is shared memory, which the kernel nearly fills
+        x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(3, 255)
+        traced(lambda d: jax.jit(lambda *a: attention_chain(*a, weights, spec, profile_dir=d))(x, pos, table, c_kv, k_pe),
+               f"{args.trace}/attention_chain")
+    return result
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=26)
@@ -507,8 +566,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--moe-block-chain", type=int, default=0, metavar="LAYERS",
                         help="instead: decode_step_moe.moe_block_chain (V2-Lite's MoE halves, norm and router in the "
                              "kernel, this many) against moe_chain with the routing given")
+    parser.add_argument("--attention-chain", type=int, default=0, metavar="LAYERS",
+                        help="instead: decode_step_attention.attention_chain (V2-Lite's attention halves at one "
+                             "token, this many layers) at positions 0, 255 and 511, against its reference")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.attention_chain:
+        return _attention_chain(args)
     if args.moe_block_chain:
         return _moe_block_chain(args)
     if args.moe_chain:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -120,6 +120,12 @@ case $part in
                 # layers, each plan, against the expert chain given the routing; traced (~5 minutes)
     timeout 300 python -m benchmarks.megakernel_probe --moe-block-chain 8 --trace "$OUT/trace" \
       --out "$OUT/moe_block_chain_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
+  step-attention)  # the attention halves in one kernel (pallas_kernels/decode_step_attention.py): GPU tests at 4
+                   # positions, then 8 of V2-Lite's layers at positions 0, 255, 511, traced (~4 minutes)
+    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -x -k "attention_chain" 2>&1 \
+      | tee "$OUT/gpu_tests_step_attention.log" | tail -30
+    timeout 200 python -m benchmarks.megakernel_probe --attention-chain 8 --trace "$OUT/trace" \
+      --out "$OUT/attention_chain_h200.json" 2>&1 | grep -v -i warn | tail -40 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

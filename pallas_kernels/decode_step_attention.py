@@ -15,12 +15,21 @@ order and dtypes (``dsjax.model.mla.MLAttention.paged`` on the reference backend
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cos_sin, rms_norm, rotate_by
+from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
+from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
+                                             _build_tiles, _input_tiles, _norm_tiles, _release, _unit_sums, _zero_rows,
+                                             num_sms, proxy_fence)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -99,3 +108,473 @@ def attention_half_reference(x, position, block_table, c_kv, k_pe, weights: Atte
     v_ctx = jnp.einsum("thc,chv->thv", ctx, weights.w_uv).reshape(1, -1)
     out = v_ctx @ weights.o_proj.reshape(v_ctx.shape[-1], -1)
     return x + out[0], c_kv, k_pe
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention_chain: the attention half's phases in one persistent Mosaic GPU kernel
+
+CHUNK = 64  # cache tokens a phase-3 CTA takes (its scores are one [64 heads, 64 tokens] wgmma tile)
+NOPE, ROPE, LATENT, V_DIM = 128, 64, 512, 128  # the head dims the kernel is built for (DeepSeek-V2 / V3)
+HEADS = 16  # the heads the kernel takes (V2-Lite's): phase 3's query windows are 16 rows apart
+MAX_STATES = 64  # phase 3's partial softmax states a layer: the context's chunks and the new token's
+PHASES = 5  # grid barriers a layer
+
+
+def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int, capacity: int, dtype,
+                       num_layers: int = 1) -> str | None:
+    """None when ``attention_chain`` takes this attention (``dims`` = (nope, rope, latent, v) head dims; the
+    context up to ``capacity`` tokens, pages of ``block_size``), else why not."""
+    if why_not := why_not_hopper():
+        return why_not
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        return f"weights in {jnp.dtype(dtype).name} (this kernel takes bfloat16)"
+    if tuple(dims) != (NOPE, ROPE, LATENT, V_DIM):
+        return f"head dims (nope, rope, latent, v) {tuple(dims)}; this kernel takes {(NOPE, ROPE, LATENT, V_DIM)}"
+    if hidden % UNIT_K:
+        return f"hidden size {hidden} is not a multiple of {UNIT_K}"
+    ctas = num_sms()
+    if num_heads != HEADS:
+        return f"{num_heads} heads (this kernel takes {HEADS}: the scores' rows hold them in 16-row windows)"
+    if (units := num_heads * LATENT // HALF + 2) > ctas:
+        return f"{num_heads} heads need {units} CTAs for the absorbed queries (this GPU runs {ctas})"
+    if (units := hidden // HALF * (num_heads * V_DIM // UNIT_K)) > ctas:
+        return f"o_proj of {num_heads * V_DIM} x {hidden} needs {units} CTAs (this GPU runs {ctas})"
+    if block_size % CHUNK:
+        return f"block_size {block_size} is not a multiple of {CHUNK}"
+    if (states := pl.cdiv(capacity, CHUNK) + 1) > min(MAX_STATES, ctas):
+        return f"a context of {capacity} tokens needs {states} partial states (at most {min(MAX_STATES, ctas)})"
+    if num_layers < 1:
+        return f"{num_layers} layers (at least 1)"
+    return None
+
+
+def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
+                    wuv_ref, wo_ref, out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, ring, xin_smem,
+                    g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, in_bar, g_bar, q_bar,
+                    rope_bar, lat_bar, state_bar, *, num_layers: int, num_heads: int, states: int, num_ctas: int, scale_log2e: float,
+                    eps: float, kv_eps: float, block_size: int):
+    # Inputs: pos_ref i32[1] (the token's position), table_ref i32[W] (its pages), cs_ref f32[2, 32, 32] (rope's
+    # cos and sin, a row each of 32 rows), x_ref f32[D / 64, 64], g_ref f32[L, D / 64, 64] (the attention norm),
+    # wq_ref bf16[L, D, H * 192] (q_proj, rope columns permuted), wkv_ref bf16[L, D, 576] (kv_a, the same),
+    # knorm_ref f32[L, 8, 64], wuk_ref bf16[L, 512, H, 128], ckv_ref bf16[L, N, bs, 512], kpe_ref bf16[L, N, bs,
+    # 64], wuv_ref bf16[L, 512, H, 128], wo_ref bf16[L, H * 128, D].
+    # Outputs: out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units), qkv_ref
+    # f32[L, 64, 64] (phase 1's sums: the q columns' tiles 0 .. 3H - 1, then kv_a's 9), q_ref bf16[L, H, 576]
+    # (the absorbed query and rotated q_pe a head), kvnew_ref bf16[9, 64, 64] (the new token's latent and rope
+    # key as row 0 of 9 [64, 64] chunks, zeros below: phase 3's last state takes it as a chunk of one token),
+    # kv_out bf16[L, 9, 64] (the same rows, for the caller's cache), ml_ref f32[L, S, 2, 64] (each state's m in
+    # log2 units and l, a head a column), o_ref f32[L, S, H, 512] (each state's unnormalized output), vctx_ref
+    # f32[L, H * 2, 64] (the heads' outputs after W_UV, summed by TMA adds).
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    c = lax.axis_index("c")
+    rows = xin_smem.shape[0]
+    hidden = rows * HALF
+    ksteps = hidden // STEP  # a column tile's boxes in phase 1
+    q_tiles = num_heads * 3  # q_proj's column tiles (nope, nope, rope a head), then kv_a's 9
+    p1_boxes = (q_tiles + 9) * ksteps
+    n0, n1 = lax.div(c * p1_boxes, num_ctas), lax.div((c + 1) * p1_boxes, num_ctas)
+    tile_a = lax.div(n0, ksteps)
+    split = jnp.minimum(n1, (tile_a + 1) * ksteps)  # a CTA's boxes span at most two tiles: [n0, split), [split, n1)
+    wuk_units = num_heads * (LATENT // HALF)  # phase 2: (head, 64 latent columns) a CTA
+    rope_cta, latent_cta = wuk_units, wuk_units + 1
+    nch = states - 1  # phase 3: CTA s < nch takes chunk s of the context, CTA nch the new token
+    wuv_units = num_heads * 2 * (LATENT // STEP)  # phase 4: (head, 64 v columns, 128 latent rows) a CTA
+    o_ranges = num_heads * V_DIM // UNIT_K
+    o_units = (hidden // HALF) * o_ranges
+    o_tile, o_kq = lax.div(c, o_ranges), lax.rem(c, o_ranges)
+    position = pos_ref[0]
+    num_chunks = jnp.minimum(lax.div(position + CHUNK - 1, CHUNK), nch)
+    in_chunks = (c < num_chunks) | (c == nch)
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    head, ct = lax.div(c, LATENT // HALF), lax.rem(c, LATENT // HALF)  # phase 2's unit
+    v_head, v_tile, v_range = lax.div(c, 8), lax.rem(lax.div(c, 4), 2), lax.rem(c, 4)  # phase 4's unit
+    p2_boxes = jnp.where(c < wuk_units, 1, 0)
+    p3_boxes = jnp.where(in_chunks, 5, 0)
+    p4_boxes = jnp.where(c < wuv_units, 1, 0)
+    o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
+
+    def barrier_count(layer, phase):  # the kernel's first barrier, then PHASES a layer
+        return 1 + PHASES * layer + phase
+
+    def issue(n, copies):
+        """The box at ring position n, its two halves from ``copies(h)`` = (gmem view, condition) pairs, once
+        its slot is free."""
+        slot = lax.rem(n, RING)
+        pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
+        for h in range(2):
+            for view, when in copies(h):
+                pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
+
+    def loads():
+        """Warpgroup 1: every phase's boxes of every layer, in the computing warpgroup's order."""
+        def layer_loads(layer, count):
+            def p1(n, count):  # q_proj's and kv_a's (column tile, K step) boxes
+                tile, k = lax.div(n, ksteps), lax.rem(n, ksteps)
+                issue(count, lambda h: [
+                    (wq_ref.at[layer, pl.ds(k * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], tile < q_tiles),
+                    (wkv_ref.at[layer, pl.ds(k * STEP + h * HALF, HALF), pl.ds((tile - q_tiles) * HALF, HALF)],
+                     tile >= q_tiles)])
+                return count + 1
+
+            count = lax.fori_loop(n0, n1, p1, count)
+            pl.when(c < wuk_units)(lambda: issue(count, lambda h: [
+                (wuk_ref.at[layer, pl.ds(ct * HALF, HALF), head, pl.ds(h * HALF, HALF)], True)]))
+            count = count + p2_boxes
+
+            @pl.when(c < num_chunks)
+            def _():  # the context's chunk c: 64 tokens of a page, the latents' 8 halves and the rope keys
+                token = c * CHUNK
+                page, t0 = table_ref[lax.div(token, block_size)], lax.rem(token, block_size)
+                for b in range(4):
+                    issue(count + b, lambda h, b=b: [
+                        (ckv_ref.at[layer, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)])
+                issue(count + 4, lambda h: [(kpe_ref.at[layer, page, pl.ds(t0, CHUNK)], True)])
+
+            @pl.when(c == nch)
+            def _():  # the new token's rows, once phase 2 has written them
+                plgpu.semaphore_wait(sem, num_ctas * barrier_count(layer, 2), decrement=False, memory_scope="gpu")
+                proxy_fence()
+                for b in range(4):
+                    issue(count + b, lambda h, b=b: [(kvnew_ref.at[2 * b + h], True)])
+                issue(count + 4, lambda h: [(kvnew_ref.at[8], True)])
+
+            count = count + p3_boxes
+            pl.when(c < wuv_units)(lambda: issue(count, lambda h: [
+                (wuv_ref.at[layer, pl.ds(v_range * STEP + h * HALF, HALF), v_head, pl.ds(v_tile * HALF, HALF)],
+                 True)]))
+            count = count + p4_boxes
+
+            @pl.when(c < o_units)
+            def _():
+                for i in range(UNIT_K // STEP):
+                    issue(count + i, lambda h, i=i: [
+                        (wo_ref.at[layer, pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(o_tile * HALF, HALF)],
+                         True)])
+            return count + o_boxes
+
+        lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
+
+    (tiles_smem, row_smem), (q_smem, p_smem, stage_smem, ml_stage), (ml_smem, os_smem, mrow_smem, tiles4_smem), (
+        rope_smem, rope16_smem, cs_smem, lat_smem, knorm_smem, latb_smem) = union
+
+    def read_rows(source):
+        """The layer's input rows (x_l) into xin_smem, rounded to bf16 as the model's residual stream is."""
+        plgpu.copy_gmem_to_smem(source, xin_smem, in_bar.at[0])
+        plgpu.barrier_wait(in_bar.at[0])
+        flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
+        xin_smem[...] = plgpu.load(xin_smem, layout=flat).astype(bf16).astype(f32)
+        plgpu.commit_smem()
+
+    def store_add(sums, dest, i=0):
+        part_smem.at[i][...] = sums
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(part_smem.at[i], dest, reduction_op="add")
+
+    def compute():
+        _zero_rows(zero_smem, out_ref, c, num_ctas)
+        _zero_rows(zero_smem, qkv_ref, c, num_ctas)
+        _zero_rows(zero_smem, vctx_ref, c, num_ctas)
+        _zero_rows(zero16_smem, kvnew_ref, c, num_ctas)  # the new token's chunk: zeros past its row
+        plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])
+        read_rows(x_ref)
+        _arrive_and_wait(sem, num_ctas, 1)
+        zeros8 = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), f32), plgpu.Layout.WGMMA)
+        zeros64 = plgpu.layout_cast(jnp.zeros((HALF, HALF), f32), plgpu.Layout.WGMMA)
+
+        def phase1(layer, count):
+            """RMSNorm(x) into the tiles (every CTA); the CTA's boxes of q_proj / kv_a, each tile's sums added."""
+            plgpu.barrier_wait(g_bar.at[0])
+            with jax.named_scope("norm"):
+                _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, eps)
+
+            @pl.when(layer + 1 < num_layers)
+            def _():
+                plgpu.copy_gmem_to_smem(g_ref.at[layer + 1], g_smem, g_bar.at[0])
+
+            with jax.named_scope("q_kv"):
+                for i, (first, end) in enumerate(((n0, split), (split, n1))):
+                    @pl.when(end > first)
+                    def _(first=first, end=end, i=i):
+                        sums = _unit_sums(ring, full, free, tiles_smem, count + first - n0, end - first, zeros8,
+                                          first=lax.rem(first, ksteps))
+                        store_add(sums, qkv_ref.at[layer, lax.div(first, ksteps)], i)
+            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
+            return count + n1 - n0
+
+        def phase2(layer, count):
+            """The absorbed queries (q_nope x W_UK, a (head, 64 latent columns) unit a CTA); rope of q_pe and of
+            the new key (one CTA); the new latent's norm (one CTA)."""
+            @pl.when(c < wuk_units)
+            @jax.named_scope("w_uk")
+            def _():
+                _input_tiles(qkv_ref.at[layer, pl.ds(3 * head, 2)], row_smem.at[pl.ds(0, 2)], tiles_smem,
+                             in_bar.at[0])
+                sums = _unit_sums(ring, full, free, tiles_smem, count, 1, zeros8, transpose=False)
+                qrow_smem[...] = sums.astype(bf16)  # the model's q_latent is bf16
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(qrow_smem, q_ref.at[layer, head, pl.ds(ct * HALF, HALF)])
+
+            @pl.when(c == rope_cta)
+            @jax.named_scope("rope")
+            def _():  # rows 0 .. H - 1: q_pe of each head; row H: the new rope key (rows past it: zeros)
+                rope_smem.at[pl.ds(16, 16)][...] = jnp.zeros((16, HALF), f32)
+                plgpu.commit_smem()
+                for h in range(num_heads):
+                    plgpu.copy_gmem_to_smem(qkv_ref.at[layer, 3 * h + 2], rope_smem.at[h], rope_bar.at[0])
+                plgpu.copy_gmem_to_smem(qkv_ref.at[layer, q_tiles + 8], rope_smem.at[num_heads], rope_bar.at[0])
+                plgpu.copy_gmem_to_smem(cs_ref, cs_smem, rope_bar.at[0])
+                plgpu.barrier_wait(rope_bar.at[0])
+                halves = plgpu.Layout.WG_STRIDED((32, ROPE // 2), vec_size=2)
+                lo, hi = (plgpu.load(rope_smem.at[:, pl.ds(i * 32, 32)], layout=halves).astype(bf16).astype(f32)
+                          for i in range(2))
+                cos, sin = (plgpu.load(cs_smem.at[i], layout=halves) for i in range(2))
+                rope16_smem.at[:, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
+                rope16_smem.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(rope16_smem.at[pl.ds(0, num_heads)], q_ref.at[layer, :, pl.ds(LATENT, ROPE)])
+                plgpu.copy_smem_to_gmem(rope16_smem.at[num_heads], kvnew_ref.at[8, 0])
+                plgpu.copy_smem_to_gmem(rope16_smem.at[num_heads], kv_out.at[layer, 8])
+
+            @pl.when(c == latent_cta)
+            @jax.named_scope("latent")
+            def _():  # kv_a_norm of the new latent (as the model's RMSNorm)
+                plgpu.copy_gmem_to_smem(qkv_ref.at[layer, pl.ds(q_tiles, 8)], lat_smem, lat_bar.at[0])
+                plgpu.copy_gmem_to_smem(knorm_ref.at[layer], knorm_smem, lat_bar.at[0])
+                plgpu.barrier_wait(lat_bar.at[0])
+                flat = plgpu.Layout.WG_STRIDED((8, HALF), vec_size=2)
+                x = plgpu.load(lat_smem, layout=flat).astype(bf16).astype(f32)
+                inv_rms = lax.rsqrt(jnp.sum(x * x) / LATENT + kv_eps)
+                g = plgpu.load(knorm_smem, layout=flat)
+                latb_smem[...] = ((x * inv_rms).astype(bf16).astype(f32) * g).astype(bf16)
+                plgpu.commit_smem()
+                for j in range(8):
+                    plgpu.copy_smem_to_gmem(latb_smem.at[j], kvnew_ref.at[j, 0])
+                plgpu.copy_smem_to_gmem(latb_smem, kv_out.at[layer, pl.ds(0, 8)])
+
+            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 2))
+            return count + p2_boxes
+
+        def phase3(layer, count):
+            """A chunk's partial softmax state for every head: scores [64 heads (the first H real), 64 tokens] =
+            q [64, 576] x the chunk's keys^T (the q windows start 16 rows apart: rows past H are other windows'
+            rows, finite, never read), P in bf16, P x the latents [64, 512] a [64, 128] pair at a time; m, l and
+            the first H rows out (the new token's CTA: a chunk of one token)."""
+            @pl.when(in_chunks)
+            @jax.named_scope("chunk")
+            def _():
+                for j in range(9):
+                    plgpu.copy_gmem_to_smem(q_ref.at[layer, :, pl.ds(j * HALF, HALF)],
+                                            q_smem.at[pl.ds(j * 16, num_heads)], q_bar.at[0])
+                plgpu.barrier_wait(q_bar.at[0])
+                slots = [lax.rem(count + b, RING) for b in range(5)]
+                for slot in slots:
+                    plgpu.barrier_wait(full.at[slot])
+
+                def scores(acc_ref):
+                    for j in range(9):
+                        key = ring.at[slots[j // 2], j % 2]
+                        plgpu.wgmma(acc_ref, q_smem.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
+                valid = jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
+                cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(cols < valid, s * scale_log2e, -jnp.inf)
+                m = s.max(axis=1)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+                ml_stage.at[0][...] = m
+                ml_stage.at[1][...] = p.sum(axis=1)
+                p_smem[...] = p.astype(bf16)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(ml_stage, ml_ref.at[layer, c])
+                for b in range(4):
+                    def values(accs, b=b):
+                        for h in range(2):
+                            plgpu.wgmma(accs[h], p_smem, ring.at[slots[b], h])
+
+                    accs = pl.run_state(values)((plgpu.ACC.init(zeros64), plgpu.ACC.init(zeros64)))
+                    plgpu.barrier_arrive(free.at[slots[b]])
+                    for h in range(2):
+                        j = 2 * b + h
+                        if j >= 2:  # the stage's store two columns back has read it
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        stage_smem.at[j % 2][...] = accs[h]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(stage_smem.at[j % 2, pl.ds(0, num_heads)],
+                                                o_ref.at[layer, c, :, pl.ds(j * HALF, HALF)])
+                plgpu.barrier_arrive(free.at[slots[4]])
+
+            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3))
+            return count + p3_boxes
+
+        def phase4(layer, count):
+            """A (head, 64 v columns, 128 latent rows) unit: the head's states merged over its latent rows, as
+            bf16 tiles, times W_UV's box; the sums added."""
+            @pl.when(c < wuv_units)
+            @jax.named_scope("w_uv")
+            def _():
+                plgpu.copy_gmem_to_smem(ml_ref.at[layer], ml_smem, state_bar.at[0])
+                plgpu.copy_gmem_to_smem(o_ref.at[layer, :, v_head, pl.ds(v_range * STEP, STEP)], os_smem,
+                                        state_bar.at[0])
+                plgpu.barrier_wait(state_bar.at[0])
+                m_at = lambda s: ml_smem[s, 0, v_head]
+                top = lax.fori_loop(0, num_chunks, lambda s, top: jnp.maximum(top, m_at(s)), m_at(nch))
+                weight = lambda s: jnp.exp2(m_at(s) - top)
+                total = lax.fori_loop(0, num_chunks, lambda s, t: t + weight(s) * ml_smem[s, 1, v_head],
+                                      weight(nch) * ml_smem[nch, 1, v_head])
+                for q in range(2):
+                    row = lambda s, q=q: plgpu.load(os_smem.at[s, pl.ds(q * HALF, HALF)],
+                                                    layout=plgpu.Layout.WGMMA.reduce(0)) * weight(s)
+                    merged = lax.fori_loop(0, num_chunks, lambda s, acc: acc + row(s), row(nch))
+                    mrow_smem.at[q][...] = merged / total
+                plgpu.commit_smem()
+                _build_tiles(mrow_smem, tiles4_smem)
+                sums = _unit_sums(ring, full, free, tiles4_smem, count, 1, zeros8)
+                store_add(sums, vctx_ref.at[layer, 2 * v_head + v_tile])
+
+            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 4))
+            return count + p4_boxes
+
+        def phase5(layer, count):
+            """o_proj: x_mid = x_l + v_ctx @ W_o (a GEMV unit a CTA, CTA 0 adds x_l)."""
+            @pl.when(c < o_units)
+            @jax.named_scope("o_proj")
+            def _():
+                chunks = UNIT_K // HALF
+                _input_tiles(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)],
+                             tiles_smem, in_bar.at[0])
+                sums = _unit_sums(ring, full, free, tiles_smem, count, UNIT_K // STEP, zeros8)
+                store_add(sums, out_ref.at[layer, o_tile])
+
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
+            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5))
+
+            @pl.when(layer + 1 < num_layers)
+            def _():
+                read_rows(out_ref.at[layer])
+            return count + o_boxes
+
+        def layer_body(layer, count):
+            for phase in (phase1, phase2, phase3, phase4, phase5):
+                count = phase(layer, count)
+            return count
+
+        lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
+        _release(sem, c, num_ctas, barrier_count(num_layers - 1, PHASES))
+
+    pl.when(lax.axis_index("wg") == 0)(compute)
+    pl.when(lax.axis_index("wg") == 1)(loads)
+
+
+def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
+                    profile_dir: str | None = None):
+    """L layers' attention halves at one token in one persistent kernel: x_{l+1} = x_l + layer l's attention of
+    x_l over its paged context (``attention_half_reference``'s, up to the residual stream's rounding). x [D]
+    bf16 at ``position`` (a scalar) of the sequence whose pages are block_table i32[W]; each layer's cache c_kv
+    [L, N, bs, 512] / k_pe [L, N, bs, 64] holds the tokens before it; ``weights`` stacked over layers, rope
+    columns permuted (``permute_rope_columns``) -> (x_L [D] bf16, kv [L, 576] bf16: each layer's new latent and
+    rope key, which the caller writes into the cache at the token's slot).
+
+    A producer warpgroup streams each CTA's boxes of every phase through the ring; a grid barrier ends each of
+    five phases a layer (``docs/decode_step_kernel.md``):
+
+    1. RMSNorm(x) into the tiles in every CTA; q_proj and kv_a as (64-column tile, 128-row K step) boxes, ~7 a
+       CTA, each tile's sums added by TMA.
+    2. q_nope x W_UK, a (head, 64 latent columns) unit a CTA; one CTA rotates q_pe and the new rope key, one
+       norms the new latent.
+    3. Attention: CTA s takes the context's chunk s (64 tokens of a page), CTA S - 1 the new token as a chunk of
+       one, each a partial softmax state of every head (scores and values by wgmma).
+    4. The states merged a (head, 64 v columns, 128 latent rows) unit a CTA, times W_UV's box, summed by TMA.
+    5. o_proj (``gemv_chain``'s units) and the residual.
+
+    Shapes must pass ``attention_supports``."""
+    num_layers, hidden = weights.norm.shape
+    num_heads = weights.q_proj.shape[2]
+    num_pages, block_size = c_kv.shape[1:3]
+    capacity = block_table.shape[0] * block_size
+    if x.shape != (hidden,) or c_kv.shape[0] != num_layers or k_pe.shape[:3] != c_kv.shape[:3]:
+        raise ValueError(f"attention_chain: x {x.shape}, c_kv {c_kv.shape}, k_pe {k_pe.shape}; expected x [D={hidden}] "
+                         f"and caches [L={num_layers}, N, bs, ...]")
+    states = pl.cdiv(capacity, CHUNK) + 1
+    num_ctas = num_sms()
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    rows = hidden // HALF
+    cos, sin = rope_cos_sin(position, spec.inv_freq, spec.cos_sin_scale)
+    cs = jnp.broadcast_to(jnp.stack([cos, sin])[:, None, :], (2, 32, ROPE // 2)).astype(f32)
+    f32_tiling = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    kernel = functools.partial(
+        _attention_body, num_layers=num_layers, num_heads=num_heads, states=states, num_ctas=num_ctas,
+        scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps, kv_eps=spec.kv_eps, block_size=block_size)
+    out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),  # x_mid's rows a layer
+                jax.ShapeDtypeStruct((num_layers, HALF, HALF), f32),  # phase 1's sums
+                jax.ShapeDtypeStruct((num_layers, num_heads, LATENT + ROPE), bf16),  # the queries
+                jax.ShapeDtypeStruct((9, CHUNK, HALF), bf16),  # the new token as a chunk
+                jax.ShapeDtypeStruct((num_layers, 9, HALF), bf16),  # its rows, for the cache
+                jax.ShapeDtypeStruct((num_layers, states, 2, HALF), f32),  # the states' m and l
+                jax.ShapeDtypeStruct((num_layers, states, num_heads, LATENT), f32),  # their outputs
+                jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
+    scratch = [
+        plgpu.SMEM((RING, 2, HALF, HALF), bf16, transforms=_TILING),  # the ring of boxes
+        plgpu.SMEM((rows, HALF), f32),  # the layer's input rows
+        plgpu.SMEM((rows, HALF), f32),  # the attention norm's weights
+        plgpu.RefUnion(  # a phase's buffers
+            (plgpu.SMEM((rows * TOKEN_N, HALF), bf16, transforms=_TILING),  # 1, 2, 5: the token's tiles
+             plgpu.SMEM((rows, HALF), f32)),  # the normed rows / a unit's input rows
+            (plgpu.SMEM((9 * 16 + HALF - 16, HALF), bf16, transforms=_TILING),  # 3: the query windows
+             plgpu.SMEM((HALF, CHUNK), bf16, transforms=_TILING),  # P
+             plgpu.SMEM((2, HALF, HALF), f32, transforms=f32_tiling),  # output staging
+             plgpu.SMEM((2, HALF), f32)),  # m, l
+            (plgpu.SMEM((states, 2, HALF), f32),  # 4: every state's m and l
+             plgpu.SMEM((states, STEP), f32),  # the head's rows of every state's output
+             plgpu.SMEM((2, HALF), f32),  # the merged rows
+             plgpu.SMEM((HALF, HALF), bf16, transforms=_TILING)),  # their tiles
+            (plgpu.SMEM((32, ROPE), f32),  # 2: the rope rows (q_pe of each head, the new key)
+             plgpu.SMEM((32, ROPE), bf16),  # rotated
+             plgpu.SMEM((2, 32, ROPE // 2), f32),  # cos, sin
+             plgpu.SMEM((8, HALF), f32),  # the new latent
+             plgpu.SMEM((8, HALF), f32),  # kv_a_norm's weights
+             plgpu.SMEM((8, HALF), bf16))),  # the normed latent
+        plgpu.SMEM((2, HALF), f32),  # partial sums for TMA adds
+        plgpu.SMEM((HALF,), bf16),  # a unit's absorbed query columns
+        plgpu.SMEM((8, HALF), f32),  # zeros
+        plgpu.SMEM((8, HALF), bf16),  # bf16 zeros
+        plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
+        plgpu.Barrier(num_barriers=RING),  # a slot's products are done
+        plgpu.Barrier(num_barriers=1),  # input rows landed
+        plgpu.Barrier(num_barriers=1),  # norm weights landed
+        plgpu.Barrier(num_arrivals=9, num_barriers=1),  # the query windows landed
+        plgpu.Barrier(num_arrivals=num_heads + 2, num_barriers=1),  # the rope rows landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the new latent and its norm's weights landed
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the states landed
+    ]
+    outs = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=(num_ctas,),
+        grid_names=("c",),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            # the trace's buffer is shared memory: 128 entries a warpgroup fit beside the kernel's (~3 layers)
+            approx_math=True, **({"profile_space": 128, "profile_dir": profile_dir} if profile_dir else {})),
+    )(jnp.asarray(position, jnp.int32).reshape(1), block_table.astype(jnp.int32), cs,
+      x.astype(f32).reshape(rows, HALF), weights.norm.astype(f32).reshape(num_layers, rows, HALF),
+      weights.q_proj.reshape(num_layers, hidden, -1), weights.kv_a,
+      weights.kv_a_norm.astype(f32).reshape(num_layers, 8, HALF), weights.w_uk, c_kv, k_pe, weights.w_uv,
+      weights.o_proj.reshape(num_layers, num_heads * V_DIM, hidden))
+    return outs[0][-1].reshape(hidden).astype(x.dtype), outs[4].reshape(num_layers, LATENT + ROPE)
+
+
+def attention_chain_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec):
+    """The same chain with ``attention_half_reference`` a layer -> (x_L, kv [L, 576]: the rows each layer wrote
+    into its cache)."""
+    block_size = c_kv.shape[2]
+    page, offset = block_table[position // block_size], position % block_size
+    rows = []
+    for layer in range(c_kv.shape[0]):
+        layer_weights = AttentionWeights(*(w[layer] for w in weights))
+        x, c_l, k_l = attention_half_reference(x, position, block_table, c_kv[layer], k_pe[layer], layer_weights,
+                                               spec)
+        rows.append(jnp.concatenate([c_l[page, offset], k_l[page, offset]]))
+    return x, jnp.stack(rows)

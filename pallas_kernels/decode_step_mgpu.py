@@ -94,18 +94,35 @@ def proxy_fence(_):
 def _build_tiles(rows_smem, tiles_smem, transform=None):
     """rows_smem f32[n, 64] -> tiles_smem bf16[n * 8, 64]: chunk i (``transform(i, chunk)`` when given) as the
     first row of tile i (rows [8i, 8i + 8)), zeros below, built 8 tiles (one [64, 64] register block) at a
-    time."""
+    time. With n not a multiple of 8 the last block writes zero tiles past tile n - 1 (tiles_smem must hold
+    them: 64 rows a block)."""
     row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
     per_block = HALF // TOKEN_N
-    for q in range(rows_smem.shape[0] // per_block):
+    num_chunks = rows_smem.shape[0]
+    for q in range(pl.cdiv(num_chunks, per_block)):
         block = jnp.zeros((HALF, HALF), jnp.float32)
-        for t in range(per_block):
+        for t in range(min(per_block, num_chunks - q * per_block)):
             chunk = plgpu.load(rows_smem.at[q * per_block + t], layout=plgpu.Layout.WGMMA.reduce(0))
             if transform is not None:
                 chunk = transform(q * per_block + t, chunk)
             block = jnp.where(row_of == TOKEN_N * t, lax.broadcast_in_dim(chunk, (HALF, HALF), [1]), block)
         tiles_smem.at[pl.ds(q * HALF, HALF)][...] = block.astype(tiles_smem.dtype)
     plgpu.commit_smem()
+
+
+def _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, eps: float):
+    """RMSNorm of the rows xin_smem f32[n, 64] (bf16 values) with weights g_smem f32[n, 64], as the model's
+    (x * 1 / rms rounded to bf16, times g, rounded), into row_smem, then as the token's tiles: the rows as one
+    ``WG_STRIDED`` array (elementwise work on 64-wide chunks in the reduced WGMMA layout is slow)."""
+    rows = xin_smem.shape[0]
+    flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
+    x = plgpu.load(xin_smem, layout=flat)
+    inv_rms = lax.rsqrt(jnp.sum(x * x) / (rows * HALF) + eps)
+    g = plgpu.load(g_smem, layout=flat)
+    row_smem[...] = ((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(
+        jnp.bfloat16).astype(jnp.float32)
+    plgpu.commit_smem()
+    _build_tiles(row_smem, tiles_smem)
 
 
 def _arrive_and_wait(sem, num_ctas: int, count):
@@ -132,9 +149,9 @@ def _release(sem, c, num_ctas: int, barriers: int):
 
 
 def _zero_rows(zero_smem, out_ref, c, num_ctas: int):
-    """out_ref f32[L, R, 64] to zero, 8 rows (one TMA store from ``zero_smem`` f32[8, 64]) at a time, the
+    """out_ref [L, R, 64] to zero, 8 rows (one TMA store from ``zero_smem`` [8, 64] of its dtype) at a time, the
     blocks dealt to the CTAs in turn (waited for by the next ``_arrive_and_wait``)."""
-    zero_smem[...] = jnp.zeros(zero_smem.shape, jnp.float32)
+    zero_smem[...] = jnp.zeros(zero_smem.shape, zero_smem.dtype)
     plgpu.commit_smem()
     num_layers, per_layer = out_ref.shape[0], out_ref.shape[1] // 8
 
@@ -146,21 +163,36 @@ def _zero_rows(zero_smem, out_ref, c, num_ctas: int):
     lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())
 
 
-def _unit_sums(ring, full, free, tiles_smem, base, boxes: int, zeros):
+def _unit_sums(ring, full, free, tiles_smem, base, boxes, zeros, first=0, transpose: bool = True):
     """A GEMV unit's products: its ``boxes`` boxes at ring positions base, base + 1, ... times the token's tiles
-    (box i's halves with tiles 2i and 2i + 1), each half into its own accumulator, a box's slot freed once the
-    next box's products are issued -> the token's 64 column sums (column 0 of the products; reduced WGMMA
-    layout)."""
+    (box i's halves with tiles 2 (first + i) and 2 (first + i) + 1), each half into its own accumulator, a
+    box's slot freed once the next box's products are issued -> the token's 64 column sums (column 0 of the
+    products; reduced WGMMA layout). A box's halves are [64 K rows, 64 columns] (``transpose``: the wgmma's A
+    is the half transposed) or [64 columns, 64 K] (the A as it lands). ``boxes``: a Python int (unrolled) or
+    a traced count of at least 1."""
+    def box(accs, i):
+        slot = lax.rem(base + i, RING)
+        plgpu.barrier_wait(full.at[slot])
+        for h in range(2):
+            token = tiles_smem.at[pl.ds((2 * (first + i) + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
+            half = ring.at[slot, h]
+            plgpu.wgmma(accs[h], half.transpose((1, 0)) if transpose else half, token)
+
+        def previous_done():  # the previous box's products are done (this box's may run on): its slot is free
+            plgpu.wgmma_wait(2)
+            plgpu.barrier_arrive(free.at[lax.rem(base + i - 1, RING)])
+        if isinstance(i, int):
+            if i:
+                previous_done()
+        else:
+            pl.when(i > 0)(previous_done)
+
     def products(accs):
-        for i in range(boxes):
-            slot = lax.rem(base + i, RING)
-            plgpu.barrier_wait(full.at[slot])
-            for h in range(2):
-                token = tiles_smem.at[pl.ds((2 * i + h) * TOKEN_N, TOKEN_N)].transpose((1, 0))
-                plgpu.wgmma(accs[h], ring.at[slot, h].transpose((1, 0)), token)
-            if i:  # the previous box's products are done (this box's may run on): its slot is free
-                plgpu.wgmma_wait(2)
-                plgpu.barrier_arrive(free.at[lax.rem(base + i - 1, RING)])
+        if isinstance(boxes, int):
+            for i in range(boxes):
+                box(accs, i)
+        else:
+            lax.fori_loop(0, boxes, lambda i, _: box(accs, i), None)
 
     acc0, acc1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
     plgpu.barrier_arrive(free.at[lax.rem(base + boxes - 1, RING)])

@@ -3,12 +3,12 @@ persistent Mosaic GPU kernel (the machinery: ``decode_step_mgpu``; the plan: ``d
 
 ``moe_chain`` is the expert phase, x_{l+1} = x_l + layer l's experts of x_l, in the GEMV chain's form (a
 producer warpgroup streaming 16 KiB boxes through a ring, wgmma products, TMA adds, a grid barrier a layer):
-38.5 µs a layer against 43.4 for ``moe_decode_mgpu`` a layer (8 layers, round 22). How a layer's tiles are
-dealt to the CTAs is ``expert_plan``'s (``EXPERT_PLAN``; the "split" plan is built and not yet run).
-``moe_block_chain`` is the MoE half of a layer, x_{l+1} = x_l + experts(RMSNorm(x_l)), with the norm, the
-router's products (its weights as boxes in the ring) and the routing in the kernel: 44.6 µs a layer
-(``bash benchmarks/run_h200.sh step-phases``; decode_profile.md round 22). ``moe_layer_tail_chain`` puts
-o_proj in front (built, not yet run).
+36.9 µs a layer against 43.2 for ``moe_decode_mgpu`` a layer (8 layers, round 23). How a layer's tiles are
+dealt to the CTAs is ``expert_plan``'s (``EXPERT_PLAN``). ``moe_block_chain`` is the MoE half of a layer,
+x_{l+1} = x_l + experts(RMSNorm(x_l)), with the norm, the router's products (its weights as boxes in the
+ring) and the routing (a warpgroup of its own) in the kernel: 40.8 µs a layer. ``moe_layer_tail_chain``
+puts o_proj in front: 46.6 µs a layer (``bash benchmarks/run_h200.sh step-phases``, ``step-block``;
+decode_profile.md round 23).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _build_tiles, _input_tiles, _release, _unit_sums, _zero_rows, num_sms,
+                                             _input_tiles, _norm_tiles, _release, _unit_sums, _zero_rows, num_sms,
                                              proxy_fence)
 
 
@@ -107,9 +107,9 @@ def _moe_smem_bytes(hidden: int, router: bool = False, splits: int = 0) -> int:
 GATE_UP, DOWN = 0, 1  # the kinds of an expert plan's units
 PLANS = ("tiles", "dealt", "split")
 # How moe_chain deals the layer's units to its CTAs (read at trace time; ``expert_plan``). Measured at
-# V2-Lite's 176 tiles, 8 layers (round 22): 43.8 µs a layer whole ("tiles") and 39.1 "dealt" in one run,
-# 38.5 and 38.5 in another; "split" is built and not yet run.
-EXPERT_PLAN = "dealt"
+# V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
+# 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
+EXPERT_PLAN = "split"
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -359,14 +359,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         ``routed_sem`` (``routing`` takes it from there). -> the ring's count after the router boxes."""
         plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
         with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
-            flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
-            x = plgpu.load(xin_smem, layout=flat)
-            inv_rms = lax.rsqrt(jnp.sum(x * x) / hidden + router.eps)
-            g = plgpu.load(g_smem, layout=flat)  # as rms_norm: x * 1 / rms rounded to bf16, times g, rounded
-            row_smem[...] = ((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(
-                jnp.bfloat16).astype(jnp.float32)
-            plgpu.commit_smem()
-            _build_tiles(row_smem, tiles_smem)
+            _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, router.eps)
 
         @pl.when(c < routers)
         @jax.named_scope("router")

@@ -651,3 +651,21 @@ def test_moe_layer_tail_chain_gpu(plan, monkeypatch):
     np.testing.assert_allclose(np.asarray(weights[0]), np.asarray(want_weights[0]), rtol=1e-3)
     np.testing.assert_allclose(np.asarray(weights[1:]), np.asarray(want_weights[1:]), rtol=2e-2)
     assert got.shape == (2048,) and _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("position", [0, 63, 200, 511])
+def test_attention_chain_gpu(position):
+    """Two V2-Lite attention halves at one token in one persistent kernel (norm, q / kv_a, W_UK, rope, the paged
+    context in 64-token chunks plus the new token, the states merged, W_UV, o_proj, the residual) against the
+    reference chain: each layer's new cache row, and the output."""
+    import jax
+
+    from benchmarks.megakernel_probe import attention_inputs
+    from pallas_kernels.decode_step_attention import attention_chain, attention_chain_reference, attention_supports
+
+    x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
+    assert attention_supports(2048, 16, (128, 64, 512, 128), 64, 512, jnp.bfloat16, 2) is None
+    got, kv = jax.jit(lambda *a: attention_chain(*a, weights, spec))(x, pos, table, c_kv, k_pe)
+    want, want_kv = jax.jit(lambda *a: attention_chain_reference(*a, weights, spec))(x, pos, table, c_kv, k_pe)
+    assert _rel(kv[0], want_kv[0]) < 1e-2  # layer 0's rows come from the same input
+    assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2

@@ -67,3 +67,57 @@ def test_attention_half_reference_is_the_models_attention(interleave):
     np.testing.assert_array_equal(np.asarray(c_kv, np.float32), np.asarray(want_cache.c_kv[0], np.float32))
     np.testing.assert_array_equal(np.asarray(k_pe, np.float32), np.asarray(want_cache.k_pe[0], np.float32))
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(x + out[0], np.float32))  # bit for bit
+
+
+def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
+    """The attention halves' kernel (five phases a layer) lowers for an abstract H200 at V2-Lite's shapes;
+    step.attention_supports names what it does not take."""
+    from pallas_kernels.common import lower_for_h200
+
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    layers, hidden, heads = 2, 2048, 16
+    weights = step.AttentionWeights(shape((layers, hidden), bf16), shape((layers, hidden, heads, 192), bf16),
+                               shape((layers, hidden, 576), bf16), shape((layers, 512), bf16),
+                               shape((layers, 512, heads, 128), bf16), shape((layers, 512, heads, 128), bf16),
+                               shape((layers, heads, 128, hidden), bf16))
+    spec = step.AttentionSpec(1e-6, 1e-6, 0.07, tuple([1.0] * 32), 1.0)
+    call = lambda x, pos, table, c_kv, k_pe, *w: step.attention_chain(x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec)
+    caches = shape((layers, 16, 64, 512), bf16), shape((layers, 16, 64, 64), bf16)
+    hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches, *weights)
+    assert hlo.count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match=r"expected x \[D=2048\] and caches \[L=2, N, bs, ...\]"):
+        jax.eval_shape(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32),
+                       shape((3, 16, 64, 512), bf16), caches[1], *weights)
+    monkeypatch.setattr(step, "why_not_hopper", lambda: None)
+    dims = (128, 64, 512, 128)
+    supports = lambda **kw: step.attention_supports(**{**dict(hidden=2048, num_heads=16, dims=dims, block_size=64,
+                                                         capacity=2048, dtype=bf16, num_layers=26), **kw})
+    assert supports() is None
+    assert "head dims (nope, rope, latent, v) (64, 64, 512, 128)" in supports(dims=(64, 64, 512, 128))
+    assert "128 heads (this kernel takes 16" in supports(num_heads=128)
+    assert "block_size 16 is not a multiple of 64" in supports(block_size=16)
+    assert "a context of 8192 tokens needs 129 partial states (at most 64)" in supports(capacity=8192)
+    assert "weights in float32" in supports(dtype=jnp.float32)
+
+
+def test_attention_chain_reference_chains_the_layers():
+    """The chain's reference: each layer's attention half on the last's output, the rows it writes into its
+    cache returned (tiny shapes, CPU)."""
+    rng = np.random.default_rng(4)
+    layers, hidden, heads, bs = 2, 64, 2, 64
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.bfloat16)
+    weights = step.AttentionWeights(jnp.ones((layers, hidden), jnp.bfloat16), w(layers, hidden, heads, 192),
+                               w(layers, hidden, 576), jnp.ones((layers, 512), jnp.bfloat16),
+                               w(layers, 512, heads, 128), w(layers, 512, heads, 128), w(layers, heads, 128, hidden))
+    spec = step.AttentionSpec(1e-6, 1e-6, 192 ** -0.5, tuple(10000.0 ** (-np.arange(0, 64, 2) / 64)), 1.0)
+    c_kv = jnp.asarray(rng.standard_normal((layers, 4, bs, 512)), jnp.bfloat16)
+    k_pe = jnp.asarray(rng.standard_normal((layers, 4, bs, 64)), jnp.bfloat16)
+    x, table, position = jnp.asarray(rng.standard_normal(hidden), jnp.bfloat16), jnp.asarray([2, 0], jnp.int32), 70
+    out, kv = step.attention_chain_reference(x, position, table, c_kv, k_pe, weights, spec)
+    want = x
+    for layer in range(layers):
+        want, c_l, k_l = step.attention_half_reference(want, position, table, c_kv[layer], k_pe[layer],
+                                                  step.AttentionWeights(*(a[layer] for a in weights)), spec)
+        np.testing.assert_array_equal(np.asarray(kv[layer, :512]), np.asarray(c_l[0, 6]))  # page 0, slot 6
+        np.testing.assert_array_equal(np.asarray(kv[layer, 512:]), np.asarray(k_l[0, 6]))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
