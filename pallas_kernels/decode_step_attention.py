@@ -1,5 +1,6 @@
-"""The step kernel's attention half at one token: the weight layout its phases will take and the reference
-they will be checked against (``docs/decode_step_kernel.md``, phases 1-5; the phases are not built yet).
+"""The step kernel's attention half at one token: the weight layout it takes, its reference, and
+``attention_chain``, the attention halves of L layers in one persistent Mosaic GPU kernel
+(``docs/decode_step_kernel.md``, phases 1-5).
 
 Rope without gathers. The model rotates the pairs of each rope slice: interleaved (x0, x1), (x2, x3), ...
 in DeepSeek's checkpoints (``rope_interleave``), else (x_i, x_{i + R/2}). Either way it keeps the halves
@@ -11,6 +12,12 @@ rotation is of two contiguous halves (``rotate_halves``). The values are the mod
 ``attention_half_reference``: x_mid = x + the layer's attention of one token (V2-Lite's form: q_proj, no q
 LoRA) over its paged context, the token's latent and rope key written into the cache first, in the model's
 order and dtypes (``dsjax.model.mla.MLAttention.paged`` on the reference backend).
+
+``attention_chain`` runs it for L layers in one kernel: 26.6-28.5 µs a layer at V2-Lite's shapes over 8
+layers and contexts of 0-511 tokens, against ~30 µs for today's launches of the same work (one H200,
+``python -m benchmarks.megakernel_probe --attention-chain 8``; decode_profile.md round 23). The new token's
+latent and rope key come back for the caller to write into the cache; the kernel reads the cache before the
+token and takes the new one as a chunk of its own, so it writes no cache and needs no aliasing.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _build_tiles, _input_tiles, _norm_tiles, _release, _unit_sums, _zero_rows,
+                                             _build_tiles, _load_rows, _norm_tiles, _release, _unit_sums, _zero_rows,
                                              num_sms, proxy_fence)
 from pallas_kernels.mla_decode import mla_paged_reference
 
@@ -150,8 +157,8 @@ def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int
 
 def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
                     wuv_ref, wo_ref, out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, ring, xin_smem,
-                    g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, in_bar, g_bar, q_bar,
-                    rope_bar, lat_bar, state_bar, *, num_layers: int, num_heads: int, states: int, num_ctas: int, scale_log2e: float,
+                    g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, g_bar, rope_bar,
+                    lat_bar, *, num_layers: int, num_heads: int, states: int, num_ctas: int, scale_log2e: float,
                     eps: float, kv_eps: float, block_size: int):
     # Inputs: pos_ref i32[1] (the token's position), table_ref i32[W] (its pages), cs_ref f32[2, 32, 32] (rope's
     # cos and sin, a row each of 32 rows), x_ref f32[D / 64, 64], g_ref f32[L, D / 64, 64] (the attention norm),
@@ -159,11 +166,13 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
     # knorm_ref f32[L, 8, 64], wuk_ref bf16[L, 512, H, 128], ckv_ref bf16[L, N, bs, 512], kpe_ref bf16[L, N, bs,
     # 64], wuv_ref bf16[L, 512, H, 128], wo_ref bf16[L, H * 128, D].
     # Outputs: out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units), qkv_ref
-    # f32[L, 64, 64] (phase 1's sums: the q columns' tiles 0 .. 3H - 1, then kv_a's 9), q_ref bf16[L, H, 576]
-    # (the absorbed query and rotated q_pe a head), kvnew_ref bf16[9, 64, 64] (the new token's latent and rope
+    # f32[L, 64, 64] (phase 1's sums: the q columns' tiles 0 .. 3H - 1, then kv_a's 9), q_ref bf16[L, 192, 64]
+    # (the absorbed query's 64-column chunk j and the rotated q_pe (j = 8) of head h at row 16 j + h, zeros
+    # past: three [64, 64] windows), kvnew_ref bf16[9, 64, 64] (the new token's latent and rope
     # key as row 0 of 9 [64, 64] chunks, zeros below: phase 3's last state takes it as a chunk of one token),
     # kv_out bf16[L, 9, 64] (the same rows, for the caller's cache), ml_ref f32[L, S, 2, 64] (each state's m in
-    # log2 units and l, a head a column), o_ref f32[L, S, H, 512] (each state's unnormalized output), vctx_ref
+    # log2 units and l, a head a column), o_ref f32[L, S, 512, H] (each state's unnormalized output,
+    # transposed), vctx_ref
     # f32[L, H * 2, 64] (the heads' outputs after W_UV, summed by TMA adds).
     f32, bf16 = jnp.float32, jnp.bfloat16
     c = lax.axis_index("c")
@@ -254,13 +263,12 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
 
-    (tiles_smem, row_smem), (q_smem, p_smem, stage_smem, ml_stage), (ml_smem, os_smem, mrow_smem, tiles4_smem), (
+    (tiles_smem, row_smem), (q_smem, p_smem), (mrow_smem, tiles4_smem), (
         rope_smem, rope16_smem, cs_smem, lat_smem, knorm_smem, latb_smem) = union
 
     def read_rows(source):
         """The layer's input rows (x_l) into xin_smem, rounded to bf16 as the model's residual stream is."""
-        plgpu.copy_gmem_to_smem(source, xin_smem, in_bar.at[0])
-        plgpu.barrier_wait(in_bar.at[0])
+        _load_rows(source, xin_smem)
         flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
         xin_smem[...] = plgpu.load(xin_smem, layout=flat).astype(bf16).astype(f32)
         plgpu.commit_smem()
@@ -275,11 +283,11 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
         _zero_rows(zero_smem, qkv_ref, c, num_ctas)
         _zero_rows(zero_smem, vctx_ref, c, num_ctas)
         _zero_rows(zero16_smem, kvnew_ref, c, num_ctas)  # the new token's chunk: zeros past its row
+        _zero_rows(zero16_smem, q_ref, c, num_ctas)  # the query windows' rows past the queries
         plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])
         read_rows(x_ref)
         _arrive_and_wait(sem, num_ctas, 1)
         zeros8 = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), f32), plgpu.Layout.WGMMA)
-        zeros64 = plgpu.layout_cast(jnp.zeros((HALF, HALF), f32), plgpu.Layout.WGMMA)
 
         def phase1(layer, count):
             """RMSNorm(x) into the tiles (every CTA); the CTA's boxes of q_proj / kv_a, each tile's sums added."""
@@ -307,12 +315,12 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
             @pl.when(c < wuk_units)
             @jax.named_scope("w_uk")
             def _():
-                _input_tiles(qkv_ref.at[layer, pl.ds(3 * head, 2)], row_smem.at[pl.ds(0, 2)], tiles_smem,
-                             in_bar.at[0])
+                _load_rows(qkv_ref.at[layer, pl.ds(3 * head, 2)], row_smem.at[pl.ds(0, 2)])
+                _build_tiles(row_smem.at[pl.ds(0, 2)], tiles_smem)
                 sums = _unit_sums(ring, full, free, tiles_smem, count, 1, zeros8, transpose=False)
                 qrow_smem[...] = sums.astype(bf16)  # the model's q_latent is bf16
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qrow_smem, q_ref.at[layer, head, pl.ds(ct * HALF, HALF)])
+                plgpu.copy_smem_to_gmem(qrow_smem, q_ref.at[layer, ct * 16 + head])
 
             @pl.when(c == rope_cta)
             @jax.named_scope("rope")
@@ -331,7 +339,7 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
                 rope16_smem.at[:, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
                 rope16_smem.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(rope16_smem.at[pl.ds(0, num_heads)], q_ref.at[layer, :, pl.ds(LATENT, ROPE)])
+                plgpu.copy_smem_to_gmem(rope16_smem.at[pl.ds(0, num_heads)], q_ref.at[layer, pl.ds(8 * 16, num_heads)])
                 plgpu.copy_smem_to_gmem(rope16_smem.at[num_heads], kvnew_ref.at[8, 0])
                 plgpu.copy_smem_to_gmem(rope16_smem.at[num_heads], kv_out.at[layer, 8])
 
@@ -357,15 +365,16 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
         def phase3(layer, count):
             """A chunk's partial softmax state for every head: scores [64 heads (the first H real), 64 tokens] =
             q [64, 576] x the chunk's keys^T (the q windows start 16 rows apart: rows past H are other windows'
-            rows, finite, never read), P in bf16, P x the latents [64, 512] a [64, 128] pair at a time; m, l and
-            the first H rows out (the new token's CTA: a chunk of one token)."""
+            rows, finite, never read), P in bf16; out^T [512, H] = the latents^T x P^T, [64, H] a latent half;
+            m, l and out^T stored by the warpgroup's own stores (the new token's CTA: a chunk of one token)."""
             @pl.when(in_chunks)
             @jax.named_scope("chunk")
             def _():
-                for j in range(9):
-                    plgpu.copy_gmem_to_smem(q_ref.at[layer, :, pl.ds(j * HALF, HALF)],
-                                            q_smem.at[pl.ds(j * 16, num_heads)], q_bar.at[0])
-                plgpu.barrier_wait(q_bar.at[0])
+                with jax.named_scope("queries"):  # rows 16 j + h: chunk j of head h's query (three windows)
+                    for w in range(3):
+                        q_smem.at[pl.ds(w * HALF, HALF)][...] = plgpu.load(
+                            q_ref.at[layer, pl.ds(w * HALF, HALF)], layout=plgpu.Layout.WGMMA, optimized=False)
+                    plgpu.commit_smem()
                 slots = [lax.rem(count + b, RING) for b in range(5)]
                 for slot in slots:
                     plgpu.barrier_wait(full.at[slot])
@@ -382,50 +391,45 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
                 s = jnp.where(cols < valid, s * scale_log2e, -jnp.inf)
                 m = s.max(axis=1)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
-                ml_stage.at[0][...] = m
-                ml_stage.at[1][...] = p.sum(axis=1)
+                ml_ref.at[layer, c, 0][...] = m
+                ml_ref.at[layer, c, 1][...] = p.sum(axis=1)
                 p_smem[...] = p.astype(bf16)
                 plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(ml_stage, ml_ref.at[layer, c])
-                for b in range(4):
-                    def values(accs, b=b):
-                        for h in range(2):
-                            plgpu.wgmma(accs[h], p_smem, ring.at[slots[b], h])
+                p_t = p_smem.at[pl.ds(0, num_heads)].transpose((1, 0))  # [64 tokens, H]
 
-                    accs = pl.run_state(values)((plgpu.ACC.init(zeros64), plgpu.ACC.init(zeros64)))
-                    plgpu.barrier_arrive(free.at[slots[b]])
-                    for h in range(2):
-                        j = 2 * b + h
-                        if j >= 2:  # the stage's store two columns back has read it
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        stage_smem.at[j % 2][...] = accs[h]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(stage_smem.at[j % 2, pl.ds(0, num_heads)],
-                                                o_ref.at[layer, c, :, pl.ds(j * HALF, HALF)])
-                plgpu.barrier_arrive(free.at[slots[4]])
+                def values(accs):
+                    for j in range(8):
+                        plgpu.wgmma(accs[j], ring.at[slots[j // 2], j % 2].transpose((1, 0)), p_t)
+
+                zeros = plgpu.layout_cast(jnp.zeros((HALF, num_heads), f32), plgpu.Layout.WGMMA)
+                accs = pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
+                for slot in slots:
+                    plgpu.barrier_arrive(free.at[slot])
+                for j, acc in enumerate(accs):
+                    o_ref.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
 
             _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3))
             return count + p3_boxes
 
         def phase4(layer, count):
-            """A (head, 64 v columns, 128 latent rows) unit: the head's states merged over its latent rows, as
-            bf16 tiles, times W_UV's box; the sums added."""
+            """A (head, 64 v columns, 128 latent rows) unit: the head's states merged over its latent rows (read
+            by the warpgroup's own loads), as bf16 tiles, times W_UV's box; the sums added."""
             @pl.when(c < wuv_units)
             @jax.named_scope("w_uv")
             def _():
-                plgpu.copy_gmem_to_smem(ml_ref.at[layer], ml_smem, state_bar.at[0])
-                plgpu.copy_gmem_to_smem(o_ref.at[layer, :, v_head, pl.ds(v_range * STEP, STEP)], os_smem,
-                                        state_bar.at[0])
-                plgpu.barrier_wait(state_bar.at[0])
-                m_at = lambda s: ml_smem[s, 0, v_head]
-                top = lax.fori_loop(0, num_chunks, lambda s, top: jnp.maximum(top, m_at(s)), m_at(nch))
-                weight = lambda s: jnp.exp2(m_at(s) - top)
-                total = lax.fori_loop(0, num_chunks, lambda s, t: t + weight(s) * ml_smem[s, 1, v_head],
-                                      weight(nch) * ml_smem[nch, 1, v_head])
+                # every state's values issued at once (unrolled: a loop's loads would each wait out L2's latency);
+                # the states of chunks past the context are never written: read the new token's in their place,
+                # weighted 0
+                live = [(s < num_chunks) | (s == nch) for s in range(states)]
+                at = [jnp.where(live[s], s, nch) for s in range(states)]
+                m = [jnp.where(live[s], ml_ref[layer, at[s], 0, v_head], -jnp.inf) for s in range(states)]
+                top = functools.reduce(jnp.maximum, m)
+                weights = [jnp.exp2(m_s - top) for m_s in m]
+                total = sum(w * ml_ref[layer, at[s], 1, v_head] for s, w in enumerate(weights))
                 for q in range(2):
-                    row = lambda s, q=q: plgpu.load(os_smem.at[s, pl.ds(q * HALF, HALF)],
-                                                    layout=plgpu.Layout.WGMMA.reduce(0)) * weight(s)
-                    merged = lax.fori_loop(0, num_chunks, lambda s, acc: acc + row(s), row(nch))
+                    merged = sum(plgpu.load(o_ref.at[layer, at[s], pl.ds(v_range * STEP + q * HALF, HALF), v_head],
+                                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) * weights[s]
+                                 for s in range(states))
                     mrow_smem.at[q][...] = merged / total
                 plgpu.commit_smem()
                 _build_tiles(mrow_smem, tiles4_smem)
@@ -441,8 +445,8 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
             @jax.named_scope("o_proj")
             def _():
                 chunks = UNIT_K // HALF
-                _input_tiles(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)],
-                             tiles_smem, in_bar.at[0])
+                _load_rows(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)])
+                _build_tiles(row_smem.at[pl.ds(0, chunks)], tiles_smem)
                 sums = _unit_sums(ring, full, free, tiles_smem, count, UNIT_K // STEP, zeros8)
                 store_add(sums, out_ref.at[layer, o_tile])
 
@@ -501,17 +505,16 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     rows = hidden // HALF
     cos, sin = rope_cos_sin(position, spec.inv_freq, spec.cos_sin_scale)
     cs = jnp.broadcast_to(jnp.stack([cos, sin])[:, None, :], (2, 32, ROPE // 2)).astype(f32)
-    f32_tiling = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     kernel = functools.partial(
         _attention_body, num_layers=num_layers, num_heads=num_heads, states=states, num_ctas=num_ctas,
         scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps, kv_eps=spec.kv_eps, block_size=block_size)
     out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),  # x_mid's rows a layer
                 jax.ShapeDtypeStruct((num_layers, HALF, HALF), f32),  # phase 1's sums
-                jax.ShapeDtypeStruct((num_layers, num_heads, LATENT + ROPE), bf16),  # the queries
+                jax.ShapeDtypeStruct((num_layers, 3 * HALF, HALF), bf16),  # the queries: chunk j of head h at row 16 j + h
                 jax.ShapeDtypeStruct((9, CHUNK, HALF), bf16),  # the new token as a chunk
                 jax.ShapeDtypeStruct((num_layers, 9, HALF), bf16),  # its rows, for the cache
                 jax.ShapeDtypeStruct((num_layers, states, 2, HALF), f32),  # the states' m and l
-                jax.ShapeDtypeStruct((num_layers, states, num_heads, LATENT), f32),  # their outputs
+                jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
                 jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
     scratch = [
         plgpu.SMEM((RING, 2, HALF, HALF), bf16, transforms=_TILING),  # the ring of boxes
@@ -520,13 +523,9 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
         plgpu.RefUnion(  # a phase's buffers
             (plgpu.SMEM((rows * TOKEN_N, HALF), bf16, transforms=_TILING),  # 1, 2, 5: the token's tiles
              plgpu.SMEM((rows, HALF), f32)),  # the normed rows / a unit's input rows
-            (plgpu.SMEM((9 * 16 + HALF - 16, HALF), bf16, transforms=_TILING),  # 3: the query windows
-             plgpu.SMEM((HALF, CHUNK), bf16, transforms=_TILING),  # P
-             plgpu.SMEM((2, HALF, HALF), f32, transforms=f32_tiling),  # output staging
-             plgpu.SMEM((2, HALF), f32)),  # m, l
-            (plgpu.SMEM((states, 2, HALF), f32),  # 4: every state's m and l
-             plgpu.SMEM((states, STEP), f32),  # the head's rows of every state's output
-             plgpu.SMEM((2, HALF), f32),  # the merged rows
+            (plgpu.SMEM((3 * HALF, HALF), bf16, transforms=_TILING),  # 3: the query windows
+             plgpu.SMEM((HALF, CHUNK), bf16, transforms=_TILING)),  # P
+            (plgpu.SMEM((2, HALF), f32),  # 4: the head's merged rows
              plgpu.SMEM((HALF, HALF), bf16, transforms=_TILING)),  # their tiles
             (plgpu.SMEM((32, ROPE), f32),  # 2: the rope rows (q_pe of each head, the new key)
              plgpu.SMEM((32, ROPE), bf16),  # rotated
@@ -540,12 +539,9 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
         plgpu.SMEM((8, HALF), bf16),  # bf16 zeros
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
         plgpu.Barrier(num_barriers=RING),  # a slot's products are done
-        plgpu.Barrier(num_barriers=1),  # input rows landed
         plgpu.Barrier(num_barriers=1),  # norm weights landed
-        plgpu.Barrier(num_arrivals=9, num_barriers=1),  # the query windows landed
         plgpu.Barrier(num_arrivals=num_heads + 2, num_barriers=1),  # the rope rows landed
         plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the new latent and its norm's weights landed
-        plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the states landed
     ]
     outs = plgpu.kernel(
         kernel,

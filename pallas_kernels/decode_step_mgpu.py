@@ -39,6 +39,7 @@ the splits, was slower (5.0 µs; code in git e61fb21).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +198,17 @@ def _unit_sums(ring, full, free, tiles_smem, base, boxes, zeros, first=0, transp
     acc0, acc1 = pl.run_state(products)((plgpu.ACC.init(zeros), plgpu.ACC.init(zeros)))
     plgpu.barrier_arrive(free.at[lax.rem(base + boxes - 1, RING)])
     return jnp.sum(acc0 + acc1, axis=1)
+
+
+def _load_rows(source, rows_smem):
+    """``source`` (f32 rows [..., 64] in global memory that other CTAs wrote before the last grid barrier) into
+    rows_smem by the warpgroup's own loads. A TMA load would wait behind the boxes the producer has in flight:
+    up to the ring's 128 KiB, ~4 µs at an SM's share of the stream (decode_profile.md round 23)."""
+    size = math.prod(source.shape)
+    vec_size = next(v for v in (4, 2, 1) if size % (128 * v) == 0)
+    layout = plgpu.Layout.WG_STRIDED(tuple(source.shape), vec_size=vec_size)
+    rows_smem[...] = plgpu.load(source, layout=layout)
+    plgpu.commit_smem()
 
 
 def _input_tiles(source, rows_smem, tiles_smem, bar):
