@@ -155,28 +155,97 @@ def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int
     return None
 
 
-def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
-                    wuv_ref, wo_ref, out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, ring, xin_smem,
-                    g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, g_bar, rope_bar,
-                    lat_bar, *, num_layers: int, num_heads: int, states: int, num_ctas: int, scale_log2e: float,
-                    eps: float, kv_eps: float, block_size: int):
-    # Inputs: pos_ref i32[1] (the token's position), table_ref i32[W] (its pages), cs_ref f32[2, 32, 32] (rope's
-    # cos and sin, a row each of 32 rows), x_ref f32[D / 64, 64], g_ref f32[L, D / 64, 64] (the attention norm),
-    # wq_ref bf16[L, D, H * 192] (q_proj, rope columns permuted), wkv_ref bf16[L, D, 576] (kv_a, the same),
-    # knorm_ref f32[L, 8, 64], wuk_ref bf16[L, 512, H, 128], ckv_ref bf16[L, N, bs, 512], kpe_ref bf16[L, N, bs,
-    # 64], wuv_ref bf16[L, 512, H, 128], wo_ref bf16[L, H * 128, D].
-    # Outputs: out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units), qkv_ref
-    # f32[L, 64, 64] (phase 1's sums: the q columns' tiles 0 .. 3H - 1, then kv_a's 9), q_ref bf16[L, 192, 64]
-    # (the absorbed query's 64-column chunk j and the rotated q_pe (j = 8) of head h at row 16 j + h, zeros
-    # past: three [64, 64] windows), kvnew_ref bf16[9, 64, 64] (the new token's latent and rope
-    # key as row 0 of 9 [64, 64] chunks, zeros below: phase 3's last state takes it as a chunk of one token),
-    # kv_out bf16[L, 9, 64] (the same rows, for the caller's cache), ml_ref f32[L, S, 2, 64] (each state's m in
-    # log2 units and l, a head a column), o_ref f32[L, S, 512, H] (each state's unnormalized output,
-    # transposed), vctx_ref
-    # f32[L, H * 2, 64] (the heads' outputs after W_UV, summed by TMA adds).
+class AttentionRefs(NamedTuple):
+    """The attention phases' global memory (``attention_phases``). Inputs: pos i32[1] (the token's position),
+    table i32[W] (its pages), cs f32[2, 32, 32] (rope's cos and sin, a copy a row), g f32[L, D / 64, 64] (the
+    attention norm), wq bf16[L, D, H * 192] (q_proj, rope columns permuted), wkv bf16[L, D, 576] (kv_a, the
+    same), knorm f32[L, 8, 64], wuk bf16[L, 512, H, 128], ckv bf16[L, N, bs, 512], kpe bf16[L, N, bs, 64], wuv
+    bf16[L, 512, H, 128]. Outputs the phases write: qkv f32[L, 64, 64] (phase 1's sums: q's column tiles 0 ..
+    3H - 1, then kv_a's 9), q bf16[L, 192, 64] (the absorbed query's 64-column chunk j and the rotated q_pe (j
+    = 8) of head h at row 16 j + h, zeros past: three [64, 64] windows), kvnew bf16[9, 64, 64] (the new
+    token's latent and rope key as row 0 of 9 [64, 64] chunks, zeros below: phase 3's last state takes it as a
+    chunk of one token), kv_out bf16[L, 9, 64] (the same rows, for the caller's cache), ml f32[L, S, 2, 64]
+    (each state's m in log2 units and l, a head a column), o f32[L, S, 512, H] (each state's unnormalized
+    output, transposed), vctx f32[L, H * 2, 64] (the heads' outputs after W_UV, summed by TMA adds)."""
+
+    pos: object
+    table: object
+    cs: object
+    g: object
+    wq: object
+    wkv: object
+    knorm: object
+    wuk: object
+    ckv: object
+    kpe: object
+    wuv: object
+    qkv: object
+    q: object
+    kvnew: object
+    kv_out: object
+    ml: object
+    o: object
+    vctx: object
+
+
+class AttentionScratch(NamedTuple):
+    """The shared memory the phases take: the layer's input rows xin f32[D / 64, 64] (bf16 values) and the
+    norm's weights g f32[D / 64, 64] (g_bar: landed); the token's tiles bf16[D / 8, 64] and rows f32[D / 64,
+    64]; phase 3's query windows q bf16[192, 64] and p bf16[64, 64]; phase 4's merged rows mrow f32[2, 64]
+    and their tiles4 bf16[64, 64]; phase 2's rope rows f32[32, 64], rotated rope16 bf16[32, 64], cs f32[2, 32,
+    32], the new latent lat f32[8, 64], knorm f32[8, 64], the normed latb bf16[8, 64]; part f32[2, 64] (TMA
+    adds), qrow bf16[64]; zeros f32 and bf16 [8, 64]; rope_bar (num_heads + 2 arrivals), lat_bar (2)."""
+
+    xin: object
+    g: object
+    g_bar: object
+    tiles: object
+    rows: object
+    q: object
+    p: object
+    mrow: object
+    tiles4: object
+    rope: object
+    rope16: object
+    cs: object
+    lat: object
+    knorm: object
+    latb: object
+    part: object
+    qrow: object
+    zero: object
+    zero16: object
+    rope_bar: object
+    lat_bar: object
+
+
+def _issue(ring, full, free, n, copies):
+    """The box at ring position n, its two halves from ``copies(h)`` = (gmem view, condition) pairs, once its
+    slot is free."""
+    slot = lax.rem(n, RING)
+    pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
+    for h in range(2):
+        for view, when in copies(h):
+            pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
+
+
+def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
+                     num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
+                     block_size: int, barrier_count):
+    """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
+    semaphore and layer loop the caller owns -> (zero, loads, compute):
+
+    - ``zero()`` (computing warpgroup, before the kernel's first barrier): the phases' outputs that start at
+      zero, and layer 0's norm weights fetched.
+    - ``loads(layer, count)`` (producer): the layer's boxes of phases 1-4 from ring position ``count`` -> the
+      position after.
+    - ``compute(layer, count)`` (computing warpgroup, the layer's input rows in ``scratch.xin``): the phases,
+      phase p ending at the grid barrier ``barrier_count(layer, p)`` -> the ring position after. The heads'
+      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj."""
+    r, sm = refs, scratch
     f32, bf16 = jnp.float32, jnp.bfloat16
     c = lax.axis_index("c")
-    rows = xin_smem.shape[0]
+    rows = sm.xin.shape[0]
     hidden = rows * HALF
     ksteps = hidden // STEP  # a column tile's boxes in phase 1
     q_tiles = num_heads * 3  # q_proj's column tiles (nope, nope, rope a head), then kv_a's 9
@@ -188,267 +257,289 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
     rope_cta, latent_cta = wuk_units, wuk_units + 1
     nch = states - 1  # phase 3: CTA s < nch takes chunk s of the context, CTA nch the new token
     wuv_units = num_heads * 2 * (LATENT // STEP)  # phase 4: (head, 64 v columns, 128 latent rows) a CTA
-    o_ranges = num_heads * V_DIM // UNIT_K
-    o_units = (hidden // HALF) * o_ranges
-    o_tile, o_kq = lax.div(c, o_ranges), lax.rem(c, o_ranges)
-    position = pos_ref[0]
+    position = r.pos[0]
     num_chunks = jnp.minimum(lax.div(position + CHUNK - 1, CHUNK), nch)
     in_chunks = (c < num_chunks) | (c == nch)
-    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     head, ct = lax.div(c, LATENT // HALF), lax.rem(c, LATENT // HALF)  # phase 2's unit
     v_head, v_tile, v_range = lax.div(c, 8), lax.rem(lax.div(c, 4), 2), lax.rem(c, 4)  # phase 4's unit
     p2_boxes = jnp.where(c < wuk_units, 1, 0)
     p3_boxes = jnp.where(in_chunks, 5, 0)
     p4_boxes = jnp.where(c < wuv_units, 1, 0)
+    issue = functools.partial(_issue, ring, full, free)
+
+    def zero():
+        _zero_rows(sm.zero, r.qkv, c, num_ctas)
+        _zero_rows(sm.zero, r.vctx, c, num_ctas)
+        _zero_rows(sm.zero16, r.kvnew, c, num_ctas)  # the new token's chunk: zeros past its row
+        _zero_rows(sm.zero16, r.q, c, num_ctas)  # the query windows' rows past the queries
+        plgpu.copy_gmem_to_smem(r.g.at[0], sm.g, sm.g_bar.at[0])
+
+    def loads(layer, count):
+        def p1(n, count):  # q_proj's and kv_a's (column tile, K step) boxes
+            tile, k = lax.div(n, ksteps), lax.rem(n, ksteps)
+            issue(count, lambda h: [
+                (r.wq.at[layer, pl.ds(k * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], tile < q_tiles),
+                (r.wkv.at[layer, pl.ds(k * STEP + h * HALF, HALF), pl.ds((tile - q_tiles) * HALF, HALF)],
+                 tile >= q_tiles)])
+            return count + 1
+
+        count = lax.fori_loop(n0, n1, p1, count)
+        pl.when(c < wuk_units)(lambda: issue(count, lambda h: [
+            (r.wuk.at[layer, pl.ds(ct * HALF, HALF), head, pl.ds(h * HALF, HALF)], True)]))
+        count = count + p2_boxes
+
+        @pl.when(c < num_chunks)
+        def _():  # the context's chunk c: 64 tokens of a page, the latents' 8 halves and the rope keys
+            token = c * CHUNK
+            page, t0 = r.table[lax.div(token, block_size)], lax.rem(token, block_size)
+            for b in range(4):
+                issue(count + b, lambda h, b=b: [
+                    (r.ckv.at[layer, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)])
+            issue(count + 4, lambda h: [(r.kpe.at[layer, page, pl.ds(t0, CHUNK)], True)])
+
+        @pl.when(c == nch)
+        def _():  # the new token's rows, once phase 2 has written them
+            plgpu.semaphore_wait(sem, num_ctas * barrier_count(layer, 2), decrement=False, memory_scope="gpu")
+            proxy_fence()
+            for b in range(4):
+                issue(count + b, lambda h, b=b: [(r.kvnew.at[2 * b + h], True)])
+            issue(count + 4, lambda h: [(r.kvnew.at[8], True)])
+
+        count = count + p3_boxes
+        pl.when(c < wuv_units)(lambda: issue(count, lambda h: [
+            (r.wuv.at[layer, pl.ds(v_range * STEP + h * HALF, HALF), v_head, pl.ds(v_tile * HALF, HALF)], True)]))
+        return count + p4_boxes
+
+    def store_add(sums, dest, i=0):
+        sm.part.at[i][...] = sums
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(sm.part.at[i], dest, reduction_op="add")
+
+    zeros8 = lambda: plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), f32), plgpu.Layout.WGMMA)
+    def phase1(layer, count):
+        """RMSNorm(x) into the tiles (every CTA); the CTA's boxes of q_proj / kv_a, each tile's sums added."""
+        plgpu.barrier_wait(sm.g_bar.at[0])
+        with jax.named_scope("norm"):
+            _norm_tiles(sm.xin, sm.g, sm.rows, sm.tiles, eps)
+
+        @pl.when(layer + 1 < num_layers)
+        def _():
+            plgpu.copy_gmem_to_smem(r.g.at[layer + 1], sm.g, sm.g_bar.at[0])
+
+        with jax.named_scope("q_kv"):
+            for i, (first, end) in enumerate(((n0, split), (split, n1))):
+                @pl.when(end > first)
+                def _(first=first, end=end, i=i):
+                    sums = _unit_sums(ring, full, free, sm.tiles, count + first - n0, end - first, zeros8(),
+                                      first=lax.rem(first, ksteps))
+                    store_add(sums, r.qkv.at[layer, lax.div(first, ksteps)], i)
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
+        return count + n1 - n0
+
+    def phase2(layer, count):
+        """The absorbed queries (q_nope x W_UK, a (head, 64 latent columns) unit a CTA); rope of q_pe and of
+        the new key (one CTA); the new latent's norm (one CTA)."""
+        @pl.when(c < wuk_units)
+        @jax.named_scope("w_uk")
+        def _():
+            _load_rows(r.qkv.at[layer, pl.ds(3 * head, 2)], sm.rows.at[pl.ds(0, 2)])
+            _build_tiles(sm.rows.at[pl.ds(0, 2)], sm.tiles)
+            sums = _unit_sums(ring, full, free, sm.tiles, count, 1, zeros8(), transpose=False)
+            sm.qrow[...] = sums.astype(bf16)  # the model's q_latent is bf16
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(sm.qrow, r.q.at[layer, ct * 16 + head])
+
+        @pl.when(c == rope_cta)
+        @jax.named_scope("rope")
+        def _():  # rows 0 .. H - 1: q_pe of each head; row H: the new rope key (rows past it: zeros)
+            sm.rope.at[pl.ds(16, 16)][...] = jnp.zeros((16, HALF), f32)
+            plgpu.commit_smem()
+            for h in range(num_heads):
+                plgpu.copy_gmem_to_smem(r.qkv.at[layer, 3 * h + 2], sm.rope.at[h], sm.rope_bar.at[0])
+            plgpu.copy_gmem_to_smem(r.qkv.at[layer, q_tiles + 8], sm.rope.at[num_heads], sm.rope_bar.at[0])
+            plgpu.copy_gmem_to_smem(r.cs, sm.cs, sm.rope_bar.at[0])
+            plgpu.barrier_wait(sm.rope_bar.at[0])
+            halves = plgpu.Layout.WG_STRIDED((32, ROPE // 2), vec_size=2)
+            lo, hi = (plgpu.load(sm.rope.at[:, pl.ds(i * 32, 32)], layout=halves).astype(bf16).astype(f32)
+                      for i in range(2))
+            cos, sin = (plgpu.load(sm.cs.at[i], layout=halves) for i in range(2))
+            sm.rope16.at[:, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
+            sm.rope16.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(sm.rope16.at[pl.ds(0, num_heads)], r.q.at[layer, pl.ds(8 * 16, num_heads)])
+            plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
+            plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kv_out.at[layer, 8])
+
+        @pl.when(c == latent_cta)
+        @jax.named_scope("latent")
+        def _():  # kv_a_norm of the new latent (as the model's RMSNorm)
+            plgpu.copy_gmem_to_smem(r.qkv.at[layer, pl.ds(q_tiles, 8)], sm.lat, sm.lat_bar.at[0])
+            plgpu.copy_gmem_to_smem(r.knorm.at[layer], sm.knorm, sm.lat_bar.at[0])
+            plgpu.barrier_wait(sm.lat_bar.at[0])
+            flat = plgpu.Layout.WG_STRIDED((8, HALF), vec_size=2)
+            x = plgpu.load(sm.lat, layout=flat).astype(bf16).astype(f32)
+            inv_rms = lax.rsqrt(jnp.sum(x * x) / LATENT + kv_eps)
+            g = plgpu.load(sm.knorm, layout=flat)
+            sm.latb[...] = ((x * inv_rms).astype(bf16).astype(f32) * g).astype(bf16)
+            plgpu.commit_smem()
+            for j in range(8):
+                plgpu.copy_smem_to_gmem(sm.latb.at[j], r.kvnew.at[j, 0])
+            plgpu.copy_smem_to_gmem(sm.latb, r.kv_out.at[layer, pl.ds(0, 8)])
+
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 2))
+        return count + p2_boxes
+
+    def phase3(layer, count):
+        """A chunk's partial softmax state for every head: scores [64 heads (the first H real), 64 tokens] =
+        q [64, 576] x the chunk's keys^T (the q windows start 16 rows apart: rows past H are other windows'
+        rows, finite, never read), P in bf16; out^T [512, H] = the latents^T x P^T, [64, H] a latent half;
+        m, l and out^T stored by the warpgroup's own stores (the new token's CTA: a chunk of one token)."""
+        @pl.when(in_chunks)
+        @jax.named_scope("chunk")
+        def _():
+            with jax.named_scope("queries"):  # rows 16 j + h: chunk j of head h's query (three windows)
+                for w in range(3):
+                    sm.q.at[pl.ds(w * HALF, HALF)][...] = plgpu.load(
+                        r.q.at[layer, pl.ds(w * HALF, HALF)], layout=plgpu.Layout.WGMMA, optimized=False)
+                plgpu.commit_smem()
+            slots = [lax.rem(count + b, RING) for b in range(5)]
+            for slot in slots:
+                plgpu.barrier_wait(full.at[slot])
+
+            def scores(acc_ref):
+                for j in range(9):
+                    key = ring.at[slots[j // 2], j % 2]
+                    plgpu.wgmma(acc_ref, sm.q.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
+                return acc_ref[...]
+
+            s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
+            valid = jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
+            cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
+            s = jnp.where(cols < valid, s * scale_log2e, -jnp.inf)
+            m = s.max(axis=1)
+            p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+            r.ml.at[layer, c, 0][...] = m
+            r.ml.at[layer, c, 1][...] = p.sum(axis=1)
+            sm.p[...] = p.astype(bf16)
+            plgpu.commit_smem()
+            p_t = sm.p.at[pl.ds(0, num_heads)].transpose((1, 0))  # [64 tokens, H]
+
+            def values(accs):
+                for j in range(8):
+                    plgpu.wgmma(accs[j], ring.at[slots[j // 2], j % 2].transpose((1, 0)), p_t)
+
+            zeros = plgpu.layout_cast(jnp.zeros((HALF, num_heads), f32), plgpu.Layout.WGMMA)
+            accs = pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
+            for slot in slots:
+                plgpu.barrier_arrive(free.at[slot])
+            for j, acc in enumerate(accs):
+                r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
+
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3))
+        return count + p3_boxes
+
+    def phase4(layer, count):
+        """A (head, 64 v columns, 128 latent rows) unit: the head's states merged over its latent rows (read
+        by the warpgroup's own loads), as bf16 tiles, times W_UV's box; the sums added."""
+        @pl.when(c < wuv_units)
+        @jax.named_scope("w_uv")
+        def _():
+            # every state's values issued at once (unrolled: a loop's loads would each wait out L2's latency);
+            # the states of chunks past the context are never written: read the new token's in their place,
+            # weighted 0
+            live = [(s < num_chunks) | (s == nch) for s in range(states)]
+            at = [jnp.where(live[s], s, nch) for s in range(states)]
+            m = [jnp.where(live[s], r.ml[layer, at[s], 0, v_head], -jnp.inf) for s in range(states)]
+            top = functools.reduce(jnp.maximum, m)
+            weights = [jnp.exp2(m_s - top) for m_s in m]
+            total = sum(w * r.ml[layer, at[s], 1, v_head] for s, w in enumerate(weights))
+            for q in range(2):
+                merged = sum(plgpu.load(r.o.at[layer, at[s], pl.ds(v_range * STEP + q * HALF, HALF), v_head],
+                                        layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) * weights[s]
+                             for s in range(states))
+                sm.mrow.at[q][...] = merged / total
+            plgpu.commit_smem()
+            _build_tiles(sm.mrow, sm.tiles4)
+            sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())
+            store_add(sums, r.vctx.at[layer, 2 * v_head + v_tile])
+
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 4))
+        return count + p4_boxes
+
+    def compute(layer, count):
+        for phase in (phase1, phase2, phase3, phase4):
+            count = phase(layer, count)
+        return count
+
+    return zero, loads, compute
+
+
+def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
+                    wuv_ref, wo_ref, out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, ring, xin_smem,
+                    g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, g_bar, rope_bar,
+                    lat_bar, *, num_layers: int, num_heads: int, states: int, num_ctas: int, **constants):
+    # ``attention_phases``' refs (AttentionRefs) in order, x_ref f32[D / 64, 64] and wo_ref bf16[L, H * 128, D]
+    # among them, out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units) first of
+    # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual.
+    c = lax.axis_index("c")
+    rows = xin_smem.shape[0]
+    hidden = rows * HALF
+    o_ranges = num_heads * V_DIM // UNIT_K
+    o_units = (hidden // HALF) * o_ranges
+    o_tile, o_kq = lax.div(c, o_ranges), lax.rem(c, o_ranges)
     o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
-
-    def barrier_count(layer, phase):  # the kernel's first barrier, then PHASES a layer
-        return 1 + PHASES * layer + phase
-
-    def issue(n, copies):
-        """The box at ring position n, its two halves from ``copies(h)`` = (gmem view, condition) pairs, once
-        its slot is free."""
-        slot = lax.rem(n, RING)
-        pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
-        for h in range(2):
-            for view, when in copies(h):
-                pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
+    sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
+    barrier_count = lambda layer, phase: 1 + PHASES * layer + phase  # the kernel's first barrier, then PHASES a layer
+    (tiles_smem, row_smem), (q_smem, p_smem), (mrow_smem, tiles4_smem), rope_buffers = union
+    refs = AttentionRefs(pos_ref, table_ref, cs_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
+                         wuv_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref)
+    scratch = AttentionScratch(xin_smem, g_smem, g_bar, tiles_smem, row_smem, q_smem, p_smem, mrow_smem, tiles4_smem,
+                               *rope_buffers, part_smem, qrow_smem, zero_smem, zero16_smem, rope_bar, lat_bar)
+    zero, phase_loads, phase_compute = attention_phases(
+        refs, scratch, ring, full, free, sem, num_layers=num_layers, num_heads=num_heads, states=states,
+        num_ctas=num_ctas, barrier_count=barrier_count, **constants)
 
     def loads():
         """Warpgroup 1: every phase's boxes of every layer, in the computing warpgroup's order."""
         def layer_loads(layer, count):
-            def p1(n, count):  # q_proj's and kv_a's (column tile, K step) boxes
-                tile, k = lax.div(n, ksteps), lax.rem(n, ksteps)
-                issue(count, lambda h: [
-                    (wq_ref.at[layer, pl.ds(k * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], tile < q_tiles),
-                    (wkv_ref.at[layer, pl.ds(k * STEP + h * HALF, HALF), pl.ds((tile - q_tiles) * HALF, HALF)],
-                     tile >= q_tiles)])
-                return count + 1
-
-            count = lax.fori_loop(n0, n1, p1, count)
-            pl.when(c < wuk_units)(lambda: issue(count, lambda h: [
-                (wuk_ref.at[layer, pl.ds(ct * HALF, HALF), head, pl.ds(h * HALF, HALF)], True)]))
-            count = count + p2_boxes
-
-            @pl.when(c < num_chunks)
-            def _():  # the context's chunk c: 64 tokens of a page, the latents' 8 halves and the rope keys
-                token = c * CHUNK
-                page, t0 = table_ref[lax.div(token, block_size)], lax.rem(token, block_size)
-                for b in range(4):
-                    issue(count + b, lambda h, b=b: [
-                        (ckv_ref.at[layer, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)])
-                issue(count + 4, lambda h: [(kpe_ref.at[layer, page, pl.ds(t0, CHUNK)], True)])
-
-            @pl.when(c == nch)
-            def _():  # the new token's rows, once phase 2 has written them
-                plgpu.semaphore_wait(sem, num_ctas * barrier_count(layer, 2), decrement=False, memory_scope="gpu")
-                proxy_fence()
-                for b in range(4):
-                    issue(count + b, lambda h, b=b: [(kvnew_ref.at[2 * b + h], True)])
-                issue(count + 4, lambda h: [(kvnew_ref.at[8], True)])
-
-            count = count + p3_boxes
-            pl.when(c < wuv_units)(lambda: issue(count, lambda h: [
-                (wuv_ref.at[layer, pl.ds(v_range * STEP + h * HALF, HALF), v_head, pl.ds(v_tile * HALF, HALF)],
-                 True)]))
-            count = count + p4_boxes
+            count = phase_loads(layer, count)
 
             @pl.when(c < o_units)
             def _():
                 for i in range(UNIT_K // STEP):
-                    issue(count + i, lambda h, i=i: [
+                    _issue(ring, full, free, count + i, lambda h, i=i: [
                         (wo_ref.at[layer, pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(o_tile * HALF, HALF)],
                          True)])
             return count + o_boxes
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
 
-    (tiles_smem, row_smem), (q_smem, p_smem), (mrow_smem, tiles4_smem), (
-        rope_smem, rope16_smem, cs_smem, lat_smem, knorm_smem, latb_smem) = union
-
     def read_rows(source):
         """The layer's input rows (x_l) into xin_smem, rounded to bf16 as the model's residual stream is."""
         _load_rows(source, xin_smem)
         flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
-        xin_smem[...] = plgpu.load(xin_smem, layout=flat).astype(bf16).astype(f32)
+        xin_smem[...] = plgpu.load(xin_smem, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
         plgpu.commit_smem()
-
-    def store_add(sums, dest, i=0):
-        part_smem.at[i][...] = sums
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(part_smem.at[i], dest, reduction_op="add")
 
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)
-        _zero_rows(zero_smem, qkv_ref, c, num_ctas)
-        _zero_rows(zero_smem, vctx_ref, c, num_ctas)
-        _zero_rows(zero16_smem, kvnew_ref, c, num_ctas)  # the new token's chunk: zeros past its row
-        _zero_rows(zero16_smem, q_ref, c, num_ctas)  # the query windows' rows past the queries
-        plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])
+        zero()
         read_rows(x_ref)
         _arrive_and_wait(sem, num_ctas, 1)
-        zeros8 = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), f32), plgpu.Layout.WGMMA)
+        zeros8 = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
 
-        def phase1(layer, count):
-            """RMSNorm(x) into the tiles (every CTA); the CTA's boxes of q_proj / kv_a, each tile's sums added."""
-            plgpu.barrier_wait(g_bar.at[0])
-            with jax.named_scope("norm"):
-                _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, eps)
+        def layer_body(layer, count):
+            count = phase_compute(layer, count)
 
-            @pl.when(layer + 1 < num_layers)
-            def _():
-                plgpu.copy_gmem_to_smem(g_ref.at[layer + 1], g_smem, g_bar.at[0])
-
-            with jax.named_scope("q_kv"):
-                for i, (first, end) in enumerate(((n0, split), (split, n1))):
-                    @pl.when(end > first)
-                    def _(first=first, end=end, i=i):
-                        sums = _unit_sums(ring, full, free, tiles_smem, count + first - n0, end - first, zeros8,
-                                          first=lax.rem(first, ksteps))
-                        store_add(sums, qkv_ref.at[layer, lax.div(first, ksteps)], i)
-            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
-            return count + n1 - n0
-
-        def phase2(layer, count):
-            """The absorbed queries (q_nope x W_UK, a (head, 64 latent columns) unit a CTA); rope of q_pe and of
-            the new key (one CTA); the new latent's norm (one CTA)."""
-            @pl.when(c < wuk_units)
-            @jax.named_scope("w_uk")
-            def _():
-                _load_rows(qkv_ref.at[layer, pl.ds(3 * head, 2)], row_smem.at[pl.ds(0, 2)])
-                _build_tiles(row_smem.at[pl.ds(0, 2)], tiles_smem)
-                sums = _unit_sums(ring, full, free, tiles_smem, count, 1, zeros8, transpose=False)
-                qrow_smem[...] = sums.astype(bf16)  # the model's q_latent is bf16
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(qrow_smem, q_ref.at[layer, ct * 16 + head])
-
-            @pl.when(c == rope_cta)
-            @jax.named_scope("rope")
-            def _():  # rows 0 .. H - 1: q_pe of each head; row H: the new rope key (rows past it: zeros)
-                rope_smem.at[pl.ds(16, 16)][...] = jnp.zeros((16, HALF), f32)
-                plgpu.commit_smem()
-                for h in range(num_heads):
-                    plgpu.copy_gmem_to_smem(qkv_ref.at[layer, 3 * h + 2], rope_smem.at[h], rope_bar.at[0])
-                plgpu.copy_gmem_to_smem(qkv_ref.at[layer, q_tiles + 8], rope_smem.at[num_heads], rope_bar.at[0])
-                plgpu.copy_gmem_to_smem(cs_ref, cs_smem, rope_bar.at[0])
-                plgpu.barrier_wait(rope_bar.at[0])
-                halves = plgpu.Layout.WG_STRIDED((32, ROPE // 2), vec_size=2)
-                lo, hi = (plgpu.load(rope_smem.at[:, pl.ds(i * 32, 32)], layout=halves).astype(bf16).astype(f32)
-                          for i in range(2))
-                cos, sin = (plgpu.load(cs_smem.at[i], layout=halves) for i in range(2))
-                rope16_smem.at[:, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
-                rope16_smem.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(rope16_smem.at[pl.ds(0, num_heads)], q_ref.at[layer, pl.ds(8 * 16, num_heads)])
-                plgpu.copy_smem_to_gmem(rope16_smem.at[num_heads], kvnew_ref.at[8, 0])
-                plgpu.copy_smem_to_gmem(rope16_smem.at[num_heads], kv_out.at[layer, 8])
-
-            @pl.when(c == latent_cta)
-            @jax.named_scope("latent")
-            def _():  # kv_a_norm of the new latent (as the model's RMSNorm)
-                plgpu.copy_gmem_to_smem(qkv_ref.at[layer, pl.ds(q_tiles, 8)], lat_smem, lat_bar.at[0])
-                plgpu.copy_gmem_to_smem(knorm_ref.at[layer], knorm_smem, lat_bar.at[0])
-                plgpu.barrier_wait(lat_bar.at[0])
-                flat = plgpu.Layout.WG_STRIDED((8, HALF), vec_size=2)
-                x = plgpu.load(lat_smem, layout=flat).astype(bf16).astype(f32)
-                inv_rms = lax.rsqrt(jnp.sum(x * x) / LATENT + kv_eps)
-                g = plgpu.load(knorm_smem, layout=flat)
-                latb_smem[...] = ((x * inv_rms).astype(bf16).astype(f32) * g).astype(bf16)
-                plgpu.commit_smem()
-                for j in range(8):
-                    plgpu.copy_smem_to_gmem(latb_smem.at[j], kvnew_ref.at[j, 0])
-                plgpu.copy_smem_to_gmem(latb_smem, kv_out.at[layer, pl.ds(0, 8)])
-
-            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 2))
-            return count + p2_boxes
-
-        def phase3(layer, count):
-            """A chunk's partial softmax state for every head: scores [64 heads (the first H real), 64 tokens] =
-            q [64, 576] x the chunk's keys^T (the q windows start 16 rows apart: rows past H are other windows'
-            rows, finite, never read), P in bf16; out^T [512, H] = the latents^T x P^T, [64, H] a latent half;
-            m, l and out^T stored by the warpgroup's own stores (the new token's CTA: a chunk of one token)."""
-            @pl.when(in_chunks)
-            @jax.named_scope("chunk")
-            def _():
-                with jax.named_scope("queries"):  # rows 16 j + h: chunk j of head h's query (three windows)
-                    for w in range(3):
-                        q_smem.at[pl.ds(w * HALF, HALF)][...] = plgpu.load(
-                            q_ref.at[layer, pl.ds(w * HALF, HALF)], layout=plgpu.Layout.WGMMA, optimized=False)
-                    plgpu.commit_smem()
-                slots = [lax.rem(count + b, RING) for b in range(5)]
-                for slot in slots:
-                    plgpu.barrier_wait(full.at[slot])
-
-                def scores(acc_ref):
-                    for j in range(9):
-                        key = ring.at[slots[j // 2], j % 2]
-                        plgpu.wgmma(acc_ref, q_smem.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
-                valid = jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
-                cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(cols < valid, s * scale_log2e, -jnp.inf)
-                m = s.max(axis=1)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
-                ml_ref.at[layer, c, 0][...] = m
-                ml_ref.at[layer, c, 1][...] = p.sum(axis=1)
-                p_smem[...] = p.astype(bf16)
-                plgpu.commit_smem()
-                p_t = p_smem.at[pl.ds(0, num_heads)].transpose((1, 0))  # [64 tokens, H]
-
-                def values(accs):
-                    for j in range(8):
-                        plgpu.wgmma(accs[j], ring.at[slots[j // 2], j % 2].transpose((1, 0)), p_t)
-
-                zeros = plgpu.layout_cast(jnp.zeros((HALF, num_heads), f32), plgpu.Layout.WGMMA)
-                accs = pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
-                for slot in slots:
-                    plgpu.barrier_arrive(free.at[slot])
-                for j, acc in enumerate(accs):
-                    o_ref.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
-
-            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3))
-            return count + p3_boxes
-
-        def phase4(layer, count):
-            """A (head, 64 v columns, 128 latent rows) unit: the head's states merged over its latent rows (read
-            by the warpgroup's own loads), as bf16 tiles, times W_UV's box; the sums added."""
-            @pl.when(c < wuv_units)
-            @jax.named_scope("w_uv")
-            def _():
-                # every state's values issued at once (unrolled: a loop's loads would each wait out L2's latency);
-                # the states of chunks past the context are never written: read the new token's in their place,
-                # weighted 0
-                live = [(s < num_chunks) | (s == nch) for s in range(states)]
-                at = [jnp.where(live[s], s, nch) for s in range(states)]
-                m = [jnp.where(live[s], ml_ref[layer, at[s], 0, v_head], -jnp.inf) for s in range(states)]
-                top = functools.reduce(jnp.maximum, m)
-                weights = [jnp.exp2(m_s - top) for m_s in m]
-                total = sum(w * ml_ref[layer, at[s], 1, v_head] for s, w in enumerate(weights))
-                for q in range(2):
-                    merged = sum(plgpu.load(o_ref.at[layer, at[s], pl.ds(v_range * STEP + q * HALF, HALF), v_head],
-                                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) * weights[s]
-                                 for s in range(states))
-                    mrow_smem.at[q][...] = merged / total
-                plgpu.commit_smem()
-                _build_tiles(mrow_smem, tiles4_smem)
-                sums = _unit_sums(ring, full, free, tiles4_smem, count, 1, zeros8)
-                store_add(sums, vctx_ref.at[layer, 2 * v_head + v_tile])
-
-            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 4))
-            return count + p4_boxes
-
-        def phase5(layer, count):
-            """o_proj: x_mid = x_l + v_ctx @ W_o (a GEMV unit a CTA, CTA 0 adds x_l)."""
             @pl.when(c < o_units)
             @jax.named_scope("o_proj")
-            def _():
+            def _():  # x_mid = x_l + v_ctx @ W_o: a GEMV unit a CTA, CTA 0 adds x_l
                 chunks = UNIT_K // HALF
                 _load_rows(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)])
                 _build_tiles(row_smem.at[pl.ds(0, chunks)], tiles_smem)
-                sums = _unit_sums(ring, full, free, tiles_smem, count, UNIT_K // STEP, zeros8)
-                store_add(sums, out_ref.at[layer, o_tile])
+                part_smem.at[0][...] = _unit_sums(ring, full, free, tiles_smem, count, UNIT_K // STEP, zeros8)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(part_smem.at[0], out_ref.at[layer, o_tile], reduction_op="add")
 
             pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
             _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5))
@@ -457,11 +548,6 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
             def _():
                 read_rows(out_ref.at[layer])
             return count + o_boxes
-
-        def layer_body(layer, count):
-            for phase in (phase1, phase2, phase3, phase4, phase5):
-                count = phase(layer, count)
-            return count
 
         lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
         _release(sem, c, num_ctas, barrier_count(num_layers - 1, PHASES))
