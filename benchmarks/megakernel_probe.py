@@ -507,6 +507,67 @@ def attention_inputs(layers: int, position: int, capacity: int = 512, block_size
     return x, jnp.int32(position), table, c_kv, k_pe, weights, spec
 
 
+def layer_inputs(layers: int, position: int, seed: int = 7):
+    """``attention_inputs`` and V2-Lite's MoE halves (its norm, an f32 router, top-6 of 64 routed and 2 shared
+    experts) for ``moe_layer_chain``: (x, position, table, c_kv, k_pe, attention weights, attention spec, norm,
+    router, routed experts (3), shared experts (3))."""
+    x, pos, table, c_kv, k_pe, attention, spec = attention_inputs(layers, position)
+    keys = iter(jax.random.split(jax.random.key(seed), 8))
+    w = lambda *s: (jax.random.normal(next(keys), s, jnp.float32) * s[-2] ** -0.5).astype(jnp.bfloat16)
+    norm = (1 + jax.random.uniform(next(keys), (layers, 2048)) / 4).astype(jnp.bfloat16)
+    router = jax.random.normal(next(keys), (layers, 2048, 64), jnp.float32) / 2048 ** 0.5
+    routed = (w(layers, 64, 2048, 1408), w(layers, 64, 2048, 1408), w(layers, 64, 1408, 2048) / 4)
+    shared = (w(layers, 2048, 2816), w(layers, 2048, 2816), w(layers, 2816, 2048) / 4)
+    return x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared
+
+
+def _layer_chain(args) -> dict:
+    """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
+    MoE half), ``--layer-chain`` of them in one kernel, at three positions, against its reference; beside it
+    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output)."""
+    from pallas_kernels.decode_step_attention import attention_chain
+    from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
+                                                moe_layer_tail_chain)
+
+    layers, rows, moe_spec = args.layer_chain, [], RouterSpec(1e-6)
+    rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
+                             / jnp.linalg.norm(b.astype(jnp.float32)))
+    for position in (0, 255, 511):
+        x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(layers, position)
+        cls = type(attention)
+        fn = lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain(
+            x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0]
+        inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
+        got = jax.jit(fn)(*inputs)
+        want = jax.jit(lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain_reference(
+            x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0])(*inputs)
+        halves = [
+            ("attention_chain (the attention halves alone)",
+             lambda x, pos, table, c_kv, k_pe, *w: attention_chain(x, pos, table, c_kv, k_pe, cls(*w), spec)[0],
+             (x, pos, table, c_kv, k_pe, *attention)),
+            ("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)",
+             lambda x, attn, o, norm, router, *r: moe_layer_tail_chain(x, attn, o, norm, router, moe_spec, 6, *r[:3],
+                                                                       r[3:])[0],
+             (x, jnp.ones((layers, 2048), jnp.bfloat16) / 8, attention.o_proj.reshape(layers, 2048, 2048), norm,
+              router, *routed, *shared))]
+        for name, call, args_ in [("moe_layer_chain (whole layers in one kernel)", fn, inputs)] + halves:
+            kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
+            loop = device_time_us(call, args_, estimate_s=layers * 80e-6)
+            rows.append(dict(kernel=name, layers=layers, position=position,
+                             rel_error=round(rel(got, want), 5) if call is fn else None,
+                             kernel_us_per_layer=round(kernels / layers, 2), loop_us_per_layer=round(loop / layers, 2)))
+            print(rows[-1], flush=True)
+    columns = ["kernel", "layers", "position", "rel_error", "kernel_us_per_layer", "loop_us_per_layer"]
+    result = write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
+                         command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}")
+    if args.trace:  # 2 layers: the trace's buffer is shared memory
+        x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 255)
+        traced(lambda d: jax.jit(lambda *a: moe_layer_chain(*a, attention, spec, norm, router, moe_spec, 6, *routed,
+                                                            shared, profile_dir=d))(x, pos, table, c_kv, k_pe),
+               f"{args.trace}/moe_layer_chain")
+    return result
+
+
 def _attention_chain(args) -> dict:
     """decode_step_attention.attention_chain: V2-Lite's attention halves (norm, q / kv_a, W_UK, rope, paged
     attention over the context, W_UV, o_proj, the residual) at one token, ``--attention-chain`` layers in one
@@ -569,8 +630,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--attention-chain", type=int, default=0, metavar="LAYERS",
                         help="instead: decode_step_attention.attention_chain (V2-Lite's attention halves at one "
                              "token, this many layers) at positions 0, 255 and 511, against its reference")
+    parser.add_argument("--layer-chain", type=int, default=0, metavar="LAYERS",
+                        help="instead: decode_step_moe.moe_layer_chain (V2-Lite's whole layers at one token, this "
+                             "many) at positions 0, 255 and 511, against its reference and the two halves' chains")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.layer_chain:
+        return _layer_chain(args)
     if args.attention_chain:
         return _attention_chain(args)
     if args.moe_block_chain:

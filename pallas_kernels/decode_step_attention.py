@@ -556,6 +556,32 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
     pl.when(lax.axis_index("wg") == 1)(loads)
 
 
+def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec):
+    """What a kernel running ``attention_phases`` takes: (the 11 inputs of AttentionRefs, the 7 outputs' types,
+    the phases' constants)."""
+    num_layers, hidden = weights.norm.shape
+    num_heads = weights.q_proj.shape[2]
+    block_size = c_kv.shape[2]
+    states = pl.cdiv(block_table.shape[0] * block_size, CHUNK) + 1
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    cos, sin = rope_cos_sin(position, spec.inv_freq, spec.cos_sin_scale)
+    cs = jnp.broadcast_to(jnp.stack([cos, sin])[:, None, :], (2, 32, ROPE // 2)).astype(f32)
+    inputs = (jnp.asarray(position, jnp.int32).reshape(1), block_table.astype(jnp.int32), cs,
+              weights.norm.astype(f32).reshape(num_layers, hidden // HALF, HALF),
+              weights.q_proj.reshape(num_layers, hidden, -1), weights.kv_a,
+              weights.kv_a_norm.astype(f32).reshape(num_layers, 8, HALF), weights.w_uk, c_kv, k_pe, weights.w_uv)
+    out_types = (jax.ShapeDtypeStruct((num_layers, HALF, HALF), f32),  # phase 1's sums
+                 jax.ShapeDtypeStruct((num_layers, 3 * HALF, HALF), bf16),  # the queries: chunk j of head h at 16 j + h
+                 jax.ShapeDtypeStruct((9, CHUNK, HALF), bf16),  # the new token as a chunk
+                 jax.ShapeDtypeStruct((num_layers, 9, HALF), bf16),  # its rows, for the cache
+                 jax.ShapeDtypeStruct((num_layers, states, 2, HALF), f32),  # the states' m and l
+                 jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
+                 jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
+    constants = dict(num_heads=num_heads, states=states, scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps,
+                     kv_eps=spec.kv_eps, block_size=block_size)
+    return inputs, out_types, constants
+
+
 def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
                     profile_dir: str | None = None):
     """L layers' attention halves at one token in one persistent kernel: x_{l+1} = x_l + layer l's attention of
@@ -580,28 +606,15 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     Shapes must pass ``attention_supports``."""
     num_layers, hidden = weights.norm.shape
     num_heads = weights.q_proj.shape[2]
-    num_pages, block_size = c_kv.shape[1:3]
-    capacity = block_table.shape[0] * block_size
     if x.shape != (hidden,) or c_kv.shape[0] != num_layers or k_pe.shape[:3] != c_kv.shape[:3]:
         raise ValueError(f"attention_chain: x {x.shape}, c_kv {c_kv.shape}, k_pe {k_pe.shape}; expected x [D={hidden}] "
                          f"and caches [L={num_layers}, N, bs, ...]")
-    states = pl.cdiv(capacity, CHUNK) + 1
     num_ctas = num_sms()
     f32, bf16 = jnp.float32, jnp.bfloat16
     rows = hidden // HALF
-    cos, sin = rope_cos_sin(position, spec.inv_freq, spec.cos_sin_scale)
-    cs = jnp.broadcast_to(jnp.stack([cos, sin])[:, None, :], (2, 32, ROPE // 2)).astype(f32)
-    kernel = functools.partial(
-        _attention_body, num_layers=num_layers, num_heads=num_heads, states=states, num_ctas=num_ctas,
-        scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps, kv_eps=spec.kv_eps, block_size=block_size)
-    out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),  # x_mid's rows a layer
-                jax.ShapeDtypeStruct((num_layers, HALF, HALF), f32),  # phase 1's sums
-                jax.ShapeDtypeStruct((num_layers, 3 * HALF, HALF), bf16),  # the queries: chunk j of head h at row 16 j + h
-                jax.ShapeDtypeStruct((9, CHUNK, HALF), bf16),  # the new token as a chunk
-                jax.ShapeDtypeStruct((num_layers, 9, HALF), bf16),  # its rows, for the cache
-                jax.ShapeDtypeStruct((num_layers, states, 2, HALF), f32),  # the states' m and l
-                jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
-                jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
+    inputs, out_types, constants = attention_operands(position, block_table, c_kv, k_pe, weights, spec)
+    kernel = functools.partial(_attention_body, num_layers=num_layers, num_ctas=num_ctas, **constants)
+    out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), *out_types)  # x_mid's rows a layer first
     scratch = [
         plgpu.SMEM((RING, 2, HALF, HALF), bf16, transforms=_TILING),  # the ring of boxes
         plgpu.SMEM((rows, HALF), f32),  # the layer's input rows
@@ -640,10 +653,7 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
         compiler_params=plgpu.CompilerParams(
             # the trace's buffer is shared memory: 128 entries a warpgroup fit beside the kernel's (~3 layers)
             approx_math=True, **({"profile_space": 128, "profile_dir": profile_dir} if profile_dir else {})),
-    )(jnp.asarray(position, jnp.int32).reshape(1), block_table.astype(jnp.int32), cs,
-      x.astype(f32).reshape(rows, HALF), weights.norm.astype(f32).reshape(num_layers, rows, HALF),
-      weights.q_proj.reshape(num_layers, hidden, -1), weights.kv_a,
-      weights.kv_a_norm.astype(f32).reshape(num_layers, 8, HALF), weights.w_uk, c_kv, k_pe, weights.w_uv,
+    )(*inputs[:3], x.astype(f32).reshape(rows, HALF), *inputs[3:],
       weights.o_proj.reshape(num_layers, num_heads * V_DIM, hidden))
     return outs[0][-1].reshape(hidden).astype(x.dtype), outs[4].reshape(num_layers, LATENT + ROPE)
 

@@ -69,8 +69,29 @@ def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dt
 ROUTE_SLOTS = 8  # the routing's ids and weights a layer, in shared memory (top-k at most this)
 
 
-def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0) -> list:
+def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_heads: int = 0) -> list:
+    """The kernel's shared memory; ``num_heads`` > 0: the attention phases' too (``moe_layer_chain``), their
+    buffers in a union with the tiles where their lifetimes allow."""
     rows = hidden // HALF
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    tiles = plgpu.SMEM((rows * TOKEN_N, HALF), dtype, transforms=_TILING)  # the input's [8, 64] tiles
+    front_scratch = []
+    if num_heads:
+        tiles = plgpu.RefUnion(
+            tiles,
+            (plgpu.SMEM((3 * HALF, HALF), bf16, transforms=_TILING),  # attention phase 3: the query windows
+             plgpu.SMEM((HALF, HALF), bf16, transforms=_TILING)),  # P
+            (plgpu.SMEM((32, HALF), f32), plgpu.SMEM((32, HALF), bf16),  # phase 2: the rope rows, rotated
+             plgpu.SMEM((2, 32, HALF // 2), f32),  # cos, sin
+             plgpu.SMEM((8, HALF), f32), plgpu.SMEM((8, HALF), f32), plgpu.SMEM((8, HALF), bf16)))  # the latent
+        front_scratch = [
+            plgpu.SMEM((rows, HALF), f32),  # the attention norm's weights
+            plgpu.Barrier(num_barriers=1),  # landed
+            plgpu.SMEM((HALF,), bf16),  # a unit's absorbed query columns
+            plgpu.SMEM((8, HALF), bf16),  # bf16 zeros
+            plgpu.Barrier(num_arrivals=num_heads + 2, num_barriers=1),  # the rope rows landed
+            plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the new latent and its norm's weights landed
+        ]
     router_scratch = [
         plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
         plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial logits
@@ -84,7 +105,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0) -> l
     return [
         plgpu.SMEM((RING, 2, HALF, HALF), dtype, transforms=_TILING),  # the ring of boxes
         plgpu.SMEM((rows, HALF), jnp.float32),  # the layer's input rows (f32)
-        plgpu.SMEM((rows * TOKEN_N, HALF), dtype, transforms=_TILING),  # the input's [8, 64] tiles
+        tiles,
         plgpu.SMEM((HALF, HALF), dtype, transforms=_TILING),  # h as the first row of an [8, 64] tile
         plgpu.SMEM((HALF,), jnp.float32),  # h as a row (published, or fetched)
         plgpu.SMEM((rows, HALF), jnp.float32),  # the CTA's partial output row
@@ -96,12 +117,13 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0) -> l
         plgpu.Barrier(num_barriers=1),  # the input rows landed
         plgpu.Barrier(num_barriers=1),  # a fetched h landed
         *router_scratch,
+        *front_scratch,
     ]
 
 
-def _moe_smem_bytes(hidden: int, router: bool = False, splits: int = 0) -> int:
+def _moe_smem_bytes(hidden: int, router: bool = False, splits: int = 0, num_heads: int = 0) -> int:
     return sum(math.prod(m.shape) * jnp.dtype(m.dtype).itemsize
-               for m in _moe_scratch(hidden, jnp.bfloat16, router, splits) if hasattr(m, "shape")) + 512
+               for m in _moe_scratch(hidden, jnp.bfloat16, router, splits, num_heads) if hasattr(m, "shape")) + 512
 
 
 GATE_UP, DOWN = 0, 1  # the kinds of an expert plan's units
@@ -204,7 +226,8 @@ class RouterSpec(NamedTuple):
 
 
 def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
-              units: int, router: RouterSpec | None, publishes: bool, splits: int, attention: int = 0):
+              units: int, router: RouterSpec | None, publishes: bool, splits: int, attention: int = 0,
+              front: dict | None = None):
     # plan_ref i32[C * U * 5] (``expert_plan``); ``publishes``: whole gate / up units publish h (some CTA takes
     # their down rows); ``splits``: tiles num_ctas and on are cut into this many K ranges (the split plan).
     # Without a router: ids_ref i32[L * k], weights_ref f32[L * k];
@@ -218,14 +241,32 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # ``attention`` (A > 0, with a router): an o_proj phase first, inputs attn_ref f32[L, A / 64, 64] (each
     # layer's attention output rows) and wo_ref bf16[L, A, D], output mid_ref f32[L, D / 64, 64] (x_l + attn_l @
     # W_o, the MoE half's input).
+    # ``front`` (with ``attention``: the whole layer, ``moe_layer_chain``): the attention phases first
+    # (``decode_step_attention.attention_phases``, its constants), their AttentionRefs' 11 inputs after wo_ref in
+    # place of attn_ref, their 7 outputs after mid_ref; o_proj reads their v_ctx.
     if router:
-        num_in = 10 + (2 if attention else 0)
+        num_in = 10 + ((1 + 11) if front else 2 if attention else 0)
+        num_out = 5 + (8 if front else 1 if attention else 0)
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, *attention_in) = refs[:num_in]
-        (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + 5 + bool(attention)]
-        (ring, xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free, xin_bar,
-         hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar,
-         route_bar) = refs[num_in + 5 + bool(attention):]
-        if attention:
+        (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + num_out]
+        (ring, xin_smem, tiles_union, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
+         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
+         *front_smem) = refs[num_in + num_out:]
+        tiles_smem = tiles_union[0] if front else tiles_union
+        if front:
+            wo_ref, front_in = attention_in[0], attention_in[1:]
+            mid_ref, front_out = attention_out[0], attention_out[1:]
+            from pallas_kernels.decode_step_attention import AttentionRefs, AttentionScratch, attention_phases
+
+            front_refs = AttentionRefs(*front_in, *front_out)
+            attn_ref = front_refs.vctx  # o_proj's input: the heads' outputs after W_UV
+            g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem
+            (_, (q_win, p_smem), rope_buffers) = tiles_union
+            front_scratch = AttentionScratch(
+                xin_smem, g_attn, g_attn_bar, tiles_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 2)],
+                tiles_smem.at[pl.ds(0, HALF)], *rope_buffers, pub_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
+                lat_bar)
+        elif attention:
             (attn_ref, wo_ref), (mid_ref,) = attention_in, attention_out
     else:
         (plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref, ring,
@@ -244,8 +285,13 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     o_units = (hidden // HALF) * o_ranges
     o_tile, o_kq = lax.div(c, max(o_ranges, 1)), lax.rem(c, max(o_ranges, 1))
     o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
-    per_layer = 2 if attention else 1  # grid barriers a layer: (o_proj's sums,) the experts' sums
+    # grid barriers a layer: (the attention phases' 4,) (o_proj's sums,) the experts' sums
+    per_layer = 6 if front else 2 if attention else 1
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each phase's sums
+    if front:
+        front_zero, front_loads, front_compute = attention_phases(
+            front_refs, front_scratch, ring, full, free, sem, num_layers=num_layers, num_ctas=num_ctas,
+            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase, **front)
     if router:  # the router CTAs' logits added (each once a layer)
         routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     # tile t's h published (once a layer), or its K ranges' sums (``splits`` times a layer)
@@ -321,6 +367,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             return lax.fori_loop(first, end, box, count), routed
 
         def layer_loads(layer, count):
+            if front:  # the attention phases' boxes first
+                count = front_loads(layer, count)
             if attention:  # an o_proj unit's boxes first
 
                 @pl.when(c < o_units)
@@ -443,6 +491,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])  # the first layer's norm weights
         if attention:
             _zero_rows(zero_smem, mid_ref, c, num_ctas)
+        if front:
+            front_zero()
         input_tiles(x_ref)
         _arrive_and_wait(sem, num_ctas, 1)
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
@@ -577,11 +627,13 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 plgpu.copy_smem_to_gmem(part_smem, mid_ref.at[layer, o_tile], reduction_op="add")
 
             pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, mid_ref.at[layer], reduction_op="add"))
-            _arrive_and_wait(sem, num_ctas, 2 + per_layer * layer)
+            _arrive_and_wait(sem, num_ctas, 1 + per_layer * layer + (5 if front else 1))
             input_tiles(mid_ref.at[layer])
             return count + o_boxes
 
         def layer_body(layer, count):
+            if front:
+                count = front_compute(layer, count)
             if attention:
                 count = o_proj(layer, count)
 
@@ -662,7 +714,7 @@ def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | 
     if weights.shape != ids.shape or num_layers != w_gate.shape[0]:
         raise ValueError(f"moe_chain: weights {weights.shape}, ids {ids.shape}, w_gate {w_gate.shape}; expected "
                          f"weights and ids [L={w_gate.shape[0]}, k]")
-    out, _, _ = _moe_call(x, (ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)), None,
+    out, _, _, _ = _moe_call(x, (ids.reshape(-1).astype(jnp.int32), weights.reshape(-1).astype(jnp.float32)), None,
                           top_k, (w_gate, w_up, w_down), shared, profile_dir)
     return out
 
@@ -699,7 +751,29 @@ def moe_layer_tail_chain(x, attn, o_proj, norm, router, spec: RouterSpec, top_k:
     return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir, (attn, o_proj))
 
 
-def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, profile_dir, attention=()):
+def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_spec, norm, router, spec: RouterSpec,
+                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
+    """Whole decoder layers at one token, L of them in one persistent kernel: x_mid = x_l + attention_l(x_l) over
+    the paged context, then x_{l+1} = x_mid + experts(RMSNorm_l(x_mid)). The attention's phases are
+    ``decode_step_attention.attention_phases`` (position, block_table, c_kv / k_pe [L, N, bs, ...] with the
+    tokens before it, ``attention`` the stacked AttentionWeights, rope columns permuted, ``attention_spec``);
+    o_proj (``attention.o_proj``) and the MoE half are ``moe_layer_tail_chain``'s; the rest as
+    ``moe_block_chain`` -> (x_L, ids, weights, kv [L, 576]: each layer's new latent and rope key, for the
+    caller to write into the cache). Shapes must pass ``moe_supports(..., router=True, attention=H * 128)``
+    and ``attention_supports``."""
+    from pallas_kernels.decode_step_attention import attention_operands
+
+    num_layers, hidden = norm.shape
+    o_proj = attention.o_proj.reshape(num_layers, -1, hidden)
+    if attention.norm.shape != (num_layers, hidden):
+        raise ValueError(f"moe_layer_chain: the attention norm {attention.norm.shape}; expected [L={num_layers}, "
+                         f"D={hidden}]")
+    front = attention_operands(position, block_table, c_kv, k_pe, attention, attention_spec)
+    return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir, (None, o_proj),
+                       front)
+
+
+def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, profile_dir, attention=(), front=None):
     num_layers, hidden = norm.shape
     if router.shape[:2] != (num_layers, hidden):
         raise ValueError(f"moe_block_chain: norm {norm.shape}, router {router.shape}; expected [L, D] and [L, D, E]")
@@ -708,9 +782,11 @@ def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, p
     rows = hidden // HALF
     hi = router.astype(jnp.bfloat16)
     parts = (hi,) if router.dtype == jnp.bfloat16 else (hi, (router - hi.astype(jnp.float32)).astype(jnp.bfloat16))
-    out, (ids, weights), _ = _moe_call(x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF),
-                                           jnp.stack(parts, axis=1)), spec, top_k, routed, shared, profile_dir,
-                                       attention)
+    out, (ids, weights), _, front_out = _moe_call(
+        x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF), jnp.stack(parts, axis=1)), spec, top_k, routed,
+        shared, profile_dir, attention, front)
+    if front:  # the new cache rows a layer (the attention phases' fourth output)
+        return out, ids[:, :top_k], weights[:, :top_k], front_out[3].reshape(num_layers, -1)
     return out, ids[:, :top_k], weights[:, :top_k]
 
 
@@ -730,10 +806,12 @@ def _fetches_h(plan: np.ndarray, gate_boxes: int) -> bool:
     return False
 
 
-def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir, attention=()):
-    """moe_chain / moe_block_chain / moe_layer_tail_chain's kernel: ``extra`` the routing (ids, weights
-    flattened) or, with ``router``, the norm's rows and the router's weights; ``attention`` (with a router):
-    each layer's attention output attn [L, A] and o_proj [L, A, D] for an o_proj phase first."""
+def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir, attention=(), front=None):
+    """moe_chain / moe_block_chain / moe_layer_tail_chain / moe_layer_chain's kernel: ``extra`` the routing (ids,
+    weights flattened) or, with ``router``, the norm's rows and the router's weights; ``attention`` (with a
+    router): each layer's attention output attn [L, A] (None with ``front``) and o_proj [L, A, D] for an o_proj
+    phase first; ``front``: ``attention_operands``' (inputs, output types, constants) for the attention phases
+    before it. -> (x_L, the routing or None, x_mid's rows or None, the attention phases' outputs or None)."""
     w_gate, w_up, w_down = routed
     num_experts, hidden, inter = w_gate.shape[1:]
     num_layers = w_gate.shape[0]
@@ -755,7 +833,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
     kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
                                routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1],
                                router=router, publishes=_fetches_h(plan, 2 * (hidden // STEP)), splits=splits,
-                               attention=attention_dim)
+                               attention=attention_dim, front=front[2] if front else None)
     f32 = jnp.float32
     out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),
                 jax.ShapeDtypeStruct((num_layers, num_tiles, max(splits, 1), 2, HALF), f32)]
@@ -765,14 +843,18 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
                      jax.ShapeDtypeStruct((num_layers, ROUTE_SLOTS), f32)]
     x_rows = x.astype(f32).reshape(rows, HALF)
     inputs = ((*extra[:2], x_rows, *routed, *shared) if router is None else (x_rows, *routed, *shared, *extra))
-    if attention:
+    if front:
+        inputs += (attention[1], *front[0])
+        out_type += [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), *front[1]]  # x_mid's rows, the phases'
+    elif attention:
         attn, o_proj = attention
         inputs += (attn.astype(f32).reshape(num_layers, attention_dim // HALF, HALF), o_proj)
         out_type.append(jax.ShapeDtypeStruct((num_layers, rows, HALF), f32))  # x_mid's rows
     outs = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
-        scratch_types=_moe_scratch(hidden, x.dtype, router is not None, splits),
+        scratch_types=_moe_scratch(hidden, x.dtype, router is not None, splits,
+                                   front[2]["num_heads"] if front else 0),
         grid=(num_ctas,),
         grid_names=("c",),
         num_threads=3 if router is not None else 2,  # with a router, warpgroup 2 routes
@@ -783,7 +865,8 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
             approx_math=True, **({"profile_space": 384, "profile_dir": profile_dir} if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)
     result = outs[0][-1].reshape(hidden).astype(x.dtype)
-    return result, (outs[3], outs[4]) if router is not None else None, (outs[5] if attention else None)
+    return (result, (outs[3], outs[4]) if router is not None else None, outs[5] if attention else None,
+            outs[6:] if front else None)
 
 
 def moe_chain_reference(x, weights, ids, w_gate, w_up, w_down, shared):
@@ -830,3 +913,24 @@ def moe_layer_tail_chain_reference(x, attn, o_proj, norm, router, spec: RouterSp
         all_ids.append(ids[0])
         all_weights.append(weights[0])
     return x, jnp.stack(all_ids), jnp.stack(all_weights)
+
+
+def moe_layer_chain_reference(x, position, block_table, c_kv, k_pe, attention, attention_spec, norm, router,
+                              spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared):
+    """The same layers in jnp: ``attention_half_reference`` (the model's attention, the cache written), then
+    ``moe_block_chain_reference``'s layer -> (x_L, ids, weights, kv [L, 576])."""
+    from pallas_kernels.decode_step_attention import AttentionWeights, attention_half_reference
+
+    block_size = c_kv.shape[2]
+    page, offset = block_table[position // block_size], position % block_size
+    all_ids, all_weights, rows = [], [], []
+    for layer in range(norm.shape[0]):
+        one = lambda a: a[layer:layer + 1]
+        x, c_l, k_l = attention_half_reference(x, position, block_table, c_kv[layer], k_pe[layer],
+                                               AttentionWeights(*(w[layer] for w in attention)), attention_spec)
+        rows.append(jnp.concatenate([c_l[page, offset], k_l[page, offset]]))
+        x, ids, weights = moe_block_chain_reference(x, one(norm), one(router), spec, top_k, one(w_gate), one(w_up),
+                                                    one(w_down), tuple(one(w) for w in shared))
+        all_ids.append(ids[0])
+        all_weights.append(weights[0])
+    return x, jnp.stack(all_ids), jnp.stack(all_weights), jnp.stack(rows)

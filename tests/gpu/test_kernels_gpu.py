@@ -669,3 +669,23 @@ def test_attention_chain_gpu(position):
     want, want_kv = jax.jit(lambda *a: attention_chain_reference(*a, weights, spec))(x, pos, table, c_kv, k_pe)
     assert _rel(kv[0], want_kv[0]) < 1e-2  # layer 0's rows come from the same input
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("position", [0, 200])
+def test_moe_layer_chain_gpu(position):
+    """Two whole V2-Lite layers at one token in one persistent kernel (the attention phases, o_proj, the MoE
+    half) against the reference layers: each layer's new cache row, layer 0's routing, the output."""
+    import jax
+
+    from benchmarks.megakernel_probe import layer_inputs
+    from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
+
+    x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, position)
+    call = lambda fn: jax.jit(lambda *a: fn(*a, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared))(
+        x, pos, table, c_kv, k_pe)
+    got, ids, weights, kv = call(moe_layer_chain)
+    want, want_ids, want_weights, want_kv = call(moe_layer_chain_reference)
+    assert _rel(kv[0], want_kv[0]) < 1e-2  # layer 0's rows come from the same input
+    np.testing.assert_array_equal(np.asarray(ids[0]), np.asarray(want_ids[0]))
+    np.testing.assert_allclose(np.asarray(weights[0]), np.asarray(want_weights[0]), rtol=2e-2)
+    assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 3e-2

@@ -193,3 +193,62 @@ def test_moe_layer_tail_chain_reference_adds_o_proj_before_the_moe_half():
                                                              one(routed[1]), one(routed[2]), tuple(map(one, shared)))
         assert (ids[layer] == want_ids[0]).all()
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_moe_layer_chain_lowers_for_hopper():
+    """Whole V2-Lite layers at one token (the attention phases, o_proj, the MoE half) lower as one kernel for an
+    abstract H200, with the attention's buffers in the MoE half's shared memory."""
+    from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights
+
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    layers, hidden, heads = 2, 2048, 16
+    x, _, _, *routed, shared = _moe_shapes(layers)
+    attention = AttentionWeights(shape((layers, hidden), bf16), shape((layers, hidden, heads, 192), bf16),
+                                 shape((layers, hidden, 576), bf16), shape((layers, 512), bf16),
+                                 shape((layers, 512, heads, 128), bf16), shape((layers, 512, heads, 128), bf16),
+                                 shape((layers, heads, 128, hidden), bf16))
+    spec = AttentionSpec(1e-6, 1e-6, 0.07, tuple([1.0] * 32), 1.0)
+    norm, router = shape((layers, hidden), bf16), shape((layers, hidden, 64), jnp.float32)
+
+    def call(x, position, table, c_kv, k_pe, norm, router, *rest):
+        return kernel.moe_layer_chain(x, position, table, c_kv, k_pe, AttentionWeights(*rest[:7]), spec, norm, router,
+                                      kernel.RouterSpec(1e-6), 6, *rest[7:10], rest[10:])
+
+    caches = shape((layers, 16, 64, 512), bf16), shape((layers, 16, 64, 64), bf16)
+    hlo = lower_for_h200(call, x, shape((), jnp.int32), shape((8,), jnp.int32), *caches, norm, router, *attention,
+                         *routed, *shared)
+    assert hlo.count("custom_call @mosaic_gpu") == 1
+    assert kernel._moe_smem_bytes(hidden, True, 3, heads) <= 227 * 1024
+
+
+def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
+    """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
+    from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference
+
+    rng = np.random.default_rng(6)
+    layers, hidden, heads = 2, 64, 2
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[1]), jnp.bfloat16)
+    attention = AttentionWeights(jnp.ones((layers, hidden), jnp.bfloat16), w(layers, hidden, heads, 192),
+                                 w(layers, hidden, 576), jnp.ones((layers, 512), jnp.bfloat16),
+                                 w(layers, 512, heads, 128), w(layers, 512, heads, 128), w(layers, heads, 128, hidden))
+    spec = AttentionSpec(1e-6, 1e-6, 192 ** -0.5, tuple(10000.0 ** (-np.arange(0, 64, 2) / 64)), 1.0)
+    c_kv = jnp.asarray(rng.standard_normal((layers, 2, 64, 512)), jnp.bfloat16)
+    k_pe = jnp.asarray(rng.standard_normal((layers, 2, 64, 64)), jnp.bfloat16)
+    norm = jnp.ones((layers, hidden), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((layers, hidden, 4)), jnp.float32)
+    routed = (w(layers, 4, hidden, 8), w(layers, 4, hidden, 8), w(layers, 4, 8, hidden))
+    shared = (w(layers, hidden, 8), w(layers, hidden, 8), w(layers, 8, hidden))
+    x, table, moe_spec = jnp.asarray(rng.standard_normal(hidden), jnp.bfloat16), jnp.asarray([1, 0], jnp.int32), \
+        kernel.RouterSpec(1e-6)
+    out, ids, _, kv = kernel.moe_layer_chain_reference(x, 5, table, c_kv, k_pe, attention, spec, norm, router,
+                                                       moe_spec, 2, *routed, shared)
+    want = x
+    for layer in range(layers):
+        one = lambda a: a[layer:layer + 1]
+        want, c_l, k_l = attention_half_reference(want, 5, table, c_kv[layer], k_pe[layer],
+                                                  AttentionWeights(*(a[layer] for a in attention)), spec)
+        np.testing.assert_array_equal(np.asarray(kv[layer]), np.asarray(jnp.concatenate([c_l[1, 5], k_l[1, 5]])))
+        want, want_ids, _ = kernel.moe_block_chain_reference(want, one(norm), one(router), moe_spec, 2, *map(one, routed),
+                                                             tuple(map(one, shared)))
+        np.testing.assert_array_equal(np.asarray(ids[layer]), np.asarray(want_ids[0]))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
