@@ -97,6 +97,8 @@ class ModelRunner:
                  *, progress: bool = True, shard_of=None, num_compressed_blocks: int = 0):
         self.config = config
         self.model_config = model.config
+        if why_not := model.prepare_step_kernel():  # one-token steps' MoE stack in one kernel, where it may run
+            log.debug("batch-1 step kernel off: %s", why_not)
         self.graphdef, self.state = nnx.split(model)
         self.mesh = model.mesh
         self.num_shards = num_batch_shards(self.mesh)

@@ -157,6 +157,13 @@ MOE_DECODE_RESIDUAL_MAX_TOKENS = 1
 # 2.196 / 2.198 in two calls (session 33's build, step_ab_moe_mgpu_b1_h200.json, 3 rounds in turns), 2.131
 # with the products transposed (step_ab_moe_transposed_b1_h200.json; decode_profile.md rounds 19-20).
 MOE_DECODE_MGPU = True
+# One-token steps on Hopper: the whole MoE stack (attention, o_proj, MoE half of every layer) as one persistent
+# kernel (pallas_kernels/decode_step_moe.moe_layer_chain; DeepseekForCausalLM.step_kernel_blocker says where).
+# Its chains over 8 of V2-Lite's layers: attention halves 26.6-28.5 µs a layer, layer tails 46.6
+# (decode_profile.md round 23). The whole layer in one kernel is built and lowered on the CPU, and its GPU
+# tests are queued (benchmarks/run_h200.sh step-layer): off until they pass. The runner readies the weights on
+# Hopper either way (DeepseekForCausalLM.prepare_step_kernel: the same values), so an A/B may flip this knob.
+STEP_KERNEL = False
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):

@@ -32,6 +32,8 @@ from dsjax.parallel.collectives import embed_lookup, gather_vocab, is_manual, ps
 from dsjax.parallel.expert import ExpertDispatch
 from dsjax.parallel.mesh import TENSOR, num_batch_shards
 from dsjax.parallel.sharding import batch_spec, checks_vma, logical_to_spec, param_shardings, param_specs
+from pallas_kernels import decode_step_attention, decode_step_moe
+from pallas_kernels.decode_step_attention import permute_rope_columns
 
 
 class LayerStack(NamedTuple):
@@ -163,7 +165,8 @@ class DeepseekForCausalLM(nnx.Module):
 
     def forward_paged(self, tokens, cache: PagedKVCache, batch: PagedBatch):
         """One engine step over packed tokens i32[T]: writes their latents into the paged cache and
-        returns (final-normed hidden states [T, D], updated cache)."""
+        returns (final-normed hidden states [T, D], updated cache). A one-token step on Hopper runs the MoE
+        stack as one persistent kernel where ``step_kernel_blocker`` has no objection."""
         backend = self.kernel_backend
 
         def step(stack):
@@ -175,8 +178,86 @@ class DeepseekForCausalLM(nnx.Module):
         x = embed_lookup(self.embed[...], tokens)
         # the MoE stack first in the cache's layer axis, the dense layers after it (see _scan_layers)
         carry = _scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers))
-        x, cache = _scan_layers(self.moe_layers, carry, 0, step(self.moe_layers))
+        if self.step_kernel_blocker(tokens.shape[0], cache, batch.block_tables.shape[-1]) is None:
+            x, cache = self._moe_stack_step(*carry, batch)
+        else:
+            x, cache = _scan_layers(self.moe_layers, carry, 0, step(self.moe_layers))
         return self.norm(x), cache
+
+    def prepare_step_kernel(self) -> str | None:
+        """Readies the MoE stack for the batch-1 step kernel (``decode_step_moe.moe_layer_chain``) where it
+        may run (the pallas backend on Hopper, one device; whether steps take it is ``dispatch.STEP_KERNEL``'s
+        and ``step_kernel_blocker``'s): the rope columns of its q_proj and kv_a in the
+        [evens | odds] order the kernel rotates as halves (``decode_step_attention.permute_rope_columns``),
+        the stack's rope then rotating halves too. Every path computes the same values as before. ->
+        None once ready, else why not. Idempotent."""
+        if why_not := self._why_not_step_kernel():
+            return why_not
+        attn = self.moe_layers.attn
+        if attn.interleave:
+            attn.q_proj[...], attn.kv_a[...] = permute_rope_columns(attn.q_proj[...], attn.kv_a[...],
+                                                                      attn.rope_dim, True)
+            attn.interleave = False
+        return None
+
+    def _why_not_step_kernel(self) -> str | None:
+        """The step kernel's conditions that depend on neither a step's shapes nor ``dispatch.STEP_KERNEL``."""
+        c = self.config
+        if self.kernel_backend != "pallas" or self.mesh is not None:
+            return f"kernel_backend={self.kernel_backend!r} with a mesh: {self.mesh is not None} (pallas, one device)"
+        if self.moe_layers is None or self.moe_layers.attn.q_proj is None:
+            return "no MoE layers, or a q LoRA (the kernel takes q_proj)"
+        if (c.scoring_func, c.topk_method, c.n_routed_experts) != ("softmax", "greedy", 64):
+            return (f"routing {c.scoring_func} / {c.topk_method} over {c.n_routed_experts} experts (the kernel's "
+                    "router: softmax, greedy, 64 experts)")
+        heads, dims = c.num_attention_heads, (c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim)
+        return decode_step_moe.moe_supports(
+            c.hidden_size, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts,
+            c.num_moe_layers, self.dtype, router=True, num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
+            attention=heads * c.v_head_dim) or decode_step_attention.attention_supports(
+            c.hidden_size, heads, dims, 64, 64, self.dtype, c.num_moe_layers)
+
+    def step_kernel_blocker(self, num_tokens: int, cache: PagedKVCache, table_width: int) -> str | None:
+        """None when a step of ``num_tokens`` over ``cache`` (block tables ``table_width`` pages wide) runs the
+        MoE stack in one kernel (``prepare_step_kernel`` done), else why not."""
+        if not dispatch.STEP_KERNEL:
+            return "dispatch.STEP_KERNEL is off"
+        if why_not := self._why_not_step_kernel():
+            return why_not
+        if self.moe_layers.attn.interleave:
+            return "the stack's rope columns are not prepared (prepare_step_kernel)"
+        if num_tokens != 1:
+            return f"{num_tokens} tokens in the step (the kernel takes one)"
+        if cache.c_kv_scale is not None or cache.pools is not None or cache.c_kv.dtype != self.dtype:
+            return "an 8-bit or two-pool cache (the kernel reads one bf16 pool)"
+        c = self.config
+        return decode_step_attention.attention_supports(
+            c.hidden_size, c.num_attention_heads, (c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank,
+                                                   c.v_head_dim), cache.block_size, table_width * cache.block_size,
+            self.dtype, c.num_moe_layers)
+
+    def _moe_stack_step(self, x, cache: PagedKVCache, batch: PagedBatch):
+        """The MoE stack of a one-token step as one persistent kernel: x [1, D] -> (x after the stack, the
+        cache with every MoE layer's new latent and rope key at the token's slot)."""
+        stack, c = self.moe_layers, self.config
+        attn, moe = stack.attn, stack.mlp
+        weights = decode_step_attention.AttentionWeights(
+            stack.attn_norm.weight[...], attn.q_proj[...], attn.kv_a[...], attn.kv_a_norm.weight[...],
+            attn.w_uk[...], attn.w_uv[...], attn.o_proj[...])
+        spec = decode_step_attention.AttentionSpec(stack.attn_norm.eps, attn.kv_a_norm.eps, attn.scale,
+                                                   attn.inv_freq, attn.cos_sin_scale)
+        shared = (moe.shared.w_gate[...], moe.shared.w_up[...], moe.shared.w_down[...])
+        out, _, _, kv = decode_step_moe.moe_layer_chain(
+            x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe, weights, spec,
+            stack.mlp_norm.weight[...], moe.router[...],
+            decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
+            c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared)
+        layers, block_size = c.num_moe_layers, cache.block_size
+        block, offset = batch.slot_mapping[0] // block_size, batch.slot_mapping[0] % block_size
+        write = lambda pool, rows: pool.at[:layers, block, offset].set(rows.astype(pool.dtype), mode="drop")
+        cache = cache._replace(c_kv=write(cache.c_kv, kv[:, :c.kv_lora_rank]),
+                               k_pe=write(cache.k_pe, kv[:, c.kv_lora_rank:]))
+        return out[None], cache
 
     def compute_logits(self, hidden):
         """hidden [..., D] (final-normed) -> f32[..., vocab] (the whole vocabulary on every tensor rank)."""

@@ -689,3 +689,31 @@ def test_moe_layer_chain_gpu(position):
     np.testing.assert_array_equal(np.asarray(ids[0]), np.asarray(want_ids[0]))
     np.testing.assert_allclose(np.asarray(weights[0]), np.asarray(want_weights[0]), rtol=2e-2)
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 3e-2
+
+
+def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
+    """A random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers): a 70-token prompt prefilled, then
+    three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL) give the logits
+    of the launches a layer."""
+    import dataclasses
+
+    from dsjax.config import ModelConfig
+    from dsjax.model import dispatch
+    from dsjax.model.transformer import random_model
+    from pallas_kernels import decode_step_moe
+    from tests.model.test_model import _paged_logits
+
+    config = dataclasses.replace(ModelConfig.preset("deepseek-v2-lite"), num_hidden_layers=3)
+    tokens = np.random.default_rng(5).integers(3, 1000, size=73).astype(np.int32)
+    chunks = [(0, 70), (70, 71), (71, 72), (72, 73)]
+    calls = []
+    chain = decode_step_moe.moe_layer_chain
+    monkeypatch.setattr(decode_step_moe, "moe_layer_chain", lambda *a, **k: calls.append(1) or chain(*a, **k))
+    logits = {}
+    for on in (False, True):
+        monkeypatch.setattr(dispatch, "STEP_KERNEL", on)
+        model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
+        assert model.prepare_step_kernel() is None
+        logits[on] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8, cache_dtype=jnp.bfloat16)
+    assert calls  # the one-token steps took the kernel
+    assert _rel(logits[True][-3:], logits[False][-3:]) < 3e-2

@@ -43,11 +43,11 @@ def test_backend_resolution():
         resolve_backend("cuda")
 
 
-def _paged_logits(model, tokens, chunks, block_size=4, num_blocks=32):
+def _paged_logits(model, tokens, chunks, block_size=4, num_blocks=32, cache_dtype=jnp.float32):
     """Logits of ``tokens`` fed through forward_paged in the given (start, stop) chunks, into a shuffled
     paged cache."""
     table = np.random.default_rng(1).permutation(num_blocks)[:-(-len(tokens) // block_size)].astype(np.int32)
-    cache = PagedKVCache.zeros(model.config, num_blocks, block_size, jnp.float32)
+    cache = PagedKVCache.zeros(model.config, num_blocks, block_size, cache_dtype)
     graphdef, state = nnx.split(model)
     # Interpret-mode kernels are large CPU programs: XLA's -O0 compiles them several times faster.
     fast = {"xla_backend_optimization_level": 0} if model.kernel_backend == "interpret" else None
@@ -190,3 +190,47 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
     (_, head_gemvs_unfolded) = launches()
     assert (absorbing > 0) == folded
     assert head_gemvs * (2 if folded else 1) == head_gemvs_unfolded > 0
+
+
+def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
+    """The batch-1 step kernel's wiring (DeepseekForCausalLM.prepare_step_kernel, step_kernel_blocker,
+    _moe_stack_step) on the CPU: with the kernel's jnp reference in its place (moe_layer_chain_reference, the
+    model's attention and MoE half a layer; the kernel itself is checked against it on the GPU) and its shape
+    checks waived for a tiny V2-Lite-like model, a prompt prefilled and then decoded one token a step gives the
+    logits of the model as loaded (later steps read the cache rows earlier ones wrote); steps of several tokens
+    keep the layer scan."""
+    import dataclasses
+
+    from dsjax.config import ModelConfig
+    from dsjax.model import dispatch
+    from dsjax.model.transformer import DeepseekForCausalLM
+    from pallas_kernels import decode_step_attention, decode_step_moe
+
+    config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=None, topk_method="greedy",
+                                 scoring_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
+                                 routed_scaling_factor=1.0)
+    model = DeepseekForCausalLM(config, kernel_backend="reference", rngs=nnx.Rngs(3))
+    tokens = np.random.default_rng(2).integers(3, 259, size=11).astype(np.int32)
+    chunks = [(0, 7)] + [(i, i + 1) for i in range(7, 11)]
+    want = _paged_logits(model, tokens, chunks)
+    assert "kernel_backend='reference'" in model.prepare_step_kernel()
+    calls = []
+
+    def chain(*args):
+        calls.append(args[0].shape)
+        return decode_step_moe.moe_layer_chain_reference(*args)
+
+    monkeypatch.setattr(DeepseekForCausalLM, "_why_not_step_kernel", lambda self: None)
+    monkeypatch.setattr(decode_step_attention, "attention_supports", lambda *a: None)
+    monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
+    assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
+        "dispatch.STEP_KERNEL is off")
+    monkeypatch.setattr(dispatch, "STEP_KERNEL", True)
+    assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
+        "the stack's rope columns are not prepared (prepare_step_kernel)")
+    assert model.prepare_step_kernel() is None and not model.moe_layers.attn.interleave
+    assert model.prepare_step_kernel() is None  # idempotent: permuted once
+    assert "2 tokens in the step" in model.step_kernel_blocker(2, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4)
+    got = _paged_logits(model, tokens, chunks)
+    assert calls == [(config.hidden_size,)]  # the one-token step (traced once), not the 7-token prefill
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
