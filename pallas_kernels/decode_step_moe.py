@@ -8,7 +8,9 @@ dealt to the CTAs is ``expert_plan``'s (``EXPERT_PLAN``). ``moe_block_chain`` is
 x_{l+1} = x_l + experts(RMSNorm(x_l)), with the norm, the router's products (its weights as boxes in the
 ring) and the routing (a warpgroup of its own) in the kernel: 40.8 µs a layer. ``moe_layer_tail_chain``
 puts o_proj in front: 46.6 µs a layer (``bash benchmarks/run_h200.sh step-phases``, ``step-block``;
-decode_profile.md round 23).
+decode_profile.md round 23). ``moe_layer_chain`` puts the attention phases (``decode_step_attention``) in
+front of that: whole decoder layers at one token in one kernel, the engine's one-token steps' MoE stack
+(built and lowered; its GPU runs are queued: ``step-layer``, ``step-engine``).
 """
 
 from __future__ import annotations
