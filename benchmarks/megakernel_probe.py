@@ -617,22 +617,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--trace", default=None, metavar="DIR",
                         help="instead: trace the named scopes of the serial-products configs at 8 slots, two layers, "
                              "with and without the producer warpgroup (Perfetto JSON and a summary in DIR); "
-                             "with --gemv-chain, --moe-chain, --moe-block-chain: also the one kernel's scopes")
+                             "with --gemv-chain and the --*-chain runs: also the one kernel's scopes")
     parser.add_argument("--gemv-chain", action="store_true",
                         help="instead: decode_step_mgpu.gemv_chain (26 layers of 2048 x 2048) against a launch a "
                              "layer (the Triton stacked GEMV, XLA's dot)")
-    parser.add_argument("--moe-chain", type=int, default=0, metavar="LAYERS",
-                        help="instead: decode_step_moe.moe_chain (V2-Lite's one-token expert layers, this many) "
-                             "against moe_decode_mgpu a layer")
-    parser.add_argument("--moe-block-chain", type=int, default=0, metavar="LAYERS",
-                        help="instead: decode_step_moe.moe_block_chain (V2-Lite's MoE halves, norm and router in the "
-                             "kernel, this many) against moe_chain with the routing given")
-    parser.add_argument("--attention-chain", type=int, default=0, metavar="LAYERS",
-                        help="instead: decode_step_attention.attention_chain (V2-Lite's attention halves at one "
-                             "token, this many layers) at positions 0, 255 and 511, against its reference")
-    parser.add_argument("--layer-chain", type=int, default=0, metavar="LAYERS",
-                        help="instead: decode_step_moe.moe_layer_chain (V2-Lite's whole layers at one token, this "
-                             "many) at positions 0, 255 and 511, against its reference and the two halves' chains")
+    for flag, what in (
+            ("--moe-chain", "decode_step_moe.moe_chain (V2-Lite's one-token expert layers, this many) against "
+                            "moe_decode_mgpu a layer"),
+            ("--moe-block-chain", "decode_step_moe.moe_block_chain (V2-Lite's MoE halves, norm and router in the "
+                                  "kernel, this many) against moe_chain with the routing given"),
+            ("--attention-chain", "decode_step_attention.attention_chain (V2-Lite's attention halves at one token, "
+                                  "this many layers) at positions 0, 255 and 511, against its reference"),
+            ("--layer-chain", "decode_step_moe.moe_layer_chain (V2-Lite's whole layers at one token, this many) at "
+                              "positions 0, 255 and 511, against its reference and the two halves' chains")):
+        parser.add_argument(flag, type=int, default=0, metavar="LAYERS", help=f"instead: {what}")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:
