@@ -27,6 +27,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
+from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, AttentionWeights,
+                                                  attention_half_reference, attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _norm_tiles, _release, _unit_sums, _zero_rows, num_sms,
                                              proxy_fence)
@@ -258,8 +260,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         if front:
             wo_ref, front_in = attention_in[0], attention_in[1:]
             mid_ref, front_out = attention_out[0], attention_out[1:]
-            from pallas_kernels.decode_step_attention import AttentionRefs, AttentionScratch, attention_phases
-
             front_refs = AttentionRefs(*front_in, *front_out)
             attn_ref = front_refs.vctx  # o_proj's input: the heads' outputs after W_UV
             g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem
@@ -763,8 +763,6 @@ def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_s
     ``moe_block_chain`` -> (x_L, ids, weights, kv [L, 576]: each layer's new latent and rope key, for the
     caller to write into the cache). Shapes must pass ``moe_supports(..., router=True, attention=H * 128)``
     and ``attention_supports``."""
-    from pallas_kernels.decode_step_attention import attention_operands
-
     num_layers, hidden = norm.shape
     o_proj = attention.o_proj.reshape(num_layers, -1, hidden)
     if attention.norm.shape != (num_layers, hidden):
@@ -921,8 +919,6 @@ def moe_layer_chain_reference(x, position, block_table, c_kv, k_pe, attention, a
                               spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared):
     """The same layers in jnp: ``attention_half_reference`` (the model's attention, the cache written), then
     ``moe_block_chain_reference``'s layer -> (x_L, ids, weights, kv [L, 576])."""
-    from pallas_kernels.decode_step_attention import AttentionWeights, attention_half_reference
-
     block_size = c_kv.shape[2]
     page, offset = block_table[position // block_size], position % block_size
     all_ids, all_weights, rows = [], [], []

@@ -203,8 +203,10 @@ class DeepseekForCausalLM(nnx.Module):
     def _why_not_step_kernel(self) -> str | None:
         """The step kernel's conditions that depend on neither a step's shapes nor ``dispatch.STEP_KERNEL``."""
         c = self.config
-        if self.kernel_backend != "pallas" or self.mesh is not None:
-            return f"kernel_backend={self.kernel_backend!r} with a mesh: {self.mesh is not None} (pallas, one device)"
+        if self.kernel_backend != "pallas":
+            return f"kernel_backend={self.kernel_backend!r} (the kernel runs under 'pallas')"
+        if self.mesh is not None:
+            return "a mesh (the kernel runs on one device)"
         if self.moe_layers is None or self.moe_layers.attn.q_proj is None:
             return "no MoE layers, or a q LoRA (the kernel takes q_proj)"
         if (c.scoring_func, c.topk_method, c.n_routed_experts) != ("softmax", "greedy", 64):
