@@ -136,7 +136,7 @@ case $part in
       --out "$OUT/moe_block_chain_split_h200.json" 2>&1 | grep -v -i warn | tail -6 ;;
   step-layer)  # whole layers in one kernel (decode_step_moe.moe_layer_chain: the attention phases, o_proj, the MoE
                # half): GPU tests, then 8 of V2-Lite's layers at 3 positions beside the two halves' chains (~7 minutes)
-    timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_layer_chain" 2>&1 \
+    timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_layer_chain or attention_chain" 2>&1 \
       | tee "$OUT/gpu_tests_step_layer.log" | tail -30
     timeout 330 python -m benchmarks.megakernel_probe --layer-chain 8 --trace "$OUT/trace" \
       --out "$OUT/layer_chain_h200.json" 2>&1 | grep -v -i warn | tail -45 ;;

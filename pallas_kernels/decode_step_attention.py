@@ -15,7 +15,8 @@ order and dtypes (``dsjax.model.mla.MLAttention.paged`` on the reference backend
 
 ``attention_chain`` runs it for L layers in one kernel: 26.6-28.5 µs a layer at V2-Lite's shapes over 8
 layers and contexts of 0-511 tokens, against ~30 µs for today's launches of the same work (one H200,
-``python -m benchmarks.megakernel_probe --attention-chain 8``; decode_profile.md round 23). The new token's
+``python -m benchmarks.megakernel_probe --attention-chain 8``; decode_profile.md round 23; measured with phase
+4 merging every state up to the block table's capacity, before the grouped merge). The new token's
 latent and rope key come back for the caller to write into the cache; the kernel reads the cache before the
 token and takes the new one as a chunk of its own, so it writes no cache and needs no aliasing.
 """
@@ -123,7 +124,7 @@ def attention_half_reference(x, position, block_table, c_kv, k_pe, weights: Atte
 CHUNK = 64  # cache tokens a phase-3 CTA takes (its scores are one [64 heads, 64 tokens] wgmma tile)
 NOPE, ROPE, LATENT, V_DIM = 128, 64, 512, 128  # the head dims the kernel is built for (DeepSeek-V2 / V3)
 HEADS = 16  # the heads the kernel takes (V2-Lite's): phase 3's query windows are 16 rows apart
-MAX_STATES = 64  # phase 3's partial softmax states a layer: the context's chunks and the new token's
+MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 PHASES = 5  # grid barriers a layer
 
 
@@ -148,8 +149,8 @@ def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int
         return f"o_proj of {num_heads * V_DIM} x {hidden} needs {units} CTAs (this GPU runs {ctas})"
     if block_size % CHUNK:
         return f"block_size {block_size} is not a multiple of {CHUNK}"
-    if (states := pl.cdiv(capacity, CHUNK) + 1) > min(MAX_STATES, ctas):
-        return f"a context of {capacity} tokens needs {states} partial states (at most {min(MAX_STATES, ctas)})"
+    if (states := pl.cdiv(capacity, CHUNK) + 1) > ctas:
+        return f"a context of {capacity} tokens needs {states} CTAs for its chunks and the new token (this GPU runs {ctas})"
     if num_layers < 1:
         return f"{num_layers} layers (at least 1)"
     return None
@@ -444,20 +445,28 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         @pl.when(c < wuv_units)
         @jax.named_scope("w_uv")
         def _():
-            # every state's values issued at once (unrolled: a loop's loads would each wait out L2's latency);
-            # the states of chunks past the context are never written: read the new token's in their place,
-            # weighted 0
-            live = [(s < num_chunks) | (s == nch) for s in range(states)]
-            at = [jnp.where(live[s], s, nch) for s in range(states)]
-            m = [jnp.where(live[s], r.ml[layer, at[s], 0, v_head], -jnp.inf) for s in range(states)]
-            top = functools.reduce(jnp.maximum, m)
-            weights = [jnp.exp2(m_s - top) for m_s in m]
-            total = sum(w * r.ml[layer, at[s], 1, v_head] for s, w in enumerate(weights))
+            # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
+            # loads issued together, so a group waits out L2's latency once); a group's entries past the context
+            # read the new token's state in their place, weighted 0 (those states are never written)
+            m_at = lambda s: r.ml[layer, s, 0, v_head]
+            rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
+                                           layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+
+            def group(g, carry):
+                top, total, merged = carry
+                at = [jnp.where(g * MERGE_GROUP + i < num_chunks, g * MERGE_GROUP + i, nch) for i in range(MERGE_GROUP)]
+                m = [jnp.where(g * MERGE_GROUP + i < num_chunks, m_at(s), -jnp.inf) for i, s in enumerate(at)]
+                new_top = functools.reduce(jnp.maximum, m, top)
+                weights = [jnp.exp2(m_s - new_top) for m_s in m]
+                keep = jnp.exp2(top - new_top)
+                total = total * keep + sum(w * r.ml[layer, s, 1, v_head] for s, w in zip(at, weights))
+                merged = tuple(merged[q] * keep + sum(rows(s, q) * w for s, w in zip(at, weights)) for q in range(2))
+                return new_top, total, merged
+
+            first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(2)))
+            _, total, merged = lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group, first)
             for q in range(2):
-                merged = sum(plgpu.load(r.o.at[layer, at[s], pl.ds(v_range * STEP + q * HALF, HALF), v_head],
-                                        layout=plgpu.Layout.WGMMA.reduce(1), optimized=False) * weights[s]
-                             for s in range(states))
-                sm.mrow.at[q][...] = merged / total
+                sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()
             _build_tiles(sm.mrow, sm.tiles4)
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())

@@ -96,7 +96,8 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     assert "head dims (nope, rope, latent, v) (64, 64, 512, 128)" in supports(dims=(64, 64, 512, 128))
     assert "128 heads (this kernel takes 16" in supports(num_heads=128)
     assert "block_size 16 is not a multiple of 64" in supports(block_size=16)
-    assert "a context of 8192 tokens needs 129 partial states (at most 64)" in supports(capacity=8192)
+    assert supports(capacity=4096) is None  # the engine's default max_model_len
+    assert "a context of 9000 tokens needs 142 CTAs" in supports(capacity=9000)
     assert "weights in float32" in supports(dtype=jnp.float32)
 
 
