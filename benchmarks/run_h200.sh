@@ -143,8 +143,11 @@ case $part in
   step-engine)  # the engine's one-token steps through the step kernel: the model's GPU tests (the MoE stack's rope
                 # columns readied on Hopper) and the kernel in a model's steps, then the batch-1 compiled step A/B,
                 # dispatch.STEP_KERNEL off / on (~8 minutes)
-    tests_then_step_ab "$MODEL_TESTS or step_kernel" 1 step_kernel \
-      --variant "step kernel: dsjax.model.dispatch.STEP_KERNEL=True" ;;
+    timeout 320 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "$MODEL_TESTS or step_kernel" 2>&1 \
+      | tee "$OUT/gpu_tests_step_engine.log" | tail -6
+    timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 3 --variant built --variant "step kernel: dsjax.model.dispatch.STEP_KERNEL=True" \
+      --out "$OUT/step_ab_step_kernel_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \
