@@ -532,25 +532,28 @@ def _layer_chain(args) -> dict:
     layers, rows, moe_spec = args.layer_chain, [], RouterSpec(1e-6)
     rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
                              / jnp.linalg.norm(b.astype(jnp.float32)))
-    for position in (0, 255, 511):
-        x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(layers, position)
-        cls = type(attention)
-        fn = lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain(
-            x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0]
+    x, _, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(layers, 0)
+    cls = type(attention)
+    fn = lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain(
+        x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0]
+    reference = jax.jit(lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain_reference(
+        x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0])
+    attention_only = lambda x, pos, table, c_kv, k_pe, *w: attention_chain(x, pos, table, c_kv, k_pe, cls(*w), spec)[0]
+    tail = lambda x, attn, o, norm, router, *r: moe_layer_tail_chain(x, attn, o, norm, router, moe_spec, 6, *r[:3],
+                                                                     r[3:])[0]
+    tail_inputs = (x, jnp.ones((layers, 2048), jnp.bfloat16) / 8, attention.o_proj.reshape(layers, 2048, 2048), norm,
+                   router, *routed, *shared)
+    for position in (0, 255, 511):  # the same weights and caches, the token at another position
+        pos = jnp.int32(position)
         inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
-        got = jax.jit(fn)(*inputs)
-        want = jax.jit(lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain_reference(
-            x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0])(*inputs)
-        halves = [
-            ("attention_chain (the attention halves alone)",
-             lambda x, pos, table, c_kv, k_pe, *w: attention_chain(x, pos, table, c_kv, k_pe, cls(*w), spec)[0],
-             (x, pos, table, c_kv, k_pe, *attention)),
-            ("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)",
-             lambda x, attn, o, norm, router, *r: moe_layer_tail_chain(x, attn, o, norm, router, moe_spec, 6, *r[:3],
-                                                                       r[3:])[0],
-             (x, jnp.ones((layers, 2048), jnp.bfloat16) / 8, attention.o_proj.reshape(layers, 2048, 2048), norm,
-              router, *routed, *shared))]
-        for name, call, args_ in [("moe_layer_chain (whole layers in one kernel)", fn, inputs)] + halves:
+        got, want = jax.jit(fn)(*inputs), reference(*inputs)
+        runs = [("moe_layer_chain (whole layers in one kernel)", fn, inputs),
+                ("attention_chain (the attention halves alone)", attention_only,
+                 (x, pos, table, c_kv, k_pe, *attention))]
+        if position == 0:  # the layer tail does not read the context
+            runs.append(("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)", tail,
+                         tail_inputs))
+        for name, call, args_ in runs:
             kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
             loop = device_time_us(call, args_, estimate_s=layers * 80e-6)
             rows.append(dict(kernel=name, layers=layers, position=position,
@@ -577,13 +580,15 @@ def _attention_chain(args) -> dict:
     from pallas_kernels.decode_step_attention import attention_chain, attention_chain_reference
 
     layers, rows = args.attention_chain, []
-    for position in (0, 255, 511):
-        x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(layers, position)
-        fn = lambda x, pos, table, c_kv, k_pe, *w: attention_chain(x, pos, table, c_kv, k_pe, type(weights)(*w), spec)
+    x, _, table, c_kv, k_pe, weights, spec = attention_inputs(layers, 0)
+    fn = lambda x, pos, table, c_kv, k_pe, *w: attention_chain(x, pos, table, c_kv, k_pe, type(weights)(*w), spec)
+    reference = jax.jit(lambda x, pos, table, c_kv, k_pe, *w: attention_chain_reference(
+        x, pos, table, c_kv, k_pe, type(weights)(*w), spec))
+    for position in (0, 255, 511):  # the same weights and caches, the token at another position
+        pos = jnp.int32(position)
         inputs = (x, pos, table, c_kv, k_pe, *weights)
         got, kv = jax.jit(fn)(*inputs)
-        want, want_kv = jax.jit(lambda x, pos, table, c_kv, k_pe, *w: attention_chain_reference(
-            x, pos, table, c_kv, k_pe, type(weights)(*w), spec))(*inputs)
+        want, want_kv = reference(*inputs)
         rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
                                  / jnp.linalg.norm(b.astype(jnp.float32)))
         kernels = kernel_time_us(fn, inputs, calls=args.calls)["total"]
