@@ -314,6 +314,12 @@ def _name(variant, ring, products, producer) -> str:
     return f"{variant}/{ring}/{products}" + ("/producer" if producer else "")
 
 
+def _rel(got, want) -> float:
+    """|got - want| / |want| in f32 (Frobenius norms)."""
+    got, want = got.astype(jnp.float32), want.astype(jnp.float32)
+    return float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+
+
 def _gemv_chain(args, depth: int = 2048) -> dict:
     """decode_step_mgpu.gemv_chain against a scan of launches over the same [L, D, D] weights: relative
     error against the f32-summed reference, kernel time (profiler trace) and loop time a call (launch
@@ -334,7 +340,7 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
     for name, fn in (("one kernel (gemv_chain)", gemv_chain), ("Triton stacked_gemv a layer", triton),
                      ("XLA dot a layer", gemv_chain_reference)):
         got = jax.jit(fn)(x, w).astype(jnp.float32)
-        error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        error = _rel(got, want)
         kernels = kernel_time_us(fn, (x, w), calls=args.calls)["total"]
         loop = device_time_us(fn, (x, w), estimate_s=args.layers * 5e-6)
         rows.append(dict(kernel=name, layers=args.layers, rel_error=round(error, 5),
@@ -400,7 +406,7 @@ def _moe_chain(args) -> dict:
                      ("one kernel (moe_chain), 44 tiles split in K ranges", split),
                      ("moe_decode_mgpu a layer", launches)):
         got = jax.jit(fn)(*inputs).astype(jnp.float32)
-        error = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        error = _rel(got, want)
         kernels = kernel_time_us(fn, inputs, calls=args.calls)["total"]
         loop = device_time_us(fn, inputs, estimate_s=layers * 40e-6)
         rows.append(dict(kernel=name, layers=layers, rel_error=round(error, 5),
@@ -467,8 +473,7 @@ def _moe_block_chain(args) -> dict:
             continue
         got = jax.jit(fn)(*args_).astype(jnp.float32)
         reference = {id(inputs): want, id(tail_inputs): want_tail}.get(id(args_))  # none: moe_chain's own chain
-        error = None if reference is None else float(
-            jnp.linalg.norm(got - reference.astype(jnp.float32)) / jnp.linalg.norm(reference.astype(jnp.float32)))
+        error = None if reference is None else _rel(got, reference)
         kernels = kernel_time_us(fn, args_, calls=args.calls)["total"]
         loop = device_time_us(fn, args_, estimate_s=layers * 45e-6)
         mb = layer_mb + (o_proj_mb if args_ is tail_inputs else 0)
@@ -530,8 +535,6 @@ def _layer_chain(args) -> dict:
                                                 moe_layer_tail_chain)
 
     layers, rows, moe_spec = args.layer_chain, [], RouterSpec(1e-6)
-    rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
-                             / jnp.linalg.norm(b.astype(jnp.float32)))
     x, _, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(layers, 0)
     cls = type(attention)
     fn = lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain(
@@ -557,7 +560,7 @@ def _layer_chain(args) -> dict:
             kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
             loop = device_time_us(call, args_, estimate_s=layers * 80e-6)
             rows.append(dict(kernel=name, layers=layers, position=position,
-                             rel_error=round(rel(got, want), 5) if call is fn else None,
+                             rel_error=round(_rel(got, want), 5) if call is fn else None,
                              kernel_us_per_layer=round(kernels / layers, 2), loop_us_per_layer=round(loop / layers, 2)))
             print(rows[-1], flush=True)
     columns = ["kernel", "layers", "position", "rel_error", "kernel_us_per_layer", "loop_us_per_layer"]
@@ -589,13 +592,12 @@ def _attention_chain(args) -> dict:
         inputs = (x, pos, table, c_kv, k_pe, *weights)
         got, kv = jax.jit(fn)(*inputs)
         want, want_kv = reference(*inputs)
-        rel = lambda a, b: float(jnp.linalg.norm(a.astype(jnp.float32) - b.astype(jnp.float32))
-                                 / jnp.linalg.norm(b.astype(jnp.float32)))
         kernels = kernel_time_us(fn, inputs, calls=args.calls)["total"]
         loop = device_time_us(fn, inputs, estimate_s=layers * 30e-6)
         mb = sum(int(np.prod(w.shape[1:])) for w in weights) * 2 / 1e6 + position * 1152 / 1e6
-        rows.append(dict(kernel="attention_chain", layers=layers, position=position, rel_error=round(rel(got, want), 5),
-                         kv_rel_error=round(rel(kv, want_kv), 5), kernel_us_per_layer=round(kernels / layers, 2),
+        rows.append(dict(kernel="attention_chain", layers=layers, position=position,
+                         rel_error=round(_rel(got, want), 5), kv_rel_error=round(_rel(kv, want_kv), 5),
+                         kernel_us_per_layer=round(kernels / layers, 2),
                          loop_us_per_layer=round(loop / layers, 2), tb_s=round(mb * layers / loop, 3)))
         print(rows[-1], flush=True)
     columns = ["kernel", "layers", "position", "rel_error", "kv_rel_error", "kernel_us_per_layer", "loop_us_per_layer",
@@ -604,8 +606,8 @@ def _attention_chain(args) -> dict:
                          command=f"python -m benchmarks.megakernel_probe --attention-chain {layers}")
     if args.trace:  # 3 layers: the trace's buffer is shared memory, which the kernel nearly fills
         x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(3, 255)
-        traced(lambda d: jax.jit(lambda *a: attention_chain(*a, weights, spec, profile_dir=d))(x, pos, table, c_kv, k_pe),
-               f"{args.trace}/attention_chain")
+        chain = lambda d: jax.jit(lambda *a: attention_chain(*a, weights, spec, profile_dir=d))
+        traced(lambda d: chain(d)(x, pos, table, c_kv, k_pe), f"{args.trace}/attention_chain")
     return result
 
 

@@ -135,10 +135,13 @@ case $part in
     timeout 150 python -m benchmarks.megakernel_probe --moe-block-chain 8 --only split routing \
       --out "$OUT/moe_block_chain_split_h200.json" 2>&1 | grep -v -i warn | tail -6 ;;
   step-layer)  # whole layers in one kernel (decode_step_moe.moe_layer_chain: the attention phases, o_proj, the MoE
-               # half): GPU tests, then 8 of V2-Lite's layers at 3 positions beside the two halves' chains (~7 minutes)
-    timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_layer_chain or attention_chain" 2>&1 \
+               # half): the GPU tests of every step-kernel chain (their producers share one box-issuing helper since
+               # session 37's review), then 8 of V2-Lite's layers at 3 positions beside the two halves' chains
+               # (~9 minutes)
+    timeout 320 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "gemv_chain or moe_chain or moe_block_chain or moe_layer_tail or moe_layer_chain or attention_chain" 2>&1 \
       | tee "$OUT/gpu_tests_step_layer.log" | tail -30
-    timeout 330 python -m benchmarks.megakernel_probe --layer-chain 8 --trace "$OUT/trace" \
+    timeout 260 python -m benchmarks.megakernel_probe --layer-chain 8 --trace "$OUT/trace" \
       --out "$OUT/layer_chain_h200.json" 2>&1 | grep -v -i warn | tail -45 ;;
   step-engine)  # the engine's one-token steps through the step kernel: the model's GPU tests (the MoE stack's rope
                 # columns readied on Hopper) and the kernel in a model's steps, then the batch-1 compiled step A/B,

@@ -36,8 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _build_tiles, _load_rows, _norm_tiles, _release, _unit_sums, _zero_rows,
-                                             num_sms, proxy_fence)
+                                             _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _unit_sums,
+                                             _zero_rows, num_sms, proxy_fence)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -150,7 +150,8 @@ def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int
     if block_size % CHUNK:
         return f"block_size {block_size} is not a multiple of {CHUNK}"
     if (states := pl.cdiv(capacity, CHUNK) + 1) > ctas:
-        return f"a context of {capacity} tokens needs {states} CTAs for its chunks and the new token (this GPU runs {ctas})"
+        return (f"a context of {capacity} tokens needs {states} CTAs for its chunks and the new token (this GPU "
+                f"runs {ctas})")
     if num_layers < 1:
         return f"{num_layers} layers (at least 1)"
     return None
@@ -220,16 +221,6 @@ class AttentionScratch(NamedTuple):
     lat_bar: object
 
 
-def _issue(ring, full, free, n, copies):
-    """The box at ring position n, its two halves from ``copies(h)`` = (gmem view, condition) pairs, once its
-    slot is free."""
-    slot = lax.rem(n, RING)
-    pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
-    for h in range(2):
-        for view, when in copies(h):
-            pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
-
-
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
                      block_size: int, barrier_count):
@@ -266,7 +257,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     p2_boxes = jnp.where(c < wuk_units, 1, 0)
     p3_boxes = jnp.where(in_chunks, 5, 0)
     p4_boxes = jnp.where(c < wuv_units, 1, 0)
-    issue = functools.partial(_issue, ring, full, free)
+    issue = functools.partial(_issue_box, ring, full, free)
 
     def zero():
         _zero_rows(sm.zero, r.qkv, c, num_ctas)
@@ -516,7 +507,7 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
             @pl.when(c < o_units)
             def _():
                 for i in range(UNIT_K // STEP):
-                    _issue(ring, full, free, count + i, lambda h, i=i: [
+                    _issue_box(ring, full, free, count + i, lambda h, i=i: [
                         (wo_ref.at[layer, pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(o_tile * HALF, HALF)],
                          True)])
             return count + o_boxes
@@ -667,15 +658,22 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     return outs[0][-1].reshape(hidden).astype(x.dtype), outs[4].reshape(num_layers, LATENT + ROPE)
 
 
+def attention_layer_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
+                              layer: int):
+    """``attention_half_reference`` on layer ``layer`` of the stacked weights and caches [L, ...] -> (x_mid, the
+    row [576] it wrote into the layer's cache: the new latent and rope key)."""
+    block_size = c_kv.shape[2]
+    page, offset = block_table[position // block_size], position % block_size
+    x, c_l, k_l = attention_half_reference(x, position, block_table, c_kv[layer], k_pe[layer],
+                                           AttentionWeights(*(w[layer] for w in weights)), spec)
+    return x, jnp.concatenate([c_l[page, offset], k_l[page, offset]])
+
+
 def attention_chain_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec):
     """The same chain with ``attention_half_reference`` a layer -> (x_L, kv [L, 576]: the rows each layer wrote
     into its cache)."""
-    block_size = c_kv.shape[2]
-    page, offset = block_table[position // block_size], position % block_size
     rows = []
     for layer in range(c_kv.shape[0]):
-        layer_weights = AttentionWeights(*(w[layer] for w in weights))
-        x, c_l, k_l = attention_half_reference(x, position, block_table, c_kv[layer], k_pe[layer], layer_weights,
-                                               spec)
-        rows.append(jnp.concatenate([c_l[page, offset], k_l[page, offset]]))
+        x, row = attention_layer_reference(x, position, block_table, c_kv, k_pe, weights, spec, layer)
+        rows.append(row)
     return x, jnp.stack(rows)

@@ -92,6 +92,16 @@ def proxy_fence(_):
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
+def _issue_box(ring, full, free, n, copies):
+    """A producer's box at ring position n, once the slot is free: half h from the view of each (gmem view,
+    condition) pair of ``copies(h)`` whose condition holds (a Python True: always; at most one should)."""
+    slot = lax.rem(n, RING)
+    pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
+    for h in range(2):
+        for view, when in copies(h):
+            pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
+
+
 def _build_tiles(rows_smem, tiles_smem, transform=None):
     """rows_smem f32[n, 64] -> tiles_smem bf16[n * 8, 64]: chunk i (``transform(i, chunk)`` when given) as the
     first row of tile i (rows [8i, 8i + 8)), zeros below, built 8 tiles (one [64, 64] register block) at a
@@ -238,13 +248,8 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
         """Warpgroup 1: box after box of every layer, each once its slot is free."""
         def layer_loads(layer, _):
             for i in range(boxes):
-                n = layer * boxes + i
-                slot = lax.rem(n, RING)
-                pl.when(n >= RING)(lambda slot=slot: plgpu.barrier_wait(free.at[slot]))
-                for h in range(2):
-                    rows = pl.ds(kq * UNIT_K + i * STEP + h * HALF, HALF)
-                    plgpu.copy_gmem_to_smem(w_ref.at[layer, rows, pl.ds(tile * HALF, HALF)], ring.at[slot, h],
-                                            full.at[slot])
+                _issue_box(ring, full, free, layer * boxes + i, lambda h, i=i: [
+                    (w_ref.at[layer, pl.ds(kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], True)])
             return ()
 
         lax.fori_loop(0, num_layers, layer_loads, ())

@@ -27,11 +27,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import why_not_hopper
-from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, AttentionWeights,
-                                                  attention_half_reference, attention_operands, attention_phases)
+from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
+                                                  attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _input_tiles, _norm_tiles, _release, _unit_sums, _zero_rows, num_sms,
-                                             proxy_fence)
+                                             _input_tiles, _issue_box, _norm_tiles, _release, _unit_sums, _zero_rows,
+                                             num_sms, proxy_fence)
 
 
 def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
@@ -334,12 +334,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         """Warpgroup 1: every box of every unit of every layer, each once its slot is free (with a router, the
         routed tiles' once the computing warpgroup has routed the layer)."""
         def issue(n, halves):
-            """The box at ring position n (its two [64, 64] halves, ``halves(h)`` in global memory) once its
-            slot is free."""
-            slot = lax.rem(n, RING)
-            pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
-            for h in range(2):
-                plgpu.copy_gmem_to_smem(halves(h), ring.at[slot, h], full.at[slot])
+            """The box at ring position n, its two [64, 64] halves ``halves(h)`` in global memory."""
+            _issue_box(ring, full, free, n, lambda h: [(halves(h), True)])
 
         def unit_loads(layer, u, carry):
             count, routed = carry
@@ -349,21 +345,19 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             is_routed, expert, _, i0 = tile_of(layer, tile)
 
             def box(n, count):
-                slot = lax.rem(count, RING)
-                pl.when(count >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
                 k, jd = lax.div(n, 2), n - gate_boxes
-                for h in range(2):
+                kinds = ((n < gate_boxes) & (lax.rem(n, 2) == 0), (n < gate_boxes) & (lax.rem(n, 2) == 1),
+                         n >= gate_boxes)  # gate, up, down
+
+                def copies(h):  # the routed expert's or the shared experts' box of this kind
                     gate_up = (pl.ds(k * STEP + h * HALF, HALF), pl.ds(i0, HALF))
                     down = (pl.ds(i0, HALF), pl.ds(jd * STEP + h * HALF, HALF))
-                    for routed_refs, refs in ((True, (wg_ref, wu_ref, wd_ref)), (False, (sg_ref, su_ref, sd_ref))):
-                        prefix = (layer, expert) if routed_refs else (layer,)
-                        which = is_routed if routed_refs else jnp.logical_not(is_routed)
-                        for kind, (ref, index) in enumerate(((refs[0], gate_up), (refs[1], gate_up),
-                                                             (refs[2], down))):
-                            kind_is = ((n < gate_boxes) & (lax.rem(n, 2) == 0), (n < gate_boxes) & (
-                                lax.rem(n, 2) == 1), n >= gate_boxes)[kind]
-                            pl.when(which & kind_is)(lambda ref=ref, index=index, prefix=prefix: plgpu.copy_gmem_to_smem(
-                                ref.at[(*prefix, *index)], ring.at[slot, h], full.at[slot]))
+                    sources = (((layer, expert), is_routed, (wg_ref, wu_ref, wd_ref)),
+                               ((layer,), jnp.logical_not(is_routed), (sg_ref, su_ref, sd_ref)))
+                    return [(ref.at[(*prefix, *index)], which & kind_is) for prefix, which, refs in sources
+                            for ref, index, kind_is in zip(refs, (gate_up, gate_up, down), kinds)]
+
+                _issue_box(ring, full, free, count, copies)
                 return count + 1
 
             return lax.fori_loop(first, end, box, count), routed
@@ -919,14 +913,11 @@ def moe_layer_chain_reference(x, position, block_table, c_kv, k_pe, attention, a
                               spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared):
     """The same layers in jnp: ``attention_half_reference`` (the model's attention, the cache written), then
     ``moe_block_chain_reference``'s layer -> (x_L, ids, weights, kv [L, 576])."""
-    block_size = c_kv.shape[2]
-    page, offset = block_table[position // block_size], position % block_size
     all_ids, all_weights, rows = [], [], []
     for layer in range(norm.shape[0]):
         one = lambda a: a[layer:layer + 1]
-        x, c_l, k_l = attention_half_reference(x, position, block_table, c_kv[layer], k_pe[layer],
-                                               AttentionWeights(*(w[layer] for w in attention)), attention_spec)
-        rows.append(jnp.concatenate([c_l[page, offset], k_l[page, offset]]))
+        x, row = attention_layer_reference(x, position, block_table, c_kv, k_pe, attention, attention_spec, layer)
+        rows.append(row)
         x, ids, weights = moe_block_chain_reference(x, one(norm), one(router), spec, top_k, one(w_gate), one(w_up),
                                                     one(w_down), tuple(one(w) for w in shared))
         all_ids.append(ids[0])

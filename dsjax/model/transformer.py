@@ -200,8 +200,10 @@ class DeepseekForCausalLM(nnx.Module):
             attn.interleave = False
         return None
 
-    def _why_not_step_kernel(self) -> str | None:
-        """The step kernel's conditions that depend on neither a step's shapes nor ``dispatch.STEP_KERNEL``."""
+    def _why_not_step_kernel(self, block_size: int = 64, capacity: int = 64) -> str | None:
+        """The step kernel's conditions apart from ``dispatch.STEP_KERNEL`` and a step's token count and cache
+        format, for pages of ``block_size`` and block tables of ``capacity`` tokens (by default the least the
+        kernel takes)."""
         c = self.config
         if self.kernel_backend != "pallas":
             return f"kernel_backend={self.kernel_backend!r} (the kernel runs under 'pallas')"
@@ -217,14 +219,14 @@ class DeepseekForCausalLM(nnx.Module):
             c.hidden_size, c.moe_intermediate_size, c.moe_intermediate_size * c.n_shared_experts,
             c.num_moe_layers, self.dtype, router=True, num_experts=c.n_routed_experts, top_k=c.num_experts_per_tok,
             attention=heads * c.v_head_dim) or decode_step_attention.attention_supports(
-            c.hidden_size, heads, dims, 64, 64, self.dtype, c.num_moe_layers)
+            c.hidden_size, heads, dims, block_size, capacity, self.dtype, c.num_moe_layers)
 
     def step_kernel_blocker(self, num_tokens: int, cache: PagedKVCache, table_width: int) -> str | None:
         """None when a step of ``num_tokens`` over ``cache`` (block tables ``table_width`` pages wide) runs the
         MoE stack in one kernel (``prepare_step_kernel`` done), else why not."""
         if not dispatch.STEP_KERNEL:
             return "dispatch.STEP_KERNEL is off"
-        if why_not := self._why_not_step_kernel():
+        if why_not := self._why_not_step_kernel(cache.block_size, table_width * cache.block_size):
             return why_not
         if self.moe_layers.attn.interleave:
             return "the stack's rope columns are not prepared (prepare_step_kernel)"
@@ -232,11 +234,7 @@ class DeepseekForCausalLM(nnx.Module):
             return f"{num_tokens} tokens in the step (the kernel takes one)"
         if cache.c_kv_scale is not None or cache.pools is not None or cache.c_kv.dtype != self.dtype:
             return "an 8-bit or two-pool cache (the kernel reads one bf16 pool)"
-        c = self.config
-        return decode_step_attention.attention_supports(
-            c.hidden_size, c.num_attention_heads, (c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank,
-                                                   c.v_head_dim), cache.block_size, table_width * cache.block_size,
-            self.dtype, c.num_moe_layers)
+        return None
 
     def _moe_stack_step(self, x, cache: PagedKVCache, batch: PagedBatch):
         """The MoE stack of a one-token step as one persistent kernel: x [1, D] -> (x after the stack, the
