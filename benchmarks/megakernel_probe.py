@@ -526,10 +526,25 @@ def layer_inputs(layers: int, position: int, seed: int = 7):
     return x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared
 
 
+def _with_registers(call, registers):
+    """``call`` traced with decode_step_moe.WARPGROUP_REGISTERS = ``registers`` (a new function each time, so
+    jit traces it anew)."""
+    from pallas_kernels import decode_step_moe
+
+    def run(*a, **k):
+        saved, decode_step_moe.WARPGROUP_REGISTERS = decode_step_moe.WARPGROUP_REGISTERS, registers
+        try:
+            return call(*a, **k)
+        finally:
+            decode_step_moe.WARPGROUP_REGISTERS = saved
+    return run
+
+
 def _layer_chain(args) -> dict:
     """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
-    MoE half), ``--layer-chain`` of them in one kernel, at three positions, against its reference; beside it
-    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output)."""
+    MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
+    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output); with
+    ``--registers``: the whole layer and the tail again with each register split of the three warpgroups."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
@@ -537,7 +552,7 @@ def _layer_chain(args) -> dict:
     layers, rows, moe_spec = args.layer_chain, [], RouterSpec(1e-6)
     x, _, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(layers, 0)
     cls = type(attention)
-    fn = lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain(
+    whole = lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain(
         x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0]
     reference = jax.jit(lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain_reference(
         x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0])
@@ -546,30 +561,38 @@ def _layer_chain(args) -> dict:
                                                                      r[3:])[0]
     tail_inputs = (x, jnp.ones((layers, 2048), jnp.bfloat16) / 8, attention.o_proj.reshape(layers, 2048, 2048), norm,
                    router, *routed, *shared)
-    for position in (0, 255, 511):  # the same weights and caches, the token at another position
-        pos = jnp.int32(position)
-        inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
-        got, want = jax.jit(fn)(*inputs), reference(*inputs)
-        runs = [("moe_layer_chain (whole layers in one kernel)", fn, inputs),
-                ("attention_chain (the attention halves alone)", attention_only,
-                 (x, pos, table, c_kv, k_pe, *attention))]
-        if position == 0:  # the layer tail does not read the context
-            runs.append(("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)", tail,
-                         tail_inputs))
-        for name, call, args_ in runs:
-            kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
-            loop = device_time_us(call, args_, estimate_s=layers * 80e-6)
-            rows.append(dict(kernel=name, layers=layers, position=position,
-                             rel_error=round(_rel(got, want), 5) if call is fn else None,
-                             kernel_us_per_layer=round(kernels / layers, 2), loop_us_per_layer=round(loop / layers, 2)))
-            print(rows[-1], flush=True)
-    columns = ["kernel", "layers", "position", "rel_error", "kernel_us_per_layer", "loop_us_per_layer"]
+    splits = [None] + [tuple(int(n) for n in r.split(",")) for r in args.registers]
+    for registers in splits:
+        fn = _with_registers(whole, registers)
+        for position in (0, 511):  # the same weights and caches, the token at another position
+            pos = jnp.int32(position)
+            inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
+            got, want = jax.jit(fn)(*inputs), reference(*inputs)
+            runs = [("moe_layer_chain (whole layers in one kernel)", fn, inputs)]
+            if registers is None:
+                runs.append(("attention_chain (the attention halves alone)", attention_only,
+                             (x, pos, table, c_kv, k_pe, *attention)))
+            if position == 0:  # the layer tail does not read the context
+                runs.append(("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)",
+                             _with_registers(tail, registers), tail_inputs))
+            for name, call, args_ in runs:
+                kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
+                loop = device_time_us(call, args_, estimate_s=layers * 80e-6)
+                rows.append(dict(kernel=name, registers="/".join(map(str, registers)) if registers else "168 each",
+                                 layers=layers, position=position,
+                                 rel_error=round(_rel(got, want), 5) if call is fn else None,
+                                 kernel_us_per_layer=round(kernels / layers, 2),
+                                 loop_us_per_layer=round(loop / layers, 2)))
+                print(rows[-1], flush=True)
+    columns = ["kernel", "registers", "layers", "position", "rel_error", "kernel_us_per_layer", "loop_us_per_layer"]
+    flags = "".join(f" --registers {r}" for r in args.registers)
     result = write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
-                         command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}")
-    if args.trace:  # 2 layers: the trace's buffer is shared memory
+                         command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}{flags}")
+    if args.trace:  # 2 layers: the trace's buffer is shared memory; the last register split
         x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 255)
-        traced(lambda d: jax.jit(lambda *a: moe_layer_chain(*a, attention, spec, norm, router, moe_spec, 6, *routed,
-                                                            shared, profile_dir=d))(x, pos, table, c_kv, k_pe),
+        chain = _with_registers(lambda *a, profile_dir: moe_layer_chain(
+            *a, attention, spec, norm, router, moe_spec, 6, *routed, shared, profile_dir=profile_dir), splits[-1])
+        traced(lambda d: jax.jit(functools.partial(chain, profile_dir=d))(x, pos, table, c_kv, k_pe),
                f"{args.trace}/moe_layer_chain")
     return result
 
@@ -638,6 +661,9 @@ def main(argv=None) -> dict:
             ("--layer-chain", "decode_step_moe.moe_layer_chain (V2-Lite's whole layers at one token, this many) at "
                               "positions 0, 255 and 511, against its reference and the two halves' chains")):
         parser.add_argument(flag, type=int, default=0, metavar="LAYERS", help=f"instead: {what}")
+    parser.add_argument("--registers", action="append", default=[], metavar="C,P,R",
+                        help="with --layer-chain: also the whole layer and the tail with the three warpgroups' "
+                             "registers so (decode_step_moe.WARPGROUP_REGISTERS: computing, producer, routing)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

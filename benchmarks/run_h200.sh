@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-registers|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -151,6 +151,15 @@ case $part in
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 3 --variant built --variant "step kernel: dsjax.model.dispatch.STEP_KERNEL=True" \
       --out "$OUT/step_ab_step_kernel_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  step-registers)  # round 24: the whole layer in one kernel took 88-90 µs a layer against 24 + 47 for its halves'
+                   # chains; its three warpgroups cap ptxas at 168 registers a thread (the attention chain's two
+                   # at 255): ptxas' register and spill report, the layer with the warpgroups trading registers,
+                   # then the GPU tests of the whole layer and of the model's steps through it (~9 minutes)
+    MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python -m benchmarks.megakernel_probe --layer-chain 8 --registers 232,40,96 \
+      --trace "$OUT/trace" --out "$OUT/layer_chain_registers_h200.json" > "$OUT/ptxas_layer_chain.log" 2>&1
+    grep -E "^\{|spill|Used [0-9]+ registers|Compiling entry|Error" "$OUT/ptxas_layer_chain.log" | tail -40
+    timeout 250 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_layer_chain or $MODEL_TESTS or step_kernel" \
+      2>&1 | tee "$OUT/gpu_tests_step_registers.log" | tail -6 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

@@ -136,6 +136,10 @@ PLANS = ("tiles", "dealt", "split")
 # V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
 # 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
 EXPERT_PLAN = "split"
+# With a router the kernel runs three warpgroups (384 threads), so ptxas gives each thread at most 168 registers
+# unless the warpgroups trade them: (computing, producer, routing) per-thread counts set on entry (multiples of
+# 8, 24..256, their sum times 128 at most 64512), or None to keep 168 each. Read at trace time.
+WARPGROUP_REGISTERS: tuple[int, int, int] | None = None
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -690,10 +694,20 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                                                          memory_scope="gpu"))
         _release(sem, c, num_ctas, 1 + per_layer * num_layers)
 
-    pl.when(lax.axis_index("wg") == 0)(compute)
-    pl.when(lax.axis_index("wg") == 1)(loads)
+    registers = WARPGROUP_REGISTERS if router else None
+
+    def warpgroup(body, index):
+        def run():
+            if registers:
+                action = "increase" if registers[index] > 168 else "decrease"
+                plgpu.set_max_registers(registers[index], action=action)
+            body()
+        pl.when(lax.axis_index("wg") == index)(run)
+
+    warpgroup(compute, 0)
+    warpgroup(loads, 1)
     if router:
-        pl.when(lax.axis_index("wg") == 2)(routing)
+        warpgroup(routing, 2)
 
 
 def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
@@ -814,6 +828,11 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         raise ValueError(f"moe_chain: x {x.shape}, w_gate {w_gate.shape}; expected x [D={hidden}]")
     if EXPERT_PLAN not in PLANS:
         raise ValueError(f"EXPERT_PLAN={EXPERT_PLAN!r}; accepted: {', '.join(PLANS)}")
+    if WARPGROUP_REGISTERS is not None and (
+            len(WARPGROUP_REGISTERS) != 3 or sum(WARPGROUP_REGISTERS) * 128 > 64512
+            or any(r % 8 or not 24 <= r <= 256 for r in WARPGROUP_REGISTERS)):
+        raise ValueError(f"WARPGROUP_REGISTERS={WARPGROUP_REGISTERS!r}; accepted: None or three multiples of 8 in "
+                         "24..256 (computing, producer, routing) summing to at most 504")
     if router is not None and extra[1].shape[-1] != HALF:
         raise ValueError(f"moe_block_chain: {extra[1].shape[-1]} experts; the in-kernel router takes {HALF}")
     routed_tiles = inter // HALF
@@ -855,8 +874,10 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             # the trace's buffer is shared memory: 1024 entries overflow the MoE half's (round 22), and 512 its
-            # three warpgroups' (384 hold 8 layers' ~15 scopes a warpgroup)
-            approx_math=True, **({"profile_space": 384, "profile_dir": profile_dir} if profile_dir else {})),
+            # three warpgroups' (384 hold 8 layers' ~15 scopes a warpgroup); 384 overflow the whole layer's by
+            # 5.2 KiB (round 24), 256 hold 2 layers
+            approx_math=True, **({"profile_space": 256 if front else 384, "profile_dir": profile_dir}
+                                 if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)
     result = outs[0][-1].reshape(hidden).astype(x.dtype)
     return (result, (outs[3], outs[4]) if router is not None else None, outs[5] if attention else None,
