@@ -543,8 +543,8 @@ def _with_registers(call, registers):
 def _layer_chain(args) -> dict:
     """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
-    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output); with
-    ``--registers``: the whole layer and the tail again with each register split of the three warpgroups."""
+    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output); the
+    whole layer and the tail with each ``--registers`` split of the three warpgroups (default: the kernel's)."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
@@ -561,7 +561,10 @@ def _layer_chain(args) -> dict:
                                                                      r[3:])[0]
     tail_inputs = (x, jnp.ones((layers, 2048), jnp.bfloat16) / 8, attention.o_proj.reshape(layers, 2048, 2048), norm,
                    router, *routed, *shared)
-    splits = [None] + [tuple(int(n) for n in r.split(",")) for r in args.registers]
+    from pallas_kernels import decode_step_moe
+
+    splits = [None if r == "none" else tuple(int(n) for n in r.split(",")) for r in args.registers]
+    splits = splits or [decode_step_moe.WARPGROUP_REGISTERS]
     for registers in splits:
         fn = _with_registers(whole, registers)
         for position in (0, 511):  # the same weights and caches, the token at another position
@@ -569,7 +572,7 @@ def _layer_chain(args) -> dict:
             inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
             got, want = jax.jit(fn)(*inputs), reference(*inputs)
             runs = [("moe_layer_chain (whole layers in one kernel)", fn, inputs)]
-            if registers is None:
+            if registers is splits[0]:
                 runs.append(("attention_chain (the attention halves alone)", attention_only,
                              (x, pos, table, c_kv, k_pe, *attention)))
             if position == 0:  # the layer tail does not read the context
@@ -590,9 +593,12 @@ def _layer_chain(args) -> dict:
                          command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}{flags}")
     if args.trace:  # 2 layers: the trace's buffer is shared memory; the last register split
         x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 255)
-        chain = _with_registers(lambda *a, profile_dir: moe_layer_chain(
-            *a, attention, spec, norm, router, moe_spec, 6, *routed, shared, profile_dir=profile_dir), splits[-1])
-        traced(lambda d: jax.jit(functools.partial(chain, profile_dir=d))(x, pos, table, c_kv, k_pe),
+        chain = _with_registers(lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, *,
+                                profile_dir: moe_layer_chain(x, pos, table, c_kv, k_pe, attention, spec, norm, router,
+                                                             moe_spec, 6, *routed, shared, profile_dir=profile_dir),
+                                splits[-1])
+        weights = (attention, norm, router, routed, shared)  # arguments: as constants they take minutes to compile
+        traced(lambda d: jax.jit(functools.partial(chain, profile_dir=d))(x, pos, table, c_kv, k_pe, *weights),
                f"{args.trace}/moe_layer_chain")
     return result
 
@@ -629,8 +635,8 @@ def _attention_chain(args) -> dict:
                          command=f"python -m benchmarks.megakernel_probe --attention-chain {layers}")
     if args.trace:  # 3 layers: the trace's buffer is shared memory, which the kernel nearly fills
         x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(3, 255)
-        chain = lambda d: jax.jit(lambda *a: attention_chain(*a, weights, spec, profile_dir=d))
-        traced(lambda d: chain(d)(x, pos, table, c_kv, k_pe), f"{args.trace}/attention_chain")
+        chain = lambda d: jax.jit(lambda *a, w: attention_chain(*a, w, spec, profile_dir=d))
+        traced(lambda d: chain(d)(x, pos, table, c_kv, k_pe, w=weights), f"{args.trace}/attention_chain")
     return result
 
 
@@ -662,8 +668,9 @@ def main(argv=None) -> dict:
                               "positions 0, 255 and 511, against its reference and the two halves' chains")):
         parser.add_argument(flag, type=int, default=0, metavar="LAYERS", help=f"instead: {what}")
     parser.add_argument("--registers", action="append", default=[], metavar="C,P,R",
-                        help="with --layer-chain: also the whole layer and the tail with the three warpgroups' "
-                             "registers so (decode_step_moe.WARPGROUP_REGISTERS: computing, producer, routing)")
+                        help="with --layer-chain: the whole layer and the tail with the three warpgroups' "
+                             "registers so (decode_step_moe.WARPGROUP_REGISTERS: computing, producer, routing; "
+                             "'none': 168 each), once for each; default: the kernel's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

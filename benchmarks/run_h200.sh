@@ -134,15 +134,13 @@ case $part in
       2>&1 | grep -v -i warn | tail -6
     timeout 150 python -m benchmarks.megakernel_probe --moe-block-chain 8 --only split routing \
       --out "$OUT/moe_block_chain_split_h200.json" 2>&1 | grep -v -i warn | tail -6 ;;
-  step-layer)  # whole layers in one kernel (decode_step_moe.moe_layer_chain: the attention phases, o_proj, the MoE
-               # half): the GPU tests of every step-kernel chain (their producers share one box-issuing helper since
-               # session 37's review), then 8 of V2-Lite's layers at 3 positions beside the two halves' chains
-               # (~9 minutes)
-    timeout 320 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "gemv_chain or moe_chain or moe_block_chain or moe_layer_tail or moe_layer_chain or attention_chain" 2>&1 \
-      | tee "$OUT/gpu_tests_step_layer.log" | tail -30
-    timeout 260 python -m benchmarks.megakernel_probe --layer-chain 8 --trace "$OUT/trace" \
-      --out "$OUT/layer_chain_h200.json" 2>&1 | grep -v -i warn | tail -45 ;;
+  step-layer)  # the GPU tests of the step kernels (since round 24: the three-warpgroup ones' warpgroups trade
+               # registers and the routing warpgroup waits for its cue; one GEMV-unit helper and one row rounding
+               # under the GEMV chain, the attention chain and the MoE kernels) and of the model's one-token steps
+               # through the whole-layer kernel (~8 minutes)
+    timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "gemv_chain or attention_chain or moe_block_chain or moe_layer_tail or moe_layer_chain or step_kernel" 2>&1 \
+      | tee "$OUT/gpu_tests_step_layer.log" | tail -8 ;;
   step-engine)  # the engine's one-token steps through the step kernel: the model's GPU tests (the MoE stack's rope
                 # columns readied on Hopper) and the kernel in a model's steps, then the batch-1 compiled step A/B,
                 # dispatch.STEP_KERNEL off / on (~8 minutes)
@@ -151,15 +149,13 @@ case $part in
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 3 --variant built --variant "step kernel: dsjax.model.dispatch.STEP_KERNEL=True" \
       --out "$OUT/step_ab_step_kernel_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  step-registers)  # round 24: the whole layer in one kernel took 88-90 µs a layer against 24 + 47 for its halves'
-                   # chains; its three warpgroups cap ptxas at 168 registers a thread (the attention chain's two
-                   # at 255): ptxas' register and spill report, the layer with the warpgroups trading registers,
-                   # then the GPU tests of the whole layer and of the model's steps through it (~9 minutes)
-    MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python -m benchmarks.megakernel_probe --layer-chain 8 --registers 232,40,96 \
-      --trace "$OUT/trace" --out "$OUT/layer_chain_registers_h200.json" > "$OUT/ptxas_layer_chain.log" 2>&1
-    grep -E "^\{|spill|Used [0-9]+ registers|Compiling entry|Error" "$OUT/ptxas_layer_chain.log" | tail -40
-    timeout 250 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_layer_chain or $MODEL_TESTS or step_kernel" \
-      2>&1 | tee "$OUT/gpu_tests_step_registers.log" | tail -6 ;;
+  step-registers)  # whole layers in one kernel (decode_step_moe.moe_layer_chain), 8 of V2-Lite's at positions 0 and
+                   # 511, beside its halves' chains, with the warpgroups' register splits 232/40/96 (round 24's) and
+                   # 256/40/96; ptxas' register and spill report; a 2-layer trace (~7 minutes)
+    MOSAIC_GPU_DUMP_PTXAS=1 timeout 560 python -m benchmarks.megakernel_probe --layer-chain 8 \
+      --registers 232,40,96 --registers 256,40,96 --trace "$OUT/trace" --out "$OUT/layer_chain_registers_h200.json" \
+      > "$OUT/ptxas_layer_chain.log" 2>&1
+    grep -E "^\{|spill stores|Used [0-9]+ registers|Error" "$OUT/ptxas_layer_chain.log" | grep -v "^ptxas warning" | tail -40 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

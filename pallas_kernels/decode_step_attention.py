@@ -36,8 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _unit_sums,
-                                             _zero_rows, num_sms, proxy_fence)
+                                             _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
+                                             _unit_boxes, _unit_store, _unit_sums, _zero_rows, num_sms, proxy_fence)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -504,12 +504,7 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
         def layer_loads(layer, count):
             count = phase_loads(layer, count)
 
-            @pl.when(c < o_units)
-            def _():
-                for i in range(UNIT_K // STEP):
-                    _issue_box(ring, full, free, count + i, lambda h, i=i: [
-                        (wo_ref.at[layer, pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(o_tile * HALF, HALF)],
-                         True)])
+            pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))
             return count + o_boxes
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
@@ -517,9 +512,7 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
     def read_rows(source):
         """The layer's input rows (x_l) into xin_smem, rounded to bf16 as the model's residual stream is."""
         _load_rows(source, xin_smem)
-        flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
-        xin_smem[...] = plgpu.load(xin_smem, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
-        plgpu.commit_smem()
+        _round_rows(xin_smem)
 
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)
@@ -537,9 +530,7 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
                 chunks = UNIT_K // HALF
                 _load_rows(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)])
                 _build_tiles(row_smem.at[pl.ds(0, chunks)], tiles_smem)
-                part_smem.at[0][...] = _unit_sums(ring, full, free, tiles_smem, count, UNIT_K // STEP, zeros8)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(part_smem.at[0], out_ref.at[layer, o_tile], reduction_op="add")
+                _unit_store(ring, full, free, tiles_smem, count, zeros8, part_smem.at[0], out_ref.at[layer, o_tile])
 
             pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
             _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5))

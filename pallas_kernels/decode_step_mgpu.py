@@ -102,6 +102,30 @@ def _issue_box(ring, full, free, n, copies):
             pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
 
 
+def _unit_boxes(ring, full, free, n, weight, tile, kq):
+    """A GEMV unit's boxes at ring positions n, n + 1, ...: K rows [kq * UNIT_K, (kq + 1) * UNIT_K) of
+    ``weight`` (one layer's [K, N] in global memory), its columns [tile * 64, tile * 64 + 64)."""
+    for i in range(UNIT_K // STEP):
+        _issue_box(ring, full, free, n + i, lambda h, i=i: [
+            (weight.at[pl.ds(kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], True)])
+
+
+def _unit_store(ring, full, free, tiles_smem, n, zeros, part_smem, out_row):
+    """A GEMV unit's products (its boxes at ring positions n, ..., ``_unit_boxes``; its K range's tiles first in
+    tiles_smem), its 64 partial sums added by TMA into ``out_row`` (f32[64] in global memory)."""
+    part_smem[...] = _unit_sums(ring, full, free, tiles_smem, n, UNIT_K // STEP, zeros)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(part_smem, out_row, reduction_op="add")
+
+
+def _round_rows(rows_smem):
+    """rows_smem's f32 rows rounded to bf16 in place, as the model's residual stream is, and committed (the
+    norm's threads and CTA 0's TMA add of the residual read them)."""
+    flat = plgpu.Layout.WG_STRIDED(tuple(rows_smem.shape), vec_size=2)
+    rows_smem[...] = plgpu.load(rows_smem, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
+    plgpu.commit_smem()
+
+
 def _build_tiles(rows_smem, tiles_smem, transform=None):
     """rows_smem f32[n, 64] -> tiles_smem bf16[n * 8, 64]: chunk i (``transform(i, chunk)`` when given) as the
     first row of tile i (rows [8i, 8i + 8)), zeros below, built 8 tiles (one [64, 64] register block) at a
@@ -247,9 +271,7 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
     def loads():
         """Warpgroup 1: box after box of every layer, each once its slot is free."""
         def layer_loads(layer, _):
-            for i in range(boxes):
-                _issue_box(ring, full, free, layer * boxes + i, lambda h, i=i: [
-                    (w_ref.at[layer, pl.ds(kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], True)])
+            _unit_boxes(ring, full, free, layer * boxes, w_ref.at[layer], tile, kq)
             return ()
 
         lax.fori_loop(0, num_layers, layer_loads, ())
@@ -265,11 +287,7 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
 
         def layer_body(layer, _):
             with jax.named_scope("products"):
-                sums = _unit_sums(ring, full, free, tiles_smem, layer * boxes, boxes, zeros)
-            with jax.named_scope("store"):
-                row_smem[...] = sums
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer, tile], reduction_op="add")
+                _unit_store(ring, full, free, tiles_smem, layer * boxes, zeros, row_smem, out_ref.at[layer, tile])
             _arrive_and_wait(sem, num_ctas, layer + 2)
 
             @pl.when(layer + 1 < num_layers)

@@ -30,8 +30,8 @@ from pallas_kernels.common import why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _input_tiles, _issue_box, _norm_tiles, _release, _unit_sums, _zero_rows,
-                                             num_sms, proxy_fence)
+                                             _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
+                                             _unit_store, _zero_rows, num_sms, proxy_fence)
 
 
 def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
@@ -105,6 +105,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
         plgpu.Barrier(num_barriers=1),  # the norm's weights landed
         plgpu.Barrier(num_barriers=1),  # the logits landed
         plgpu.Barrier(num_barriers=1),  # the routing is in shared memory (for the producer)
+        plgpu.Barrier(num_barriers=1),  # the layer's router phase began (the routing warpgroup's cue to poll)
     ] if router else []
     return [
         plgpu.SMEM((RING, 2, HALF, HALF), dtype, transforms=_TILING),  # the ring of boxes
@@ -138,8 +139,11 @@ PLANS = ("tiles", "dealt", "split")
 EXPERT_PLAN = "split"
 # With a router the kernel runs three warpgroups (384 threads), so ptxas gives each thread at most 168 registers
 # unless the warpgroups trade them: (computing, producer, routing) per-thread counts set on entry (multiples of
-# 8, 24..256, their sum times 128 at most 64512), or None to keep 168 each. Read at trace time.
-WARPGROUP_REGISTERS: tuple[int, int, int] | None = None
+# 8, 24..256, their sum times 128 at most 64512), or None to keep 168 each. Read at trace time. Round 24 (8
+# V2-Lite layers): at 168 each ptxas spills 824 bytes a thread in the whole layer (moe_layer_chain, 88.6 / 91.1
+# µs a layer at positions 0 / 511) and 140 in the layer tail (46.9); at 232/40/96, 552 and none (83.6 / 86.4;
+# 46.5).
+WARPGROUP_REGISTERS: tuple[int, int, int] | None = (232, 40, 96)
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -258,7 +262,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, *attention_in) = refs[:num_in]
         (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + num_out]
         (ring, xin_smem, tiles_union, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
-         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
+         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar, cue_bar,
          *front_smem) = refs[num_in + num_out:]
         tiles_smem = tiles_union[0] if front else tiles_union
         if front:
@@ -371,11 +375,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 count = front_loads(layer, count)
             if attention:  # an o_proj unit's boxes first
 
-                @pl.when(c < o_units)
-                def _():
-                    for i in range(UNIT_K // STEP):
-                        issue(count + i, lambda h, i=i: wo_ref.at[
-                            layer, pl.ds(o_kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(o_tile * HALF, HALF)])
+                pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))
                 count = count + o_boxes
             if router:  # a router CTA's K step of the router, each part a box, before the layer's units
 
@@ -396,8 +396,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             with jax.named_scope("input"):  # residual stream is: the norm and the residual add take them so
                 plgpu.copy_gmem_to_smem(source, xin_smem, xin_bar.at[0])
                 plgpu.barrier_wait(xin_bar.at[0])
-                flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
-                xin_smem[...] = plgpu.load(xin_smem, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
+                _round_rows(xin_smem)
         else:
             _input_tiles(source, xin_smem, tiles_smem, xin_bar.at[0])
 
@@ -405,6 +404,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         """RMSNorm of the layer's rows into the tiles; a router CTA multiplies the tiles of its K step by its
         router boxes (``parts`` of them, two wgmma chains), adds its partial logits by TMA and counts them on
         ``routed_sem`` (``routing`` takes it from there). -> the ring's count after the router boxes."""
+        plgpu.barrier_arrive(cue_bar.at[0])  # the routing warpgroup may poll routed_sem from now on
         plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
         with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
             _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, router.eps)
@@ -445,8 +445,12 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     def routing():
         """Warpgroup 2 (with a router), each layer: once every router CTA has counted its add on
         ``routed_sem``, the layer's logits, softmax and greedy top-k into shared memory; ``route_bar`` tells
-        the producer and the computing warpgroup, which runs the shared tiles' products meanwhile."""
+        the producer and the computing warpgroup, which runs the shared tiles' products meanwhile. It sleeps on
+        ``cue_bar`` until the computing warpgroup starts the layer's router phase: polling routed_sem through
+        the phases before (the whole attention half in ``moe_layer_chain``) would load the memory system."""
         def layer_routing(layer, _):
+            # the computing warpgroup arrives once a layer, and only after waiting for the layer before's routing
+            plgpu.barrier_wait(cue_bar.at[0])
             with jax.named_scope("logits"):  # every router CTA's add, then the sums
                 plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
                 proxy_fence()
@@ -622,9 +626,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 _input_tiles(attn_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)],
                              tiles_smem.at[pl.ds(0, chunks * TOKEN_N)], xin_bar.at[0])
 
-                part_smem[...] = _unit_sums(ring, full, free, tiles_smem, count, UNIT_K // STEP, zeros)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(part_smem, mid_ref.at[layer, o_tile], reduction_op="add")
+                _unit_store(ring, full, free, tiles_smem, count, zeros, part_smem, mid_ref.at[layer, o_tile])
 
             pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, mid_ref.at[layer], reduction_op="add"))
             _arrive_and_wait(sem, num_ctas, 1 + per_layer * layer + (5 if front else 1))

@@ -665,8 +665,8 @@ def test_attention_chain_gpu(position):
 
     x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
     assert attention_supports(2048, 16, (128, 64, 512, 128), 64, 512, jnp.bfloat16, 2) is None
-    got, kv = jax.jit(lambda *a: attention_chain(*a, weights, spec))(x, pos, table, c_kv, k_pe)
-    want, want_kv = jax.jit(lambda *a: attention_chain_reference(*a, weights, spec))(x, pos, table, c_kv, k_pe)
+    got, kv = jax.jit(lambda *a, w: attention_chain(*a, w, spec))(x, pos, table, c_kv, k_pe, w=weights)
+    want, want_kv = jax.jit(lambda *a, w: attention_chain_reference(*a, w, spec))(x, pos, table, c_kv, k_pe, w=weights)
     assert _rel(kv[0], want_kv[0]) < 1e-2  # layer 0's rows come from the same input
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
 
@@ -681,8 +681,10 @@ def test_moe_layer_chain_gpu(position):
     from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
 
     x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, position)
-    call = lambda fn: jax.jit(lambda *a: fn(*a, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared))(
-        x, pos, table, c_kv, k_pe)
+    # the weights as arguments: closed over, their 2.3 GB are constants that take the compile minutes
+    call = lambda fn: jax.jit(lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared: fn(
+        x, pos, table, c_kv, k_pe, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared))(
+        x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared)
     got, ids, weights, kv = call(moe_layer_chain)
     want, want_ids, want_weights, want_kv = call(moe_layer_chain_reference)
     assert _rel(kv[0], want_kv[0]) < 1e-2  # layer 0's rows come from the same input
