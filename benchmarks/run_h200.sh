@@ -150,10 +150,11 @@ case $part in
       --rounds 3 --variant built --variant "step kernel: dsjax.model.dispatch.STEP_KERNEL=True" \
       --out "$OUT/step_ab_step_kernel_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-registers)  # whole layers in one kernel (decode_step_moe.moe_layer_chain), 8 of V2-Lite's at positions 0 and
-                   # 511, beside its halves' chains, with the warpgroups' register splits 232/40/96 (round 24's) and
-                   # 256/40/96; ptxas' register and spill report; a 2-layer trace (~7 minutes)
-    MOSAIC_GPU_DUMP_PTXAS=1 timeout 560 python -m benchmarks.megakernel_probe --layer-chain 8 \
-      --registers 232,40,96 --registers 256,40,96 --trace "$OUT/trace" --out "$OUT/layer_chain_registers_h200.json" \
+                   # 511, beside its halves' chains, with the warpgroups' register splits 232/40/96 (round 24's),
+                   # 232/96/96 (is the spill the producer's, whose attention loads walk the block table?) and
+                   # 256/96/96; ptxas' register and spill report; a 2-layer trace (~8 minutes)
+    MOSAIC_GPU_DUMP_PTXAS=1 timeout 560 python -m benchmarks.megakernel_probe --layer-chain 8 --registers 232,40,96 \
+      --registers 232,96,96 --registers 256,96,96 --trace "$OUT/trace" --out "$OUT/layer_chain_registers_h200.json" \
       > "$OUT/ptxas_layer_chain.log" 2>&1
     grep -E "^\{|spill stores|Used [0-9]+ registers|Error" "$OUT/ptxas_layer_chain.log" | grep -v "^ptxas warning" | tail -40 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
