@@ -665,7 +665,7 @@ def main(argv=None) -> dict:
             ("--attention-chain", "decode_step_attention.attention_chain (V2-Lite's attention halves at one token, "
                                   "this many layers) at positions 0, 255 and 511, against its reference"),
             ("--layer-chain", "decode_step_moe.moe_layer_chain (V2-Lite's whole layers at one token, this many) at "
-                              "positions 0, 255 and 511, against its reference and the two halves' chains")):
+                              "positions 0 and 511, against its reference and the two halves' chains")):
         parser.add_argument(flag, type=int, default=0, metavar="LAYERS", help=f"instead: {what}")
     parser.add_argument("--registers", action="append", default=[], metavar="C,P,R",
                         help="with --layer-chain: the whole layer and the tail with the three warpgroups' "
