@@ -152,7 +152,7 @@ case $part in
   step-registers)  # whole layers in one kernel (decode_step_moe.moe_layer_chain), 8 of V2-Lite's at positions 0 and
                    # 511, beside its halves' chains, with the warpgroups' register splits 232/40/96 (round 24's),
                    # 232/96/96 (is the spill the producer's, whose attention loads walk the block table?) and
-                   # 256/96/96; ptxas' register and spill report; a 2-layer trace (~8 minutes)
+                   # 256/96/96; ptxas' register and spill report; a 2-layer trace (~6 minutes)
     MOSAIC_GPU_DUMP_PTXAS=1 timeout 560 python -m benchmarks.megakernel_probe --layer-chain 8 --registers 232,40,96 \
       --registers 232,96,96 --registers 256,96,96 --trace "$OUT/trace" --out "$OUT/layer_chain_registers_h200.json" \
       > "$OUT/ptxas_layer_chain.log" 2>&1
