@@ -355,17 +355,18 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
                        command="python -m benchmarks.megakernel_probe --gemv-chain")
 
 
-def _under_plan(plan: str, fn):
-    """``fn`` traced with decode_step_moe.EXPERT_PLAN set to ``plan`` (a trace-time module constant)."""
+def _under(setting: str, value, fn):
+    """``fn`` traced with the trace-time module constant decode_step_moe.<setting> (EXPERT_PLAN,
+    WARPGROUP_REGISTERS) set to ``value``; a new function each time, so jit traces it anew."""
     from pallas_kernels import decode_step_moe
 
     def call(*args, **options):
-        built = decode_step_moe.EXPERT_PLAN
-        decode_step_moe.EXPERT_PLAN = plan
+        built = getattr(decode_step_moe, setting)
+        setattr(decode_step_moe, setting, value)
         try:
             return fn(*args, **options)
         finally:
-            decode_step_moe.EXPERT_PLAN = built
+            setattr(decode_step_moe, setting, built)
     return call
 
 
@@ -398,10 +399,10 @@ def _moe_chain(args) -> dict:
     inputs = (x, weights, ids, *routed, shared)
     want = jax.jit(moe_chain_reference)(*inputs).astype(jnp.float32)
     layer_mb = (6 * 3 * 2048 * 1408 + 3 * 2048 * 2816) * 2 / 1e6  # bytes a layer reads: top-6 + shared
-    dealt = _under_plan("dealt", moe_chain)  # each CTA the same number of boxes (decode_step_moe.expert_plan)
-    split = _under_plan("split", moe_chain)
+    dealt = _under("EXPERT_PLAN", "dealt", moe_chain)  # each CTA the same number of boxes (decode_step_moe.expert_plan)
+    split = _under("EXPERT_PLAN", "split", moe_chain)
     rows = []
-    for name, fn in (("one kernel (moe_chain), tiles whole a CTA", _under_plan("tiles", moe_chain)),
+    for name, fn in (("one kernel (moe_chain), tiles whole a CTA", _under("EXPERT_PLAN", "tiles", moe_chain)),
                      ("one kernel (moe_chain), boxes dealt evenly", dealt),
                      ("one kernel (moe_chain), 44 tiles split in K ranges", split),
                      ("moe_decode_mgpu a layer", launches)):
@@ -446,12 +447,12 @@ def _moe_block_chain(args) -> dict:
         x, attn, o_proj, norm, router, *experts, *shared)
 
     def with_plan(plan, router_dtype=jnp.float32, **options):
-        block = _under_plan(plan, moe_block_chain)
+        block = _under("EXPERT_PLAN", plan, moe_block_chain)
         return lambda x, norm, router, *rest: block(x, norm, router.astype(router_dtype), spec, 6, *rest[:3],
                                                     rest[3:], **options)[0]
 
     def tail(plan):
-        chain = _under_plan(plan, moe_layer_tail_chain)
+        chain = _under("EXPERT_PLAN", plan, moe_layer_tail_chain)
         return lambda x, attn, o_proj, norm, router, *rest: chain(x, attn, o_proj, norm, router, spec, 6, *rest[:3],
                                                                   rest[3:])[0]
 
@@ -526,20 +527,6 @@ def layer_inputs(layers: int, position: int, seed: int = 7):
     return x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared
 
 
-def _with_registers(call, registers):
-    """``call`` traced with decode_step_moe.WARPGROUP_REGISTERS = ``registers`` (a new function each time, so
-    jit traces it anew)."""
-    from pallas_kernels import decode_step_moe
-
-    def run(*a, **k):
-        saved, decode_step_moe.WARPGROUP_REGISTERS = decode_step_moe.WARPGROUP_REGISTERS, registers
-        try:
-            return call(*a, **k)
-        finally:
-            decode_step_moe.WARPGROUP_REGISTERS = saved
-    return run
-
-
 def _layer_chain(args) -> dict:
     """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
@@ -566,7 +553,7 @@ def _layer_chain(args) -> dict:
     splits = [None if r == "none" else tuple(int(n) for n in r.split(",")) for r in args.registers]
     splits = splits or [decode_step_moe.WARPGROUP_REGISTERS]
     for registers in splits:
-        fn = _with_registers(whole, registers)
+        fn = _under("WARPGROUP_REGISTERS", registers, whole)
         for position in (0, 511):  # the same weights and caches, the token at another position
             pos = jnp.int32(position)
             inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
@@ -577,7 +564,7 @@ def _layer_chain(args) -> dict:
                              (x, pos, table, c_kv, k_pe, *attention)))
             if position == 0:  # the layer tail does not read the context
                 runs.append(("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)",
-                             _with_registers(tail, registers), tail_inputs))
+                             _under("WARPGROUP_REGISTERS", registers, tail), tail_inputs))
             for name, call, args_ in runs:  # kernel time only: a timed loop would compile each kernel again
                 kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
                 rows.append(dict(kernel=name, registers="/".join(map(str, registers)) if registers else "168 each",
@@ -591,10 +578,10 @@ def _layer_chain(args) -> dict:
                          command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}{flags}")
     if args.trace:  # 2 layers: the trace's buffer is shared memory; the last register split
         x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 255)
-        chain = _with_registers(lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, *,
-                                profile_dir: moe_layer_chain(x, pos, table, c_kv, k_pe, attention, spec, norm, router,
-                                                             moe_spec, 6, *routed, shared, profile_dir=profile_dir),
-                                splits[-1])
+        chain = _under("WARPGROUP_REGISTERS", splits[-1], lambda x, pos, table, c_kv, k_pe, attention, norm, router,
+                       routed, shared, *, profile_dir: moe_layer_chain(
+                           x, pos, table, c_kv, k_pe, attention, spec, norm, router, moe_spec, 6, *routed, shared,
+                           profile_dir=profile_dir))
         weights = (attention, norm, router, routed, shared)  # arguments: as constants they take minutes to compile
         traced(lambda d: jax.jit(functools.partial(chain, profile_dir=d))(x, pos, table, c_kv, k_pe, *weights),
                f"{args.trace}/moe_layer_chain")
