@@ -357,7 +357,7 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
 
 def _under(setting: str, value, fn):
     """``fn`` traced with the trace-time module constant decode_step_moe.<setting> (EXPERT_PLAN,
-    WARPGROUP_REGISTERS) set to ``value``; a new function each time, so jit traces it anew."""
+    WARPGROUP_REGISTERS, ROUTE_IN_PRODUCER) set to ``value``; a new function each time, so jit traces it anew."""
     from pallas_kernels import decode_step_moe
 
     def call(*args, **options):
@@ -550,10 +550,21 @@ def _layer_chain(args) -> dict:
                    router, *routed, *shared)
     from pallas_kernels import decode_step_moe
 
-    splits = [None if r == "none" else tuple(int(n) for n in r.split(",")) for r in args.registers]
-    splits = splits or [decode_step_moe.WARPGROUP_REGISTERS]
+    def parse(r):
+        return "producer" if r == "producer" else None if r == "none" else tuple(int(n) for n in r.split(","))
+
+    def layout(registers, fn):  # three warpgroups with these registers, or two ("producer": the producer routes)
+        if registers == "producer":
+            return _under("ROUTE_IN_PRODUCER", True, fn)
+        return _under("ROUTE_IN_PRODUCER", False, _under("WARPGROUP_REGISTERS", registers, fn))
+
+    def label(registers):
+        return {"producer": "2 warpgroups, the producer routes", None: "168 each"}.get(
+            registers, "/".join(map(str, registers or ())))
+
+    splits = [parse(r) for r in args.registers] or [decode_step_moe.WARPGROUP_REGISTERS]
     for registers in splits:
-        fn = _under("WARPGROUP_REGISTERS", registers, whole)
+        fn = layout(registers, whole)
         for position in (0, 511):  # the same weights and caches, the token at another position
             pos = jnp.int32(position)
             inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
@@ -564,10 +575,10 @@ def _layer_chain(args) -> dict:
                              (x, pos, table, c_kv, k_pe, *attention)))
             if position == 0:  # the layer tail does not read the context
                 runs.append(("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)",
-                             _under("WARPGROUP_REGISTERS", registers, tail), tail_inputs))
+                             layout(registers, tail), tail_inputs))
             for name, call, args_ in runs:  # kernel time only: a timed loop would compile each kernel again
                 kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
-                rows.append(dict(kernel=name, registers="/".join(map(str, registers)) if registers else "168 each",
+                rows.append(dict(kernel=name, registers=label(registers),
                                  layers=layers, position=position,
                                  rel_error=round(_rel(got, want), 5) if call is fn else None,
                                  kernel_us_per_layer=round(kernels / layers, 2)))
@@ -578,7 +589,7 @@ def _layer_chain(args) -> dict:
                          command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}{flags}")
     if args.trace:  # 2 layers: the trace's buffer is shared memory; the last register split
         x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 255)
-        chain = _under("WARPGROUP_REGISTERS", splits[-1], lambda x, pos, table, c_kv, k_pe, attention, norm, router,
+        chain = layout(splits[-1], lambda x, pos, table, c_kv, k_pe, attention, norm, router,
                        routed, shared, *, profile_dir: moe_layer_chain(
                            x, pos, table, c_kv, k_pe, attention, spec, norm, router, moe_spec, 6, *routed, shared,
                            profile_dir=profile_dir))
@@ -655,7 +666,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--registers", action="append", default=[], metavar="C,P,R",
                         help="with --layer-chain: the whole layer and the tail with the three warpgroups' "
                              "registers so (decode_step_moe.WARPGROUP_REGISTERS: computing, producer, routing; "
-                             "'none': 168 each), once for each; default: the kernel's")
+                             "'none': 168 each), or 'producer' (two warpgroups, the producer routes: "
+                             "ROUTE_IN_PRODUCER), once for each; default: the kernel's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

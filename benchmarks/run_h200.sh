@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-registers|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-registers|step-route|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -157,6 +157,15 @@ case $part in
       --registers 232,96,96 --registers 256,96,96 --trace "$OUT/trace" --out "$OUT/layer_chain_registers_h200.json" \
       > "$OUT/ptxas_layer_chain.log" 2>&1
     grep -E "^\{|spill stores|Used [0-9]+ registers|Error" "$OUT/ptxas_layer_chain.log" | grep -v "^ptxas warning" | tail -40 ;;
+  step-route)  # the MoE kernels with two warpgroups whose producer routes (decode_step_moe.ROUTE_IN_PRODUCER, 255
+               # registers a thread) against three with a routing warpgroup (232/40/96): the GPU tests of the MoE
+               # half and the whole layer both ways, then 8 whole layers and the tail each way, ptxas' report and a
+               # 2-layer trace of the two-warpgroup build (~8 minutes)
+    timeout 250 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_block_chain_gpu or moe_layer_chain_gpu" \
+      2>&1 | tee "$OUT/gpu_tests_step_route.log" | tail -4
+    MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python -m benchmarks.megakernel_probe --layer-chain 8 --registers 232,40,96 \
+      --registers producer --trace "$OUT/trace" --out "$OUT/layer_chain_route_h200.json" > "$OUT/ptxas_route.log" 2>&1
+    grep -E "^\{|spill stores|Used [0-9]+ registers|Error" "$OUT/ptxas_route.log" | grep -v "^ptxas warning" | tail -24 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

@@ -144,6 +144,10 @@ EXPERT_PLAN = "split"
 # µs a layer at positions 0 / 511) and 140 in the layer tail (46.9); at 232/40/96, 552 and none (83.6 / 86.4;
 # 46.5).
 WARPGROUP_REGISTERS: tuple[int, int, int] | None = (232, 40, 96)
+# With a router: the producer routes each layer itself (before the layer's first routed box, where it waited for
+# the routing warpgroup), so the kernel runs two warpgroups, 255 registers a thread, no routing warpgroup and
+# no WARPGROUP_REGISTERS. Read at trace time.
+ROUTE_IN_PRODUCER = False
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -330,12 +334,18 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         i0 = jnp.where(is_routed, lax.rem(t, jnp.int32(routed_tiles)), t - top_k * routed_tiles) * HALF
         return is_routed, expert, scale, i0
 
-    def await_routing(tile, routed):
+    in_producer = router is not None and ROUTE_IN_PRODUCER
+
+    def await_routing(tile, routed, layer=None):
         """The producer's and the computing warpgroup's one wait a layer for ``route_bar`` (the layer's
         routing in shared memory): before the first routed tile's unit (``routed``: waited already this
-        layer); ``tile`` None: at the layer's end, if no unit needed it. -> routed."""
+        layer); ``tile`` None: at the layer's end, if no unit needed it. The producer passes its ``layer``:
+        with ROUTE_IN_PRODUCER it routes the layer there instead of waiting. -> routed."""
         first = jnp.logical_not(routed) if tile is None else (tile < top_k * routed_tiles) & jnp.logical_not(routed)
-        pl.when(first)(lambda: plgpu.barrier_wait(route_bar.at[0]))
+        if layer is not None and in_producer:
+            pl.when(first)(lambda: route_layer(layer))
+        else:
+            pl.when(first)(lambda: plgpu.barrier_wait(route_bar.at[0]))
         return routed | first
 
     def loads():
@@ -349,7 +359,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             count, routed = carry
             _, tile, first, end, _ = unit(u)
             if router:
-                routed = await_routing(tile, routed)
+                routed = await_routing(tile, routed, layer)
             is_routed, expert, _, i0 = tile_of(layer, tile)
 
             def box(n, count):
@@ -386,10 +396,12 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 count = count + router_boxes
             count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
             if router:
-                await_routing(None, routed)
+                await_routing(None, routed, layer)
             return count
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
+        if in_producer:
+            plgpu.wait_smem_to_gmem(0)  # CTA 0's copies of the last layer's routing
 
     def input_tiles(source):
         if router:  # the rows only (the tiles are of the normed rows, ``route``), rounded to bf16 as the model's
@@ -404,7 +416,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         """RMSNorm of the layer's rows into the tiles; a router CTA multiplies the tiles of its K step by its
         router boxes (``parts`` of them, two wgmma chains), adds its partial logits by TMA and counts them on
         ``routed_sem`` (``routing`` takes it from there). -> the ring's count after the router boxes."""
-        plgpu.barrier_arrive(cue_bar.at[0])  # the routing warpgroup may poll routed_sem from now on
+        if not in_producer:
+            plgpu.barrier_arrive(cue_bar.at[0])  # the routing warpgroup may poll routed_sem from now on
         plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
         with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
             _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, router.eps)
@@ -442,45 +455,49 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # the CTA's partial output rows
         return count + router_boxes
 
+    def route_layer(layer):
+        """Once every router CTA has counted its add on ``routed_sem``: the layer's logits, softmax and greedy
+        top-k into shared memory; ``route_bar`` tells the computing warpgroup (and the producer, when the
+        routing warpgroup routes), which runs the shared tiles' products meanwhile."""
+        with jax.named_scope("logits"):  # every router CTA's add, then the sums
+            plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
+            proxy_fence()
+            plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
+            plgpu.barrier_wait(logits_bar.at[0])
+        with jax.named_scope("routing"):
+            strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
+            iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
+            logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+            top = jnp.max(logits)
+            total_exp = jnp.sum(jnp.exp(logits - top))
+            left, chosen, best = logits, [], top  # chosen by logit: the softmax keeps their order
+            for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order): two reductions a pick
+                if k:
+                    best = jnp.max(left)
+                pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
+                chosen.append((pick, jnp.exp(best - top) / total_exp))  # its score, as the scores' formula
+                left = jnp.where(iota == pick, -jnp.inf, left)
+            total = sum(w for _, w in chosen) + 1e-20 if router.norm_topk_prob else 1.0
+            plgpu.wait_smem_to_gmem(0)  # the layer before's routing out of shared memory (CTA 0's copies)
+            for k, (pick, w) in enumerate(chosen):
+                rid_smem[k] = pick
+                rw_smem[k] = w / total * router.routed_scaling_factor
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(route_bar.at[0])
+
+            @pl.when(c == 0)
+            def _():  # the layer's routing, for the caller
+                plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
+                plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
+
     def routing():
-        """Warpgroup 2 (with a router), each layer: once every router CTA has counted its add on
-        ``routed_sem``, the layer's logits, softmax and greedy top-k into shared memory; ``route_bar`` tells
-        the producer and the computing warpgroup, which runs the shared tiles' products meanwhile. It sleeps on
+        """Warpgroup 2 (with a router and not ROUTE_IN_PRODUCER): ``route_layer`` each layer. It sleeps on
         ``cue_bar`` until the computing warpgroup starts the layer's router phase: polling routed_sem through
         the phases before (the whole attention half in ``moe_layer_chain``) would load the memory system."""
         def layer_routing(layer, _):
             # the computing warpgroup arrives once a layer, and only after waiting for the layer before's routing
             plgpu.barrier_wait(cue_bar.at[0])
-            with jax.named_scope("logits"):  # every router CTA's add, then the sums
-                plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
-                proxy_fence()
-                plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
-                plgpu.barrier_wait(logits_bar.at[0])
-            with jax.named_scope("routing"):
-                strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
-                iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
-                logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
-                top = jnp.max(logits)
-                total_exp = jnp.sum(jnp.exp(logits - top))
-                left, chosen, best = logits, [], top  # chosen by logit: the softmax keeps their order
-                for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order): two reductions a pick
-                    if k:
-                        best = jnp.max(left)
-                    pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
-                    chosen.append((pick, jnp.exp(best - top) / total_exp))  # its score, as the scores' formula
-                    left = jnp.where(iota == pick, -jnp.inf, left)
-                total = sum(w for _, w in chosen) + 1e-20 if router.norm_topk_prob else 1.0
-                plgpu.wait_smem_to_gmem(0)  # the layer before's routing out of shared memory (CTA 0's copies)
-                for k, (pick, w) in enumerate(chosen):
-                    rid_smem[k] = pick
-                    rw_smem[k] = w / total * router.routed_scaling_factor
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(route_bar.at[0])
-
-                @pl.when(c == 0)
-                def _():  # the layer's routing, for the caller
-                    plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
-                    plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
+            route_layer(layer)
             return ()
 
         # The next layer's routing overwrites this one's only after routed_sem counts the next layer's router
@@ -696,7 +713,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                                                          memory_scope="gpu"))
         _release(sem, c, num_ctas, 1 + per_layer * num_layers)
 
-    registers = WARPGROUP_REGISTERS if router else None
+    registers = WARPGROUP_REGISTERS if router and not in_producer else None
 
     def warpgroup(body, index):
         def run():
@@ -708,7 +725,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
     warpgroup(compute, 0)
     warpgroup(loads, 1)
-    if router:
+    if router and not in_producer:
         warpgroup(routing, 2)
 
 
@@ -872,7 +889,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
                                    front[2]["num_heads"] if front else 0),
         grid=(num_ctas,),
         grid_names=("c",),
-        num_threads=3 if router is not None else 2,  # with a router, warpgroup 2 routes
+        num_threads=3 if router is not None and not ROUTE_IN_PRODUCER else 2,  # warpgroup 2 routes
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             # the trace's buffer is shared memory: 1024 entries overflow the MoE half's (round 22), and 512 its

@@ -113,9 +113,11 @@ def test_moe_block_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     norm, router = shape((2, 2048), bf16), shape((2, 2048, 64), jnp.float32)
     call = lambda x, norm, router, *experts: kernel.moe_block_chain(
         x, norm, router, kernel.RouterSpec(1e-6), 6, *experts[:3], experts[3:])
-    for plan, router_dtype in (("tiles", jnp.float32), ("dealt", jnp.float32), ("dealt", bf16), ("split", bf16)):
+    for plan, router_dtype, in_producer in (("tiles", jnp.float32, False), ("dealt", jnp.float32, False),
+                                            ("dealt", bf16, False), ("split", bf16, False), ("split", bf16, True)):
         monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)  # f32 router weights: two bf16 parts, two boxes
-        hlo = lower_for_h200(call, x, norm, shape(router.shape, router_dtype), *routed, *shared)
+        monkeypatch.setattr(kernel, "ROUTE_IN_PRODUCER", in_producer)  # two warpgroups, the producer routes
+        hlo = lower_for_h200(lambda *a: call(*a), x, norm, shape(router.shape, router_dtype), *routed, *shared)
         assert hlo.count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match="router weights in float16; accepted: bfloat16, float32"):
         jax.eval_shape(call, x, norm, shape(router.shape, jnp.float16), *routed, *shared)
