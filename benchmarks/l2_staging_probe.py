@@ -87,7 +87,7 @@ ATTENTION_QUICK = (64, 96, 32, 64, 1)
 CHAIN = ("fixed", "layer i", "layer i, next pages touched", "touch 2 MiB x132", "touch 64 KiB x132",
          "touch 2 MiB x1056", "fixed, L2 flushed", "layer i % 2", "layer i % 8", "layer i, staged",
          "layer i, staged, 20 MB after", "layer i, staged, 40 MB after")
-CHAIN_LAYERS, CHAIN_QUICK_LAYERS = 27, 3
+CHAIN_LAYERS, CHAIN_QUICK_LAYERS = 27, 2
 EXPERTS_CHAIN = ("as built", "shared staged", "shared gate/up staged")
 EXPERTS_CHAIN_LAYERS = 8  # each layer 8 experts: the 6 a token picks and two more
 PAGE_ELEMENTS = 2**20  # bf16 elements in 2 MiB
