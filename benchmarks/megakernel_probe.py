@@ -356,8 +356,8 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
 
 
 def _under(setting: str, value, fn):
-    """``fn`` traced with the trace-time module constant decode_step_moe.<setting> (EXPERT_PLAN,
-    WARPGROUP_REGISTERS, ROUTE_IN_PRODUCER) set to ``value``; a new function each time, so jit traces it anew."""
+    """``fn`` traced with the trace-time module constant decode_step_moe.<setting> (EXPERT_PLAN) set to
+    ``value``; a new function each time, so jit traces it anew."""
     from pallas_kernels import decode_step_moe
 
     def call(*args, **options):
@@ -530,8 +530,8 @@ def layer_inputs(layers: int, position: int, seed: int = 7):
 def _layer_chain(args) -> dict:
     """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
-    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output); the
-    whole layer and the tail with each ``--registers`` split of the three warpgroups (default: the kernel's)."""
+    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output). With
+    ``--trace``: 2 layers of the whole layer's and of the tail's scopes."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
@@ -544,58 +544,40 @@ def _layer_chain(args) -> dict:
     reference = jax.jit(lambda x, pos, table, c_kv, k_pe, norm, router, *r: moe_layer_chain_reference(
         x, pos, table, c_kv, k_pe, cls(*r[:7]), spec, norm, router, moe_spec, 6, *r[7:10], r[10:])[0])
     attention_only = lambda x, pos, table, c_kv, k_pe, *w: attention_chain(x, pos, table, c_kv, k_pe, cls(*w), spec)[0]
-    tail = lambda x, attn, o, norm, router, *r: moe_layer_tail_chain(x, attn, o, norm, router, moe_spec, 6, *r[:3],
-                                                                     r[3:])[0]
-    tail_inputs = (x, jnp.ones((layers, 2048), jnp.bfloat16) / 8, attention.o_proj.reshape(layers, 2048, 2048), norm,
-                   router, *routed, *shared)
-    from pallas_kernels import decode_step_moe
-
-    def parse(r):
-        return "producer" if r == "producer" else None if r == "none" else tuple(int(n) for n in r.split(","))
-
-    def layout(registers, fn):  # three warpgroups with these registers, or two ("producer": the producer routes)
-        if registers == "producer":
-            return _under("ROUTE_IN_PRODUCER", True, fn)
-        return _under("ROUTE_IN_PRODUCER", False, _under("WARPGROUP_REGISTERS", registers, fn))
-
-    def label(registers):
-        return {"producer": "2 warpgroups, the producer routes", None: "168 each"}.get(
-            registers, "/".join(map(str, registers or ())))
-
-    splits = [parse(r) for r in args.registers] or [decode_step_moe.WARPGROUP_REGISTERS]
-    for registers in splits:
-        fn = layout(registers, whole)
-        for position in (0, 511):  # the same weights and caches, the token at another position
-            pos = jnp.int32(position)
-            inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
-            got, want = jax.jit(fn)(*inputs), reference(*inputs)
-            runs = [("moe_layer_chain (whole layers in one kernel)", fn, inputs)]
-            if registers is splits[0]:
-                runs.append(("attention_chain (the attention halves alone)", attention_only,
-                             (x, pos, table, c_kv, k_pe, *attention)))
-            if position == 0:  # the layer tail does not read the context
-                runs.append(("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)",
-                             layout(registers, tail), tail_inputs))
-            for name, call, args_ in runs:  # kernel time only: a timed loop would compile each kernel again
-                kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
-                rows.append(dict(kernel=name, registers=label(registers),
-                                 layers=layers, position=position,
-                                 rel_error=round(_rel(got, want), 5) if call is fn else None,
-                                 kernel_us_per_layer=round(kernels / layers, 2)))
-                print(rows[-1], flush=True)
-    columns = ["kernel", "registers", "layers", "position", "rel_error", "kernel_us_per_layer"]
-    flags = "".join(f" --registers {r}" for r in args.registers)
+    tail = lambda x, attn, o, norm, router, *r, profile_dir=None: moe_layer_tail_chain(
+        x, attn, o, norm, router, moe_spec, 6, *r[:3], r[3:], profile_dir=profile_dir)[0]
+    tail_inputs = lambda layers: (x, jnp.ones((layers, 2048), jnp.bfloat16) / 8,
+                                  attention.o_proj[:layers].reshape(layers, 2048, 2048), norm[:layers],
+                                  router[:layers], *(w[:layers] for w in routed), *(w[:layers] for w in shared))
+    for position in (0, 511):  # the same weights and caches, the token at another position
+        pos = jnp.int32(position)
+        inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
+        got, want = jax.jit(whole)(*inputs), reference(*inputs)
+        runs = [("moe_layer_chain (whole layers in one kernel)", whole, inputs),
+                ("attention_chain (the attention halves alone)", attention_only,
+                 (x, pos, table, c_kv, k_pe, *attention))]
+        if position == 0:  # the layer tail does not read the context
+            runs.append(("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)", tail,
+                         tail_inputs(layers)))
+        for name, call, args_ in runs:  # kernel time only: a timed loop would compile each kernel again
+            kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
+            rows.append(dict(kernel=name, layers=layers, position=position,
+                             rel_error=round(_rel(got, want), 5) if call is whole else None,
+                             kernel_us_per_layer=round(kernels / layers, 2)))
+            print(rows[-1], flush=True)
+    columns = ["kernel", "layers", "position", "rel_error", "kernel_us_per_layer"]
     result = write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
-                         command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}{flags}")
-    if args.trace:  # 2 layers: the trace's buffer is shared memory; the last register split
+                         command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}")
+    if args.trace:  # 2 layers: the trace's buffer is shared memory
         x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 255)
-        chain = layout(splits[-1], lambda x, pos, table, c_kv, k_pe, attention, norm, router,
-                       routed, shared, *, profile_dir: moe_layer_chain(
-                           x, pos, table, c_kv, k_pe, attention, spec, norm, router, moe_spec, 6, *routed, shared,
-                           profile_dir=profile_dir))
+        chain = lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, *, profile_dir: (
+            moe_layer_chain(x, pos, table, c_kv, k_pe, attention, spec, norm, router, moe_spec, 6, *routed, shared,
+                            profile_dir=profile_dir))
         weights = (attention, norm, router, routed, shared)  # arguments: as constants they take minutes to compile
         traced(lambda d: jax.jit(functools.partial(chain, profile_dir=d))(x, pos, table, c_kv, k_pe, *weights),
                f"{args.trace}/moe_layer_chain")
+        traced(lambda d: jax.jit(functools.partial(tail, profile_dir=d))(*tail_inputs(2)),
+               f"{args.trace}/moe_layer_tail_chain")  # its scopes beside the whole layer's
     return result
 
 
@@ -663,11 +645,6 @@ def main(argv=None) -> dict:
             ("--layer-chain", "decode_step_moe.moe_layer_chain (V2-Lite's whole layers at one token, this many) at "
                               "positions 0 and 511, against its reference and the two halves' chains")):
         parser.add_argument(flag, type=int, default=0, metavar="LAYERS", help=f"instead: {what}")
-    parser.add_argument("--registers", action="append", default=[], metavar="C,P,R",
-                        help="with --layer-chain: the whole layer and the tail with the three warpgroups' "
-                             "registers so (decode_step_moe.WARPGROUP_REGISTERS: computing, producer, routing; "
-                             "'none': 168 each), or 'producer' (two warpgroups, the producer routes: "
-                             "ROUTE_IN_PRODUCER), once for each; default: the kernel's")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

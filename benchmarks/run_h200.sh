@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-registers|step-route|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -134,10 +134,8 @@ case $part in
       2>&1 | grep -v -i warn | tail -6
     timeout 150 python -m benchmarks.megakernel_probe --moe-block-chain 8 --only split routing \
       --out "$OUT/moe_block_chain_split_h200.json" 2>&1 | grep -v -i warn | tail -6 ;;
-  step-layer)  # the GPU tests of the step kernels (since round 24: the three-warpgroup ones' warpgroups trade
-               # registers and the routing warpgroup waits for its cue; one GEMV-unit helper and one row rounding
-               # under the GEMV chain, the attention chain and the MoE kernels) and of the model's one-token steps
-               # through the whole-layer kernel (~8 minutes)
+  step-layer)  # the GPU tests of the step kernels (since round 25: two warpgroups, the producer routing) and of
+               # the model's one-token steps through the whole-layer kernel (~8 minutes)
     timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "gemv_chain or attention_chain or moe_block_chain or moe_layer_tail or moe_layer_chain or step_kernel" 2>&1 \
       | tee "$OUT/gpu_tests_step_layer.log" | tail -8 ;;
@@ -149,23 +147,12 @@ case $part in
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 3 --variant built --variant "step kernel: dsjax.model.dispatch.STEP_KERNEL=True" \
       --out "$OUT/step_ab_step_kernel_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  step-registers)  # whole layers in one kernel (decode_step_moe.moe_layer_chain), 8 of V2-Lite's at positions 0 and
-                   # 511, beside its halves' chains, with the warpgroups' register splits 232/40/96 (round 24's),
-                   # 232/96/96 (is the spill the producer's, whose attention loads walk the block table?) and
-                   # 256/96/96; ptxas' register and spill report; a 2-layer trace (~6 minutes)
-    MOSAIC_GPU_DUMP_PTXAS=1 timeout 560 python -m benchmarks.megakernel_probe --layer-chain 8 --registers 232,40,96 \
-      --registers 232,96,96 --registers 256,96,96 --trace "$OUT/trace" --out "$OUT/layer_chain_registers_h200.json" \
-      > "$OUT/ptxas_layer_chain.log" 2>&1
-    grep -E "^\{|spill stores|Used [0-9]+ registers|Error" "$OUT/ptxas_layer_chain.log" | grep -v "^ptxas warning" | tail -40 ;;
-  step-route)  # the MoE kernels with two warpgroups whose producer routes (decode_step_moe.ROUTE_IN_PRODUCER, 255
-               # registers a thread) against three with a routing warpgroup (232/40/96): the GPU tests of the MoE
-               # half and the whole layer both ways, then 8 whole layers and the tail each way, ptxas' report and a
-               # 2-layer trace of the two-warpgroup build (~8 minutes)
-    timeout 250 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "moe_block_chain_gpu or moe_layer_chain_gpu" \
-      2>&1 | tee "$OUT/gpu_tests_step_route.log" | tail -4
-    MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python -m benchmarks.megakernel_probe --layer-chain 8 --registers 232,40,96 \
-      --registers producer --trace "$OUT/trace" --out "$OUT/layer_chain_route_h200.json" > "$OUT/ptxas_route.log" 2>&1
-    grep -E "^\{|spill stores|Used [0-9]+ registers|Error" "$OUT/ptxas_route.log" | grep -v "^ptxas warning" | tail -24 ;;
+  step-traces)  # per-scope traces, 2 layers each, of the whole layer and the layer tail, and of the attention
+                # chain (3 layers): where the whole layer's ~11 µs over its halves go (~5 minutes)
+    timeout 280 python -m benchmarks.megakernel_probe --layer-chain 2 --trace "$OUT/trace" \
+      --out "$OUT/layer_chain_traces_h200.json" 2>&1 | grep -v "^ptxas warning" | tail -70
+    timeout 200 python -m benchmarks.megakernel_probe --attention-chain 2 --trace "$OUT/trace" \
+      --out "$OUT/attention_chain_traces_h200.json" 2>&1 | tail -30 ;;
   pdl)        # programmatic dependent launch between Mosaic GPU kernels (benchmarks/pdl_probe.py, ~2 minutes)
     timeout 150 python benchmarks/pdl_probe.py --out "$OUT/pdl_probe_default.json" 2>&1 | grep -v Warn | tail -12
     XLA_FLAGS=--xla_gpu_enable_pdl=true timeout 150 python benchmarks/pdl_probe.py \

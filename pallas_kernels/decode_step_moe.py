@@ -6,11 +6,12 @@ producer warpgroup streaming 16 KiB boxes through a ring, wgmma products, TMA ad
 36.9 µs a layer against 43.2 for ``moe_decode_mgpu`` a layer (8 layers, round 23). How a layer's tiles are
 dealt to the CTAs is ``expert_plan``'s (``EXPERT_PLAN``). ``moe_block_chain`` is the MoE half of a layer,
 x_{l+1} = x_l + experts(RMSNorm(x_l)), with the norm, the router's products (its weights as boxes in the
-ring) and the routing (a warpgroup of its own) in the kernel: 40.8 µs a layer. ``moe_layer_tail_chain``
+ring) and the routing (by each CTA's producer) in the kernel: 40.8 µs a layer. ``moe_layer_tail_chain``
 puts o_proj in front: 46.6 µs a layer (``bash benchmarks/run_h200.sh step-phases``, ``step-block``;
 decode_profile.md round 23). ``moe_layer_chain`` puts the attention phases (``decode_step_attention``) in
 front of that: whole decoder layers at one token in one kernel, the engine's one-token steps' MoE stack
-(built and lowered; its GPU runs are queued: ``step-layer``, ``step-engine``).
+with ``dispatch.STEP_KERNEL``: 82-86 µs a layer, slower than its halves as two chains (~71) and than the
+launches a layer (~77; decode_profile.md round 25).
 """
 
 from __future__ import annotations
@@ -104,8 +105,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
         plgpu.SMEM((ROUTE_SLOTS,), jnp.float32),  # their weights
         plgpu.Barrier(num_barriers=1),  # the norm's weights landed
         plgpu.Barrier(num_barriers=1),  # the logits landed
-        plgpu.Barrier(num_barriers=1),  # the routing is in shared memory (for the producer)
-        plgpu.Barrier(num_barriers=1),  # the layer's router phase began (the routing warpgroup's cue to poll)
+        plgpu.Barrier(num_barriers=1),  # the routing is in shared memory (the producer's, for the computing one)
     ] if router else []
     return [
         plgpu.SMEM((RING, 2, HALF, HALF), dtype, transforms=_TILING),  # the ring of boxes
@@ -137,17 +137,6 @@ PLANS = ("tiles", "dealt", "split")
 # V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
 # 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
 EXPERT_PLAN = "split"
-# With a router the kernel runs three warpgroups (384 threads), so ptxas gives each thread at most 168 registers
-# unless the warpgroups trade them: (computing, producer, routing) per-thread counts set on entry (multiples of
-# 8, 24..256, their sum times 128 at most 64512), or None to keep 168 each. Read at trace time. Round 24 (8
-# V2-Lite layers): at 168 each ptxas spills 824 bytes a thread in the whole layer (moe_layer_chain, 88.6 / 91.1
-# µs a layer at positions 0 / 511) and 140 in the layer tail (46.9); at 232/40/96, 552 and none (83.6 / 86.4;
-# 46.5).
-WARPGROUP_REGISTERS: tuple[int, int, int] | None = (232, 40, 96)
-# With a router: the producer routes each layer itself (before the layer's first routed box, where it waited for
-# the routing warpgroup), so the kernel runs two warpgroups, 255 registers a thread, no routing warpgroup and
-# no WARPGROUP_REGISTERS. Read at trace time.
-ROUTE_IN_PRODUCER = False
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -266,7 +255,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, *attention_in) = refs[:num_in]
         (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + num_out]
         (ring, xin_smem, tiles_union, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
-         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar, cue_bar,
+         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
          *front_smem) = refs[num_in + num_out:]
         tiles_smem = tiles_union[0] if front else tiles_union
         if front:
@@ -334,23 +323,20 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         i0 = jnp.where(is_routed, lax.rem(t, jnp.int32(routed_tiles)), t - top_k * routed_tiles) * HALF
         return is_routed, expert, scale, i0
 
-    in_producer = router is not None and ROUTE_IN_PRODUCER
-
     def await_routing(tile, routed, layer=None):
-        """The producer's and the computing warpgroup's one wait a layer for ``route_bar`` (the layer's
-        routing in shared memory): before the first routed tile's unit (``routed``: waited already this
-        layer); ``tile`` None: at the layer's end, if no unit needed it. The producer passes its ``layer``:
-        with ROUTE_IN_PRODUCER it routes the layer there instead of waiting. -> routed."""
+        """Once a layer, before the first routed tile's unit (``routed``: done already this layer; ``tile``
+        None: at the layer's end, if no unit needed it): the producer (passing its ``layer``) routes the layer,
+        the computing warpgroup waits for that on ``route_bar``. -> routed."""
         first = jnp.logical_not(routed) if tile is None else (tile < top_k * routed_tiles) & jnp.logical_not(routed)
-        if layer is not None and in_producer:
+        if layer is not None:
             pl.when(first)(lambda: route_layer(layer))
         else:
             pl.when(first)(lambda: plgpu.barrier_wait(route_bar.at[0]))
         return routed | first
 
     def loads():
-        """Warpgroup 1: every box of every unit of every layer, each once its slot is free (with a router, the
-        routed tiles' once the computing warpgroup has routed the layer)."""
+        """Warpgroup 1: every box of every unit of every layer, each once its slot is free (with a router, it
+        routes each layer before the layer's first routed box: ``await_routing``)."""
         def issue(n, halves):
             """The box at ring position n, its two [64, 64] halves ``halves(h)`` in global memory."""
             _issue_box(ring, full, free, n, lambda h: [(halves(h), True)])
@@ -400,7 +386,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             return count
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
-        if in_producer:
+        if router:
             plgpu.wait_smem_to_gmem(0)  # CTA 0's copies of the last layer's routing
 
     def input_tiles(source):
@@ -416,8 +402,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         """RMSNorm of the layer's rows into the tiles; a router CTA multiplies the tiles of its K step by its
         router boxes (``parts`` of them, two wgmma chains), adds its partial logits by TMA and counts them on
         ``routed_sem`` (``routing`` takes it from there). -> the ring's count after the router boxes."""
-        if not in_producer:
-            plgpu.barrier_arrive(cue_bar.at[0])  # the routing warpgroup may poll routed_sem from now on
         plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
         with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
             _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, router.eps)
@@ -456,9 +440,11 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         return count + router_boxes
 
     def route_layer(layer):
-        """Once every router CTA has counted its add on ``routed_sem``: the layer's logits, softmax and greedy
-        top-k into shared memory; ``route_bar`` tells the computing warpgroup (and the producer, when the
-        routing warpgroup routes), which runs the shared tiles' products meanwhile."""
+        """The producer, before the layer's first routed box: once every router CTA has counted its add on
+        ``routed_sem``, the layer's logits, softmax and greedy top-k into shared memory; ``route_bar`` tells the
+        computing warpgroup, which runs the shared tiles' products meanwhile. The routing overwrites the layer
+        before's only after routed_sem counts this layer's router products, which follow the grid barrier that
+        this CTA's computing warpgroup reaches after its units (the last readers of the layer before's)."""
         with jax.named_scope("logits"):  # every router CTA's add, then the sums
             plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
             proxy_fence()
@@ -489,21 +475,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             def _():  # the layer's routing, for the caller
                 plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
                 plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
-
-    def routing():
-        """Warpgroup 2 (with a router and not ROUTE_IN_PRODUCER): ``route_layer`` each layer. It sleeps on
-        ``cue_bar`` until the computing warpgroup starts the layer's router phase: polling routed_sem through
-        the phases before (the whole attention half in ``moe_layer_chain``) would load the memory system."""
-        def layer_routing(layer, _):
-            # the computing warpgroup arrives once a layer, and only after waiting for the layer before's routing
-            plgpu.barrier_wait(cue_bar.at[0])
-            route_layer(layer)
-            return ()
-
-        # The next layer's routing overwrites this one's only after routed_sem counts the next layer's router
-        # products, which follow the grid barrier that this CTA's computing warpgroup reaches after its units.
-        lax.fori_loop(0, num_layers, layer_routing, ())
-        plgpu.wait_smem_to_gmem(0)
 
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
@@ -713,20 +684,9 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                                                          memory_scope="gpu"))
         _release(sem, c, num_ctas, 1 + per_layer * num_layers)
 
-    registers = WARPGROUP_REGISTERS if router and not in_producer else None
-
-    def warpgroup(body, index):
-        def run():
-            if registers:
-                action = "increase" if registers[index] > 168 else "decrease"
-                plgpu.set_max_registers(registers[index], action=action)
-            body()
-        pl.when(lax.axis_index("wg") == index)(run)
-
-    warpgroup(compute, 0)
-    warpgroup(loads, 1)
-    if router and not in_producer:
-        warpgroup(routing, 2)
+    wg = lax.axis_index("wg")
+    pl.when(wg == 0)(compute)
+    pl.when(wg == 1)(loads)
 
 
 def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
@@ -757,9 +717,9 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
     of ``top_k``), the experts as ``moe_chain`` -> (x_L [D] bf16, ids i32[L, k], weights f32[L, k]: each layer's
     routing). In the kernel, every CTA norms the rows into its tiles; D / 128 router CTAs multiply the tiles
     of their K step by the router's boxes (streamed by the producer ahead of the layer, like any weights),
-    add their partial logits by TMA and count them on a semaphore; once all have,
-    a third warpgroup in every CTA routes the layer, and its producer issues the routed tiles' boxes, while
-    the computing warpgroup runs its shared tiles' products (they come first in its plan). Shapes must pass
+    add their partial logits by TMA and count them on a semaphore; once all have, the producer of every CTA
+    routes the layer and issues the routed tiles' boxes, while the computing warpgroup runs its shared tiles'
+    products (they come first in its plan). Shapes must pass
     ``moe_supports(..., router=True)``."""
     return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir)
 
@@ -847,11 +807,6 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         raise ValueError(f"moe_chain: x {x.shape}, w_gate {w_gate.shape}; expected x [D={hidden}]")
     if EXPERT_PLAN not in PLANS:
         raise ValueError(f"EXPERT_PLAN={EXPERT_PLAN!r}; accepted: {', '.join(PLANS)}")
-    if WARPGROUP_REGISTERS is not None and (
-            len(WARPGROUP_REGISTERS) != 3 or sum(WARPGROUP_REGISTERS) * 128 > 64512
-            or any(r % 8 or not 24 <= r <= 256 for r in WARPGROUP_REGISTERS)):
-        raise ValueError(f"WARPGROUP_REGISTERS={WARPGROUP_REGISTERS!r}; accepted: None or three multiples of 8 in "
-                         "24..256 (computing, producer, routing) summing to at most 504")
     if router is not None and extra[1].shape[-1] != HALF:
         raise ValueError(f"moe_block_chain: {extra[1].shape[-1]} experts; the in-kernel router takes {HALF}")
     routed_tiles = inter // HALF
@@ -889,12 +844,12 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
                                    front[2]["num_heads"] if front else 0),
         grid=(num_ctas,),
         grid_names=("c",),
-        num_threads=3 if router is not None and not ROUTE_IN_PRODUCER else 2,  # warpgroup 2 routes
+        num_threads=2,  # computing, producer
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             # the trace's buffer is shared memory: 1024 entries overflow the MoE half's (round 22), and 512 its
-            # three warpgroups' (384 hold 8 layers' ~15 scopes a warpgroup); 384 overflow the whole layer's by
-            # 5.2 KiB (round 24), 256 hold 2 layers
+            # then three warpgroups' (384 hold 8 layers' ~15 scopes a warpgroup); 384 overflow the whole layer's
+            # by 5.2 KiB (round 24), 256 hold 2 layers
             approx_math=True, **({"profile_space": 256 if front else 384, "profile_dir": profile_dir}
                                  if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)

@@ -586,10 +586,9 @@ def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     assert _rel(got, moe_chain_reference(x, weights, jnp.asarray(ids), *routed, shared)) < 2e-2
 
 
-@pytest.mark.parametrize("plan, router_dtype, in_producer", [
-    ("tiles", "float32", False), ("dealt", "float32", False), ("dealt", "bfloat16", False), ("split", "float32", False),
-    ("split", "float32", True)])
-def test_moe_block_chain_gpu(plan, router_dtype, in_producer, monkeypatch):
+@pytest.mark.parametrize("plan, router_dtype", [("tiles", "float32"), ("dealt", "float32"), ("dealt", "bfloat16"),
+                                                ("split", "float32")])
+def test_moe_block_chain_gpu(plan, router_dtype, monkeypatch):
     """The MoE half of two V2-Lite layers in one persistent kernel (RMSNorm, the router's products on 16 CTAs
     from its boxes, f32 weights as two bf16 parts, softmax top-6 routing in every CTA, the experts with the
     shared tiles first) against the reference chain: the same experts chosen, their weights, the output."""
@@ -599,7 +598,6 @@ def test_moe_block_chain_gpu(plan, router_dtype, in_producer, monkeypatch):
     from pallas_kernels.decode_step_moe import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_supports
 
     monkeypatch.setattr(decode_step_moe, "EXPERT_PLAN", plan)
-    monkeypatch.setattr(decode_step_moe, "ROUTE_IN_PRODUCER", in_producer)  # two warpgroups, the producer routes
     layers = 2
     assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16, router=True, num_experts=64, top_k=6) is None
     keys = iter(jax.random.split(jax.random.key(7), 10))
@@ -673,18 +671,14 @@ def test_attention_chain_gpu(position):
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("position, in_producer", [(0, False), (200, False), (200, True)])
-def test_moe_layer_chain_gpu(position, in_producer, monkeypatch):
+@pytest.mark.parametrize("position", [0, 200])
+def test_moe_layer_chain_gpu(position):
     """Two whole V2-Lite layers at one token in one persistent kernel (the attention phases, o_proj, the MoE
-    half) against the reference layers: each layer's new cache row, layer 0's routing, the output. With a
-    routing warpgroup, or two warpgroups whose producer routes (ROUTE_IN_PRODUCER)."""
+    half) against the reference layers: each layer's new cache row, layer 0's routing, the output."""
     import jax
 
     from benchmarks.megakernel_probe import layer_inputs
-    from pallas_kernels import decode_step_moe
     from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
-
-    monkeypatch.setattr(decode_step_moe, "ROUTE_IN_PRODUCER", in_producer)
 
     x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, position)
     # the weights as arguments: closed over, their 2.3 GB are constants that take the compile minutes
