@@ -401,7 +401,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     def route(layer, count):
         """RMSNorm of the layer's rows into the tiles; a router CTA multiplies the tiles of its K step by its
         router boxes (``parts`` of them, two wgmma chains), adds its partial logits by TMA and counts them on
-        ``routed_sem`` (``routing`` takes it from there). -> the ring's count after the router boxes."""
+        ``routed_sem`` (the producer's ``route_layer`` takes it from there). -> the ring's count after the router
+        boxes."""
         plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
         with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
             _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, router.eps)
