@@ -611,8 +611,8 @@ def _attention_chain(args) -> dict:
                "tb_s"]
     result = write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
                          command=f"python -m benchmarks.megakernel_probe --attention-chain {layers}")
-    if args.trace:  # 3 layers: the trace's buffer is shared memory, which the kernel nearly fills
-        x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(3, 255)
+    if args.trace:  # 2 layers: the trace's buffer is shared memory, which the kernel nearly fills
+        x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, 255)
         chain = lambda d: jax.jit(lambda *a, w: attention_chain(*a, w, spec, profile_dir=d))
         traced(lambda d: chain(d)(x, pos, table, c_kv, k_pe, w=weights), f"{args.trace}/attention_chain")
     return result

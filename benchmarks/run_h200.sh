@@ -158,8 +158,9 @@ case $part in
                 # minutes; step-check is this and the traces)
     timeout 170 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "moe_block_chain_gpu and split or moe_layer_chain_gpu" 2>&1 | tee "$OUT/gpu_tests_step_verify.log" | tail -4 ;;
-  step-traces)  # per-scope traces, 2 layers each, of the whole layer and the layer tail, and of the attention
-                # chain (3 layers): where the whole layer's ~11 µs over its halves go (~5 minutes)
+  step-traces)  # per-scope traces, 2 layers each, of the whole layer, the layer tail and the attention chain
+                # (phase 3's chunk split into its wait, scores, values and stores): where the whole layer's ~11 µs
+                # over its halves go, and what makes a 64-token chunk ~16 µs traced (~5 minutes)
     timeout 280 python -m benchmarks.megakernel_probe --layer-chain 2 --trace "$OUT/trace" \
       --out "$OUT/layer_chain_traces_h200.json" 2>&1 | grep -v "^ptxas warning" | tail -70
     timeout 200 python -m benchmarks.megakernel_probe --attention-chain 2 --trace "$OUT/trace" \

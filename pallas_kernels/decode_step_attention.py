@@ -395,8 +395,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                         r.q.at[layer, pl.ds(w * HALF, HALF)], layout=plgpu.Layout.WGMMA, optimized=False)
                 plgpu.commit_smem()
             slots = [lax.rem(count + b, RING) for b in range(5)]
-            for slot in slots:
-                plgpu.barrier_wait(full.at[slot])
+            with jax.named_scope("chunk_wait"):  # the chunk's 5 boxes, issued by the producer ahead of the phase
+                for slot in slots:
+                    plgpu.barrier_wait(full.at[slot])
 
             def scores(acc_ref):
                 for j in range(9):
@@ -404,16 +405,17 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                     plgpu.wgmma(acc_ref, sm.q.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
                 return acc_ref[...]
 
-            s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
-            valid = jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
-            cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
-            s = jnp.where(cols < valid, s * scale_log2e, -jnp.inf)
-            m = s.max(axis=1)
-            p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
-            r.ml.at[layer, c, 0][...] = m
-            r.ml.at[layer, c, 1][...] = p.sum(axis=1)
-            sm.p[...] = p.astype(bf16)
-            plgpu.commit_smem()
+            with jax.named_scope("scores"):  # the products, the softmax, P into shared memory
+                s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
+                valid = jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
+                cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(cols < valid, s * scale_log2e, -jnp.inf)
+                m = s.max(axis=1)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+                r.ml.at[layer, c, 0][...] = m
+                r.ml.at[layer, c, 1][...] = p.sum(axis=1)
+                sm.p[...] = p.astype(bf16)
+                plgpu.commit_smem()
             p_t = sm.p.at[pl.ds(0, num_heads)].transpose((1, 0))  # [64 tokens, H]
 
             def values(accs):
@@ -421,11 +423,13 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                     plgpu.wgmma(accs[j], ring.at[slots[j // 2], j % 2].transpose((1, 0)), p_t)
 
             zeros = plgpu.layout_cast(jnp.zeros((HALF, num_heads), f32), plgpu.Layout.WGMMA)
-            accs = pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
+            with jax.named_scope("values"):
+                accs = pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
             for slot in slots:
                 plgpu.barrier_arrive(free.at[slot])
-            for j, acc in enumerate(accs):
-                r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
+            with jax.named_scope("states_out"):  # out^T by the warpgroup's own stores
+                for j, acc in enumerate(accs):
+                    r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
 
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3))
         return count + p3_boxes
