@@ -126,27 +126,58 @@ def kernel_time_us(fn, args, *, calls: int = 50) -> dict[str, float]:
 def summarize_trace(trace_dir: str) -> str:
     """Mean time (trace units: us) and count a block of each named scope, by warpgroup, over the blocks of
     the newest Perfetto JSON that Mosaic GPU wrote into ``trace_dir``: a markdown table."""
+    by_scope = collections.defaultdict(list)  # (warpgroup, scope) -> (mean, count) per block
+    for (_, wg), spans in _trace_spans(trace_dir).items():
+        durations = collections.defaultdict(list)
+        for begin, end, name in spans:
+            durations[name].append(end - begin)
+        for name, d in durations.items():
+            by_scope[wg, name].append((sum(d) / len(d), len(d)))
+    rows = [{"warpgroup": wg, "scope": name, "mean_us": round(sum(m for m, _ in v) / len(v), 3),
+             "per_block": round(sum(n for _, n in v) / len(v), 1)} for (wg, name), v in sorted(by_scope.items())]
+    return markdown_table(rows, ["warpgroup", "scope", "mean_us", "per_block"])
+
+
+def _trace_spans(trace_dir: str) -> dict:
+    """The newest Perfetto JSON that Mosaic GPU wrote into ``trace_dir`` as {(block, warpgroup): [(begin, end,
+    scope), ...] in begin order}, warpgroup w being the block's w-th lowest thread id."""
     path = max(glob.glob(os.path.join(trace_dir, "*.json")), key=os.path.getmtime)
     with open(path) as f:
         events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
-    began, spans = {}, collections.defaultdict(list)  # (block, warpgroup, scope) -> durations
+    tids = collections.defaultdict(set)
     for e in events:
-        key = (e["pid"], e["tid"], e["name"])
+        tids[e["pid"]].add(e["tid"])
+    began, spans = {}, collections.defaultdict(list)
+    for e in events:
+        key = (e["pid"], sorted(tids[e["pid"]]).index(e["tid"]), e["name"])
         if e["ph"] == "B":
             began[key] = e["ts"]
         elif e["ph"] == "E" and key in began:
-            spans[key].append(e["ts"] - began.pop(key))
-    tids = collections.defaultdict(set)
-    for block, tid, _ in spans:
-        tids[block].add(tid)
-    warpgroup = {(block, tid): sorted(ts).index(tid) for block, ts in tids.items() for tid in ts}
-    by_scope = collections.defaultdict(list)  # (warpgroup, scope) -> (mean, count) per block
-    for (block, tid, name), durations in spans.items():
-        by_scope[warpgroup[block, tid], name].append((sum(durations) / len(durations), len(durations)))
-    rows = [{"warpgroup": wg, "scope": name, "mean_us": round(sum(m for m, _ in v) / len(v), 3),
-             "per_block": round(sum(n for _, n in v) / len(v), 1)} for (wg, name), v in sorted(by_scope.items())]
-    return markdown_table(rows, ["warpgroup", "scope", "mean_us", "per_block"])
+            spans[key[:2]].append((began.pop(key), e["ts"], e["name"]))
+    return {k: sorted(v) for k, v in spans.items()}
+
+
+def barrier_phases(trace_dir: str, barrier: str = "barrier") -> str:
+    """The critical path of a persistent kernel's trace, phase by phase: between the releases of consecutive
+    grid barriers (the computing warpgroup's ``barrier`` scopes, the same count in every block), how long the
+    phase took (first release to the next), and the scopes that the block arriving last ran in it (µs summed
+    by scope): a markdown table."""
+    spans = {block: s for (block, wg), s in _trace_spans(trace_dir).items() if wg == 0}
+    bars = {block: [(b, e) for b, e, name in s if name == barrier] for block, s in spans.items()}
+    bars = {block: v for block, v in bars.items() if v}
+    rows, count = [], min(len(v) for v in bars.values())
+    for i in range(1, count):
+        start = min(v[i - 1][1] for v in bars.values())
+        last = max(bars, key=lambda block: bars[block][i][0])
+        lo, hi = bars[last][i - 1][1], bars[last][i][0]
+        did = collections.defaultdict(float)
+        for b, e, name in spans[last]:
+            if lo <= b and e <= hi and name != barrier:
+                did[name] += e - b
+        rows.append({"phase": i, "us": round(min(v[i][1] for v in bars.values()) - start, 2), "last_block": last,
+                     "its_scopes": ", ".join(f"{name} {us:.2f}" for name, us in did.items())})
+    return markdown_table(rows, ["phase", "us", "last_block", "its_scopes"])
 
 
 def traced(call, trace_dir: str):
@@ -154,3 +185,5 @@ def traced(call, trace_dir: str):
     os.makedirs(trace_dir, exist_ok=True)
     jax.block_until_ready(call(trace_dir))
     print(f"{os.path.basename(trace_dir)}\n{summarize_trace(trace_dir)}")
+    if any(name == "barrier" for s in _trace_spans(trace_dir).values() for _, _, name in s):
+        print(f"{os.path.basename(trace_dir)}, phase by phase\n{barrier_phases(trace_dir)}")
