@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-check|step-verify|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -147,15 +147,8 @@ case $part in
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 3 --variant built --variant "step kernel: dsjax.model.dispatch.STEP_KERNEL=True" \
       --out "$OUT/step_ab_step_kernel_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  step-check)  # round 25's two-warpgroup MoE kernels (the producer routes) on the GPU: the MoE half, the whole
-               # layer and the model's steps through it, then the whole layer's and the tail's traces (~5 minutes)
-    timeout 170 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "moe_block_chain_gpu and split or moe_layer_chain_gpu or step_kernel" 2>&1 \
-      | tee "$OUT/gpu_tests_step_check.log" | tail -4
-    timeout 170 python -m benchmarks.megakernel_probe --layer-chain 2 --trace "$OUT/trace" \
-      --out "$OUT/layer_chain_traces_h200.json" 2>&1 | tail -60 ;;
-  step-verify)  # the two-warpgroup MoE kernels' GPU tests alone: the MoE half (split plan) and the whole layer (~3
-                # minutes; step-check is this and the traces)
+  step-verify)  # round 25's two-warpgroup MoE kernels (the producer routes) on the GPU: the MoE half (split plan)
+                # and the whole layer (~3 minutes)
     timeout 170 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "moe_block_chain_gpu and split or moe_layer_chain_gpu" 2>&1 | tee "$OUT/gpu_tests_step_verify.log" | tail -4 ;;
   step-traces)  # per-scope traces, 2 layers each, of the whole layer, the layer tail and the attention chain
