@@ -1,5 +1,5 @@
-"""The 8-bit decode probe's trace summary, over a hand-written Mosaic GPU trace (the probe itself needs a
-Hopper GPU)."""
+"""The probes' trace readers (benchmarks.common: the 8-bit decode probe's summary by scope, the persistent
+kernels' phases between grid barriers), over hand-written Mosaic GPU traces (the probes need a Hopper GPU)."""
 import json
 
 from benchmarks.common import summarize_trace
