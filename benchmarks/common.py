@@ -158,14 +158,16 @@ def _trace_spans(trace_dir: str) -> dict:
     return {k: sorted(v) for k, v in spans.items()}
 
 
-def barrier_phases(trace_dir: str, barrier: str = "barrier") -> str:
+def barrier_phases(trace_dir: str, barrier: str = "barrier") -> str | None:
     """The critical path of a persistent kernel's trace, phase by phase: between the releases of consecutive
     grid barriers (the computing warpgroup's ``barrier`` scopes, the same count in every block), how long the
     phase took (first release to the next), and the scopes that the block arriving last ran in it (µs summed
-    by scope): a markdown table."""
+    by scope): a markdown table, or None for a trace without barriers."""
     spans = {block: s for (block, wg), s in _trace_spans(trace_dir).items() if wg == 0}
     bars = {block: [(b, e) for b, e, name in s if name == barrier] for block, s in spans.items()}
     bars = {block: v for block, v in bars.items() if v}
+    if not bars:
+        return None
     rows, count = [], min(len(v) for v in bars.values())
     for i in range(1, count):
         start = min(v[i - 1][1] for v in bars.values())
@@ -185,5 +187,6 @@ def traced(call, trace_dir: str):
     os.makedirs(trace_dir, exist_ok=True)
     jax.block_until_ready(call(trace_dir))
     print(f"{os.path.basename(trace_dir)}\n{summarize_trace(trace_dir)}")
-    if any(name == "barrier" for s in _trace_spans(trace_dir).values() for _, _, name in s):
-        print(f"{os.path.basename(trace_dir)}, phase by phase\n{barrier_phases(trace_dir)}")
+    phases = barrier_phases(trace_dir)
+    if phases is not None:
+        print(f"{os.path.basename(trace_dir)}, phase by phase\n{phases}")

@@ -546,9 +546,9 @@ def _layer_chain(args) -> dict:
     attention_only = lambda x, pos, table, c_kv, k_pe, *w: attention_chain(x, pos, table, c_kv, k_pe, cls(*w), spec)[0]
     tail = lambda x, attn, o, norm, router, *r, profile_dir=None: moe_layer_tail_chain(
         x, attn, o, norm, router, moe_spec, 6, *r[:3], r[3:], profile_dir=profile_dir)[0]
-    tail_inputs = lambda layers: (x, jnp.ones((layers, 2048), jnp.bfloat16) / 8,
-                                  attention.o_proj[:layers].reshape(layers, 2048, 2048), norm[:layers],
-                                  router[:layers], *(w[:layers] for w in routed), *(w[:layers] for w in shared))
+    # the layer inputs bound at the call (the trace rebinds them to 2 layers), so no weights are copied
+    tail_inputs = lambda: (x, jnp.ones((norm.shape[0], 2048), jnp.bfloat16) / 8,
+                           attention.o_proj.reshape(norm.shape[0], 2048, 2048), norm, router, *routed, *shared)
     for position in (0, 511):  # the same weights and caches, the token at another position
         pos = jnp.int32(position)
         inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
@@ -558,7 +558,7 @@ def _layer_chain(args) -> dict:
                  (x, pos, table, c_kv, k_pe, *attention))]
         if position == 0:  # the layer tail does not read the context
             runs.append(("moe_layer_tail_chain (o_proj and the MoE halves, the attention output given)", tail,
-                         tail_inputs(layers)))
+                         tail_inputs()))
         for name, call, args_ in runs:  # kernel time only: a timed loop would compile each kernel again
             kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
             rows.append(dict(kernel=name, layers=layers, position=position,
@@ -576,7 +576,7 @@ def _layer_chain(args) -> dict:
         weights = (attention, norm, router, routed, shared)  # arguments: as constants they take minutes to compile
         traced(lambda d: jax.jit(functools.partial(chain, profile_dir=d))(x, pos, table, c_kv, k_pe, *weights),
                f"{args.trace}/moe_layer_chain")
-        traced(lambda d: jax.jit(functools.partial(tail, profile_dir=d))(*tail_inputs(2)),
+        traced(lambda d: jax.jit(functools.partial(tail, profile_dir=d))(*tail_inputs()),
                f"{args.trace}/moe_layer_tail_chain")  # its scopes beside the whole layer's
     return result
 

@@ -160,9 +160,9 @@ MOE_DECODE_MGPU = True
 # One-token steps on Hopper: the whole MoE stack (attention, o_proj, MoE half of every layer) as one persistent
 # kernel (pallas_kernels/decode_step_moe.moe_layer_chain; DeepseekForCausalLM.step_kernel_blocker says where).
 # Its chains over 8 of V2-Lite's layers: attention halves 26.6-28.5 µs a layer, layer tails 46.6
-# (decode_profile.md round 23). The whole layer in one kernel runs on the H200 and matches its reference, but at
-# 83.6-86.4 µs a layer it is slower than today's ~77 µs of launches (round 24), and its in-model GPU test has
-# not yet finished there (benchmarks/run_h200.sh step-layer): off. The runner readies the weights on Hopper
+# (decode_profile.md round 23). The whole layer in one kernel runs on the H200, matches its reference and passes
+# its in-model GPU test, but at 82.2-85.7 µs a layer it is slower than today's ~77 µs of launches (round 25):
+# off. The runner readies the weights on Hopper
 # either way (DeepseekForCausalLM.prepare_step_kernel: the same values), so an A/B may flip this knob.
 STEP_KERNEL = False
 

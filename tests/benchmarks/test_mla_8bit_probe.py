@@ -2,7 +2,7 @@
 kernels' phases between grid barriers), over hand-written Mosaic GPU traces (the probes need a Hopper GPU)."""
 import json
 
-from benchmarks.common import summarize_trace
+from benchmarks.common import barrier_phases, summarize_trace
 
 
 def test_summarize_trace_means_each_scope_by_warpgroup(tmp_path):
@@ -19,13 +19,12 @@ def test_summarize_trace_means_each_scope_by_warpgroup(tmp_path):
     assert table[0] == "| warpgroup | scope | mean_us | per_block |"
     # warpgroup 0 (each block's lowest tid): scores 3 us in block 1, 6 in block 2, two a block
     assert table[2:] == ["| 0 | scores | 4.5 | 2 |", "| 1 | convert | 1.5 | 1 |"]
+    assert barrier_phases(str(tmp_path)) is None  # no grid barriers in this kernel
 
 
 def test_barrier_phases_follow_the_block_that_arrives_last(tmp_path):
     """A two-block persistent kernel's trace: between the releases of its grid barriers, the phase's length
     and the scopes of the block that arrived last."""
-    from benchmarks.common import barrier_phases
-
     def scopes(block, plan):
         events = [{"name": name, "ph": ph, "ts": ts, "pid": block, "tid": 7}
                   for name, begin, end in plan for ph, ts in (("B", begin), ("E", end))]
