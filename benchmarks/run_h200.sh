@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -151,6 +151,15 @@ case $part in
                 # and the whole layer (~3 minutes)
     timeout 170 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "moe_block_chain_gpu and split or moe_layer_chain_gpu" 2>&1 | tee "$OUT/gpu_tests_step_verify.log" | tail -4 ;;
+  step-code)  # the step kernels' GPU tests, then the whole layer, the attention chain and the tail at 8 layers, each
+              # kernel's machine code sized (benchmarks/code_size.py on the PTX Mosaic GPU dumps; ~7 minutes)
+    timeout 250 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "gemv_chain or attention_chain or moe_block_chain_gpu and split or moe_layer_chain_gpu or moe_layer_tail" \
+      2>&1 | tee "$OUT/gpu_tests_step_code.log" | tail -4
+    rm -rf /tmp/ptx_dump && mkdir -p /tmp/ptx_dump
+    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_dump timeout 250 python -m benchmarks.megakernel_probe \
+      --layer-chain 8 --out "$OUT/layer_chain_code_h200.json" 2>&1 | grep -E "^\|"
+    python -m benchmarks.code_size /tmp/ptx_dump --out "$OUT/code_size_h200.json" ;;
   step-traces)  # per-scope traces, 2 layers each, of the whole layer, the layer tail and the attention chain
                 # (phase 3's chunk split into its wait, scores, values and stores): where the whole layer's ~11 µs
                 # over its halves go, and what makes a 64-token chunk ~16 µs traced (~5 minutes)

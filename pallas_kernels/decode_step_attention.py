@@ -37,7 +37,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
-                                             _unit_boxes, _unit_store, _unit_sums, _zero_rows, num_sms, proxy_fence)
+                                             _unit_boxes, _unit_store, _unit_sums, _zero_rows, num_sms, proxy_fence,
+                                             token_tiles)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -192,16 +193,18 @@ class AttentionRefs(NamedTuple):
 
 class AttentionScratch(NamedTuple):
     """The shared memory the phases take: the layer's input rows xin f32[D / 64, 64] (bf16 values) and the
-    norm's weights g f32[D / 64, 64] (g_bar: landed); the token's tiles bf16[D / 8, 64] and rows f32[D / 64,
-    64]; phase 3's query windows q bf16[192, 64] and p bf16[64, 64]; phase 4's merged rows mrow f32[2, 64]
-    and their tiles4 bf16[64, 64]; phase 2's rope rows f32[32, 64], rotated rope16 bf16[32, 64], cs f32[2, 32,
-    32], the new latent lat f32[8, 64], knorm f32[8, 64], the normed latb bf16[8, 64]; part f32[2, 64] (TMA
-    adds), qrow bf16[64]; zeros f32 and bf16 [8, 64]; rope_bar (num_heads + 2 arrivals), lat_bar (2)."""
+    norm's weights g f32[D / 64, 64] (g_bar: landed); the token's tiles bf16[D / 8, 64], flat: the same bytes
+    as rows [D / 64, 512] (``token_tiles``; tiles4's too, at their start), and rows f32[D / 64, 64]; phase 3's
+    query windows q bf16[192, 64] and p bf16[64, 64]; phase 4's merged rows mrow f32[2, 64] and their tiles4
+    bf16[64, 64]; phase 2's rope rows f32[32, 64], rotated rope16 bf16[32, 64], cs f32[2, 32, 32], the new
+    latent lat f32[8, 64], knorm f32[8, 64], the normed latb bf16[8, 64]; part f32[2, 64] (TMA adds), qrow
+    bf16[64]; zeros f32 and bf16 [8, 64]; rope_bar (num_heads + 2 arrivals), lat_bar (2)."""
 
     xin: object
     g: object
     g_bar: object
     tiles: object
+    flat: object
     rows: object
     q: object
     p: object
@@ -284,17 +287,15 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         def _():  # the context's chunk c: 64 tokens of a page, the latents' 8 halves and the rope keys
             token = c * CHUNK
             page, t0 = r.table[lax.div(token, block_size)], lax.rem(token, block_size)
-            for b in range(4):
-                issue(count + b, lambda h, b=b: [
-                    (r.ckv.at[layer, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)])
+            lax.fori_loop(0, 4, lambda b, _: issue(count + b, lambda h: [
+                (r.ckv.at[layer, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)]), None)
             issue(count + 4, lambda h: [(r.kpe.at[layer, page, pl.ds(t0, CHUNK)], True)])
 
         @pl.when(c == nch)
         def _():  # the new token's rows, once phase 2 has written them
             plgpu.semaphore_wait(sem, num_ctas * barrier_count(layer, 2), decrement=False, memory_scope="gpu")
             proxy_fence()
-            for b in range(4):
-                issue(count + b, lambda h, b=b: [(r.kvnew.at[2 * b + h], True)])
+            lax.fori_loop(0, 4, lambda b, _: issue(count + b, lambda h: [(r.kvnew.at[2 * b + h], True)]), None)
             issue(count + 4, lambda h: [(r.kvnew.at[8], True)])
 
         count = count + p3_boxes
@@ -312,7 +313,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         """RMSNorm(x) into the tiles (every CTA); the CTA's boxes of q_proj / kv_a, each tile's sums added."""
         plgpu.barrier_wait(sm.g_bar.at[0])
         with jax.named_scope("norm"):
-            _norm_tiles(sm.xin, sm.g, sm.rows, sm.tiles, eps)
+            _norm_tiles(sm.xin, sm.g, sm.flat, eps)
 
         @pl.when(layer + 1 < num_layers)
         def _():
@@ -335,7 +336,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         @jax.named_scope("w_uk")
         def _():
             _load_rows(r.qkv.at[layer, pl.ds(3 * head, 2)], sm.rows.at[pl.ds(0, 2)])
-            _build_tiles(sm.rows.at[pl.ds(0, 2)], sm.tiles)
+            _build_tiles(sm.rows.at[pl.ds(0, 2)], sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles, count, 1, zeros8(), transpose=False)
             sm.qrow[...] = sums.astype(bf16)  # the model's q_latent is bf16
             plgpu.commit_smem()
@@ -463,7 +464,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             for q in range(2):
                 sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()
-            _build_tiles(sm.mrow, sm.tiles4)
+            _build_tiles(sm.mrow, sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())
             store_add(sums, r.vctx.at[layer, 2 * v_head + v_tile])
 
@@ -494,11 +495,12 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
     o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     barrier_count = lambda layer, phase: 1 + PHASES * layer + phase  # the kernel's first barrier, then PHASES a layer
-    (tiles_smem, row_smem), (q_smem, p_smem), (mrow_smem, tiles4_smem), rope_buffers = union
+    (tiles_smem, row_smem), flat_smem, (q_smem, p_smem), (tiles4_smem, mrow_smem), rope_buffers = union
     refs = AttentionRefs(pos_ref, table_ref, cs_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
                          wuv_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref)
-    scratch = AttentionScratch(xin_smem, g_smem, g_bar, tiles_smem, row_smem, q_smem, p_smem, mrow_smem, tiles4_smem,
-                               *rope_buffers, part_smem, qrow_smem, zero_smem, zero16_smem, rope_bar, lat_bar)
+    scratch = AttentionScratch(xin_smem, g_smem, g_bar, tiles_smem, flat_smem, row_smem, q_smem, p_smem, mrow_smem,
+                               tiles4_smem, *rope_buffers, part_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
+                               lat_bar)
     zero, phase_loads, phase_compute = attention_phases(
         refs, scratch, ring, full, free, sem, num_layers=num_layers, num_heads=num_heads, states=states,
         num_ctas=num_ctas, barrier_count=barrier_count, **constants)
@@ -533,7 +535,7 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
             def _():  # x_mid = x_l + v_ctx @ W_o: a GEMV unit a CTA, CTA 0 adds x_l
                 chunks = UNIT_K // HALF
                 _load_rows(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)])
-                _build_tiles(row_smem.at[pl.ds(0, chunks)], tiles_smem)
+                _build_tiles(row_smem.at[pl.ds(0, chunks)], flat_smem)
                 _unit_store(ring, full, free, tiles_smem, count, zeros8, part_smem.at[0], out_ref.at[layer, o_tile])
 
             pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
@@ -616,11 +618,12 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
         plgpu.SMEM((rows, HALF), f32),  # the attention norm's weights
         plgpu.RefUnion(  # a phase's buffers
             (plgpu.SMEM((rows * TOKEN_N, HALF), bf16, transforms=_TILING),  # 1, 2, 5: the token's tiles
-             plgpu.SMEM((rows, HALF), f32)),  # the normed rows / a unit's input rows
+             plgpu.SMEM((rows, HALF), f32)),  # a unit's input rows
+            token_tiles(rows)[1],  # the tiles' bytes as flat rows (and tiles4's, at the start of theirs)
             (plgpu.SMEM((3 * HALF, HALF), bf16, transforms=_TILING),  # 3: the query windows
              plgpu.SMEM((HALF, CHUNK), bf16, transforms=_TILING)),  # P
-            (plgpu.SMEM((2, HALF), f32),  # 4: the head's merged rows
-             plgpu.SMEM((HALF, HALF), bf16, transforms=_TILING)),  # their tiles
+            (plgpu.SMEM((HALF, HALF), bf16, transforms=_TILING),  # 4: the head's merged rows' tiles
+             plgpu.SMEM((2, HALF), f32)),  # the rows
             (plgpu.SMEM((32, ROPE), f32),  # 2: the rope rows (q_pe of each head, the new key)
              plgpu.SMEM((32, ROPE), bf16),  # rotated
              plgpu.SMEM((2, 32, ROPE // 2), f32),  # cos, sin

@@ -105,9 +105,8 @@ def _issue_box(ring, full, free, n, copies):
 def _unit_boxes(ring, full, free, n, weight, tile, kq):
     """A GEMV unit's boxes at ring positions n, n + 1, ...: K rows [kq * UNIT_K, (kq + 1) * UNIT_K) of
     ``weight`` (one layer's [K, N] in global memory), its columns [tile * 64, tile * 64 + 64)."""
-    for i in range(UNIT_K // STEP):
-        _issue_box(ring, full, free, n + i, lambda h, i=i: [
-            (weight.at[pl.ds(kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], True)])
+    lax.fori_loop(0, UNIT_K // STEP, lambda i, _: _issue_box(ring, full, free, n + i, lambda h: [
+        (weight.at[pl.ds(kq * UNIT_K + i * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], True)]), None)
 
 
 def _unit_store(ring, full, free, tiles_smem, n, zeros, part_smem, out_row):
@@ -126,38 +125,50 @@ def _round_rows(rows_smem):
     plgpu.commit_smem()
 
 
-def _build_tiles(rows_smem, tiles_smem, transform=None):
-    """rows_smem f32[n, 64] -> tiles_smem bf16[n * 8, 64]: chunk i (``transform(i, chunk)`` when given) as the
-    first row of tile i (rows [8i, 8i + 8)), zeros below, built 8 tiles (one [64, 64] register block) at a
-    time. With n not a multiple of 8 the last block writes zero tiles past tile n - 1 (tiles_smem must hold
-    them: 64 rows a block)."""
-    row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
-    per_block = HALF // TOKEN_N
-    num_chunks = rows_smem.shape[0]
-    for q in range(pl.cdiv(num_chunks, per_block)):
-        block = jnp.zeros((HALF, HALF), jnp.float32)
-        for t in range(min(per_block, num_chunks - q * per_block)):
-            chunk = plgpu.load(rows_smem.at[q * per_block + t], layout=plgpu.Layout.WGMMA.reduce(0))
-            if transform is not None:
-                chunk = transform(q * per_block + t, chunk)
-            block = jnp.where(row_of == TOKEN_N * t, lax.broadcast_in_dim(chunk, (HALF, HALF), [1]), block)
-        tiles_smem.at[pl.ds(q * HALF, HALF)][...] = block.astype(tiles_smem.dtype)
+def token_tiles(rows: int, dtype=jnp.bfloat16) -> tuple:
+    """The token's tiles as two views of the same shared memory, for a ``plgpu.RefUnion`` (each view its own
+    group, both at offset 0): ``rows`` [8, 64] tiles as wgmma's B (tiled, 128-byte swizzled), and the same
+    bytes as ``rows`` flat rows [rows, 8 * 64], flat row i holding tile i's 8 rows in turn. A swizzle only
+    permutes a tile's 16-byte chunks by the row's index within the tile, so a tile's first row is the first 64
+    columns of its flat row, in order."""
+    return (plgpu.SMEM((rows * TOKEN_N, HALF), dtype, transforms=_TILING),
+            plgpu.SMEM((rows, TOKEN_N * HALF), dtype))
+
+
+def _strided(shape, vec_size: int = 8):
+    """The warpgroup-strided layout of ``shape`` with the widest vector (at most ``vec_size``) it takes."""
+    size = math.prod(shape)
+    return plgpu.Layout.WG_STRIDED(tuple(shape), vec_size=next(
+        v for v in (8, 4, 2, 1) if v <= vec_size and size % (128 * v) == 0 and shape[-1] % v == 0))
+
+
+def _store_tiles(x, flat_smem):
+    """x [n, 64] (f32, a ``_strided`` layout) as the first rows of the token's tiles 0 .. n - 1 (``token_tiles``'
+    flat view), rounded to the tiles' dtype, their other rows zeros; committed. Tiles from n on are left as
+    they are."""
+    n = x.shape[0]
+    flat_smem.at[pl.ds(0, n), pl.ds(0, HALF)][...] = x.astype(flat_smem.dtype)
+    below = (n, (TOKEN_N - 1) * HALF)
+    flat_smem.at[pl.ds(0, n), pl.ds(HALF, below[1])][...] = plgpu.layout_cast(
+        jnp.zeros(below, flat_smem.dtype), _strided(below))
     plgpu.commit_smem()
 
 
-def _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, eps: float):
+def _build_tiles(rows_smem, flat_smem):
+    """rows_smem f32[n, 64] as the token's tiles 0 .. n - 1 (``_store_tiles``)."""
+    _store_tiles(plgpu.load(rows_smem, layout=_strided(rows_smem.shape, 2)), flat_smem)
+
+
+def _norm_tiles(xin_smem, g_smem, flat_smem, eps: float):
     """RMSNorm of the rows xin_smem f32[n, 64] (bf16 values) with weights g_smem f32[n, 64], as the model's
-    (x * 1 / rms rounded to bf16, times g, rounded), into row_smem, then as the token's tiles: the rows as one
+    (x * 1 / rms rounded to bf16, times g, rounded), as the token's tiles (``_store_tiles``): the rows as one
     ``WG_STRIDED`` array (elementwise work on 64-wide chunks in the reduced WGMMA layout is slow)."""
     rows = xin_smem.shape[0]
-    flat = plgpu.Layout.WG_STRIDED((rows, HALF), vec_size=2)
+    flat = _strided((rows, HALF), 2)
     x = plgpu.load(xin_smem, layout=flat)
     inv_rms = lax.rsqrt(jnp.sum(x * x) / (rows * HALF) + eps)
     g = plgpu.load(g_smem, layout=flat)
-    row_smem[...] = ((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(
-        jnp.bfloat16).astype(jnp.float32)
-    plgpu.commit_smem()
-    _build_tiles(row_smem, tiles_smem)
+    _store_tiles(((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g), flat_smem)
 
 
 def _arrive_and_wait(sem, num_ctas: int, count):
@@ -246,20 +257,23 @@ def _load_rows(source, rows_smem):
     plgpu.commit_smem()
 
 
-def _input_tiles(source, rows_smem, tiles_smem, bar):
-    """``source`` (f32 rows [n, 64] in global memory) by TMA into rows_smem, then as bf16 [8, 64] tiles."""
+def _input_tiles(source, rows_smem, flat_smem, bar):
+    """``source`` (f32 rows [n, 64] in global memory) by TMA into rows_smem, then as the token's tiles 0 .. n - 1
+    (``flat_smem``: ``token_tiles``' flat view)."""
     with jax.named_scope("input"):
         plgpu.copy_gmem_to_smem(source, rows_smem, bar)
         plgpu.barrier_wait(bar)
     with jax.named_scope("tiles"):
-        _build_tiles(rows_smem, tiles_smem)
+        _build_tiles(rows_smem, flat_smem)
 
 
-def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem, full, free, xin_bar, *,
+def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_union, row_smem, zero_smem, full, free, xin_bar, *,
           num_layers: int, depth: int):
     # x_ref f32[D / 64, 64]; w_ref bf16[L, D, D]; out_ref f32[L, D / 64, 64] (layer l's outputs, summed
     # by the CTAs' TMA adds); scratch: the ring [RING, 2, 64, 64], the CTA's K range of the input f32[UNIT_K
-    # / 64, 64], its tiles bf16[UNIT_K / 64 * 8, 64], a partial row f32[64], zeros f32[8, 64]; barriers
+    # / 64, 64], its tiles bf16[UNIT_K / 64 * 8, 64] (``token_tiles``), a partial row f32[64], zeros f32[8, 64];
+    # barriers
+    tiles_smem, flat_smem = tiles_union
     c = lax.axis_index("c")
     ranges = depth // UNIT_K
     tile, kq = lax.div(c, ranges), lax.rem(c, ranges)
@@ -277,7 +291,7 @@ def _body(x_ref, w_ref, out_ref, ring, xin_smem, tiles_smem, row_smem, zero_smem
         lax.fori_loop(0, num_layers, layer_loads, ())
 
     def input_tiles(source):  # the CTA's K range of ``source`` (f32 rows [D / 64, 64])
-        _input_tiles(source.at[pl.ds(kq * chunks, chunks)], xin_smem, tiles_smem, xin_bar.at[0])
+        _input_tiles(source.at[pl.ds(kq * chunks, chunks)], xin_smem, flat_smem, xin_bar.at[0])
 
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
@@ -319,7 +333,7 @@ def gemv_chain(x, w, profile_dir: str | None = None):
         scratch_types=[
             plgpu.SMEM((RING, 2, HALF, HALF), w.dtype, transforms=_TILING),  # the ring of boxes
             plgpu.SMEM((UNIT_K // HALF, HALF), jnp.float32),  # the CTA's K range of the input
-            plgpu.SMEM((UNIT_K // HALF * TOKEN_N, HALF), w.dtype, transforms=_TILING),  # its tiles
+            plgpu.RefUnion(*token_tiles(UNIT_K // HALF, w.dtype)),  # its tiles
             plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial outputs
             plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
             plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed

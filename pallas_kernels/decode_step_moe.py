@@ -32,7 +32,7 @@ from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratc
                                                   attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
-                                             _unit_store, _zero_rows, num_sms, proxy_fence)
+                                             _unit_store, _zero_rows, num_sms, proxy_fence, token_tiles)
 
 
 def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
@@ -79,16 +79,15 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
     buffers in a union with the tiles where their lifetimes allow."""
     rows = hidden // HALF
     f32, bf16 = jnp.float32, jnp.bfloat16
-    tiles = plgpu.SMEM((rows * TOKEN_N, HALF), dtype, transforms=_TILING)  # the input's [8, 64] tiles
+    tiles = [*token_tiles(rows, dtype)]  # the input's [8, 64] tiles, and the same bytes as flat rows
     front_scratch = []
     if num_heads:
-        tiles = plgpu.RefUnion(
-            tiles,
+        tiles += [
             (plgpu.SMEM((3 * HALF, HALF), bf16, transforms=_TILING),  # attention phase 3: the query windows
              plgpu.SMEM((HALF, HALF), bf16, transforms=_TILING)),  # P
             (plgpu.SMEM((32, HALF), f32), plgpu.SMEM((32, HALF), bf16),  # phase 2: the rope rows, rotated
              plgpu.SMEM((2, 32, HALF // 2), f32),  # cos, sin
-             plgpu.SMEM((8, HALF), f32), plgpu.SMEM((8, HALF), f32), plgpu.SMEM((8, HALF), bf16)))  # the latent
+             plgpu.SMEM((8, HALF), f32), plgpu.SMEM((8, HALF), f32), plgpu.SMEM((8, HALF), bf16))]  # the latent
         front_scratch = [
             plgpu.SMEM((rows, HALF), f32),  # the attention norm's weights
             plgpu.Barrier(num_barriers=1),  # landed
@@ -110,8 +109,8 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
     return [
         plgpu.SMEM((RING, 2, HALF, HALF), dtype, transforms=_TILING),  # the ring of boxes
         plgpu.SMEM((rows, HALF), jnp.float32),  # the layer's input rows (f32)
-        tiles,
-        plgpu.SMEM((HALF, HALF), dtype, transforms=_TILING),  # h as the first row of an [8, 64] tile
+        plgpu.RefUnion(*tiles),
+        plgpu.RefUnion(*token_tiles(1, dtype)),  # h as the first row of an [8, 64] tile
         plgpu.SMEM((HALF,), jnp.float32),  # h as a row (published, or fetched)
         plgpu.SMEM((rows, HALF), jnp.float32),  # the CTA's partial output row
         plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
@@ -254,27 +253,29 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         num_out = 5 + (8 if front else 1 if attention else 0)
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, *attention_in) = refs[:num_in]
         (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + num_out]
-        (ring, xin_smem, tiles_union, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
+        (ring, xin_smem, tiles_union, h_union, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
          xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
          *front_smem) = refs[num_in + num_out:]
-        tiles_smem = tiles_union[0] if front else tiles_union
+        tiles_smem, flat_smem, *front_buffers = tiles_union
         if front:
             wo_ref, front_in = attention_in[0], attention_in[1:]
             mid_ref, front_out = attention_out[0], attention_out[1:]
             front_refs = AttentionRefs(*front_in, *front_out)
             attn_ref = front_refs.vctx  # o_proj's input: the heads' outputs after W_UV
             g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem
-            (_, (q_win, p_smem), rope_buffers) = tiles_union
+            (q_win, p_smem), rope_buffers = front_buffers
             front_scratch = AttentionScratch(
-                xin_smem, g_attn, g_attn_bar, tiles_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 2)],
+                xin_smem, g_attn, g_attn_bar, tiles_smem, flat_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 2)],
                 tiles_smem.at[pl.ds(0, HALF)], *rope_buffers, pub_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
                 lat_bar)
         elif attention:
             (attn_ref, wo_ref), (mid_ref,) = attention_in, attention_out
     else:
         (plan_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, out_ref, hs_ref, ring,
-         xin_smem, tiles_smem, h_smem, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free, xin_bar,
+         xin_smem, tiles_union, h_union, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free, xin_bar,
          hin_bar) = refs
+        tiles_smem, flat_smem = tiles_union
+    h_smem, h_flat = h_union
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
@@ -396,7 +397,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 plgpu.barrier_wait(xin_bar.at[0])
                 _round_rows(xin_smem)
         else:
-            _input_tiles(source, xin_smem, tiles_smem, xin_bar.at[0])
+            _input_tiles(source, xin_smem, flat_smem, xin_bar.at[0])
 
     def route(layer, count):
         """RMSNorm of the layer's rows into the tiles; a router CTA multiplies the tiles of its K step by its
@@ -404,8 +405,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         ``routed_sem`` (the producer's ``route_layer`` takes it from there). -> the ring's count after the router
         boxes."""
         plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
-        with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into row_smem
-            _norm_tiles(xin_smem, g_smem, row_smem, tiles_smem, router.eps)
+        with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into the tiles
+            _norm_tiles(xin_smem, g_smem, flat_smem, router.eps)
 
         @pl.when(c < routers)
         @jax.named_scope("router")
@@ -457,18 +458,20 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
             top = jnp.max(logits)
             total_exp = jnp.sum(jnp.exp(logits - top))
-            left, chosen, best = logits, [], top  # chosen by logit: the softmax keeps their order
-            for k in range(top_k):  # greedy, ties to the lower id (lax.top_k's order): two reductions a pick
-                if k:
-                    best = jnp.max(left)
-                pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
-                chosen.append((pick, jnp.exp(best - top) / total_exp))  # its score, as the scores' formula
-                left = jnp.where(iota == pick, -jnp.inf, left)
-            total = sum(w for _, w in chosen) + 1e-20 if router.norm_topk_prob else 1.0
             plgpu.wait_smem_to_gmem(0)  # the layer before's routing out of shared memory (CTA 0's copies)
-            for k, (pick, w) in enumerate(chosen):
-                rid_smem[k] = pick
-                rw_smem[k] = w / total * router.routed_scaling_factor
+
+            def choose(k, carry):  # chosen by logit (the softmax keeps their order), greedy, ties to the lower id
+                left, total = carry  # (lax.top_k's order): two reductions a pick, in a loop (the code stays small)
+                best = jnp.max(left)
+                pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
+                score = jnp.exp(best - top) / total_exp  # as the scores' formula
+                rid_smem[k], rw_smem[k] = pick, score
+                return jnp.where(iota == pick, -jnp.inf, left), total + score
+
+            _, total = lax.fori_loop(0, top_k, choose, (logits, jnp.float32(1e-20)))
+            scale = router.routed_scaling_factor / (total if router.norm_topk_prob else 1.0)
+            for k in range(top_k):
+                rw_smem[k] = rw_smem[k] * scale
             plgpu.commit_smem()
             plgpu.barrier_arrive(route_bar.at[0])
 
@@ -489,12 +492,12 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         input_tiles(x_ref)
         _arrive_and_wait(sem, num_ctas, 1)
         zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
-        row_of = plgpu.broadcasted_iota(jnp.int32, (HALF, HALF), 0, layout=plgpu.Layout.WGMMA)
+        h_flat[...] = jnp.zeros(h_flat.shape, h_flat.dtype)  # h's tile: its rows below the first stay zeros
+        plgpu.commit_smem()
 
         def h_tile(h_row):
-            """h [64] (reduced WGMMA layout) as the first row of h_smem's [8, 64] tile."""
-            h = jnp.where(row_of == 0, lax.broadcast_in_dim(h_row, (HALF, HALF), [1]), 0)
-            h_smem[...] = h.astype(h_smem.dtype)
+            """h [64] (reduced WGMMA layout) as the first row of h's [8, 64] tile."""
+            h_flat.at[0, pl.ds(0, HALF)][...] = h_row.astype(h_flat.dtype)
             plgpu.commit_smem()
 
         def gate_up_unit(layer, tile, first, end, part, base):
@@ -613,7 +616,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             def _():
                 chunks = UNIT_K // HALF
                 _input_tiles(attn_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)],
-                             tiles_smem.at[pl.ds(0, chunks * TOKEN_N)], xin_bar.at[0])
+                             flat_smem, xin_bar.at[0])
 
                 _unit_store(ring, full, free, tiles_smem, count, zeros, part_smem, mid_ref.at[layer, o_tile])
 
