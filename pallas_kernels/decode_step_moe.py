@@ -10,8 +10,9 @@ ring) and the routing (by each CTA's producer) in the kernel: 40.8 µs a layer. 
 puts o_proj in front: 46.6 µs a layer (``bash benchmarks/run_h200.sh step-phases``, ``step-block``;
 decode_profile.md round 23). ``moe_layer_chain`` puts the attention phases (``decode_step_attention``) in
 front of that: whole decoder layers at one token in one kernel, the engine's one-token steps' MoE stack
-with ``dispatch.STEP_KERNEL``: 82-86 µs a layer, slower than its halves as two chains (~71) and than the
-launches a layer (~77; decode_profile.md round 25).
+with ``dispatch.STEP_KERNEL``: 69.7-72.1 µs a layer, against ~77 for the launches a layer. Its code has to
+fit an SM's instruction cache: at 190 KB of machine code (round 25's build) every phase refetched its
+instructions each layer and the whole layer took 82-86 µs (decode_profile.md rounds 25-26).
 """
 
 from __future__ import annotations

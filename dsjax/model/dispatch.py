@@ -159,12 +159,13 @@ MOE_DECODE_RESIDUAL_MAX_TOKENS = 1
 MOE_DECODE_MGPU = True
 # One-token steps on Hopper: the whole MoE stack (attention, o_proj, MoE half of every layer) as one persistent
 # kernel (pallas_kernels/decode_step_moe.moe_layer_chain; DeepseekForCausalLM.step_kernel_blocker says where).
-# Its chains over 8 of V2-Lite's layers: attention halves 26.6-28.5 µs a layer, layer tails 46.6
-# (decode_profile.md round 23). The whole layer in one kernel runs on the H200, matches its reference and passes
-# its in-model GPU test, but at 82.2-85.7 µs a layer it is slower than today's ~77 µs of launches (round 25):
-# off. The runner readies the weights on Hopper
-# either way (DeepseekForCausalLM.prepare_step_kernel: the same values), so an A/B may flip this knob.
-STEP_KERNEL = False
+# Once its code fit the SM's instruction cache (decode_profile.md round 26: the token's tiles written through a
+# flat view, box issues and the top-k in loops), the whole layer runs 69.7-72.1 µs over 8 of V2-Lite's layers
+# against ~77 µs of launches a layer, and the batch-1 compiled step takes 1.972 ms against 2.130 with this off
+# (step_ab_step_kernel_b1_h200.json, 3 rounds in turns; its in-model GPU tests pass). The runner readies the
+# weights on Hopper either way (DeepseekForCausalLM.prepare_step_kernel: the same values), so an A/B may flip
+# this knob.
+STEP_KERNEL = True
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):

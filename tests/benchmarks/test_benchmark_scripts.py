@@ -280,3 +280,22 @@ def test_moe_mgpu_probe_lowers_the_mosaic_launch():
 
     assert moe_mgpu_probe.main(["--quick", "--variant", "RING=3,BLOCK_I=64"]) == {
         "built": 1, "RING=3,BLOCK_I=64": 1}
+
+
+def test_code_size_reads_the_kernels_text_sections():
+    """benchmarks.code_size sizes a cubin's kernels by its ELF64 section headers: an ELF built here with a
+    kernel's .text section among others gives that section's size, under the kernel's name."""
+    import struct
+
+    from benchmarks.code_size import text_bytes
+
+    names = b"\0.shstrtab\0.text.kernel_a\0.nv.info\0"
+    header_at = 64 + len(names)
+    sections = [(0, 0, 0), (1, 64, len(names)), (11, 0, 48 * 16), (26, 0, 40)]  # (name at, offset, size)
+    elf = bytearray(b"\x7fELF" + bytes(60))
+    struct.pack_into("<Q", elf, 0x28, header_at)
+    struct.pack_into("<HHH", elf, 0x3A, 64, len(sections), 1)
+    elf += names
+    for name, offset, size in sections:
+        elf += struct.pack("<IIQQQQIIQQ", name, 1, 0, 0, offset, size, 0, 0, 1, 0)
+    assert text_bytes(bytes(elf)) == {"kernel_a": 768}

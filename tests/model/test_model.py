@@ -223,6 +223,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
     monkeypatch.setattr(DeepseekForCausalLM, "_why_not_step_kernel", lambda self, *shapes: None)
     monkeypatch.setattr(decode_step_attention, "attention_supports", lambda *a: None)
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
+    monkeypatch.setattr(dispatch, "STEP_KERNEL", False)
     assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
         "dispatch.STEP_KERNEL is off")
     monkeypatch.setattr(dispatch, "STEP_KERNEL", True)
