@@ -50,6 +50,7 @@ Measured (round 20): 42.2 µs a layer with a producer warpgroup, two chains a bo
 from __future__ import annotations
 
 import argparse
+import ast
 import functools
 import sys
 
@@ -527,11 +528,23 @@ def layer_inputs(layers: int, position: int, seed: int = 7):
     return x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared
 
 
+def _setting(text: str) -> tuple:
+    """``--setting`` NAME=VALUE -> (NAME, VALUE as a Python literal), NAME a decode_step_moe module constant."""
+    from pallas_kernels import decode_step_moe
+
+    name, _, value = text.partition("=")
+    if not name.isupper() or not hasattr(decode_step_moe, name) or not value:
+        raise SystemExit(f"--setting {text!r}: expected NAME=VALUE, NAME one of decode_step_moe's module "
+                         "constants (e.g. L2_PREFETCH=True)")
+    return name, ast.literal_eval(value)
+
+
 def _layer_chain(args) -> dict:
     """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
-    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output). With
-    ``--trace``: 2 layers of the whole layer's and of the tail's scopes."""
+    the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output), and
+    the whole layer under each ``--setting`` NAME=VALUE (decode_step_moe.NAME set to the Python literal VALUE
+    while it traces). With ``--trace``: 2 layers of the whole layer's and of the tail's scopes."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
@@ -552,8 +565,10 @@ def _layer_chain(args) -> dict:
     for position in (0, 511):  # the same weights and caches, the token at another position
         pos = jnp.int32(position)
         inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
-        got, want = jax.jit(whole)(*inputs), reference(*inputs)
+        want = reference(*inputs)
         runs = [("moe_layer_chain (whole layers in one kernel)", whole, inputs),
+                *((f"moe_layer_chain, {setting}", _under(*_setting(setting), whole), inputs)
+                  for setting in args.setting),
                 ("attention_chain (the attention halves alone)", attention_only,
                  (x, pos, table, c_kv, k_pe, *attention))]
         if position == 0:  # the layer tail does not read the context
@@ -561,13 +576,15 @@ def _layer_chain(args) -> dict:
                          tail_inputs()))
         for name, call, args_ in runs:  # kernel time only: a timed loop would compile each kernel again
             kernels = kernel_time_us(call, args_, calls=args.calls)["total"]
+            error = _rel(jax.jit(call)(*args_), want) if name.startswith("moe_layer_chain") else None
             rows.append(dict(kernel=name, layers=layers, position=position,
-                             rel_error=round(_rel(got, want), 5) if call is whole else None,
+                             rel_error=None if error is None else round(error, 5),
                              kernel_us_per_layer=round(kernels / layers, 2)))
             print(rows[-1], flush=True)
     columns = ["kernel", "layers", "position", "rel_error", "kernel_us_per_layer"]
     result = write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
-                         command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}")
+                         command=f"python -m benchmarks.megakernel_probe --layer-chain {layers}"
+                         + "".join(f" --setting {setting}" for setting in args.setting))
     if args.trace:  # 2 layers: the trace's buffer is shared memory
         x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 255)
         chain = lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, *, profile_dir: (
@@ -645,6 +662,8 @@ def main(argv=None) -> dict:
             ("--layer-chain", "decode_step_moe.moe_layer_chain (V2-Lite's whole layers at one token, this many) at "
                               "positions 0 and 511, against its reference and the two halves' chains")):
         parser.add_argument(flag, type=int, default=0, metavar="LAYERS", help=f"instead: {what}")
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --layer-chain: also the whole layer with decode_step_moe.NAME set to VALUE")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

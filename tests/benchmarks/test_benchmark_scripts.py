@@ -299,3 +299,15 @@ def test_code_size_reads_the_kernels_text_sections():
     for name, offset, size in sections:
         elf += struct.pack("<IIQQQQIIQQ", name, 1, 0, 0, offset, size, 0, 0, 1, 0)
     assert text_bytes(bytes(elf)) == {"kernel_a": 768}
+
+
+def test_megakernel_probe_settings_name_a_kernel_constant():
+    """--setting NAME=VALUE names one of decode_step_moe's module constants and a Python literal; anything
+    else stops the probe with the accepted form."""
+    from benchmarks import megakernel_probe as probe
+
+    assert probe._setting("L2_PREFETCH=True") == ("L2_PREFETCH", True)
+    assert probe._setting("EXPERT_PLAN='dealt'") == ("EXPERT_PLAN", "dealt")
+    for bad in ("L2_PREFETCH", "NO_SUCH=1", "l2_prefetch=True"):
+        with pytest.raises(SystemExit, match="expected NAME=VALUE"):
+            probe._setting(bad)
