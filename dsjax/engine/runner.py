@@ -42,6 +42,7 @@ from dsjax.engine.buckets import Buckets
 from dsjax.engine.sampler import SampleResult, SamplingArrays, sample
 from dsjax.engine.scheduler import SchedulerOutput
 from dsjax.engine.sequence import PENDING_TOKEN, Sequence
+from dsjax.model.dispatch import compiler_options
 from dsjax.model.paged import PagedBatch, PagedKVCache
 from dsjax.parallel.collectives import gather_batch
 from dsjax.parallel.mesh import num_batch_shards
@@ -116,6 +117,7 @@ class ModelRunner:
         self.cache = self._zero_cache()
         self.eos_token_ids = tuple(eos_token_ids)
         self.progress = progress
+        self.compiler_options = compiler_options(model.kernel_backend)
         forward = self._forward
         if self.mesh is not None:
             forward = jax.shard_map(forward, mesh=self.mesh, out_specs=(CACHE_SPEC, batch_spec(2)),
@@ -233,8 +235,9 @@ class ModelRunner:
         todo = [t for t in self.buckets.sizes if t not in self._compiled]
         start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
-            self._compiled[t] = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t)._replace(sampling=None),
-                                                   self._last_tokens_shape()).compile()
+            lowered = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t)._replace(sampling=None),
+                                         self._last_tokens_shape())
+            self._compiled[t] = lowered.compile(self.compiler_options)
             self._sampler(self.num_rows(t), False, False)
             self.num_compiled_shapes += 1
         self.compile_seconds += time.perf_counter() - start

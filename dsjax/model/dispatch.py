@@ -48,6 +48,12 @@ def resolve_backend(kernel_backend: str) -> str:
     return kernel_backend
 
 
+def compiler_options(kernel_backend: str) -> dict | None:
+    """XLA options for a program of this backend. Interpret-mode kernels unroll into large CPU programs
+    that compile several times faster at -O0; the mode checks kernel code, not speed."""
+    return {"xla_backend_optimization_level": 0} if kernel_backend == "interpret" else None
+
+
 def swiglu(x, w_gate, w_up, backend: str):
     """x [T, D], w_gate/w_up [D, I] -> silu(x w_gate) * (x w_up) [T, I].
 

@@ -11,7 +11,6 @@ no-ops without one.
 from __future__ import annotations
 
 import functools
-from functools import partial
 from typing import NamedTuple
 
 import jax
@@ -272,24 +271,26 @@ class DeepseekForCausalLM(nnx.Module):
             raise ValueError(f"token_ids must be 2-D [batch, length], got shape {tokens.shape}")
         graphdef, state = nnx.split(self)
         if self.mesh is None:
-            return _logits_jit(graphdef, state, tokens, mode)
+            return _full_forward_jit(self.kernel_backend)(graphdef, state, tokens, mode, None)
         # Sequences split over the data-parallel ranks: pad the batch to a multiple of them.
         batch = tokens.shape[0]
         shards = num_batch_shards(self.mesh)
         host = np.zeros((-(-batch // shards) * shards, tokens.shape[1]), np.int32)
         host[:batch] = np.asarray(token_ids, np.int32)
         tokens = jax.device_put(host, NamedSharding(self.mesh, batch_spec(2)))
-        return _logits_sharded(graphdef, state, tokens, mode, self.mesh)[:batch]
+        return _full_forward_jit(self.kernel_backend)(graphdef, state, tokens, mode, self.mesh)[:batch]
 
 
-@partial(jax.jit, static_argnums=(0, 3))
-def _logits_jit(graphdef, state, tokens, mode):
-    return nnx.merge(graphdef, state)(tokens, mode=mode)
+@functools.cache
+def _full_forward_jit(kernel_backend: str):
+    """The no-cache forward jitted once a backend, with its XLA options (dispatch.compiler_options)."""
+    return jax.jit(_full_forward, static_argnums=(0, 3, 4), compiler_options=dispatch.compiler_options(kernel_backend))
 
 
-@partial(jax.jit, static_argnums=(0, 3, 4))
-def _logits_sharded(graphdef, state, tokens, mode, mesh):
+def _full_forward(graphdef, state, tokens, mode, mesh):
     model = nnx.merge(graphdef, state)
+    if mesh is None:
+        return model(tokens, mode=mode)
     local = lambda state, tokens: nnx.merge(graphdef, state)(tokens, mode=mode)
     return jax.shard_map(local, mesh=mesh, in_specs=(param_specs(state), batch_spec(2)), out_specs=batch_spec(3),
                          check_vma=checks_vma(model.kernel_backend))(state, tokens)

@@ -12,7 +12,7 @@ from flax import nnx
 
 import dsjax
 from dsjax.model import PagedBatch, PagedKVCache
-from dsjax.model.dispatch import resolve_backend
+from dsjax.model.dispatch import compiler_options, resolve_backend
 from dsjax.model.params import logical_axes
 
 AXES = {"layers", "vocab", "embed", "heads", "q_lora", "kv_lora", "qk_head", "v_head", "mlp", "expert",
@@ -49,10 +49,8 @@ def _paged_logits(model, tokens, chunks, block_size=4, num_blocks=32, cache_dtyp
     table = np.random.default_rng(1).permutation(num_blocks)[:-(-len(tokens) // block_size)].astype(np.int32)
     cache = PagedKVCache.zeros(model.config, num_blocks, block_size, cache_dtype)
     graphdef, state = nnx.split(model)
-    # Interpret-mode kernels are large CPU programs: XLA's -O0 compiles them several times faster.
-    fast = {"xla_backend_optimization_level": 0} if model.kernel_backend == "interpret" else None
 
-    @functools.partial(jax.jit, compiler_options=fast)
+    @functools.partial(jax.jit, compiler_options=compiler_options(model.kernel_backend))
     def step(state, cache, toks, positions):
         m = nnx.merge(graphdef, state)
         slots = jnp.asarray(table)[positions // block_size] * block_size + positions % block_size
