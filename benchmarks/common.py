@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dsjax.model.dispatch import compiler_options
+
 RESULTS = Path(__file__).resolve().parent / "results"
 LOOP_SECONDS = 5e-3  # device time one timed loop aims for
 
@@ -73,6 +75,12 @@ def best_seconds(fn, *args, repeats: int = 5) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def run_interpret(fn, *args):
+    """fn(*args) once, compiled as dsjax compiles interpret-mode programs (-O0: the kernels unroll into
+    large CPU programs): the quick runs' check that the kernels run, with no timing."""
+    return jax.block_until_ready(jax.jit(fn, compiler_options=compiler_options("interpret"))(*args))
 
 
 def device_time_us(fn, args, *, estimate_s: float, repeats: int = 5, iters: int | None = None,

@@ -45,6 +45,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import device_time_us, kernel_time_us  # noqa: E402
+from dsjax.model.dispatch import compiler_options  # noqa: E402
 from pallas_kernels import mla_decode_mgpu, mla_prefill_mgpu  # noqa: E402
 from pallas_kernels.mla_decode import decode_blocks, default_num_splits, mla_decode, mla_decode_reference  # noqa: E402
 from pallas_kernels.mla_prefill import PREFILL_BLOCKS, mla_prefill, mla_prefill_reference  # noqa: E402
@@ -306,7 +307,7 @@ def _best(rows: list[dict], kernel: str) -> dict:
 def run(*, quick: bool = False, sweep: bool = True, only: str | None = None, out: Path | None = None) -> dict:
     """Benchmarks every shape and returns (and writes to ``out`` as it goes) the results."""
     interpret = quick
-    timing = dict(repeats=1, iters=2) if quick else {}
+    timing = dict(repeats=1, iters=2, compiler_options=compiler_options("interpret")) if quick else {}
     decode_shapes, prefill_shapes = (QUICK_DECODE, QUICK_PREFILL) if quick else (DECODE_SHAPES, PREFILL_SHAPES)
     sweep = sweep and not quick
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import environment, kernel_time_us, markdown_table, write_result  # noqa: E402
+from benchmarks.common import environment, kernel_time_us, markdown_table, run_interpret, write_result  # noqa: E402
 from dsjax.model import dispatch  # noqa: E402
 from pallas_kernels.moe_decode import DecodeTiles, moe_decode  # noqa: E402
 from pallas_kernels.moe_experts import moe_experts  # noqa: E402
@@ -54,7 +54,7 @@ LAYERS, LAYER = 26, 3
 
 def _time(fn, args, *, quick: bool) -> tuple[float, dict]:
     if quick:  # interpret mode on CPU: no device trace, just that it runs
-        jax.block_until_ready(jax.jit(fn)(*args))
+        run_interpret(fn, *args)
         return float("nan"), {}
     kernels = kernel_time_us(fn, args)
     return kernels.pop("total"), kernels

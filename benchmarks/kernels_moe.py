@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import device_time_us, environment, write_result  # noqa: E402
+from dsjax.model.dispatch import compiler_options  # noqa: E402
 from pallas_kernels.grouped_swiglu import (DOWN_TILES, SWIGLU_TILES, TileConfig,  # noqa: E402
                                            grouped_matmul, grouped_swiglu, pick_config)
 from pallas_kernels.moe_experts import moe_experts, moe_experts_reference, moe_experts_xla  # noqa: E402
@@ -111,8 +112,7 @@ class Bench:
 
     def __init__(self, *, quick: bool):
         self.interpret = quick
-        self.timing = dict(repeats=1, iters=2,
-                           compiler_options={"xla_backend_optimization_level": 0}) if quick else {}
+        self.timing = dict(repeats=1, iters=2, compiler_options=compiler_options("interpret")) if quick else {}
         self.rows: list[dict] = []
 
     def run(self, section, shape, kernel, config, fn, args, *, estimate_s, flops=None,

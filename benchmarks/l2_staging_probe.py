@@ -72,7 +72,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from benchmarks.common import kernel_time_us, markdown_table, write_probe
+from benchmarks.common import kernel_time_us, markdown_table, run_interpret, write_probe
 from pallas_kernels.moe_decode import DecodeTiles, moe_decode
 from pallas_kernels.stacked_gemv import stacked_gemv, stacked_gemvs
 
@@ -224,7 +224,7 @@ def chain_main(args) -> dict:
     for variant in CHAIN:
         fn = chain_call(variant, layers, args.quick)
         if args.quick:
-            out = np.asarray(jax.jit(fn)(x, ws, flush)[0], np.float32)
+            out = np.asarray(run_interpret(fn, x, ws, flush)[0], np.float32)
             assert np.isfinite(out).all()
             rows.append(dict(variant=variant))
             continue
@@ -277,7 +277,7 @@ def experts_chain_main(args) -> dict:
     for variant in EXPERTS_CHAIN:
         fn = experts_chain_call(variant, layers, tiles, args.quick)
         if args.quick:  # the order and the staging never change the result beyond the partials' order
-            got = np.asarray(jax.jit(fn)(*inputs)[0], np.float32)
+            got = np.asarray(run_interpret(fn, *inputs)[0], np.float32)
             first = got if first is None else first
             np.testing.assert_allclose(got, first, rtol=2e-2, atol=2e-2)
             rows.append(dict(variant=variant))
@@ -312,7 +312,7 @@ def main(argv=None) -> dict:
     for staged in STAGED:
         fn = layer_call(staged, tiles, args.quick)
         if args.quick:  # staging reorders launches, never the experts' result
-            got = np.asarray(jax.jit(fn)(*inputs), np.float32)
+            got = np.asarray(run_interpret(fn, *inputs), np.float32)
             cold = got if cold is None else cold
             np.testing.assert_array_equal(got, cold)
             rows.append(dict(staged=staged, staged_mb=round(staged_mb[staged], 3)))
