@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import dsjax
-from dsjax.model import PagedBatch, PagedKVCache
+from dsjax.model import PagedBatch, PagedKVCache, abstract_model, random_model
 from dsjax.model.dispatch import compiler_options, resolve_backend
 from dsjax.model.params import logical_axes
 
@@ -92,7 +92,6 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
 
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
-    from dsjax.model.transformer import DeepseekForCausalLM
 
     monkeypatch.setattr(dispatch, "ROUTER_NORM_IN_ROUTE", norm_in_route)
     monkeypatch.setattr(dispatch, "MOE_DECODE_RESIDUAL_MAX_TOKENS", int(residual_in_sum))
@@ -101,8 +100,8 @@ def test_paged_decode_kernels_match_reference(q_lora_rank, norm_in_route, residu
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=q_lora_rank)
     tokens = np.random.default_rng(0).integers(3, 259, size=74).astype(np.int32)
     chunks = [(0, 70), (70, 73), (73, 74)]
-    logits = {backend: _paged_logits(DeepseekForCausalLM(config, kernel_backend=backend, rngs=nnx.Rngs(0)), tokens,
-                                     chunks)
+    # random_model: the weights in one jitted program (eager init compiles a program per weight shape)
+    logits = {backend: _paged_logits(random_model(config, kernel_backend=backend), tokens, chunks)
               for backend in ("reference", "interpret")}
     scale = np.abs(logits["reference"]).max()
     assert np.abs(logits["interpret"] - logits["reference"]).max() <= 1e-4 * scale
@@ -166,14 +165,13 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
 
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
-    from dsjax.model.transformer import DeepseekForCausalLM
 
     assert dispatch.QUERY_FOLD_MAX_TOKENS == 8
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=None)
     cache = PagedKVCache.zeros(config, 64, 4, jnp.float32)
 
     def launches():  # a fresh model each time: its jitted layer bodies are traced anew under the knob
-        graphdef, state = nnx.split(DeepseekForCausalLM(config, kernel_backend="interpret", rngs=nnx.Rngs(0)))
+        graphdef, state = nnx.split(abstract_model(config, kernel_backend="interpret"))  # traced, never run
 
         def step(state, cache, toks):
             positions = jnp.arange(toks.shape[0], dtype=jnp.int32)
@@ -207,7 +205,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
     config = dataclasses.replace(ModelConfig.preset("tiny"), q_lora_rank=None, topk_method="greedy",
                                  scoring_func="softmax", n_group=1, topk_group=1, norm_topk_prob=False,
                                  routed_scaling_factor=1.0)
-    model = DeepseekForCausalLM(config, kernel_backend="reference", rngs=nnx.Rngs(3))
+    model = random_model(config, kernel_backend="reference", seed=3)
     tokens = np.random.default_rng(2).integers(3, 259, size=11).astype(np.int32)
     chunks = [(0, 7)] + [(i, i + 1) for i in range(7, 11)]
     want = _paged_logits(model, tokens, chunks)
