@@ -12,11 +12,13 @@ import pytest
 import dsjax
 from dsjax import LLM, SamplingParams
 
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=384, block_size=4)
+# 120 blocks of 4 tokens: room for one 325-token sequence but far from all of 16 long prompts at once.
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=384, block_size=4, num_kv_blocks=120)
 
 
 @pytest.fixture(scope="module")
 def llm():
+    """One engine for the module: each compiles its six step buckets (seconds on CPU)."""
     return LLM("tiny", dtype="float32", progress=False, **ENGINE)
 
 
@@ -41,13 +43,12 @@ def _prompts(num, lengths, seed=0):
     return [rng.integers(3, 259, size=n).tolist() for n in lengths[:num]]
 
 
-def test_greedy_matches_uncached_forward_with_chunking_and_preemption():
+def test_greedy_matches_uncached_forward_with_chunking_and_preemption(llm):
     lengths = [1, 2, 3, 5, 8, 13, 21, 34, 55, 89, 144, 200, 233, 260, 300, 317]
     prompts = _prompts(16, lengths)
     num_new = 8
-    # 120 blocks of 4 tokens: room for one 325-token sequence but far from all 16 at once -> preemption.
-    llm = LLM("tiny", dtype="float32", progress=False, num_kv_blocks=120, **ENGINE)
     engine = llm.engine
+    preemptions_before = llm.stats()["num_preemptions"]
     params = SamplingParams(max_tokens=num_new, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), None, params, prompt_token_ids=p)
@@ -58,7 +59,7 @@ def test_greedy_matches_uncached_forward_with_chunking_and_preemption():
                 done[out.request_id] = out.outputs[0].token_ids
         engine.scheduler.check_invariants()
     stats = llm.stats()
-    assert stats["num_preemptions"] > 0
+    assert stats["num_preemptions"] > preemptions_before
     assert stats["num_blocks_used"] == 0  # nothing leaked
     expected = reference_greedy(llm.model, prompts, num_new)
     for i in range(len(prompts)):
