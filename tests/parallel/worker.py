@@ -50,13 +50,13 @@ def check_meshes(specs: list[tuple[int, int, int]]) -> dict:
 
     one_device = dsjax.load_model("tiny")
     reference = np.asarray(one_device.logits(TOKENS))
-    ref_tokens, ref_logprobs = generate()[1:]
+    ref_llm, ref_tokens, ref_logprobs = generate()
     int8_reference = functools.cache(lambda: generate(kv_cache_dtype="int8")[1])
-    return {f"{tp},{ep},{dp}": check_mesh(tp, ep, dp, one_device, reference, ref_tokens, ref_logprobs,
+    return {f"{tp},{ep},{dp}": check_mesh(tp, ep, dp, one_device, reference, ref_llm, ref_tokens, ref_logprobs,
                                           int8_reference) for tp, ep, dp in specs}
 
 
-def partial_prefix_hits(llm) -> dict:
+def partial_prefix_hits(llm, ref_llm) -> dict:
     """A 13-token template over 8-token blocks, then prompts that share it, one at a time (each lands
     in the pool that caches it): the second block is reused in part through a copy inside that rank's
     cache slice. Tokens must equal the one-device engine's for the same calls."""
@@ -70,12 +70,12 @@ def partial_prefix_hits(llm) -> dict:
         return tokens, engine_llm.engine.block_manager.num_partial_hits - before
 
     tokens, hits = run(llm)
-    ref_tokens, _ = run(LLM("tiny", **ENGINE))
+    ref_tokens, _ = run(ref_llm)
     return {"tokens_equal": tokens == ref_tokens, "partial_hits": hits,
             "blocks_used": llm.engine.block_manager.num_blocks_used}
 
 
-def check_mesh(tp, ep, dp, one_device, reference, ref_tokens, ref_logprobs, int8_reference) -> dict:
+def check_mesh(tp, ep, dp, one_device, reference, ref_llm, ref_tokens, ref_logprobs, int8_reference) -> dict:
     parallel = ParallelConfig(tensor_parallel_size=tp, expert_parallel_size=ep, data_parallel_size=dp)
     model = dsjax.load_model("tiny", parallel=parallel)
     experts = model.moe_layers.mlp.w_gate[...]
@@ -97,7 +97,7 @@ def check_mesh(tp, ep, dp, one_device, reference, ref_tokens, ref_logprobs, int8
     if dp > 1:  # an 8-bit cache (latents + scales) split over data-parallel ranks
         _, int8_tokens, _ = generate(kv_cache_dtype="int8", parallel=parallel)
         checkpoints["int8_tokens_equal"] = int8_tokens == int8_reference()
-        checkpoints["partial_prefix"] = partial_prefix_hits(llm)
+        checkpoints["partial_prefix"] = partial_prefix_hits(llm, ref_llm)
     on_mesh = dsjax.load_model("tiny", mesh=model.mesh)  # a ready mesh instead of a ParallelConfig
     return {
         **checkpoints,
