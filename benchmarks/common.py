@@ -78,7 +78,7 @@ def best_seconds(fn, *args, repeats: int = 5) -> float:
 
 
 def run_interpret(fn, *args):
-    """fn(*args) once, compiled as dsjax compiles interpret-mode programs (-O0: the kernels unroll into
+    """fn(*args) once, compiled as dsjax compiles interpret-mode programs (-O1: the kernels unroll into
     large CPU programs): the quick runs' check that the kernels run, with no timing."""
     return jax.block_until_ready(jax.jit(fn, compiler_options=compiler_options("interpret"))(*args))
 

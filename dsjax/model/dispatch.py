@@ -49,9 +49,10 @@ def resolve_backend(kernel_backend: str) -> str:
 
 
 def compiler_options(kernel_backend: str) -> dict | None:
-    """XLA options for a program of this backend. Interpret-mode kernels unroll into large CPU programs
-    that compile several times faster at -O0; the mode checks kernel code, not speed."""
-    return {"xla_backend_optimization_level": 0} if kernel_backend == "interpret" else None
+    """XLA options for a program of this backend. Interpret-mode kernels unroll into large CPU programs:
+    at -O1 they compile about as fast as at -O0 (~1.5x faster than at the default -O2) and run as fast
+    as at -O2 (-O0's code ran an interpret engine's steps ~4x slower)."""
+    return {"xla_backend_optimization_level": 1} if kernel_backend == "interpret" else None
 
 
 def swiglu(x, w_gate, w_up, backend: str):

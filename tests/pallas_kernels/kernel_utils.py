@@ -9,6 +9,6 @@ from pallas_kernels.common import lower_for_h200  # noqa: F401 (the kernel tests
 
 
 def run_fast(fn, *args):
-    """jit at XLA -O0 (dispatch.compiler_options): interpret-mode kernels become large CPU programs that
-    compile ~3x faster so."""
+    """jit with dispatch.compiler_options (XLA -O1): interpret-mode kernels become large CPU programs
+    that compile faster so."""
     return jax.jit(fn, compiler_options=compiler_options("interpret"))(*args)
