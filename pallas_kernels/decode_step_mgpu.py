@@ -250,10 +250,7 @@ def _load_rows(source, rows_smem):
     rows_smem by the warpgroup's own loads: no mbarrier to hold. The attention phases read their inputs so.
     In the MoE half these loads measured no faster than TMA (41.2 against 40.8 µs a layer; decode_profile.md
     round 23), so it keeps TMA."""
-    size = math.prod(source.shape)
-    vec_size = next(v for v in (4, 2, 1) if size % (128 * v) == 0)
-    layout = plgpu.Layout.WG_STRIDED(tuple(source.shape), vec_size=vec_size)
-    rows_smem[...] = plgpu.load(source, layout=layout)
+    rows_smem[...] = plgpu.load(source, layout=_strided(source.shape, 4))
     plgpu.commit_smem()
 
 
