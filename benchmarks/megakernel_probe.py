@@ -535,7 +535,7 @@ def _setting(text: str) -> tuple:
     name, _, value = text.partition("=")
     if not name.isupper() or not hasattr(decode_step_moe, name) or not value:
         raise SystemExit(f"--setting {text!r}: expected NAME=VALUE, NAME one of decode_step_moe's module "
-                         "constants (e.g. L2_PREFETCH=True)")
+                         "constants (e.g. L2_PREFETCH=8)")
     return name, ast.literal_eval(value)
 
 

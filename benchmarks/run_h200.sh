@@ -164,10 +164,14 @@ case $part in
                # batch 1 through the kernel, 2 and 32 through the launches (~3 minutes)
     timeout 200 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
       --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
-  step-prefetch)  # the whole layer with and without the producer's L2 prefetches of o_proj and the shared tiles
-                  # (decode_step_moe.L2_PREFETCH), 8 layers, rel errors against the reference (~4 minutes)
-    timeout 400 python -m benchmarks.megakernel_probe --layer-chain 8 --setting L2_PREFETCH=True \
-      --out "$OUT/layer_chain_prefetch_h200.json" 2>&1 | grep -E "^\|" ;;
+  step-prefetch)  # the whole layer without and with the producer's L2 prefetches after the attention boxes
+                  # (decode_step_moe.L2_PREFETCH boxes: o_proj's 4, then the shared tiles' ~16), 8 layers, rel
+                  # errors against the reference; each kernel's machine code sized (~8 minutes)
+    rm -rf /tmp/ptx_dump && mkdir -p /tmp/ptx_dump
+    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_dump timeout 500 python -m benchmarks.megakernel_probe \
+      --layer-chain 8 --setting L2_PREFETCH=4 --setting L2_PREFETCH=12 --setting L2_PREFETCH=24 \
+      --out "$OUT/layer_chain_prefetch_h200.json" 2>&1 | grep -E "^\|"
+    python -m benchmarks.code_size /tmp/ptx_dump --out "$OUT/code_size_h200.json" ;;
   step-traces)  # per-scope traces, 2 layers each, of the whole layer, the layer tail and the attention chain
                 # (phase 3's chunk split into its wait, scores, values and stores): where the whole layer's ~11 µs
                 # over its halves go, and what makes a 64-token chunk ~16 µs traced (~5 minutes)

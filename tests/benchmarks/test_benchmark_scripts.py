@@ -306,7 +306,7 @@ def test_megakernel_probe_settings_name_a_kernel_constant():
     else stops the probe with the accepted form."""
     from benchmarks import megakernel_probe as probe
 
-    assert probe._setting("L2_PREFETCH=True") == ("L2_PREFETCH", True)
+    assert probe._setting("L2_PREFETCH=8") == ("L2_PREFETCH", 8)
     assert probe._setting("EXPERT_PLAN='dealt'") == ("EXPERT_PLAN", "dealt")
     for bad in ("L2_PREFETCH", "NO_SUCH=1", "l2_prefetch=True"):
         with pytest.raises(SystemExit, match="expected NAME=VALUE"):
