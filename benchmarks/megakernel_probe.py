@@ -356,18 +356,27 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
                        command="python -m benchmarks.megakernel_probe --gemv-chain")
 
 
+def _constant(setting: str) -> tuple:
+    """A trace-time kernel constant's (module, attribute): NAME of decode_step_moe, or MODULE.NAME of a
+    pallas_kernels module (decode_step_mgpu.LOOKAHEAD)."""
+    import importlib
+
+    module, _, name = setting.rpartition(".")
+    return importlib.import_module(f"pallas_kernels.{module or 'decode_step_moe'}"), name
+
+
 def _under(setting: str, value, fn):
-    """``fn`` traced with the trace-time module constant decode_step_moe.<setting> (EXPERT_PLAN) set to
-    ``value``; a new function each time, so jit traces it anew."""
-    from pallas_kernels import decode_step_moe
+    """``fn`` traced with the trace-time module constant ``setting`` (``_constant``: EXPERT_PLAN,
+    decode_step_mgpu.LOOKAHEAD) set to ``value``; a new function each time, so jit traces it anew."""
+    module, name = _constant(setting)
 
     def call(*args, **options):
-        built = getattr(decode_step_moe, setting)
-        setattr(decode_step_moe, setting, value)
+        built = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn(*args, **options)
         finally:
-            setattr(decode_step_moe, setting, built)
+            setattr(module, name, built)
     return call
 
 
@@ -529,13 +538,17 @@ def layer_inputs(layers: int, position: int, seed: int = 7):
 
 
 def _setting(text: str) -> tuple:
-    """``--setting`` NAME=VALUE -> (NAME, VALUE as a Python literal), NAME a decode_step_moe module constant."""
-    from pallas_kernels import decode_step_moe
-
+    """``--setting`` NAME=VALUE -> (NAME, VALUE as a Python literal), NAME a decode_step_moe module constant or
+    MODULE.NAME another pallas_kernels module's (``_constant``)."""
     name, _, value = text.partition("=")
-    if not name.isupper() or not hasattr(decode_step_moe, name) or not value:
+    try:
+        module, attribute = _constant(name)
+    except ImportError:
+        module, attribute = None, ""
+    if not attribute.isupper() or not hasattr(module, attribute) or not value:
         raise SystemExit(f"--setting {text!r}: expected NAME=VALUE, NAME one of decode_step_moe's module "
-                         "constants (e.g. L2_PREFETCH=8)")
+                         "constants (e.g. L2_PREFETCH=8) or MODULE.NAME of a pallas_kernels module "
+                         "(e.g. decode_step_mgpu.LOOKAHEAD=4)")
     return name, ast.literal_eval(value)
 
 
@@ -543,8 +556,8 @@ def _layer_chain(args) -> dict:
     """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
     the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output), and
-    the whole layer under each ``--setting`` NAME=VALUE (decode_step_moe.NAME set to the Python literal VALUE
-    while it traces). With ``--trace``: 2 layers of the whole layer's and of the tail's scopes."""
+    the whole layer under each ``--setting`` NAME=VALUE (the kernel constant NAME, ``_constant``, set to the
+    Python literal VALUE while it traces). With ``--trace``: 2 layers of the whole layer's and of the tail's scopes."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
