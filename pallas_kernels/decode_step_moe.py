@@ -752,7 +752,7 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
     """The MoE half of a decoder layer, L of them in one persistent kernel: x_{l+1} = bf16(x_l + experts of
     RMSNorm_l(x_l), routed by the layer's router). x [D] bf16, norm bf16[L, D] (the norm's weights), router
     [L, D, E] (E = 64; bf16, or f32 taken as the sum of two bf16 parts, hi + lo: relative error ~2^-17 a
-    weight, against the model's f32 products of bf16 activations), ``spec`` (eps, softmax scores, greedy top-k
+    weight, against the model's f32 products of bf16 activations; or those parts, ``router_parts``), ``spec`` (eps, softmax scores, greedy top-k
     of ``top_k``), the experts as ``moe_chain`` -> (x_L [D] bf16, ids i32[L, k], weights f32[L, k]: each layer's
     routing). In the kernel, every CTA norms the rows into its tiles; D / 128 router CTAs multiply the tiles
     of their K step by the router's boxes (streamed by the producer ahead of the layer, like any weights),
@@ -799,17 +799,30 @@ def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_s
                        front)
 
 
-def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, profile_dir, attention=(), front=None):
-    num_layers, hidden = norm.shape
-    if router.shape[:2] != (num_layers, hidden):
-        raise ValueError(f"moe_block_chain: norm {norm.shape}, router {router.shape}; expected [L, D] and [L, D, E]")
-    if router.dtype not in (jnp.bfloat16, jnp.float32):
-        raise ValueError(f"moe_block_chain: router weights in {router.dtype}; accepted: bfloat16, float32")
-    rows = hidden // HALF
+def router_parts(router):
+    """The router's weights [L, D, E] as the kernel's boxes take them: bf16 [L, parts, D, E], an f32 router as
+    two bf16 parts (hi, the rest) whose sum keeps 16 of its mantissa bits, a bf16 router as one. A caller that
+    steps many times prepares them once (``DeepseekForCausalLM.prepare_step_kernel``)."""
+    if router.ndim != 3 or router.dtype not in (jnp.bfloat16, jnp.float32):
+        raise ValueError(f"router_parts: router {router.dtype}{list(router.shape)}; accepted: [L, D, E] in "
+                         "bfloat16 or float32")
     hi = router.astype(jnp.bfloat16)
     parts = (hi,) if router.dtype == jnp.bfloat16 else (hi, (router - hi.astype(jnp.float32)).astype(jnp.bfloat16))
+    return jnp.stack(parts, axis=1)
+
+
+def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, profile_dir, attention=(), front=None):
+    num_layers, hidden = norm.shape
+    if router.ndim == 3:  # the weights themselves: their parts, each call
+        router = router_parts(router)
+    if router.ndim != 4 or router.shape[0] != num_layers or router.shape[2] != hidden \
+            or router.shape[1] not in (1, 2) or router.dtype != jnp.bfloat16:
+        raise ValueError(f"moe_block_chain: norm {norm.shape}, router {router.dtype}{list(router.shape)}; "
+                         "accepted: the router [L, D, E] in bfloat16 or float32, or its router_parts, bfloat16 "
+                         "[L, 1 or 2, D, E]")
+    rows = hidden // HALF
     out, (ids, weights), _, front_out = _moe_call(
-        x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF), jnp.stack(parts, axis=1)), spec, top_k, routed,
+        x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF), router), spec, top_k, routed,
         shared, profile_dir, attention, front)
     if front:  # the new cache rows a layer (the attention phases' fourth output)
         return out, ids[:, :top_k], weights[:, :top_k], front_out[3].reshape(num_layers, -1)
@@ -908,14 +921,17 @@ def moe_chain_reference(x, weights, ids, w_gate, w_up, w_down, shared):
 
 
 def moe_block_chain_reference(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared):
-    """The same chain in jnp: the model's RMSNorm, the router's f32 products (at full f32 precision),
-    ``route_reference`` (softmax, greedy), ``moe_decode_reference`` with the residual -> (x_L, ids, weights)."""
+    """The same chain in jnp: the model's RMSNorm, the router's f32 products (at full f32 precision; the router
+    [L, D, E], or its ``router_parts``), ``route_reference`` (softmax, greedy), ``moe_decode_reference`` with the
+    residual -> (x_L, ids, weights)."""
     from pallas_kernels.common import rms_norm
     from pallas_kernels.moe_decode import moe_decode_reference
     from pallas_kernels.moe_routing import RoutingSpec, route_reference
 
     routing = RoutingSpec(top_k=top_k, norm_topk_prob=spec.norm_topk_prob,
                           routed_scaling_factor=spec.routed_scaling_factor)
+    if router.ndim == 4:  # router_parts: their f32 sum
+        router = router.astype(jnp.float32).sum(axis=1)
     all_ids, all_weights = [], []
     for layer in range(norm.shape[0]):
         normed = rms_norm(x[None], norm[layer], spec.eps)

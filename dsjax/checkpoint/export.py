@@ -14,7 +14,7 @@ from dsjax.checkpoint.safetensors_io import save_file
 def hf_tensors(model):
     """Yields (Hugging Face name, numpy array) for every weight, in Linear's [out, in] layout."""
     config = model.config
-    state = nnx.to_pure_dict(nnx.state(model))
+    state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     d, h = config.hidden_size, config.num_attention_heads
     np_ = lambda a: np.asarray(a)
     yield "model.embed_tokens.weight", np_(state["embed"])

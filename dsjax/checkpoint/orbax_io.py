@@ -31,7 +31,7 @@ def save_orbax(model, directory: str | Path) -> Path:
     (directory / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
     (directory / META_FILE).write_text(json.dumps({"dtype": model.dtype.name}))
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(directory / STATE_DIR, nnx.state(model), force=True)
+        checkpointer.save(directory / STATE_DIR, nnx.state(model, nnx.Param), force=True)
     return directory
 
 

@@ -35,6 +35,11 @@ from pallas_kernels import decode_step_attention, decode_step_moe
 from pallas_kernels.decode_step_attention import permute_rope_columns
 
 
+class StepKernelCache(nnx.Variable):
+    """Weights in the form the batch-1 step kernel takes them, derived from the model's parameters by
+    ``DeepseekForCausalLM.prepare_step_kernel`` (not parameters: checkpoints and exports leave them out)."""
+
+
 class LayerStack(NamedTuple):
     """Inside the layer scan: every layer's weights of the stack being scanned plus this layer's index,
     for the kernels that read one layer's slice in place (a slice taken inside the scan would be copied
@@ -188,15 +193,18 @@ class DeepseekForCausalLM(nnx.Module):
         may run (the pallas backend on Hopper, one device; whether steps take it is ``dispatch.STEP_KERNEL``'s
         and ``step_kernel_blocker``'s): the rope columns of its q_proj and kv_a in the
         [evens | odds] order the kernel rotates as halves (``decode_step_attention.permute_rope_columns``),
-        the stack's rope then rotating halves too. Every path computes the same values as before. ->
+        the stack's rope then rotating halves too. Every path computes the same values as before. The router's
+        bf16 parts (``decode_step_moe.router_parts``) are derived once here, not each step, as
+        ``moe_layers.mlp.router_parts`` (a ``StepKernelCache``): call it again after changing the weights. ->
         None once ready, else why not. Idempotent."""
         if why_not := self._why_not_step_kernel():
             return why_not
-        attn = self.moe_layers.attn
+        attn, moe = self.moe_layers.attn, self.moe_layers.mlp
         if attn.interleave:
             attn.q_proj[...], attn.kv_a[...] = permute_rope_columns(attn.q_proj[...], attn.kv_a[...],
                                                                       attn.rope_dim, True)
             attn.interleave = False
+        moe.router_parts = StepKernelCache(jax.jit(decode_step_moe.router_parts)(moe.router[...]))
         return None
 
     def _why_not_step_kernel(self, block_size: int = 64, capacity: int = 64) -> str | None:
@@ -227,8 +235,8 @@ class DeepseekForCausalLM(nnx.Module):
             return "dispatch.STEP_KERNEL is off"
         if why_not := self._why_not_step_kernel(cache.block_size, table_width * cache.block_size):
             return why_not
-        if self.moe_layers.attn.interleave:
-            return "the stack's rope columns are not prepared (prepare_step_kernel)"
+        if self.moe_layers.attn.interleave or not hasattr(self.moe_layers.mlp, "router_parts"):
+            return "the stack's rope columns and router parts are not prepared (prepare_step_kernel)"
         if num_tokens != 1:
             return f"{num_tokens} tokens in the step (the kernel takes one)"
         if cache.c_kv_scale is not None or cache.pools is not None or cache.c_kv.dtype != self.dtype:
@@ -248,7 +256,7 @@ class DeepseekForCausalLM(nnx.Module):
         shared = (moe.shared.w_gate[...], moe.shared.w_up[...], moe.shared.w_down[...])
         out, _, _, kv = decode_step_moe.moe_layer_chain(
             x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe, weights, spec,
-            stack.mlp_norm.weight[...], moe.router[...],
+            stack.mlp_norm.weight[...], moe.router_parts[...],
             decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
             c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared)
         layers, block_size = c.num_moe_layers, cache.block_size

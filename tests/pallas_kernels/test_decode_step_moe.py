@@ -117,12 +117,17 @@ def test_moe_block_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
         monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)  # f32 router weights: two bf16 parts, two boxes
         hlo = lower_for_h200(lambda *a: call(*a), x, norm, shape(router.shape, router_dtype), *routed, *shared)
         assert hlo.count("custom_call @mosaic_gpu") == 1
-    with pytest.raises(ValueError, match="router weights in float16; accepted: bfloat16, float32"):
+    # its bf16 parts, prepared once (router_parts): the same kernel
+    parts = jax.eval_shape(kernel.router_parts, router)
+    assert parts.shape == (2, 2, 2048, 64) and parts.dtype == bf16
+    assert lower_for_h200(call, x, norm, parts, *routed, *shared).count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match=r"router float16\[2, 2048, 64\]; accepted: \[L, D, E\] in bfloat16 or"):
         jax.eval_shape(call, x, norm, shape(router.shape, jnp.float16), *routed, *shared)
     with pytest.raises(ValueError, match="32 experts; the in-kernel router takes 64"):
         jax.eval_shape(call, x, norm, shape((2, 2048, 32), jnp.float32), *routed, *shared)
-    with pytest.raises(ValueError, match=r"expected \[L, D\] and \[L, D, E\]"):
-        jax.eval_shape(call, x, norm, shape((3, 2048, 64), jnp.float32), *routed, *shared)
+    for bad in (shape((3, 2048, 64), jnp.float32), shape((2, 3, 2048, 64), bf16), shape((2, 2, 2048, 64), jnp.float32)):
+        with pytest.raises(ValueError, match=r"accepted: the router \[L, D, E\] in bfloat16 or float32, or its "):
+            jax.eval_shape(call, x, norm, bad, *routed, *shared)
     monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
     assert kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=64, top_k=6) is None
     assert "160 routed experts" in kernel.moe_supports(2048, 1408, 2816, 26, bf16, router=True, num_experts=160,
@@ -145,6 +150,11 @@ def test_moe_block_chain_reference_routes_each_layer_from_its_normed_input():
     spec = kernel.RouterSpec(1e-6, norm_topk_prob=True, routed_scaling_factor=2.0)
     out, ids, weights = kernel.moe_block_chain_reference(x, norm, router, spec, 2, *routed, shared)
     assert out.shape == (16,) and ids.shape == weights.shape == (2, 2)
+    parts = kernel.router_parts(router)  # two bf16 parts whose sum is the router to ~2^-17
+    np.testing.assert_allclose(parts.astype(jnp.float32).sum(axis=1), router, rtol=2e-5)
+    from_parts = kernel.moe_block_chain_reference(x, norm, parts, spec, 2, *routed, shared)
+    assert (from_parts[1] == ids).all()
+    np.testing.assert_allclose(np.asarray(from_parts[2]), np.asarray(weights), rtol=1e-4)
     np.testing.assert_allclose(np.asarray(weights.sum(-1)), 2.0, rtol=1e-5)  # normed to 1, scaled by 2
     logits = rms_norm(x[None], norm[0], 1e-6).astype(jnp.float32) @ router[0]
     assert (route_reference(logits, None, RoutingSpec(top_k=2, norm_topk_prob=True))[1][0] == ids[0]).all()
