@@ -358,7 +358,7 @@ def _gemv_chain(args, depth: int = 2048) -> dict:
 
 def _constant(setting: str) -> tuple:
     """A trace-time kernel constant's (module, attribute): NAME of decode_step_moe, or MODULE.NAME of a
-    pallas_kernels module (decode_step_mgpu.LOOKAHEAD)."""
+    pallas_kernels module (decode_step_attention.MERGE_GROUP)."""
     import importlib
 
     module, _, name = setting.rpartition(".")
@@ -367,7 +367,7 @@ def _constant(setting: str) -> tuple:
 
 def _under(setting: str, value, fn):
     """``fn`` traced with the trace-time module constant ``setting`` (``_constant``: EXPERT_PLAN,
-    decode_step_mgpu.LOOKAHEAD) set to ``value``; a new function each time, so jit traces it anew."""
+    decode_step_attention.MERGE_GROUP) set to ``value``; a new function each time, so jit traces it anew."""
     module, name = _constant(setting)
 
     def call(*args, **options):
@@ -547,8 +547,8 @@ def _setting(text: str) -> tuple:
         module, attribute = None, ""
     if not attribute.isupper() or not hasattr(module, attribute) or not value:
         raise SystemExit(f"--setting {text!r}: expected NAME=VALUE, NAME one of decode_step_moe's module "
-                         "constants (e.g. L2_PREFETCH=8) or MODULE.NAME of a pallas_kernels module "
-                         "(e.g. decode_step_mgpu.LOOKAHEAD=4)")
+                         "constants (e.g. EXPERT_PLAN='dealt') or MODULE.NAME of a pallas_kernels module "
+                         "(e.g. decode_step_attention.MERGE_GROUP=4)")
     return name, ast.literal_eval(value)
 
 

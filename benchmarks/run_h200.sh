@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-prefetch|step-lookahead|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -164,19 +164,6 @@ case $part in
                # batch 1 through the kernel, 2 and 32 through the launches (~3 minutes)
     timeout 200 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
       --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
-  step-prefetch)  # the whole layer without and with the producer's L2 prefetches after the attention boxes
-                  # (decode_step_moe.L2_PREFETCH boxes: o_proj's 4, then the shared tiles' ~16), 8 layers, rel
-                  # errors against the reference; each kernel's machine code sized (~8 minutes)
-    rm -rf /tmp/ptx_dump && mkdir -p /tmp/ptx_dump
-    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_dump timeout 500 python -m benchmarks.megakernel_probe \
-      --layer-chain 8 --setting L2_PREFETCH=4 --setting L2_PREFETCH=12 --setting L2_PREFETCH=24 \
-      --out "$OUT/layer_chain_prefetch_h200.json" 2>&1 | grep -E "^\|"
-    python -m benchmarks.code_size /tmp/ptx_dump --out "$OUT/code_size_h200.json" ;;
-  step-lookahead)  # the whole layer with fewer of the ring's boxes in flight (decode_step_mgpu.LOOKAHEAD: 8 as
-                   # built, 6, 5), 8 layers, rel errors against the reference (~5 minutes)
-    timeout 330 python -m benchmarks.megakernel_probe --layer-chain 8 --setting decode_step_mgpu.LOOKAHEAD=6 \
-      --setting decode_step_mgpu.LOOKAHEAD=5 --out "$OUT/layer_chain_lookahead_h200.json" 2>&1 \
-      | grep -E "^\||^\{" ;;
   step-traces)  # per-scope traces, 2 layers each, of the whole layer, the layer tail and the attention chain
                 # (phase 3's chunk split into its wait, scores, values and stores): where the whole layer's ~11 µs
                 # over its halves go, and what makes a 64-token chunk ~16 µs traced (~5 minutes)

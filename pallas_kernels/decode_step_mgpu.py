@@ -55,10 +55,6 @@ STEP = 2 * HALF  # K rows a box holds
 TOKEN_N = 8  # the products' N: the input as the first row of an [8, 64] tile
 UNIT_K = 512  # K rows a CTA owns of its column tile (4 boxes at 16 KiB)
 RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12)
-# The producer issues box n once box n - LOOKAHEAD is consumed (at most RING). Fewer boxes in flight shorten
-# the queue behind which an SM's stores and signals complete at a phase's end, and may starve the stream
-# (read at trace time; an A/B for round 27: ``megakernel_probe --setting decode_step_mgpu.LOOKAHEAD=4``).
-LOOKAHEAD = 8
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -97,13 +93,10 @@ def proxy_fence(_):
 
 
 def _issue_box(ring, full, free, n, copies):
-    """A producer's box at ring position n, once box n - LOOKAHEAD is consumed (so its slot, box n - RING's, is
-    free too: the slots are freed in order): half h from the view of each (gmem view, condition) pair of
-    ``copies(h)`` whose condition holds (a Python True: always; at most one should)."""
-    if not 1 <= LOOKAHEAD <= RING:
-        raise ValueError(f"LOOKAHEAD={LOOKAHEAD}; accepted: 1 to RING={RING}")
+    """A producer's box at ring position n, once the slot is free: half h from the view of each (gmem view,
+    condition) pair of ``copies(h)`` whose condition holds (a Python True: always; at most one should)."""
     slot = lax.rem(n, RING)
-    pl.when(n >= LOOKAHEAD)(lambda: plgpu.barrier_wait(free.at[lax.rem(n - LOOKAHEAD, RING)]))
+    pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
     for h in range(2):
         for view, when in copies(h):
             pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))

@@ -137,12 +137,6 @@ PLANS = ("tiles", "dealt", "split")
 # V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
 # 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
 EXPERT_PLAN = "split"
-# Whole layers (``moe_layer_chain``): once the attention phases' boxes are issued, the producer asks for up to
-# this many of its next boxes to be read into L2 (TMA prefetches: its o_proj boxes, then its shared tiles' in
-# the ring's order), while the attention phases run latency-bound with HBM mostly idle, so that the layer tail
-# reads them from L2. 0: none. Read at trace time; an A/B for round 27: ``megakernel_probe --layer-chain 8
-# --setting L2_PREFETCH=8``.
-L2_PREFETCH = 0
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -374,37 +368,9 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
             return lax.fori_loop(first, end, box, count), routed
 
-        def prefetch(layer):
-            """This CTA's first ``L2_PREFETCH`` boxes after the attention phases' into L2: o_proj's, then its shared
-            tiles' (the routed tiles' addresses wait for the routing)."""
-            o_count = min(UNIT_K // STEP, L2_PREFETCH)
-            pl.when(c < o_units)(lambda: lax.fori_loop(0, o_count, lambda i, _: plgpu.async_prefetch(
-                wo_ref.at[layer, pl.ds(o_kq * UNIT_K + i * STEP, STEP), pl.ds(o_tile * HALF, HALF)]), None))
-            limit = L2_PREFETCH - jnp.where(c < o_units, o_count, 0)
-
-            def unit_prefetch(u, done):
-                _, tile, first, end, _ = unit(u)
-                i0 = (tile - top_k * routed_tiles) * HALF
-
-                def box(n, done):
-                    k, jd = lax.div(n, 2), n - gate_boxes
-                    for ref, view, kind_is in (
-                            (sg_ref, (pl.ds(k * STEP, STEP), pl.ds(i0, HALF)), (n < gate_boxes) & (lax.rem(n, 2) == 0)),
-                            (su_ref, (pl.ds(k * STEP, STEP), pl.ds(i0, HALF)), (n < gate_boxes) & (lax.rem(n, 2) == 1)),
-                            (sd_ref, (pl.ds(i0, HALF), pl.ds(jd * STEP, STEP)), n >= gate_boxes)):
-                        pl.when(kind_is & (done < limit))(
-                            lambda ref=ref, view=view: plgpu.async_prefetch(ref.at[(layer, *view)]))
-                    return done + 1
-
-                return lax.fori_loop(first, jnp.where(tile >= top_k * routed_tiles, end, first), box, done)
-
-            lax.fori_loop(0, num_units, unit_prefetch, jnp.int32(0))
-
         def layer_loads(layer, count):
             if front:  # the attention phases' boxes first
                 count = front_loads(layer, count)
-                if L2_PREFETCH > 0:
-                    prefetch(layer)
             if attention:  # an o_proj unit's boxes first
 
                 pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))

@@ -306,9 +306,9 @@ def test_megakernel_probe_settings_name_a_kernel_constant():
     else stops the probe with the accepted form."""
     from benchmarks import megakernel_probe as probe
 
-    assert probe._setting("L2_PREFETCH=8") == ("L2_PREFETCH", 8)
+    assert probe._setting("EXPERT_PLAN='split'") == ("EXPERT_PLAN", "split")
     assert probe._setting("EXPERT_PLAN='dealt'") == ("EXPERT_PLAN", "dealt")
-    assert probe._setting("decode_step_mgpu.LOOKAHEAD=4") == ("decode_step_mgpu.LOOKAHEAD", 4)
-    for bad in ("L2_PREFETCH", "NO_SUCH=1", "l2_prefetch=True", "no_module.RING=4", "decode_step_mgpu.NOPE=1"):
+    assert probe._setting("decode_step_attention.MERGE_GROUP=4") == ("decode_step_attention.MERGE_GROUP", 4)
+    for bad in ("EXPERT_PLAN", "NO_SUCH=1", "expert_plan='split'", "no_module.RING=4", "decode_step_mgpu.NOPE=1"):
         with pytest.raises(SystemExit, match="expected NAME=VALUE"):
             probe._setting(bad)

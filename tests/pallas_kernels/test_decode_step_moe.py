@@ -205,16 +205,9 @@ def test_moe_layer_tail_chain_reference_adds_o_proj_before_the_moe_half():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("l2_prefetch, lookahead", [(0, 8), (6, 8), (40, 8), (0, 4)])
-def test_moe_layer_chain_lowers_for_hopper(monkeypatch, l2_prefetch, lookahead):
+def test_moe_layer_chain_lowers_for_hopper():
     """Whole V2-Lite layers at one token (the attention phases, o_proj, the MoE half) lower as one kernel for an
-    abstract H200, with the attention's buffers in the MoE half's shared memory; also with the producer's L2
-    prefetches (``L2_PREFETCH``): o_proj's boxes and a few of the shared tiles', or all of both; and with half
-    the ring's boxes in flight (``decode_step_mgpu.LOOKAHEAD``)."""
-    from pallas_kernels import decode_step_mgpu
-
-    monkeypatch.setattr(kernel, "L2_PREFETCH", l2_prefetch)
-    monkeypatch.setattr(decode_step_mgpu, "LOOKAHEAD", lookahead)
+    abstract H200, with the attention's buffers in the MoE half's shared memory."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights
 
     shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
