@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-compact|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -164,6 +164,21 @@ case $part in
                # batch 1 through the kernel, 2 and 32 through the launches (~3 minutes)
     timeout 200 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
       --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
+  step-compact)  # round 28: the whole layer with its small loops kept as loops (decode_step_mgpu.COMPACT_CODE) and
+                 # with phase 4 merging 4 states at a time (MERGE_GROUP=4, 8 as built), 8 layers, rel errors against
+                 # the reference; each kernel's machine code sized (~6 minutes)
+    rm -rf /tmp/ptx_dump && mkdir -p /tmp/ptx_dump
+    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_dump timeout 420 python -m benchmarks.megakernel_probe \
+      --layer-chain 8 --setting decode_step_mgpu.COMPACT_CODE=True --setting decode_step_attention.MERGE_GROUP=4 \
+      --out "$OUT/layer_chain_compact_h200.json" 2>&1 | grep -E "^\||^\{"
+    python -m benchmarks.code_size /tmp/ptx_dump --out "$OUT/code_size_compact_h200.json" ;;
+  step-router)  # round 28: the batch-1 compiled step with the router's bf16 parts prepared once (round 26: 1.972 ms
+                # with the split in every step), the launches beside it; the in-model step-kernel GPU test (~5 minutes)
+    timeout 100 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "through_the_step_kernel" 2>&1 \
+      | tee "$OUT/gpu_tests_step_router.log" | tail -2
+    timeout 300 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 3 --variant built --variant "launches: dsjax.model.dispatch.STEP_KERNEL=False" \
+      --out "$OUT/step_ab_router_parts_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-traces)  # per-scope traces, 2 layers each, of the whole layer, the layer tail and the attention chain
                 # (phase 3's chunk split into its wait, scores, values and stores): where the whole layer's ~11 µs
                 # over its halves go, and what makes a 64-token chunk ~16 µs traced (~5 minutes)

@@ -34,6 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import decode_step_mgpu
 from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
@@ -347,8 +348,13 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         def _():  # rows 0 .. H - 1: q_pe of each head; row H: the new rope key (rows past it: zeros)
             sm.rope.at[pl.ds(16, 16)][...] = jnp.zeros((16, HALF), f32)
             plgpu.commit_smem()
-            for h in range(num_heads):
-                plgpu.copy_gmem_to_smem(r.qkv.at[layer, 3 * h + 2], sm.rope.at[h], sm.rope_bar.at[0])
+            rope_row = lambda h, _=None: plgpu.copy_gmem_to_smem(r.qkv.at[layer, 3 * h + 2], sm.rope.at[h],
+                                                                  sm.rope_bar.at[0])
+            if decode_step_mgpu.COMPACT_CODE:
+                lax.fori_loop(0, num_heads, rope_row, None)
+            else:
+                for h in range(num_heads):
+                    rope_row(h)
             plgpu.copy_gmem_to_smem(r.qkv.at[layer, q_tiles + 8], sm.rope.at[num_heads], sm.rope_bar.at[0])
             plgpu.copy_gmem_to_smem(r.cs, sm.cs, sm.rope_bar.at[0])
             plgpu.barrier_wait(sm.rope_bar.at[0])
@@ -390,10 +396,18 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         @pl.when(in_chunks)
         @jax.named_scope("chunk")
         def _():
+            compact = decode_step_mgpu.COMPACT_CODE
+
+            def window(w, _=None):
+                sm.q.at[pl.ds(w * HALF, HALF)][...] = plgpu.load(
+                    r.q.at[layer, pl.ds(w * HALF, HALF)], layout=plgpu.Layout.WGMMA, optimized=False)
+
             with jax.named_scope("queries"):  # rows 16 j + h: chunk j of head h's query (three windows)
-                for w in range(3):
-                    sm.q.at[pl.ds(w * HALF, HALF)][...] = plgpu.load(
-                        r.q.at[layer, pl.ds(w * HALF, HALF)], layout=plgpu.Layout.WGMMA, optimized=False)
+                if compact:
+                    lax.fori_loop(0, 3, window, None)
+                else:
+                    for w in range(3):
+                        window(w)
                 plgpu.commit_smem()
             slots = [lax.rem(count + b, RING) for b in range(5)]
             with jax.named_scope("chunk_wait"):  # the chunk's 5 boxes, issued by the producer ahead of the phase
@@ -401,9 +415,15 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                     plgpu.barrier_wait(full.at[slot])
 
             def scores(acc_ref):
-                for j in range(9):
-                    key = ring.at[slots[j // 2], j % 2]
+                def product(j, _=None):
+                    key = ring.at[lax.rem(count + j // 2, RING), j % 2]
                     plgpu.wgmma(acc_ref, sm.q.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
+
+                if compact:
+                    lax.fori_loop(0, 9, product, None)
+                else:
+                    for j in range(9):
+                        product(j)
                 return acc_ref[...]
 
             with jax.named_scope("scores"):  # the products, the softmax, P into shared memory

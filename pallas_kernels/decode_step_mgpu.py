@@ -55,6 +55,12 @@ STEP = 2 * HALF  # K rows a box holds
 TOKEN_N = 8  # the products' N: the input as the first row of an [8, 64] tile
 UNIT_K = 512  # K rows a CTA owns of its column tile (4 boxes at 16 KiB)
 RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12)
+# Loops where the step kernels unrolled small Python loops (a box's two halves' copies here; in
+# decode_step_attention, phase 2's rope copies and phase 3's query windows and score products): the same work
+# in less code. Counted on the CPU (``benchmarks.code_lines``), the whole layer's ops drop ~15%: its 153 KB
+# overflow the SM's instruction cache (decode_profile.md rounds 26-27). Read at trace time; an A/B for round 28
+# (``megakernel_probe --layer-chain 8 --setting decode_step_mgpu.COMPACT_CODE=True``).
+COMPACT_CODE = False
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -97,9 +103,16 @@ def _issue_box(ring, full, free, n, copies):
     condition) pair of ``copies(h)`` whose condition holds (a Python True: always; at most one should)."""
     slot = lax.rem(n, RING)
     pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
-    for h in range(2):
+
+    def half(h, _=None):
         for view, when in copies(h):
             pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
+
+    if COMPACT_CODE:
+        lax.fori_loop(0, 2, half, None)
+    else:
+        for h in range(2):
+            half(h)
 
 
 def _unit_boxes(ring, full, free, n, weight, tile, kq):

@@ -312,3 +312,20 @@ def test_megakernel_probe_settings_name_a_kernel_constant():
     for bad in ("EXPERT_PLAN", "NO_SUCH=1", "expert_plan='split'", "no_module.RING=4", "decode_step_mgpu.NOPE=1"):
         with pytest.raises(SystemExit, match="expected NAME=VALUE"):
             probe._setting(bad)
+
+
+def test_code_lines_counts_a_kernels_ops_by_source_line():
+    """benchmarks.code_lines lowers a step kernel for an abstract H200 (no GPU) and counts its Mosaic GPU
+    module's ops by the pallas_kernels line each comes from: the GEMV chain's products come from _unit_sums'
+    wgmma line; a module's text with a callsite location resolves to the innermost kernel line."""
+    from benchmarks import code_lines
+
+    payload = code_lines.main(["--kernel", "gemv", "--top", "5"])
+    rows = payload["rows"]
+    assert rows[0]["line"] == "(all)" and rows[0]["ops"] > 1000
+    assert len(rows) == 6 and sum(r["ops"] for r in rows[1:]) < rows[0]["ops"]
+    assert any(r["line"].startswith("decode_step_mgpu.py:") for r in rows[1:])
+    asm = "\n".join(['#loc1 = loc("/x/pallas_kernels/k.py":7:3)', '#loc2 = loc("/x/jax/core.py":9:1)',
+                     '#loc3 = loc(callsite(#loc1 at #loc2))', '%0 = arith.addi %a, %b : i32 loc(#loc3)',
+                     '%1 = arith.constant 1 : i32 loc(#loc3)', '"nvvm.fence"() : () -> () loc(#loc2)'])
+    assert code_lines.ops_by_line(asm) == {"k.py:7": 1, None: 1}

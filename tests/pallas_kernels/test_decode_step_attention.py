@@ -15,6 +15,7 @@ from dsjax.model import PagedBatch, PagedKVCache
 from dsjax.model.mla import MLAttention
 from dsjax.model.norms import RMSNorm
 from pallas_kernels import decode_step_attention as step
+from pallas_kernels import decode_step_mgpu
 from pallas_kernels.common import rotate
 
 
@@ -83,8 +84,11 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     spec = step.AttentionSpec(1e-6, 1e-6, 0.07, tuple([1.0] * 32), 1.0)
     call = lambda x, pos, table, c_kv, k_pe, *w: step.attention_chain(x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec)
     caches = shape((layers, 16, 64, 512), bf16), shape((layers, 16, 64, 64), bf16)
-    hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches, *weights)
-    assert hlo.count("custom_call @mosaic_gpu") == 1
+    for compact in (False, True):  # the built code, and its small loops kept as loops (COMPACT_CODE)
+        monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", compact)
+        hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches,
+                             *weights)
+        assert hlo.count("custom_call @mosaic_gpu") == 1
     with pytest.raises(ValueError, match=r"expected x \[D=2048\] and caches \[L=2, N, bs, ...\]"):
         jax.eval_shape(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32),
                        shape((3, 16, 64, 512), bf16), caches[1], *weights)

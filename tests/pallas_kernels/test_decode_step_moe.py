@@ -205,9 +205,14 @@ def test_moe_layer_tail_chain_reference_adds_o_proj_before_the_moe_half():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
 
 
-def test_moe_layer_chain_lowers_for_hopper():
+@pytest.mark.parametrize("compact", [False, True])
+def test_moe_layer_chain_lowers_for_hopper(monkeypatch, compact):
     """Whole V2-Lite layers at one token (the attention phases, o_proj, the MoE half) lower as one kernel for an
-    abstract H200, with the attention's buffers in the MoE half's shared memory."""
+    abstract H200, with the attention's buffers in the MoE half's shared memory; also with the small loops kept
+    as loops (``decode_step_mgpu.COMPACT_CODE``)."""
+    from pallas_kernels import decode_step_mgpu
+
+    monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", compact)
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights
 
     shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
