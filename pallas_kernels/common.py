@@ -22,12 +22,14 @@ def why_not_hopper() -> str | None:
 
 def lower_for_h200(fn, *args) -> str:
     """StableHLO of fn lowered for an abstract H200 (no GPU needed): runs the Pallas Triton and Mosaic
-    GPU lowerings, which reject what the GPU could not run (non-power-of-two blocks, unsupported ops)."""
+    GPU lowerings, which reject what the GPU could not run (non-power-of-two blocks, unsupported ops). Traced
+    anew each call: JAX caches a function's trace by its identity, and a kernel's trace-time module constants
+    (a plan, a variant) may have changed since the last call."""
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(
             jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)):
         warnings.simplefilter("ignore", DeprecationWarning)  # the Pallas Triton backend's notice
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        return jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @functools.cache

@@ -320,13 +320,20 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         def _():
             plgpu.copy_gmem_to_smem(r.g.at[layer + 1], sm.g, sm.g_bar.at[0])
 
+        def column_tile(i, first, end):  # the CTA's boxes of one column tile, [first, end)
+            @pl.when(end > first)
+            def _():
+                sums = _unit_sums(ring, full, free, sm.tiles, count + first - n0, end - first, zeros8(),
+                                  first=lax.rem(first, ksteps))
+                store_add(sums, r.qkv.at[layer, lax.div(first, ksteps)], i)
+
         with jax.named_scope("q_kv"):
-            for i, (first, end) in enumerate(((n0, split), (split, n1))):
-                @pl.when(end > first)
-                def _(first=first, end=end, i=i):
-                    sums = _unit_sums(ring, full, free, sm.tiles, count + first - n0, end - first, zeros8(),
-                                      first=lax.rem(first, ksteps))
-                    store_add(sums, r.qkv.at[layer, lax.div(first, ksteps)], i)
+            if decode_step_mgpu.COMPACT_CODE:
+                lax.fori_loop(0, 2, lambda i, _: column_tile(i, jnp.where(i == 0, n0, split),
+                                                             jnp.where(i == 0, split, n1)), None)
+            else:
+                for i, (first, end) in enumerate(((n0, split), (split, n1))):
+                    column_tile(i, first, end)
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
         return count + n1 - n0
 

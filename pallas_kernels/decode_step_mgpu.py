@@ -55,11 +55,13 @@ STEP = 2 * HALF  # K rows a box holds
 TOKEN_N = 8  # the products' N: the input as the first row of an [8, 64] tile
 UNIT_K = 512  # K rows a CTA owns of its column tile (4 boxes at 16 KiB)
 RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12)
-# Loops where the step kernels unrolled small Python loops (a box's two halves' copies here; in
-# decode_step_attention, phase 2's rope copies and phase 3's query windows and score products): the same work
-# in less code. Counted on the CPU (``benchmarks.code_lines``), the whole layer's ops drop ~15%: its 153 KB
-# overflow the SM's instruction cache (decode_profile.md rounds 26-27). Read at trace time; an A/B for round 28
-# (``megakernel_probe --layer-chain 8 --setting decode_step_mgpu.COMPACT_CODE=True``).
+# Less code for the same work: loops where the step kernels unrolled small Python loops (here a box's two
+# halves' copies and a GEMV unit's boxes; in decode_step_attention, phase 1's two column tiles, phase 2's rope
+# copies, phase 3's query windows and score products; in decode_step_moe, the split tiles' partial sums read
+# back), and h's tile built at one place (the down unit's start). Counted on the CPU (``benchmarks.code_lines``),
+# the whole layer's ops drop from 27.8k to 22.0k, the attention chain's from 18.6k to 14.0k: the whole layer's
+# 153 KB of machine code overflow the SM's instruction cache (decode_profile.md rounds 26-27). Read at trace
+# time; an A/B for round 28 (``run_h200.sh step-compact``).
 COMPACT_CODE = False
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -247,7 +249,7 @@ def _unit_sums(ring, full, free, tiles_smem, base, boxes, zeros, first=0, transp
             pl.when(i > 0)(previous_done)
 
     def products(accs):
-        if isinstance(boxes, int):
+        if isinstance(boxes, int) and (boxes == 1 or not COMPACT_CODE):
             for i in range(boxes):
                 box(accs, i)
         else:

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import decode_step_mgpu
 from pallas_kernels.common import why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
@@ -496,6 +497,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         h_flat[...] = jnp.zeros(h_flat.shape, h_flat.dtype)  # h's tile: its rows below the first stay zeros
         plgpu.commit_smem()
 
+        compact = decode_step_mgpu.COMPACT_CODE
+
         def h_tile(h_row):
             """h [64] (reduced WGMMA layout) as the first row of h's [8, 64] tile."""
             h_flat.at[0, pl.ds(0, HALF)][...] = h_row.astype(h_flat.dtype)
@@ -538,7 +541,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 hin_smem[...] = jnp.sum(g * jax.nn.sigmoid(g) * u * scale, axis=1)  # the token's column, a row
                 plgpu.commit_smem()
                 h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-                h_tile(h_row)
+                if not compact:  # (compact: the down unit builds h's tile from hin_smem)
+                    h_tile(h_row)
                 if publishes:  # for the CTAs that take this tile's down rows (a plan with no such CTA: none)
                     with jax.named_scope("publish"):
                         hs_ref.at[layer, tile, 0, 0][...] = h_row
@@ -572,7 +576,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 proxy_fence()
                 plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile, 0, 0], hin_smem, hin_bar.at[0])
                 plgpu.barrier_wait(hin_bar.at[0])
-                h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
+                if not compact:
+                    h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
 
             if splits:
                 @pl.when(jnp.logical_not(local) & split)
@@ -582,9 +587,21 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                     proxy_fence()
                     plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
                     plgpu.barrier_wait(hin_bar.at[0])
-                    g, u = (sum(plgpu.load(sums_smem.at[p, i], layout=plgpu.Layout.WGMMA.reduce(0))
-                                for p in range(splits)) for i in range(2))
-                    h_tile(g * jax.nn.sigmoid(g) * u * tile_of(layer, tile)[2])
+                    part = lambda p, i: plgpu.load(sums_smem.at[p, i], layout=plgpu.Layout.WGMMA.reduce(0))
+                    if compact:
+                        g, u = lax.fori_loop(1, splits, lambda p, gu: (gu[0] + part(p, 0), gu[1] + part(p, 1)),
+                                             (part(0, 0), part(0, 1)))
+                    else:
+                        g, u = (sum(part(p, i) for p in range(splits)) for i in range(2))
+                    h = g * jax.nn.sigmoid(g) * u * tile_of(layer, tile)[2]
+                    if compact:
+                        hin_smem[...] = h
+                        plgpu.commit_smem()
+                    else:
+                        h_tile(h)
+
+            if compact:  # h in hin_smem (this CTA's own tile's, fetched, or summed), as h's tile once
+                h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
 
             h_t = h_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
 

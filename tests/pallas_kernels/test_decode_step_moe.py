@@ -23,11 +23,17 @@ def _moe_shapes(layers: int, experts: int = 64):
 
 def test_moe_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     """The step kernel's expert phase (V2-Lite's layer, top-6 of 64 and 2 shared experts, a few layers) lowers
-    with either plan; moe_supports names what it does not take."""
+    with either plan, also in its compact code (``decode_step_mgpu.COMPACT_CODE``: h fetched, summed or its
+    own, built into its tile in one place); moe_supports names what it does not take."""
+    from pallas_kernels import decode_step_mgpu
+
     for plan in kernel.PLANS:
-        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
-        hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
-        assert hlo.count("custom_call @mosaic_gpu") == 1
+        for compact in (False, True):
+            monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
+            monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", compact)
+            hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
+            assert hlo.count("custom_call @mosaic_gpu") == 1
+    monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", False)
     monkeypatch.setattr(kernel, "EXPERT_PLAN", "greedy")
     with pytest.raises(ValueError, match="EXPERT_PLAN='greedy'; accepted: tiles, dealt, split"):
         jax.eval_shape(kernel.moe_chain, *_moe_shapes(1))
