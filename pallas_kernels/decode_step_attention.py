@@ -127,6 +127,10 @@ CHUNK = 64  # cache tokens a phase-3 CTA takes (its scores are one [64 heads, 64
 NOPE, ROPE, LATENT, V_DIM = 128, 64, 512, 128  # the head dims the kernel is built for (DeepSeek-V2 / V3)
 HEADS = 16  # the heads the kernel takes (V2-Lite's): phase 3's query windows are 16 rows apart
 MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
+# Phase 3 reads the query windows by TMA (two copies, on the latent's barrier, which phase 2 alone uses) instead
+# of the warpgroup's loads: one round trip, ~60 ops of code against ~550-1600. The loads took 3.0-3.8 µs of a
+# chunk's ~8-16 traced (round 27). Read at trace time; an A/B for round 28 (``run_h200.sh step-compact``).
+QUERY_TMA = False
 PHASES = 5  # grid barriers a layer
 
 
@@ -410,16 +414,22 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                     r.q.at[layer, pl.ds(w * HALF, HALF)], layout=plgpu.Layout.WGMMA, optimized=False)
 
             with jax.named_scope("queries"):  # rows 16 j + h: chunk j of head h's query (three windows)
-                if compact:
+                if QUERY_TMA:  # two copies: lat_bar takes two arrivals
+                    for rows in (pl.ds(0, 2 * HALF), pl.ds(2 * HALF, HALF)):
+                        plgpu.copy_gmem_to_smem(r.q.at[layer, rows], sm.q.at[rows], sm.lat_bar.at[0])
+                elif compact:
                     lax.fori_loop(0, 3, window, None)
                 else:
                     for w in range(3):
                         window(w)
-                plgpu.commit_smem()
+                if not QUERY_TMA:
+                    plgpu.commit_smem()
             slots = [lax.rem(count + b, RING) for b in range(5)]
             with jax.named_scope("chunk_wait"):  # the chunk's 5 boxes, issued by the producer ahead of the phase
                 for slot in slots:
                     plgpu.barrier_wait(full.at[slot])
+                if QUERY_TMA:
+                    plgpu.barrier_wait(sm.lat_bar.at[0])
 
             def scores(acc_ref):
                 def product(j, _=None):
