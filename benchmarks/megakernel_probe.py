@@ -552,12 +552,19 @@ def _setting(text: str) -> tuple:
     return name, ast.literal_eval(value)
 
 
+def _under_all(settings: str, fn):
+    """``fn`` under every NAME=VALUE of ``settings``, separated by ';' (``_setting``, ``_under``)."""
+    for setting in settings.split(";"):
+        fn = _under(*_setting(setting.strip()), fn)
+    return fn
+
+
 def _layer_chain(args) -> dict:
     """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
     the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output), and
     the whole layer under each ``--setting`` NAME=VALUE (the kernel constant NAME, ``_constant``, set to the
-    Python literal VALUE while it traces). With ``--trace``: 2 layers of the whole layer's and of the tail's scopes."""
+    Python literal VALUE while it traces; several, ';'-separated, make one variant). With ``--trace``: 2 layers of the whole layer's and of the tail's scopes."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
@@ -580,8 +587,7 @@ def _layer_chain(args) -> dict:
         inputs = (x, pos, table, c_kv, k_pe, norm, router, *attention, *routed, *shared)
         want = reference(*inputs)
         runs = [("moe_layer_chain (whole layers in one kernel)", whole, inputs),
-                *((f"moe_layer_chain, {setting}", _under(*_setting(setting), whole), inputs)
-                  for setting in args.setting),
+                *((f"moe_layer_chain, {setting}", _under_all(setting, whole), inputs) for setting in args.setting),
                 ("attention_chain (the attention halves alone)", attention_only,
                  (x, pos, table, c_kv, k_pe, *attention))]
         if position == 0:  # the layer tail does not read the context
@@ -675,8 +681,9 @@ def main(argv=None) -> dict:
             ("--layer-chain", "decode_step_moe.moe_layer_chain (V2-Lite's whole layers at one token, this many) at "
                               "positions 0 and 511, against its reference and the two halves' chains")):
         parser.add_argument(flag, type=int, default=0, metavar="LAYERS", help=f"instead: {what}")
-    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
-                        help="with --layer-chain: also the whole layer with decode_step_moe.NAME set to VALUE")
+    parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE[;NAME=VALUE]",
+                        help="with --layer-chain: also the whole layer with the kernel constant NAME (decode_step_moe's, "
+                             "or MODULE.NAME) set to VALUE; several, ';'-separated, in one variant")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

@@ -165,14 +165,13 @@ case $part in
     timeout 200 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
       --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
   step-compact)  # round 28: the whole layer with its small loops kept as loops (decode_step_mgpu.COMPACT_CODE),
-                 # with phase 3's query windows by TMA (QUERY_TMA) and with phase 4 merging 4 states at a time
-                 # (MERGE_GROUP=4, 8 as built), 8 layers, rel errors against the reference; each kernel's machine
-                 # code sized (~8 minutes)
+                 # with phase 3's query windows by TMA (QUERY_TMA), and both; 8 layers, rel errors against the
+                 # reference; each kernel's machine code sized (~7 minutes). Then, if time is left: MERGE_GROUP=4.
     rm -rf /tmp/ptx_dump && mkdir -p /tmp/ptx_dump
     MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_dump timeout 540 python -m benchmarks.megakernel_probe \
       --layer-chain 8 --setting decode_step_mgpu.COMPACT_CODE=True --setting decode_step_attention.QUERY_TMA=True \
-      --setting decode_step_attention.MERGE_GROUP=4 --out "$OUT/layer_chain_compact_h200.json" 2>&1 \
-      | grep -E "^\||^\{"
+      --setting "decode_step_mgpu.COMPACT_CODE=True; decode_step_attention.QUERY_TMA=True" \
+      --out "$OUT/layer_chain_compact_h200.json" 2>&1 | grep -E "^\||^\{"
     python -m benchmarks.code_size /tmp/ptx_dump --out "$OUT/code_size_compact_h200.json" ;;
   step-router)  # round 28: the batch-1 compiled step with the router's bf16 parts prepared once (round 26: 1.972 ms
                 # with the split in every step), the launches beside it; the in-model step-kernel GPU test (~5 minutes)

@@ -309,6 +309,11 @@ def test_megakernel_probe_settings_name_a_kernel_constant():
     assert probe._setting("EXPERT_PLAN='split'") == ("EXPERT_PLAN", "split")
     assert probe._setting("EXPERT_PLAN='dealt'") == ("EXPERT_PLAN", "dealt")
     assert probe._setting("decode_step_attention.MERGE_GROUP=4") == ("decode_step_attention.MERGE_GROUP", 4)
+    from pallas_kernels import decode_step_attention, decode_step_moe  # several settings, one variant
+
+    seen = probe._under_all("EXPERT_PLAN='dealt'; decode_step_attention.MERGE_GROUP=4",
+                            lambda: (decode_step_moe.EXPERT_PLAN, decode_step_attention.MERGE_GROUP))()
+    assert seen == ("dealt", 4) and (decode_step_moe.EXPERT_PLAN, decode_step_attention.MERGE_GROUP) == ("split", 8)
     for bad in ("EXPERT_PLAN", "NO_SUCH=1", "expert_plan='split'", "no_module.RING=4", "decode_step_mgpu.NOPE=1"):
         with pytest.raises(SystemExit, match="expected NAME=VALUE"):
             probe._setting(bad)
