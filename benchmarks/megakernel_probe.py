@@ -564,7 +564,8 @@ def _layer_chain(args) -> dict:
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
     the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output), and
     the whole layer under each ``--setting`` NAME=VALUE (the kernel constant NAME, ``_constant``, set to the
-    Python literal VALUE while it traces; several, ';'-separated, make one variant). With ``--trace``: 2 layers of the whole layer's and of the tail's scopes."""
+    Python literal VALUE while it traces; several, ';'-separated, make one variant). With ``--trace``: 2 layers
+    of the whole layer's and of the tail's scopes."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
@@ -682,8 +683,9 @@ def main(argv=None) -> dict:
                               "positions 0 and 511, against its reference and the two halves' chains")):
         parser.add_argument(flag, type=int, default=0, metavar="LAYERS", help=f"instead: {what}")
     parser.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE[;NAME=VALUE]",
-                        help="with --layer-chain: also the whole layer with the kernel constant NAME (decode_step_moe's, "
-                             "or MODULE.NAME) set to VALUE; several, ';'-separated, in one variant")
+                        help="with --layer-chain: also the whole layer with the kernel constant NAME "
+                             "(decode_step_moe's, or MODULE.NAME) set to VALUE; several, ';'-separated, in one "
+                             "variant")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

@@ -735,14 +735,15 @@ def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up,
     """The MoE half of a decoder layer, L of them in one persistent kernel: x_{l+1} = bf16(x_l + experts of
     RMSNorm_l(x_l), routed by the layer's router). x [D] bf16, norm bf16[L, D] (the norm's weights), router
     [L, D, E] (E = 64; bf16, or f32 taken as the sum of two bf16 parts, hi + lo: relative error ~2^-17 a
-    weight, against the model's f32 products of bf16 activations; or those parts, ``router_parts``), ``spec`` (eps, softmax scores, greedy top-k
-    of ``top_k``), the experts as ``moe_chain`` -> (x_L [D] bf16, ids i32[L, k], weights f32[L, k]: each layer's
-    routing). In the kernel, every CTA norms the rows into its tiles; D / 128 router CTAs multiply the tiles
-    of their K step by the router's boxes (streamed by the producer ahead of the layer, like any weights),
-    add their partial logits by TMA and count them on a semaphore; once all have, the producer of every CTA
-    routes the layer and issues the routed tiles' boxes, while the computing warpgroup runs its shared tiles'
-    products (they come first in its plan). Shapes must pass
-    ``moe_supports(..., router=True)``."""
+    weight, against the model's f32 products of bf16 activations; or those parts, ``router_parts``), ``spec``
+    (eps, softmax scores, greedy top-k of ``top_k``), the experts as ``moe_chain`` -> (x_L [D] bf16, ids
+    i32[L, k], weights f32[L, k]: each layer's routing).
+
+    In the kernel, every CTA norms the rows into its tiles; D / 128 router CTAs multiply the tiles of their K
+    step by the router's boxes (streamed by the producer ahead of the layer, like any weights), add their
+    partial logits by TMA and count them on a semaphore; once all have, the producer of every CTA routes the
+    layer and issues the routed tiles' boxes, while the computing warpgroup runs its shared tiles' products
+    (they come first in its plan). Shapes must pass ``moe_supports(..., router=True)``."""
     return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir)
 
 
