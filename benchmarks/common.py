@@ -84,8 +84,9 @@ def run_interpret(fn, *args):
 
 
 def device_time_us(fn, args, *, estimate_s: float, repeats: int = 5, iters: int | None = None,
-                   compiler_options: dict | None = None) -> float:
-    """Median µs per call of fn(*args) over ``repeats`` runs of a jitted fori_loop of ``iters`` calls.
+                   xla_options: dict | None = None) -> float:
+    """Median µs per call of fn(*args) over ``repeats`` runs of a jitted fori_loop of ``iters`` calls, compiled
+    with ``xla_options`` (e.g. ``dispatch.compiler_options("interpret")`` for a quick CPU run).
 
     The optimization barrier ties each call's inputs to the previous call's outputs, so XLA can
     neither hoist the call out of the loop nor skip iterations, and adds no kernel of its own; the
@@ -100,7 +101,7 @@ def device_time_us(fn, args, *, estimate_s: float, repeats: int = 5, iters: int 
         init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
         return jax.lax.fori_loop(0, iters, body, init)
 
-    compiled = jax.jit(loop).lower(*args).compile(compiler_options)
+    compiled = jax.jit(loop).lower(*args).compile(xla_options)
     jax.block_until_ready(compiled(*args))  # warm-up
     times = []
     for _ in range(repeats):

@@ -307,7 +307,7 @@ def _best(rows: list[dict], kernel: str) -> dict:
 def run(*, quick: bool = False, sweep: bool = True, only: str | None = None, out: Path | None = None) -> dict:
     """Benchmarks every shape and returns (and writes to ``out`` as it goes) the results."""
     interpret = quick
-    timing = dict(repeats=1, iters=2, compiler_options=compiler_options("interpret")) if quick else {}
+    timing = dict(repeats=1, iters=2, xla_options=compiler_options("interpret")) if quick else {}
     decode_shapes, prefill_shapes = (QUICK_DECODE, QUICK_PREFILL) if quick else (DECODE_SHAPES, PREFILL_SHAPES)
     sweep = sweep and not quick
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -112,7 +112,7 @@ class Bench:
 
     def __init__(self, *, quick: bool):
         self.interpret = quick
-        self.timing = dict(repeats=1, iters=2, compiler_options=compiler_options("interpret")) if quick else {}
+        self.timing = dict(repeats=1, iters=2, xla_options=compiler_options("interpret")) if quick else {}
         self.rows: list[dict] = []
 
     def run(self, section, shape, kernel, config, fn, args, *, estimate_s, flops=None,

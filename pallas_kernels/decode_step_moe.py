@@ -470,6 +470,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 rid_smem[k], rw_smem[k] = pick, score
                 return jnp.where(iota == pick, -jnp.inf, left), total + score
 
+            # the chosen scores' sum plus the reference's 1e-20 (moe_routing.route_reference's denominator;
+            # used with norm_topk_prob only)
             _, total = lax.fori_loop(0, top_k, choose, (logits, jnp.float32(1e-20)))
             scale = router.routed_scaling_factor / (total if router.norm_topk_prob else 1.0)
             for k in range(top_k):
