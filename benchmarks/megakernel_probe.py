@@ -559,13 +559,28 @@ def _under_all(settings: str, fn):
     return fn
 
 
+def _without_products(fn):
+    """``fn`` traced with Mosaic GPU's wgmma a no-op: the kernel's stream, barriers, loads, stores and
+    elementwise work as built, its tensor products left out (its results wrong). A diagnostic: how much of a
+    kernel's time the products' issue and latency hold up."""
+    def call(*args, **options):
+        wgmma = plgpu.wgmma
+        plgpu.wgmma = lambda *a, **k: None
+        try:
+            return fn(*args, **options)
+        finally:
+            plgpu.wgmma = wgmma
+    return call
+
+
 def _layer_chain(args) -> dict:
     """decode_step_moe.moe_layer_chain: V2-Lite's whole layers at one token (the attention phases, o_proj, the
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
     the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output), and
     the whole layer under each ``--setting`` NAME=VALUE (the kernel constant NAME, ``_constant``, set to the
-    Python literal VALUE while it traces; several, ';'-separated, make one variant). With ``--trace``: 2 layers
-    of the whole layer's and of the tail's scopes."""
+    Python literal VALUE while it traces; several, ';'-separated, make one variant), and with
+    ``--without-products`` without its tensor products (``_without_products``). With ``--trace``: 2 layers of
+    the whole layer's and of the tail's scopes."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
@@ -589,6 +604,8 @@ def _layer_chain(args) -> dict:
         want = reference(*inputs)
         runs = [("moe_layer_chain (whole layers in one kernel)", whole, inputs),
                 *((f"moe_layer_chain, {setting}", _under_all(setting, whole), inputs) for setting in args.setting),
+                *([("moe_layer_chain, without tensor products", _without_products(whole), inputs)]
+                  if args.without_products else []),
                 ("attention_chain (the attention halves alone)", attention_only,
                  (x, pos, table, c_kv, k_pe, *attention))]
         if position == 0:  # the layer tail does not read the context
@@ -686,6 +703,8 @@ def main(argv=None) -> dict:
                         help="with --layer-chain: also the whole layer with the kernel constant NAME "
                              "(decode_step_moe's, or MODULE.NAME) set to VALUE; several, ';'-separated, in one "
                              "variant")
+    parser.add_argument("--without-products", action="store_true",
+                        help="with --layer-chain: also the whole layer with its wgmma left out (a diagnostic)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

@@ -334,3 +334,18 @@ def test_code_lines_counts_a_kernels_ops_by_source_line():
                      '#loc3 = loc(callsite(#loc1 at #loc2))', '%0 = arith.addi %a, %b : i32 loc(#loc3)',
                      '%1 = arith.constant 1 : i32 loc(#loc3)', '"nvvm.fence"() : () -> () loc(#loc2)'])
     assert code_lines.ops_by_line(asm) == {"k.py:7": 1, None: 1}
+
+
+def test_megakernel_probe_can_leave_the_tensor_products_out():
+    """--without-products traces the whole layer with wgmma a no-op (a diagnostic of what the products cost):
+    its lowered module has no wgmma, the kernel as built has them, and wgmma is restored afterwards."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from benchmarks import code_lines
+    from benchmarks import megakernel_probe as probe
+
+    fn, operands = code_lines.kernel_call("attention", layers=1)
+    wgmma = plgpu.wgmma
+    built = "".join(code_lines.lowered_modules(fn, *operands))
+    stubbed = "".join(code_lines.lowered_modules(probe._without_products(fn), *operands))
+    assert "wgmma.mma_async" in built and "wgmma.mma_async" not in stubbed and plgpu.wgmma is wgmma
