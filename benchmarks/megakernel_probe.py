@@ -559,17 +559,33 @@ def _under_all(settings: str, fn):
     return fn
 
 
-def _without_products(fn):
-    """``fn`` traced with Mosaic GPU's wgmma a no-op: the kernel's stream, barriers, loads, stores and
-    elementwise work as built, its tensor products left out (its results wrong). A diagnostic: how much of a
-    kernel's time the products' issue and latency hold up."""
+def _stubs(what: str) -> list:
+    """(object, attribute) pairs that ``_without`` makes no-ops: ``products``, Mosaic GPU's wgmma; ``store_waits``,
+    the waits for TMA stores to complete and the async-proxy fences, in every step-kernel module."""
+    from pallas_kernels import decode_step_attention, decode_step_mgpu, decode_step_moe
+
+    if what == "products":
+        return [(plgpu, "wgmma")]
+    if what == "store_waits":
+        return [(plgpu, "wait_smem_to_gmem")] + [(m, "proxy_fence") for m in (decode_step_mgpu, decode_step_moe,
+                                                                              decode_step_attention)]
+    raise SystemExit(f"--without {what!r}; accepted: products, store_waits")
+
+
+def _without(what: str, fn):
+    """``fn`` traced with the ``_stubs(what)`` no-ops: the kernel as built but for them, its results wrong (no
+    hang: every barrier still counts its arrivals). A diagnostic of how much of a kernel's time they hold up."""
+    stubs = _stubs(what)
+
     def call(*args, **options):
-        wgmma = plgpu.wgmma
-        plgpu.wgmma = lambda *a, **k: None
+        built = [getattr(obj, name) for obj, name in stubs]
+        for obj, name in stubs:
+            setattr(obj, name, lambda *a, **k: None)
         try:
             return fn(*args, **options)
         finally:
-            plgpu.wgmma = wgmma
+            for (obj, name), original in zip(stubs, built):
+                setattr(obj, name, original)
     return call
 
 
@@ -578,9 +594,9 @@ def _layer_chain(args) -> dict:
     MoE half), ``--layer-chain`` of them in one kernel, at positions 0 and 511, against its reference; beside it
     the two halves as their own chains (attention_chain, moe_layer_tail_chain given the attention output), and
     the whole layer under each ``--setting`` NAME=VALUE (the kernel constant NAME, ``_constant``, set to the
-    Python literal VALUE while it traces; several, ';'-separated, make one variant), and with
-    ``--without-products`` without its tensor products (``_without_products``). With ``--trace``: 2 layers of
-    the whole layer's and of the tail's scopes."""
+    Python literal VALUE while it traces; several, ';'-separated, make one variant), and under each ``--without``
+    (its tensor products, or its stores' waits, left out: ``_without``). With ``--trace``: 2 layers of the whole
+    layer's and of the tail's scopes."""
     from pallas_kernels.decode_step_attention import attention_chain
     from pallas_kernels.decode_step_moe import (RouterSpec, moe_layer_chain, moe_layer_chain_reference,
                                                 moe_layer_tail_chain)
@@ -604,8 +620,7 @@ def _layer_chain(args) -> dict:
         want = reference(*inputs)
         runs = [("moe_layer_chain (whole layers in one kernel)", whole, inputs),
                 *((f"moe_layer_chain, {setting}", _under_all(setting, whole), inputs) for setting in args.setting),
-                *([("moe_layer_chain, without tensor products", _without_products(whole), inputs)]
-                  if args.without_products else []),
+                *((f"moe_layer_chain, without {what}", _without(what, whole), inputs) for what in args.without),
                 ("attention_chain (the attention halves alone)", attention_only,
                  (x, pos, table, c_kv, k_pe, *attention))]
         if position == 0:  # the layer tail does not read the context
@@ -703,8 +718,9 @@ def main(argv=None) -> dict:
                         help="with --layer-chain: also the whole layer with the kernel constant NAME "
                              "(decode_step_moe's, or MODULE.NAME) set to VALUE; several, ';'-separated, in one "
                              "variant")
-    parser.add_argument("--without-products", action="store_true",
-                        help="with --layer-chain: also the whole layer with its wgmma left out (a diagnostic)")
+    parser.add_argument("--without", action="append", default=[], choices=("products", "store_waits"),
+                        help="with --layer-chain: also the whole layer with its wgmma, or its TMA stores' waits and "
+                             "fences, left out (a diagnostic; wrong results)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.layer_chain:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-compact|step-products|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-compact|step-without|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -173,10 +173,11 @@ case $part in
       --setting "decode_step_mgpu.COMPACT_CODE=True; decode_step_attention.QUERY_TMA=True" \
       --out "$OUT/layer_chain_compact_h200.json" 2>&1 | grep -E "^\||^\{"
     python -m benchmarks.code_size /tmp/ptx_dump --out "$OUT/code_size_compact_h200.json" ;;
-  step-products)  # a diagnostic: the whole layer with its tensor products left out (wgmma a no-op; results wrong)
-                  # beside it as built, 8 layers: what the products' issue and latency hold up (~4 minutes)
-    timeout 400 python -m benchmarks.megakernel_probe --layer-chain 8 --without-products \
-      --out "$OUT/layer_chain_products_h200.json" 2>&1 | grep -E "^\||^\{" ;;
+  step-without)  # diagnostics: the whole layer with its tensor products left out (wgmma a no-op), and with its TMA
+                 # stores' waits and proxy fences left out (results wrong, no hang), beside it as built, 8 layers:
+                 # what the products and the stores' round trips hold up (~5 minutes)
+    timeout 450 python -m benchmarks.megakernel_probe --layer-chain 8 --without products --without store_waits \
+      --out "$OUT/layer_chain_without_h200.json" 2>&1 | grep -E "^\||^\{" ;;
   step-router)  # round 28: the batch-1 compiled step with the router's bf16 parts prepared once (round 26: 1.972 ms
                 # with the split in every step), the launches beside it; the in-model step-kernel GPU test (~5 minutes)
     timeout 100 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "through_the_step_kernel" 2>&1 \

@@ -336,16 +336,22 @@ def test_code_lines_counts_a_kernels_ops_by_source_line():
     assert code_lines.ops_by_line(asm) == {"k.py:7": 1, None: 1}
 
 
-def test_megakernel_probe_can_leave_the_tensor_products_out():
-    """--without-products traces the whole layer with wgmma a no-op (a diagnostic of what the products cost):
-    its lowered module has no wgmma, the kernel as built has them, and wgmma is restored afterwards."""
+def test_megakernel_probe_can_leave_the_products_or_the_store_waits_out():
+    """--without products / store_waits traces the whole layer with wgmma, or the TMA stores' waits and the proxy
+    fences, as no-ops (diagnostics of what they cost): the lowered module has none of them, the kernel as built
+    has them, and the originals are restored afterwards."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     from benchmarks import code_lines
     from benchmarks import megakernel_probe as probe
+    from pallas_kernels import decode_step_mgpu
 
     fn, operands = code_lines.kernel_call("attention", layers=1)
-    wgmma = plgpu.wgmma
+    originals = (plgpu.wgmma, plgpu.wait_smem_to_gmem, decode_step_mgpu.proxy_fence)
     built = "".join(code_lines.lowered_modules(fn, *operands))
-    stubbed = "".join(code_lines.lowered_modules(probe._without_products(fn), *operands))
-    assert "wgmma.mma_async" in built and "wgmma.mma_async" not in stubbed and plgpu.wgmma is wgmma
+    for what, instruction in (("products", "wgmma.mma_async"), ("store_waits", "fence.proxy.async.global")):
+        stubbed = "".join(code_lines.lowered_modules(probe._without(what, fn), *operands))
+        assert instruction in built and instruction not in stubbed
+    assert (plgpu.wgmma, plgpu.wait_smem_to_gmem, decode_step_mgpu.proxy_fence) == originals
+    with pytest.raises(SystemExit, match="accepted: products, store_waits"):
+        probe._without("barriers", fn)
