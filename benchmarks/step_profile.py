@@ -21,6 +21,7 @@ import gzip
 import importlib
 import json
 import os
+import re
 import time
 from collections import defaultdict
 
@@ -48,6 +49,20 @@ def top_ops(trace_file: str, limit: int = 25) -> list[tuple[str, float, int]]:
         totals[e["name"]] += e["dur"]
         counts[e["name"]] += 1
     return sorted(((n, totals[n], counts[n]) for n in totals), key=lambda x: -x[1])[:limit]
+
+
+_HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+
+
+def hlo_lines(*hlo_texts: str) -> dict[str, str]:
+    """Each instruction's name in optimized HLO texts -> the rest of its line (its shape, op, operands): what a
+    device op of the profile (a fusion's or a custom call's name) computes."""
+    lines = {}
+    for text in hlo_texts:
+        for line in text.splitlines():
+            if found := _HLO_INSTRUCTION.match(line):
+                lines.setdefault(found.group(1), found.group(2).strip())
+    return lines
 
 
 def latest_trace(trace_dir: str) -> str | None:
@@ -119,6 +134,9 @@ def main(argv=None):
         print(f"top device ops over {profile['steps']} steps ({profile['trace']}):")
         for op in profile["ops"]:
             print(f"  {op['us_per_step']:10.1f} us/step  x{op['count_per_step']:5.0f}  {op['name'][:110]}")
+            if op["hlo"]:
+                print(f"{'':30}{op['hlo'][:150]}")
+        print(f"the step's optimized HLO: {args.trace_dir}/step_hlo.txt")
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, object]]:
@@ -227,7 +245,8 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
     """The engine's next step (a steady decode, once the batch is decoding), prepared once and launched
     by hand: its device time alone (mean of ``repeats``), how long each launch call holds the host, and
     from a profiler trace of ``steps`` launches the top device ops (summed over every device of the
-    mesh) and each GPU's busy time a step. The step is discarded afterwards."""
+    mesh), each with its line of the step's optimized HLO (written whole to ``trace_dir``/step_hlo.txt), and
+    each GPU's busy time a step. The step is discarded afterwards."""
     runner = engine.runner
     out = engine.scheduler.schedule()
     rows = [engine._row(item.seq) for item in out.scheduled]
@@ -240,7 +259,13 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
             res = runner.launch(t, inputs)
         jax.block_until_ready((runner.cache, res))
     trace = latest_trace(trace_dir)
-    ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps}
+    # the step's programs (the forward of bucket t, its sampler) as XLA optimized them, for the ops' names
+    texts = [runner._compiled[t].as_text(), *(sampler.as_text() for sampler in runner._samplers.values())]
+    with open(os.path.join(trace_dir, "step_hlo.txt"), "w") as f:
+        f.write("\n\n".join(texts))
+    described = hlo_lines(*texts)
+    ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps,
+            "hlo": described.get(name, "")[:200]}
            for name, us, count in (top_ops(trace, limit) if trace else [])]
     return {"device_ms": device_ms, "prepare_ms": prepare_s * 1e3, "steps": steps,
             # host time inside each launch() of the back-to-back loop (its share of device_ms)

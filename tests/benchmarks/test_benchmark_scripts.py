@@ -355,3 +355,19 @@ def test_megakernel_probe_can_leave_the_products_or_the_store_waits_out():
     assert (plgpu.wgmma, plgpu.wait_smem_to_gmem, decode_step_mgpu.proxy_fence) == originals
     with pytest.raises(SystemExit, match="accepted: products, store_waits"):
         probe._without("barriers", fn)
+
+
+def test_step_profile_names_what_each_device_op_computes(tmp_path):
+    """The profile writes the step's optimized HLO beside its trace and gives each device op its HLO line
+    (shape, op, operands), found by the op's name; on the CPU the trace has no GPU ops, but the HLO is there."""
+    from benchmarks import step_profile
+
+    text = ("HloModule jit_step\n\nfused_computation.1 {\n  ROOT %x = f32[2]{0} add(%a, %b)\n}\n\n"
+            "ENTRY %main {\n  %input_concatenate_fusion = bf16[26,2,2048,64]{3,2,1,0} fusion(f32[26,2048,64]{2,1,0} "
+            "%p), kind=kInput, calls=%fused_computation.1\n  ROOT %t = (f32[2]) tuple(%x)\n}\n")
+    lines = step_profile.hlo_lines(text)
+    assert lines["input_concatenate_fusion"].startswith("bf16[26,2,2048,64]{3,2,1,0} fusion(f32[26,2048,64]")
+    assert lines["x"] == "f32[2]{0} add(%a, %b)" and lines["t"].startswith("(f32[2]) tuple")
+    step_profile.main(["--preset", "tiny", "--batch", "1", "--num-kv-blocks", "64", "--trace-dir", str(tmp_path)])
+    hlo = (tmp_path / "step_hlo.txt").read_text()
+    assert "HloModule" in hlo and hlo.count("HloModule") >= 2  # the forward and its sampler
