@@ -371,3 +371,15 @@ def test_step_profile_names_what_each_device_op_computes(tmp_path):
     step_profile.main(["--preset", "tiny", "--batch", "1", "--num-kv-blocks", "64", "--trace-dir", str(tmp_path)])
     hlo = (tmp_path / "step_hlo.txt").read_text()
     assert "HloModule" in hlo and hlo.count("HloModule") >= 2  # the forward and its sampler
+
+
+def test_route_linear_probe_counts_choices_that_differ_from_the_models():
+    """Routing from the router's linear parts chooses what an f32 path with the norm chooses (a positive scale
+    keeps the top-k), and both differ from the model's bf16-rounded path on a small share of tokens."""
+    from benchmarks import route_linear_probe
+
+    row = route_linear_probe.chosen_sets_differ(3000)
+    assert row["linear_vs_f32"] < 0.005
+    assert 0 < row["linear_parts"] < 0.1 and abs(row["linear_parts"] - row["f32_path"]) < 0.005
+    payload = route_linear_probe.main(["--tokens", "500"])
+    assert [r["path"].split(" ")[0] for r in payload["rows"]] == ["linear", "f32"]
