@@ -56,13 +56,16 @@ _HLO_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 
 def hlo_lines(*hlo_texts: str) -> dict[str, str]:
     """Each instruction's name in optimized HLO texts -> the rest of its line (its shape, op, operands): what a
-    device op of the profile (a fusion's or a custom call's name) computes."""
-    lines = {}
+    device op of the profile (a fusion's or a custom call's name) computes. A name that several programs use
+    (the forward's and the sampler's fusions are numbered apart) gets each program's line, ' | '-joined."""
+    lines: dict[str, list[str]] = {}
     for text in hlo_texts:
+        seen = set()
         for line in text.splitlines():
-            if found := _HLO_INSTRUCTION.match(line):
-                lines.setdefault(found.group(1), found.group(2).strip())
-    return lines
+            if (found := _HLO_INSTRUCTION.match(line)) and found.group(1) not in seen:
+                seen.add(found.group(1))
+                lines.setdefault(found.group(1), []).append(found.group(2).strip())
+    return {name: " | ".join(found) for name, found in lines.items()}
 
 
 def latest_trace(trace_dir: str) -> str | None:
@@ -135,7 +138,7 @@ def main(argv=None):
         for op in profile["ops"]:
             print(f"  {op['us_per_step']:10.1f} us/step  x{op['count_per_step']:5.0f}  {op['name'][:110]}")
             if op["hlo"]:
-                print(f"{'':30}{op['hlo'][:150]}")
+                print(f"{'':30}{op['hlo'][:240]}")
         print(f"the step's optimized HLO: {args.trace_dir}/step_hlo.txt")
 
 
@@ -265,7 +268,7 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
         f.write("\n\n".join(texts))
     described = hlo_lines(*texts)
     ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps,
-            "hlo": described.get(name, "")[:200]}
+            "hlo": described.get(name, "")[:400]}
            for name, us, count in (top_ops(trace, limit) if trace else [])]
     return {"device_ms": device_ms, "prepare_ms": prepare_s * 1e3, "steps": steps,
             # host time inside each launch() of the back-to-back loop (its share of device_ms)

@@ -368,6 +368,8 @@ def test_step_profile_names_what_each_device_op_computes(tmp_path):
     lines = step_profile.hlo_lines(text)
     assert lines["input_concatenate_fusion"].startswith("bf16[26,2,2048,64]{3,2,1,0} fusion(f32[26,2048,64]")
     assert lines["x"] == "f32[2]{0} add(%a, %b)" and lines["t"].startswith("(f32[2]) tuple")
+    sampler = "HloModule jit_sample\n\nENTRY %main {\n  ROOT %x = s32[1]{0} convert(%l)\n}\n"
+    assert step_profile.hlo_lines(text, sampler)["x"] == "f32[2]{0} add(%a, %b) | s32[1]{0} convert(%l)"
     step_profile.main(["--preset", "tiny", "--batch", "1", "--num-kv-blocks", "64", "--trace-dir", str(tmp_path)])
     hlo = (tmp_path / "step_hlo.txt").read_text()
     assert "HloModule" in hlo and hlo.count("HloModule") >= 2  # the forward and its sampler
