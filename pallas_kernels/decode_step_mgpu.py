@@ -62,7 +62,7 @@ RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 
 # the whole layer's ops drop from 27.8k to 22.0k, the attention chain's from 18.6k to 14.0k: the whole layer's
 # 153 KB of machine code overflow the SM's instruction cache (decode_profile.md rounds 26-27). Read at trace
 # time; an A/B for round 28 (``run_h200.sh step-compact``).
-COMPACT_CODE = False
+COMPACT_CODE = True
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
