@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-compact|step-without|step-fences|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-compact|step-without|step-prefetch-sums|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -178,15 +178,16 @@ case $part in
                  # what the products and the stores' round trips hold up (~5 minutes)
     timeout 450 python -m benchmarks.megakernel_probe --layer-chain 8 --without products --without store_waits \
       --out "$OUT/layer_chain_without_h200.json" 2>&1 | grep -E "^\||^\{" ;;
-  step-fences)  # round 29: the whole layer without the async-proxy fence between its TMA stores' completion and their
-                # release (decode_step_mgpu.RELEASE_FENCE=False: the completion implies it), beside it as built and
-                # without the stores' waits and every proxy fence (results wrong: the bound), 8 layers with rel
-                # errors; then the batch-1 compiled step both ways, in turns (~9 minutes)
-    timeout 330 python -m benchmarks.megakernel_probe --layer-chain 8 --setting decode_step_mgpu.RELEASE_FENCE=False \
-      --without store_waits --out "$OUT/layer_chain_fences_h200.json" 2>&1 | grep -E "^\||^\{"
-    timeout 240 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 2 --variant built --variant "no release fence: pallas_kernels.decode_step_mgpu.RELEASE_FENCE=False" \
-      --out "$OUT/step_ab_fences_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  step-prefetch-sums)  # round 29: a split tile's K-range sums fetched by the producer a ring ahead of the down unit
+                       # (decode_step_moe.PREFETCH_SUMS): the MoE half's split-plan GPU tests both ways, the whole
+                       # layer (8 layers, rel errors), then the batch-1 compiled step both ways, in turns (~8 minutes)
+    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "block_chain_gpu and split" 2>&1 \
+      | tee "$OUT/gpu_tests_prefetch_sums.log" | tail -2
+    timeout 260 python -m benchmarks.megakernel_probe --layer-chain 8 --setting decode_step_moe.PREFETCH_SUMS=True \
+      --out "$OUT/layer_chain_prefetch_sums_h200.json" 2>&1 | grep -E "^\||^\{"
+    timeout 180 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 2 --variant built --variant "prefetch sums: pallas_kernels.decode_step_moe.PREFETCH_SUMS=True" \
+      --out "$OUT/step_ab_prefetch_sums_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-profile)  # the batch-1 step's device ops with the step kernel on, each with its line of the step's optimized
                  # HLO (what it computes; the whole HLO in $OUT/trace/step_hlo.txt), ~2 minutes
     timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

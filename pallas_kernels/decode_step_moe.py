@@ -34,7 +34,8 @@ from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratc
                                                   attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
-                                             _unit_store, _zero_rows, num_sms, proxy_fence, token_tiles)
+                                             _unit_store, _zero_rows, num_sms, proxy_fence, stores_done,
+                                             token_tiles)
 
 
 def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
@@ -138,6 +139,12 @@ PLANS = ("tiles", "dealt", "split")
 # V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
 # 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
 EXPERT_PLAN = "split"
+# Who fetches a split tile's published K-range sums for its down rows (the split plan's last unit): the
+# computing warpgroup when it reaches the unit (False: the round trip, semaphore to landed sums, on its path
+# with the unit's boxes already in the ring), or the producer (True) once it has issued the boxes before the
+# unit, ~a ring ahead, so that the sums have landed when the products need them. Read at trace time; an A/B
+# for round 29 (``run_h200.sh step-prefetch-sums``).
+PREFETCH_SUMS = False
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -367,6 +374,14 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 _issue_box(ring, full, free, count, copies)
                 return count + 1
 
+            if splits and PREFETCH_SUMS:
+                @pl.when((unit(u)[0] == DOWN) & (tile >= num_ctas))
+                @jax.named_scope("prefetch_sums")
+                def _():  # a split tile's K-range sums, once all are published: the computing warpgroup waits
+                    plgpu.semaphore_wait(flags.at[tile], splits * (layer + 1), decrement=False, memory_scope="gpu")
+                    proxy_fence()  # for them on hin_bar when it reaches the down unit
+                    plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
+
             return lax.fori_loop(first, end, box, count), routed
 
         def layer_loads(layer, count):
@@ -436,8 +451,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         @pl.when(c < routers)
         @jax.named_scope("stores_out")
         def _():
-            plgpu.wait_smem_to_gmem(0)
-            proxy_fence()
+            stores_done()
             plgpu.semaphore_signal(routed_sem, 1, memory_scope="gpu")
 
         row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # the CTA's partial output rows
@@ -564,8 +578,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             """Counts a K range's sums on the tile's flag, a unit after their TMA store was issued: a release
             right behind a store waits out its round trip, 4-6 µs while the SM's stream is in flight (the
             "publish" of round 22's traces)."""
-            plgpu.wait_smem_to_gmem(0)
-            proxy_fence()
+            stores_done()
             plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
 
         def down_unit(layer, tile, first, end, base, local):
@@ -585,9 +598,11 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 @pl.when(jnp.logical_not(local) & split)
                 @jax.named_scope("fetch_h")
                 def _():  # a split tile: h from the sums of its K ranges, once all are published
-                    plgpu.semaphore_wait(flags.at[tile], splits * (layer + 1), decrement=False, memory_scope="gpu")
-                    proxy_fence()
-                    plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
+                    if not PREFETCH_SUMS:  # (else the producer fetches them)
+                        plgpu.semaphore_wait(flags.at[tile], splits * (layer + 1), decrement=False,
+                                             memory_scope="gpu")
+                        proxy_fence()
+                        plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
                     plgpu.barrier_wait(hin_bar.at[0])
                     part = lambda p, i: plgpu.load(sums_smem.at[p, i], layout=plgpu.Layout.WGMMA.reduce(0))
                     if compact:

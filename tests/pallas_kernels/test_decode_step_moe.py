@@ -211,8 +211,9 @@ def test_moe_layer_tail_chain_reference_adds_o_proj_before_the_moe_half():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("compact, query_tma", [(False, False), (True, False), (False, True)])
-def test_moe_layer_chain_lowers_for_hopper(monkeypatch, compact, query_tma):
+@pytest.mark.parametrize("compact, query_tma, prefetch_sums", [(False, False, False), (True, False, False),
+                                                              (False, True, False), (True, False, True)])
+def test_moe_layer_chain_lowers_for_hopper(monkeypatch, compact, query_tma, prefetch_sums):
     """Whole V2-Lite layers at one token (the attention phases, o_proj, the MoE half) lower as one kernel for an
     abstract H200, with the attention's buffers in the MoE half's shared memory; also with the small loops kept
     as loops (``decode_step_mgpu.COMPACT_CODE``), and with phase 3's query windows read by TMA
@@ -221,6 +222,7 @@ def test_moe_layer_chain_lowers_for_hopper(monkeypatch, compact, query_tma):
 
     monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", compact)
     monkeypatch.setattr(decode_step_attention, "QUERY_TMA", query_tma)
+    monkeypatch.setattr(kernel, "PREFETCH_SUMS", prefetch_sums)  # the split tiles' sums fetched by the producer
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights
 
     shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
