@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-compact|step-without|step-prefetch-sums|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -164,30 +164,24 @@ case $part in
                # batch 1 through the kernel, 2 and 32 through the launches (~3 minutes)
     timeout 200 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
       --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
-  step-compact)  # round 28: the whole layer with its small loops kept as loops (decode_step_mgpu.COMPACT_CODE),
-                 # with phase 3's query windows by TMA (QUERY_TMA), and both; 8 layers, rel errors against the
-                 # reference; each kernel's machine code sized (~7 minutes). Then, if time is left: MERGE_GROUP=4.
-    rm -rf /tmp/ptx_dump && mkdir -p /tmp/ptx_dump
-    MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=/tmp/ptx_dump timeout 540 python -m benchmarks.megakernel_probe \
-      --layer-chain 8 --setting decode_step_mgpu.COMPACT_CODE=True --setting decode_step_attention.QUERY_TMA=True \
-      --setting "decode_step_mgpu.COMPACT_CODE=True; decode_step_attention.QUERY_TMA=True" \
-      --out "$OUT/layer_chain_compact_h200.json" 2>&1 | grep -E "^\||^\{"
-    python -m benchmarks.code_size /tmp/ptx_dump --out "$OUT/code_size_compact_h200.json" ;;
   step-without)  # diagnostics: the whole layer with its tensor products left out (wgmma a no-op), and with its TMA
                  # stores' waits and proxy fences left out (results wrong, no hang), beside it as built, 8 layers:
                  # what the products and the stores' round trips hold up (~5 minutes)
     timeout 450 python -m benchmarks.megakernel_probe --layer-chain 8 --without products --without store_waits \
       --out "$OUT/layer_chain_without_h200.json" 2>&1 | grep -E "^\||^\{" ;;
-  step-prefetch-sums)  # round 29: a split tile's K-range sums fetched by the producer a ring ahead of the down unit
-                       # (decode_step_moe.PREFETCH_SUMS): the MoE half's split-plan GPU tests both ways, the whole
-                       # layer (8 layers, rel errors), then the batch-1 compiled step both ways, in turns (~8 minutes)
-    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "block_chain_gpu and split" 2>&1 \
-      | tee "$OUT/gpu_tests_prefetch_sums.log" | tail -2
-    timeout 260 python -m benchmarks.megakernel_probe --layer-chain 8 --setting decode_step_moe.PREFETCH_SUMS=True \
-      --out "$OUT/layer_chain_prefetch_sums_h200.json" 2>&1 | grep -E "^\||^\{"
-    timeout 180 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 2 --variant built --variant "prefetch sums: pallas_kernels.decode_step_moe.PREFETCH_SUMS=True" \
-      --out "$OUT/step_ab_prefetch_sums_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  step-round29)  # round 29: the GPU tests of the whole layer and of the engine's steps through it (phase 3's query
+                 # windows by TMA, QUERY_TMA, now on); the batch-1 compiled step with it and with the warpgroup's
+                 # loads, in turns; the step's device ops; the engine at batch 1 / 2 / 32 (~8 minutes)
+    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "layer_chain_gpu or attention_chain_gpu or through_the_step_kernel" 2>&1 | tee "$OUT/gpu_tests_round29.log" | tail -2
+    timeout 170 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 2 --variant built --variant "query loads: pallas_kernels.decode_step_attention.QUERY_TMA=False" \
+      --out "$OUT/step_ab_query_tma_b1_h200.json" 2>&1 | grep -E "^\||Error"
+    timeout 70 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --trace-dir "$OUT/trace" --top 40 2>&1 | grep -v "^WARNING" | tail -90 > "$OUT/step_profile_b1.txt"
+    head -4 "$OUT/step_profile_b1.txt"
+    timeout 200 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
+      --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
   step-profile)  # the batch-1 step's device ops with the step kernel on, each with its line of the step's optimized
                  # HLO (what it computes; the whole HLO in $OUT/trace/step_hlo.txt), ~2 minutes
     timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

@@ -34,7 +34,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import decode_step_mgpu
 from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
@@ -46,10 +45,10 @@ from pallas_kernels.mla_decode import mla_paged_reference
 class AttentionWeights(NamedTuple):
     """One layer's attention weights, rope columns permuted (``permute_rope_columns``)."""
 
-    norm: object  # [D] the attention's RMSNorm
+    norm: object  # [D] the attention's RMSNorm (its weights bf16, or f32 taken as is: the kernel reads f32)
     q_proj: object  # [D, H, Dn + R]
     kv_a: object  # [D, C + R]
-    kv_a_norm: object  # [C]
+    kv_a_norm: object  # [C] (as norm)
     w_uk: object  # [C, H, Dn]
     w_uv: object  # [C, H, V]
     o_proj: object  # [H, V, D]
@@ -129,8 +128,9 @@ HEADS = 16  # the heads the kernel takes (V2-Lite's): phase 3's query windows ar
 MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 # Phase 3 reads the query windows by TMA (two copies, on the latent's barrier, which phase 2 alone uses) instead
 # of the warpgroup's loads: one round trip, ~60 ops of code against ~550-1600. The loads took 3.0-3.8 µs of a
-# chunk's ~8-16 traced (round 27). Read at trace time; an A/B for round 28 (``run_h200.sh step-compact``).
-QUERY_TMA = False
+# chunk's ~8-16 traced (round 27); by TMA, 8 whole layers ran 61.76 / 64.3 µs a layer at positions 0 / 511
+# against 62.6 / 65.47 (round 28, ``layer_chain_compact_h200.json``). Read at trace time.
+QUERY_TMA = True
 PHASES = 5  # grid barriers a layer
 
 
@@ -332,12 +332,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 store_add(sums, r.qkv.at[layer, lax.div(first, ksteps)], i)
 
         with jax.named_scope("q_kv"):
-            if decode_step_mgpu.COMPACT_CODE:
-                lax.fori_loop(0, 2, lambda i, _: column_tile(i, jnp.where(i == 0, n0, split),
-                                                             jnp.where(i == 0, split, n1)), None)
-            else:
-                for i, (first, end) in enumerate(((n0, split), (split, n1))):
-                    column_tile(i, first, end)
+            lax.fori_loop(0, 2, lambda i, _: column_tile(i, jnp.where(i == 0, n0, split), jnp.where(i == 0, split, n1)),
+                          None)
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
         return count + n1 - n0
 
@@ -361,11 +357,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             plgpu.commit_smem()
             rope_row = lambda h, _=None: plgpu.copy_gmem_to_smem(r.qkv.at[layer, 3 * h + 2], sm.rope.at[h],
                                                                   sm.rope_bar.at[0])
-            if decode_step_mgpu.COMPACT_CODE:
-                lax.fori_loop(0, num_heads, rope_row, None)
-            else:
-                for h in range(num_heads):
-                    rope_row(h)
+            lax.fori_loop(0, num_heads, rope_row, None)
             plgpu.copy_gmem_to_smem(r.qkv.at[layer, q_tiles + 8], sm.rope.at[num_heads], sm.rope_bar.at[0])
             plgpu.copy_gmem_to_smem(r.cs, sm.cs, sm.rope_bar.at[0])
             plgpu.barrier_wait(sm.rope_bar.at[0])
@@ -407,8 +399,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         @pl.when(in_chunks)
         @jax.named_scope("chunk")
         def _():
-            compact = decode_step_mgpu.COMPACT_CODE
-
             def window(w, _=None):
                 sm.q.at[pl.ds(w * HALF, HALF)][...] = plgpu.load(
                     r.q.at[layer, pl.ds(w * HALF, HALF)], layout=plgpu.Layout.WGMMA, optimized=False)
@@ -417,11 +407,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 if QUERY_TMA:  # two copies: lat_bar takes two arrivals
                     for rows in (pl.ds(0, 2 * HALF), pl.ds(2 * HALF, HALF)):
                         plgpu.copy_gmem_to_smem(r.q.at[layer, rows], sm.q.at[rows], sm.lat_bar.at[0])
-                elif compact:
-                    lax.fori_loop(0, 3, window, None)
                 else:
-                    for w in range(3):
-                        window(w)
+                    lax.fori_loop(0, 3, window, None)
                 if not QUERY_TMA:
                     plgpu.commit_smem()
             slots = [lax.rem(count + b, RING) for b in range(5)]
@@ -436,11 +423,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                     key = ring.at[lax.rem(count + j // 2, RING), j % 2]
                     plgpu.wgmma(acc_ref, sm.q.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
 
-                if compact:
-                    lax.fori_loop(0, 9, product, None)
-                else:
-                    for j in range(9):
-                        product(j)
+                lax.fori_loop(0, 9, product, None)
                 return acc_ref[...]
 
             with jax.named_scope("scores"):  # the products, the softmax, P into shared memory

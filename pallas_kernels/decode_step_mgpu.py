@@ -55,14 +55,6 @@ STEP = 2 * HALF  # K rows a box holds
 TOKEN_N = 8  # the products' N: the input as the first row of an [8, 64] tile
 UNIT_K = 512  # K rows a CTA owns of its column tile (4 boxes at 16 KiB)
 RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12)
-# Less code for the same work: loops where the step kernels unrolled small Python loops (here a box's two
-# halves' copies and a GEMV unit's boxes; in decode_step_attention, phase 1's two column tiles, phase 2's rope
-# copies, phase 3's query windows and score products; in decode_step_moe, the split tiles' partial sums read
-# back), and h's tile built at one place (the down unit's start). Counted on the CPU (``benchmarks.code_lines``),
-# the whole layer's ops drop from 27.8k to 22.0k, the attention chain's from 18.6k to 14.0k: the whole layer's
-# 153 KB of machine code overflow the SM's instruction cache (decode_profile.md rounds 26-27). Read at trace
-# time; an A/B for round 28 (``run_h200.sh step-compact``).
-COMPACT_CODE = True
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -110,11 +102,7 @@ def _issue_box(ring, full, free, n, copies):
         for view, when in copies(h):
             pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
 
-    if COMPACT_CODE:
-        lax.fori_loop(0, 2, half, None)
-    else:
-        for h in range(2):
-            half(h)
+    lax.fori_loop(0, 2, half, None)  # a loop, not unrolled: machine code is a budget (decode_profile.md round 28)
 
 
 def _unit_boxes(ring, full, free, n, weight, tile, kq):
@@ -256,9 +244,8 @@ def _unit_sums(ring, full, free, tiles_smem, base, boxes, zeros, first=0, transp
             pl.when(i > 0)(previous_done)
 
     def products(accs):
-        if isinstance(boxes, int) and (boxes == 1 or not COMPACT_CODE):
-            for i in range(boxes):
-                box(accs, i)
+        if isinstance(boxes, int) and boxes == 1:
+            box(accs, 0)
         else:
             lax.fori_loop(0, boxes, lambda i, _: box(accs, i), None)
 

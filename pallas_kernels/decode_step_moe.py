@@ -28,7 +28,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import decode_step_mgpu
 from pallas_kernels.common import why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
@@ -139,12 +138,6 @@ PLANS = ("tiles", "dealt", "split")
 # V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
 # 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
 EXPERT_PLAN = "split"
-# Who fetches a split tile's published K-range sums for its down rows (the split plan's last unit): the
-# computing warpgroup when it reaches the unit (False: the round trip, semaphore to landed sums, on its path
-# with the unit's boxes already in the ring), or the producer (True) once it has issued the boxes before the
-# unit, ~a ring ahead, so that the sums have landed when the products need them. Read at trace time; an A/B
-# for round 29 (``run_h200.sh step-prefetch-sums``).
-PREFETCH_SUMS = False
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -374,14 +367,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 _issue_box(ring, full, free, count, copies)
                 return count + 1
 
-            if splits and PREFETCH_SUMS:
-                @pl.when((unit(u)[0] == DOWN) & (tile >= num_ctas))
-                @jax.named_scope("prefetch_sums")
-                def _():  # a split tile's K-range sums, once all are published: the computing warpgroup waits
-                    plgpu.semaphore_wait(flags.at[tile], splits * (layer + 1), decrement=False, memory_scope="gpu")
-                    proxy_fence()  # for them on hin_bar when it reaches the down unit
-                    plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
-
             return lax.fori_loop(first, end, box, count), routed
 
         def layer_loads(layer, count):
@@ -513,8 +498,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         h_flat[...] = jnp.zeros(h_flat.shape, h_flat.dtype)  # h's tile: its rows below the first stay zeros
         plgpu.commit_smem()
 
-        compact = decode_step_mgpu.COMPACT_CODE
-
         def h_tile(h_row):
             """h [64] (reduced WGMMA layout) as the first row of h's [8, 64] tile."""
             h_flat.at[0, pl.ds(0, HALF)][...] = h_row.astype(h_flat.dtype)
@@ -556,9 +539,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             def _():
                 hin_smem[...] = jnp.sum(g * jax.nn.sigmoid(g) * u * scale, axis=1)  # the token's column, a row
                 plgpu.commit_smem()
-                h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-                if not compact:  # (compact: the down unit builds h's tile from hin_smem)
-                    h_tile(h_row)
+                h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))  # (h's tile: at the down unit)
                 if publishes:  # for the CTAs that take this tile's down rows (a plan with no such CTA: none)
                     with jax.named_scope("publish"):
                         hs_ref.at[layer, tile, 0, 0][...] = h_row
@@ -591,34 +572,25 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 proxy_fence()
                 plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile, 0, 0], hin_smem, hin_bar.at[0])
                 plgpu.barrier_wait(hin_bar.at[0])
-                if not compact:
-                    h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
 
             if splits:
                 @pl.when(jnp.logical_not(local) & split)
                 @jax.named_scope("fetch_h")
                 def _():  # a split tile: h from the sums of its K ranges, once all are published
-                    if not PREFETCH_SUMS:  # (else the producer fetches them)
-                        plgpu.semaphore_wait(flags.at[tile], splits * (layer + 1), decrement=False,
-                                             memory_scope="gpu")
-                        proxy_fence()
-                        plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
+                    # (fetched by the producer a ring ahead instead: slower, round 29, code at 99814d1)
+                    plgpu.semaphore_wait(flags.at[tile], splits * (layer + 1), decrement=False, memory_scope="gpu")
+                    proxy_fence()
+                    plgpu.copy_gmem_to_smem(hs_ref.at[layer, tile], sums_smem, hin_bar.at[0])
                     plgpu.barrier_wait(hin_bar.at[0])
                     part = lambda p, i: plgpu.load(sums_smem.at[p, i], layout=plgpu.Layout.WGMMA.reduce(0))
-                    if compact:
-                        g, u = lax.fori_loop(1, splits, lambda p, gu: (gu[0] + part(p, 0), gu[1] + part(p, 1)),
-                                             (part(0, 0), part(0, 1)))
-                    else:
-                        g, u = (sum(part(p, i) for p in range(splits)) for i in range(2))
+                    g, u = lax.fori_loop(1, splits, lambda p, gu: (gu[0] + part(p, 0), gu[1] + part(p, 1)),
+                                         (part(0, 0), part(0, 1)))
                     h = g * jax.nn.sigmoid(g) * u * tile_of(layer, tile)[2]
-                    if compact:
-                        hin_smem[...] = h
-                        plgpu.commit_smem()
-                    else:
-                        h_tile(h)
+                    hin_smem[...] = h
+                    plgpu.commit_smem()
 
-            if compact:  # h in hin_smem (this CTA's own tile's, fetched, or summed), as h's tile once
-                h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
+            # h in hin_smem (this CTA's own tile's, fetched, or summed), as h's tile in one place
+            h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
 
             h_t = h_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
 
@@ -750,11 +722,11 @@ def moe_chain(x, weights, ids, w_gate, w_up, w_down, shared, profile_dir: str | 
 def moe_block_chain(x, norm, router, spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared,
                     profile_dir: str | None = None):
     """The MoE half of a decoder layer, L of them in one persistent kernel: x_{l+1} = bf16(x_l + experts of
-    RMSNorm_l(x_l), routed by the layer's router). x [D] bf16, norm bf16[L, D] (the norm's weights), router
-    [L, D, E] (E = 64; bf16, or f32 taken as the sum of two bf16 parts, hi + lo: relative error ~2^-17 a
-    weight, against the model's f32 products of bf16 activations; or those parts, ``router_parts``), ``spec``
-    (eps, softmax scores, greedy top-k of ``top_k``), the experts as ``moe_chain`` -> (x_L [D] bf16, ids
-    i32[L, k], weights f32[L, k]: each layer's routing).
+    RMSNorm_l(x_l), routed by the layer's router). x [D] bf16, norm [L, D] (the norm's weights: bf16, or f32
+    taken as is), router [L, D, E] (E = 64; bf16, or f32 taken as the sum of two bf16 parts, hi + lo: relative
+    error ~2^-17 a weight, against the model's f32 products of bf16 activations; or those parts,
+    ``router_parts``), ``spec`` (eps, softmax scores, greedy top-k of ``top_k``), the experts as ``moe_chain``
+    -> (x_L [D] bf16, ids i32[L, k], weights f32[L, k]: each layer's routing).
 
     In the kernel, every CTA norms the rows into its tiles; D / 128 router CTAs multiply the tiles of their K
     step by the router's boxes (streamed by the producer ahead of the layer, like any weights), add their

@@ -15,7 +15,6 @@ from dsjax.model import PagedBatch, PagedKVCache
 from dsjax.model.mla import MLAttention
 from dsjax.model.norms import RMSNorm
 from pallas_kernels import decode_step_attention as step
-from pallas_kernels import decode_step_mgpu
 from pallas_kernels.common import rotate
 
 
@@ -84,9 +83,8 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     spec = step.AttentionSpec(1e-6, 1e-6, 0.07, tuple([1.0] * 32), 1.0)
     call = lambda x, pos, table, c_kv, k_pe, *w: step.attention_chain(x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec)
     caches = shape((layers, 16, 64, 512), bf16), shape((layers, 16, 64, 64), bf16)
-    for compact, query_tma in ((False, False), (True, False), (False, True)):  # as built, its small loops kept as
-        monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", compact)  # loops (COMPACT_CODE), the query windows
-        monkeypatch.setattr(step, "QUERY_TMA", query_tma)  # by TMA (QUERY_TMA)
+    for query_tma in (False, True):  # the query windows by the warpgroup's loads, or by TMA (QUERY_TMA)
+        monkeypatch.setattr(step, "QUERY_TMA", query_tma)
         hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches,
                              *weights)
         assert hlo.count("custom_call @mosaic_gpu") == 1

@@ -23,17 +23,12 @@ def _moe_shapes(layers: int, experts: int = 64):
 
 def test_moe_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     """The step kernel's expert phase (V2-Lite's layer, top-6 of 64 and 2 shared experts, a few layers) lowers
-    with either plan, also in its compact code (``decode_step_mgpu.COMPACT_CODE``: h fetched, summed or its
-    own, built into its tile in one place); moe_supports names what it does not take."""
-    from pallas_kernels import decode_step_mgpu
-
+    with each plan (h fetched, summed or its own, built into its tile in one place); moe_supports names what it
+    does not take."""
     for plan in kernel.PLANS:
-        for compact in (False, True):
-            monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
-            monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", compact)
-            hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
-            assert hlo.count("custom_call @mosaic_gpu") == 1
-    monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", False)
+        monkeypatch.setattr(kernel, "EXPERT_PLAN", plan)
+        hlo = lower_for_h200(kernel.moe_chain, *_moe_shapes(3))
+        assert hlo.count("custom_call @mosaic_gpu") == 1
     monkeypatch.setattr(kernel, "EXPERT_PLAN", "greedy")
     with pytest.raises(ValueError, match="EXPERT_PLAN='greedy'; accepted: tiles, dealt, split"):
         jax.eval_shape(kernel.moe_chain, *_moe_shapes(1))
@@ -211,18 +206,14 @@ def test_moe_layer_tail_chain_reference_adds_o_proj_before_the_moe_half():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("compact, query_tma, prefetch_sums", [(False, False, False), (True, False, False),
-                                                              (False, True, False), (True, False, True)])
-def test_moe_layer_chain_lowers_for_hopper(monkeypatch, compact, query_tma, prefetch_sums):
+@pytest.mark.parametrize("query_tma", [False, True])
+def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
     """Whole V2-Lite layers at one token (the attention phases, o_proj, the MoE half) lower as one kernel for an
-    abstract H200, with the attention's buffers in the MoE half's shared memory; also with the small loops kept
-    as loops (``decode_step_mgpu.COMPACT_CODE``), and with phase 3's query windows read by TMA
-    (``decode_step_attention.QUERY_TMA``)."""
-    from pallas_kernels import decode_step_attention, decode_step_mgpu
+    abstract H200, with the attention's buffers in the MoE half's shared memory; also with phase 3's query
+    windows read by TMA (``decode_step_attention.QUERY_TMA``)."""
+    from pallas_kernels import decode_step_attention
 
-    monkeypatch.setattr(decode_step_mgpu, "COMPACT_CODE", compact)
     monkeypatch.setattr(decode_step_attention, "QUERY_TMA", query_tma)
-    monkeypatch.setattr(kernel, "PREFETCH_SUMS", prefetch_sums)  # the split tiles' sums fetched by the producer
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights
 
     shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
