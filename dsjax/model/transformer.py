@@ -193,9 +193,11 @@ class DeepseekForCausalLM(nnx.Module):
         may run (the pallas backend on Hopper, one device; whether steps take it is ``dispatch.STEP_KERNEL``'s
         and ``step_kernel_blocker``'s): the rope columns of its q_proj and kv_a in the
         [evens | odds] order the kernel rotates as halves (``decode_step_attention.permute_rope_columns``),
-        the stack's rope then rotating halves too. Every path computes the same values as before. The router's
-        bf16 parts (``decode_step_moe.router_parts``) are derived once here, not each step, as
-        ``moe_layers.mlp.router_parts`` (a ``StepKernelCache``): call it again after changing the weights. ->
+        the stack's rope then rotating halves too. Every path computes the same values as before. What the
+        kernel would otherwise derive in every step is derived once here, as ``StepKernelCache`` variables:
+        the router's bf16 parts (``decode_step_moe.router_parts``, ``moe_layers.mlp.router_parts``; 17.1 µs a
+        step, decode_profile.md round 27) and the f32 weights of the stack's three RMSNorms (``weight_f32``
+        beside each norm's weight; 7.8 µs a step, round 29). Call it again after changing the weights. ->
         None once ready, else why not. Idempotent."""
         if why_not := self._why_not_step_kernel():
             return why_not
@@ -205,6 +207,9 @@ class DeepseekForCausalLM(nnx.Module):
                                                                       attn.rope_dim, True)
             attn.interleave = False
         moe.router_parts = StepKernelCache(jax.jit(decode_step_moe.router_parts)(moe.router[...]))
+        stack = self.moe_layers
+        for norm in (stack.attn_norm, attn.kv_a_norm, stack.mlp_norm):
+            norm.weight_f32 = StepKernelCache(jnp.asarray(norm.weight[...], jnp.float32))
         return None
 
     def _why_not_step_kernel(self, block_size: int = 64, capacity: int = 64) -> str | None:
@@ -235,8 +240,9 @@ class DeepseekForCausalLM(nnx.Module):
             return "dispatch.STEP_KERNEL is off"
         if why_not := self._why_not_step_kernel(cache.block_size, table_width * cache.block_size):
             return why_not
-        if self.moe_layers.attn.interleave or not hasattr(self.moe_layers.mlp, "router_parts"):
-            return "the stack's rope columns and router parts are not prepared (prepare_step_kernel)"
+        if (self.moe_layers.attn.interleave or not hasattr(self.moe_layers.mlp, "router_parts")
+                or not hasattr(self.moe_layers.mlp_norm, "weight_f32")):
+            return "the stack's rope columns, router parts and f32 norms are not prepared (prepare_step_kernel)"
         if num_tokens != 1:
             return f"{num_tokens} tokens in the step (the kernel takes one)"
         if cache.c_kv_scale is not None or cache.pools is not None or cache.c_kv.dtype != self.dtype:
@@ -249,14 +255,14 @@ class DeepseekForCausalLM(nnx.Module):
         stack, c = self.moe_layers, self.config
         attn, moe = stack.attn, stack.mlp
         weights = decode_step_attention.AttentionWeights(
-            stack.attn_norm.weight[...], attn.q_proj[...], attn.kv_a[...], attn.kv_a_norm.weight[...],
+            stack.attn_norm.weight_f32[...], attn.q_proj[...], attn.kv_a[...], attn.kv_a_norm.weight_f32[...],
             attn.w_uk[...], attn.w_uv[...], attn.o_proj[...])
         spec = decode_step_attention.AttentionSpec(stack.attn_norm.eps, attn.kv_a_norm.eps, attn.scale,
                                                    attn.inv_freq, attn.cos_sin_scale)
         shared = (moe.shared.w_gate[...], moe.shared.w_up[...], moe.shared.w_down[...])
         out, _, _, kv = decode_step_moe.moe_layer_chain(
             x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe, weights, spec,
-            stack.mlp_norm.weight[...], moe.router_parts[...],
+            stack.mlp_norm.weight_f32[...], moe.router_parts[...],
             decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
             c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared)
         layers, block_size = c.num_moe_layers, cache.block_size

@@ -224,13 +224,19 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
         "dispatch.STEP_KERNEL is off")
     monkeypatch.setattr(dispatch, "STEP_KERNEL", True)
     assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
-        "the stack's rope columns and router parts are not prepared (prepare_step_kernel)")
+        "the stack's rope columns, router parts and f32 norms are not prepared (prepare_step_kernel)")
     assert model.prepare_step_kernel() is None and not model.moe_layers.attn.interleave
     assert model.prepare_step_kernel() is None  # idempotent: permuted once
     parts, router = model.moe_layers.mlp.router_parts[...], model.moe_layers.mlp.router[...]
     assert parts.shape == (router.shape[0], 2, *router.shape[1:]) and parts.dtype == jnp.bfloat16
     np.testing.assert_allclose(parts.astype(jnp.float32).sum(axis=1), router, rtol=2e-5, atol=1e-9)
-    assert "router_parts" not in nnx.to_pure_dict(nnx.state(model, nnx.Param))["moe_layers"]["mlp"]
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))["moe_layers"]
+    assert "router_parts" not in params["mlp"]
+    stack = model.moe_layers
+    for name, norm in (("attn_norm", stack.attn_norm), ("mlp_norm", stack.mlp_norm)):  # f32 copies, not Params
+        assert norm.weight_f32[...].dtype == jnp.float32 and "weight_f32" not in params[name]
+        np.testing.assert_array_equal(norm.weight_f32[...], norm.weight[...].astype(jnp.float32))
+    assert stack.attn.kv_a_norm.weight_f32[...].shape == stack.attn.kv_a_norm.weight[...].shape
     assert "2 tokens in the step" in model.step_kernel_blocker(2, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4)
     got = _paged_logits(model, tokens, chunks)
     assert calls == [(config.hidden_size,)]  # the one-token step (traced once), not the 7-token prefill
