@@ -133,7 +133,8 @@ class ModelRunner:
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
         self.last_tokens = self._zero_last_tokens()
         self._compiled: dict[int, jax.stages.Compiled] = {}
-        self._samplers: dict[tuple[int, bool, bool], jax.stages.Compiled] = {}  # (rows, filtered, logprobs)
+        # (rows, filtered, logprobs, greedy) -> the sampler (``sample``'s static settings)
+        self._samplers: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
         self.num_useful_tokens = 0  # scheduled tokens, summed over steps
@@ -156,19 +157,20 @@ class ModelRunner:
         hidden, cache = model.forward_paged(tokens, cache, inputs.batch)
         return cache, model.compute_logits(hidden[inputs.logits_indices])
 
-    def _sample(self, logits, sampling: SamplingArrays, *, filtered: bool, logprobs: bool):
+    def _sample(self, logits, sampling: SamplingArrays, *, filtered: bool, logprobs: bool, greedy: bool):
         """One rank's rows sampled; -> (every rank's SampleResult, its tokens padded to last_tokens)."""
         result = gather_batch(sample(logits, sampling, self.eos_token_ids, self.config.max_logprobs,
-                                     filtered=filtered, logprobs=logprobs))
+                                     filtered=filtered, logprobs=logprobs, greedy=greedy))
         rows = self.num_shards * self.config.max_num_seqs
         return result, jnp.pad(result.token_ids, (0, rows - result.token_ids.shape[0]))
 
-    def _sampler(self, rows: int, filtered: bool, logprobs: bool) -> jax.stages.Compiled:
-        """The sampler for ``rows`` rows a rank, compiled on first use (the plain one with every bucket)."""
-        key = (rows, filtered, logprobs)
+    def _sampler(self, rows: int, filtered: bool, logprobs: bool, greedy: bool) -> jax.stages.Compiled:
+        """The sampler for ``rows`` rows a rank, compiled on first use (the plain and the greedy ones with
+        every bucket)."""
+        key = (rows, filtered, logprobs, greedy)
         if key not in self._samplers:
             start = time.perf_counter()
-            fn = functools.partial(self._sample, filtered=filtered, logprobs=logprobs)
+            fn = functools.partial(self._sample, filtered=filtered, logprobs=logprobs, greedy=greedy)
             if self.mesh is not None:
                 specs = self._input_specs().sampling
                 fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(batch_spec(2), specs), out_specs=(P(), P()))
@@ -238,7 +240,8 @@ class ModelRunner:
             lowered = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t)._replace(sampling=None),
                                          self._last_tokens_shape())
             self._compiled[t] = lowered.compile(self.compiler_options)
-            self._sampler(self.num_rows(t), False, False)
+            self._sampler(self.num_rows(t), False, False, False)
+            self._sampler(self.num_rows(t), False, False, True)
             self.num_compiled_shapes += 1
         self.compile_seconds += time.perf_counter() - start
 
@@ -331,8 +334,10 @@ class ModelRunner:
             self.compile_all()
             compiled = self._compiled[t]
         arrays = inputs.sampling
-        filtered = bool(np.any((arrays.temperature > 0) & ((arrays.top_k > 0) | (arrays.top_p < 1))))
-        sampler = self._sampler(self.num_rows(t), filtered, bool(np.any(arrays.num_logprobs > 0)))
+        drawn = arrays.temperature > 0
+        filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
+        sampler = self._sampler(self.num_rows(t), filtered, bool(np.any(arrays.num_logprobs > 0)),
+                                not np.any(drawn))
         placed = self.place_inputs(inputs)
         try:
             self.cache, logits = compiled(self.state, self.cache, placed._replace(sampling=None), self.last_tokens)

@@ -52,20 +52,24 @@ def _plain_sample(logits, arrays: SamplingArrays, keys):
 
 
 def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_top_logprobs: int, *,
-           filtered: bool = True, logprobs: bool = True) -> SampleResult:
+           filtered: bool = True, logprobs: bool = True, greedy: bool = False) -> SampleResult:
     """logits f32[S, V] -> SampleResult.
 
-    filtered / logprobs (static, decided on the host from the batch's settings): whether any row uses
-    top-k / top-p (the sorted path; rows that filter nothing draw as without it), and whether any
-    wants top log-probabilities (else top_ids / top_logprobs are zeros). Static, not lax.cond: a
+    filtered / logprobs / greedy (static, decided on the host from the batch's settings): whether any row
+    uses top-k / top-p (the sorted path; rows that filter nothing draw as without it), whether any wants
+    top log-probabilities (else top_ids / top_logprobs are zeros), and whether every row is greedy
+    (temperature 0: no keys, no draw over the vocabulary; the same result). Static, not lax.cond: a
     conditional makes the GPU runtime read its predicate back, blocking the host mid-step."""
     if eos_token_ids:
         eos = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(eos_token_ids)].set(True)
         logits = jnp.where(arrays.mask_eos[:, None] & eos[None, :], -jnp.inf, logits)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(arrays.seeds, arrays.counters)
-    greedy = jnp.argmax(logits, axis=-1)
-    drawn = (_filtered_sample if filtered else _plain_sample)(logits, arrays, keys)
-    token_ids = jnp.where(arrays.temperature > 0, drawn, greedy).astype(jnp.int32)
+    best = jnp.argmax(logits, axis=-1)
+    if greedy:
+        token_ids = best.astype(jnp.int32)
+    else:
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(arrays.seeds, arrays.counters)
+        drawn = (_filtered_sample if filtered else _plain_sample)(logits, arrays, keys)
+        token_ids = jnp.where(arrays.temperature > 0, drawn, best).astype(jnp.int32)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     chosen = jnp.take_along_axis(log_probs, token_ids[:, None], axis=-1)[:, 0]
     if logprobs:

@@ -117,9 +117,41 @@ def test_seed_reproduces_samples_regardless_of_batch(llm):
 
 
 def test_top_k_one_is_greedy(llm):
-    greedy = llm.generate("abc", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
-    top1 = llm.generate("abc", SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=5, ignore_eos=True))[0]
+    """A batch of greedy rows takes the greedy sampler (no keys, no draw: ``sample(greedy=True)``); a top-k 1
+    draw through the filtered one picks the same tokens."""
+    samplers, calls = llm.engine.runner._samplers, []
+    built = {key: fn for key, fn in samplers.items() if key[3]}  # compile_all's greedy samplers, counted
+    assert built
+    samplers.update({key: (lambda fn: lambda *a: calls.append(1) or fn(*a))(fn) for key, fn in built.items()})
+    try:
+        greedy = llm.generate("abc", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+        assert len(calls) >= 8  # a step a token
+        top1 = llm.generate("abc", SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=5,
+                                                  ignore_eos=True))[0]
+    finally:
+        samplers.update(built)
+    assert len(calls) < 10  # the top-k draws took the filtered sampler
     assert top1.outputs[0].token_ids == greedy.outputs[0].token_ids
+
+
+def test_greedy_sampler_matches_the_general_one():
+    """sample(greedy=True), for batches whose rows are all greedy, gives what the general path gives them:
+    the argmax (EOS masked where min_tokens asks), its log-probability, the top log-probabilities."""
+    import jax
+
+    from dsjax.engine.sampler import SamplingArrays, sample
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((4, 50)) * 3, jnp.float32).at[1, 7].set(40.0)  # row 1: EOS on top
+    rows = 4
+    arrays = SamplingArrays(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.arange(rows, dtype=jnp.uint32),
+                            jnp.zeros(rows, jnp.int32), jnp.asarray([False, True, False, False]),
+                            jnp.full(rows, 2, jnp.int32))
+    run = jax.jit(lambda g: sample(logits, arrays, (7,), 3, filtered=False, logprobs=True, greedy=g), static_argnums=0)
+    fast, general = run(True), run(False)
+    for got, want in zip(fast, general):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert int(fast.token_ids[1]) != 7  # masked
 
 
 def test_stop_token_ids_and_max_tokens(llm):
