@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -182,6 +182,15 @@ case $part in
     head -4 "$OUT/step_profile_b1.txt"
     timeout 200 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
       --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
+  step-merge)  # round 29: phase 4's merge group (decode_step_attention.MERGE_GROUP; 8 as built, 4, 2): the attention
+               # chain's GPU tests (two groups of 4 and of 2 among them), the batch-1 compiled step under each, in
+               # turns (~6 minutes)
+    timeout 120 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "attention_chain_gpu" 2>&1 \
+      | tee "$OUT/gpu_tests_merge.log" | tail -2
+    timeout 300 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 2 --variant built --variant "merge 4: pallas_kernels.decode_step_attention.MERGE_GROUP=4" \
+      --variant "merge 2: pallas_kernels.decode_step_attention.MERGE_GROUP=2" \
+      --out "$OUT/step_ab_merge_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-profile)  # the batch-1 step's device ops with the step kernel on, each with its line of the step's optimized
                  # HLO (what it computes; the whole HLO in $OUT/trace/step_hlo.txt), ~2 minutes
     timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

@@ -653,15 +653,18 @@ def test_moe_layer_tail_chain_gpu(plan, monkeypatch):
     assert got.shape == (2048,) and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("position", [0, 63, 200, 511])
-def test_attention_chain_gpu(position):
+@pytest.mark.parametrize("position, merge_group", [(0, 8), (63, 8), (200, 8), (511, 8), (511, 4), (200, 2)])
+def test_attention_chain_gpu(position, merge_group, monkeypatch):
     """Two V2-Lite attention halves at one token in one persistent kernel (norm, q / kv_a, W_UK, rope, the paged
-    context in 64-token chunks plus the new token, the states merged, W_UV, o_proj, the residual) against the
-    reference chain: each layer's new cache row, and the output."""
+    context in 64-token chunks plus the new token, the states merged ``MERGE_GROUP`` at a time, W_UV, o_proj,
+    the residual) against the reference chain: each layer's new cache row, and the output."""
     import jax
 
     from benchmarks.megakernel_probe import attention_inputs
+    from pallas_kernels import decode_step_attention
     from pallas_kernels.decode_step_attention import attention_chain, attention_chain_reference, attention_supports
+
+    monkeypatch.setattr(decode_step_attention, "MERGE_GROUP", merge_group)
 
     x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
     assert attention_supports(2048, 16, (128, 64, 512, 128), 64, 512, jnp.bfloat16, 2) is None
