@@ -10,6 +10,10 @@ variant (module attributes set to Python literals), its device time taken in tur
     python -m benchmarks.step_profile --batch 1 --rounds 3 --variant built \
         --variant "absorb 8: pallas_kernels.latent_write.ONE_TOKEN_ABSORB_TILES=8" \
         --variant "moe 8 warps: dsjax.model.dispatch.MOE_DECODE_TILES.num_warps=8"
+
+With ``--kernel-trace DIR``, the batch-1 step kernel's per-scope trace as the engine runs it instead
+(``dispatch.STEP_KERNEL_TRACE``; its first ~3 layers, tracing slowing each scope ~2x), summarized by scope and
+phase by phase (``benchmarks.common.barrier_phases``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from collections import defaultdict
 import jax
 import numpy as np
 
-from benchmarks.common import environment
+from benchmarks.common import barrier_phases, environment, summarize_trace
 from dsjax import LLM, SamplingParams
+from dsjax.model import dispatch
 
 
 def _device_events(trace_file: str) -> list[dict]:
@@ -106,22 +111,14 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (with --variant)")
     parser.add_argument("--repeats", type=int, default=200, help="launches a timing (with --variant)")
     parser.add_argument("--out", help="JSON of the A/B under this path (with --variant)")
+    parser.add_argument("--kernel-trace", metavar="DIR", help="instead: the batch-1 step kernel's per-scope trace as "
+                        "the engine runs it (dispatch.STEP_KERNEL_TRACE), its summary and phases")
     args = parser.parse_args(argv)
     b = args.batch
-    llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
-              max_num_batched_tokens=max(b, 16), max_model_len=256, block_size=64, buckets=(b, max(b, 16)) if b < 16 else (b,),
-              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False, progress=False)
+    if args.kernel_trace:
+        return kernel_trace(args)
+    llm, host = _decoding_engine(args)
     engine = llm.engine
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    for i in range(b):
-        engine.add_request(str(i), None, params, prompt_token_ids=[5 + i, 6, 7, 8])
-    for _ in range(6):
-        engine.step()
-    host = []
-    for _ in range(10):
-        start = time.perf_counter()
-        engine.step()
-        host.append(time.perf_counter() - start)
     if args.variant:
         rows = ab_compiled_steps(engine, args.variant, rounds=args.rounds, repeats=args.repeats)
         payload = {**environment(), "batch": b, "preset": args.preset, "rows": rows, "table": ab_table(rows)}
@@ -140,6 +137,45 @@ def main(argv=None):
             if op["hlo"]:
                 print(f"{'':30}{op['hlo'][:240]}")
         print(f"the step's optimized HLO: {args.trace_dir}/step_hlo.txt")
+
+
+def _decoding_engine(args):
+    """An engine of ``args.batch`` sequences in steady decode -> (the LLM, 10 engine.step() host times)."""
+    b = args.batch
+    llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
+              max_num_batched_tokens=max(b, 16), max_model_len=256, block_size=64, buckets=(b, max(b, 16)) if b < 16 else (b,),
+              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False, progress=False)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    for i in range(b):
+        engine.add_request(str(i), None, params, prompt_token_ids=[5 + i, 6, 7, 8])
+    for _ in range(6):
+        engine.step()
+    host = []
+    for _ in range(10):
+        start = time.perf_counter()
+        engine.step()
+        host.append(time.perf_counter() - start)
+    return llm, host
+
+
+def kernel_trace(args) -> str:
+    """--kernel-trace: the engine's steps with ``dispatch.STEP_KERNEL_TRACE`` set (put back after), then the newest
+    trace by scope and phase by phase -> that summary."""
+    built = dispatch.STEP_KERNEL_TRACE
+    os.makedirs(args.kernel_trace, exist_ok=True)
+    dispatch.STEP_KERNEL_TRACE = args.kernel_trace
+    try:
+        llm, _ = _decoding_engine(args)
+    finally:
+        dispatch.STEP_KERNEL_TRACE = built
+    if not glob.glob(os.path.join(args.kernel_trace, "*.json")):
+        why = llm.model.prepare_step_kernel() or "a step's shapes (DeepseekForCausalLM.step_kernel_blocker)"
+        raise SystemExit(f"--kernel-trace: no trace in {args.kernel_trace}: the step kernel did not run ({why})")
+    summary = (f"the step kernel's scopes (newest trace in {args.kernel_trace}):\n{summarize_trace(args.kernel_trace)}"
+               f"\nphase by phase:\n{barrier_phases(args.kernel_trace)}")
+    print(summary)
+    return summary
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, object]]:

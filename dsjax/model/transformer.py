@@ -264,7 +264,8 @@ class DeepseekForCausalLM(nnx.Module):
             x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe, weights, spec,
             stack.mlp_norm.weight_f32[...], moe.router_parts[...],
             decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
-            c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared)
+            c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared,
+            profile_dir=dispatch.STEP_KERNEL_TRACE)
         layers, block_size = c.num_moe_layers, cache.block_size
         block, offset = batch.slot_mapping[0] // block_size, batch.slot_mapping[0] % block_size
         write = lambda pool, rows: pool.at[:layers, block, offset].set(rows.astype(pool.dtype), mode="drop")

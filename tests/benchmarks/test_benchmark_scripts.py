@@ -231,6 +231,17 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
         original_ab(None, [("x", {"dsjax.model.dispatch.NO_SUCH": 1})], rounds=1, repeats=1)
 
 
+def test_step_profile_kernel_trace_says_why_the_kernel_did_not_run(tmp_path):
+    """--kernel-trace: the engine's steps under dispatch.STEP_KERNEL_TRACE (put back after); on the CPU no step
+    kernel runs, and the error says why (the model's own reason)."""
+    from benchmarks import step_profile
+    from dsjax.model import dispatch
+
+    with pytest.raises(SystemExit, match=r"no trace in .*: the step kernel did not run \(kernel_backend='reference'"):
+        step_profile.main(["--preset", "tiny", "--num-kv-blocks", "64", "--kernel-trace", str(tmp_path / "trace")])
+    assert dispatch.STEP_KERNEL_TRACE is None
+
+
 def test_tma_stream_probe_lowers_every_config_for_hopper():
     from benchmarks import tma_stream_probe
 

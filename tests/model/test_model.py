@@ -210,10 +210,11 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
     chunks = [(0, 7)] + [(i, i + 1) for i in range(7, 11)]
     want = _paged_logits(model, tokens, chunks)
     assert "kernel_backend='reference'" in model.prepare_step_kernel()
-    calls = []
+    calls, traces = [], []
 
-    def chain(*args):
+    def chain(*args, profile_dir=None):
         calls.append(args[0].shape)
+        traces.append(profile_dir)  # dispatch.STEP_KERNEL_TRACE, passed through
         return decode_step_moe.moe_layer_chain_reference(*args)
 
     monkeypatch.setattr(DeepseekForCausalLM, "_why_not_step_kernel", lambda self, *shapes: None)
@@ -223,6 +224,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
     assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
         "dispatch.STEP_KERNEL is off")
     monkeypatch.setattr(dispatch, "STEP_KERNEL", True)
+    monkeypatch.setattr(dispatch, "STEP_KERNEL_TRACE", "/tmp/step_kernel_trace")
     assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
         "the stack's rope columns, router parts and f32 norms are not prepared (prepare_step_kernel)")
     assert model.prepare_step_kernel() is None and not model.moe_layers.attn.interleave
@@ -240,4 +242,5 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
     assert "2 tokens in the step" in model.step_kernel_blocker(2, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4)
     got = _paged_logits(model, tokens, chunks)
     assert calls == [(config.hidden_size,)]  # the one-token step (traced once), not the 7-token prefill
+    assert traces == ["/tmp/step_kernel_trace"]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
