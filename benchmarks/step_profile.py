@@ -143,8 +143,9 @@ def _decoding_engine(args):
     """An engine of ``args.batch`` sequences in steady decode -> (the LLM, 10 engine.step() host times)."""
     b = args.batch
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
-              max_num_batched_tokens=max(b, 16), max_model_len=256, block_size=64, buckets=(b, max(b, 16)) if b < 16 else (b,),
-              num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False, progress=False)
+              max_num_batched_tokens=max(b, 16), max_model_len=256, block_size=64,
+              buckets=(b, max(b, 16)) if b < 16 else (b,), num_kv_blocks=args.num_kv_blocks,
+              enable_prefix_caching=False, progress=False)
     engine = llm.engine
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     for i in range(b):

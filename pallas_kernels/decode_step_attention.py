@@ -129,7 +129,8 @@ MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 # Phase 3 reads the query windows by TMA (two copies, on the latent's barrier, which phase 2 alone uses) instead
 # of the warpgroup's loads: one round trip, ~60 ops of code against ~550-1600. The loads took 3.0-3.8 µs of a
 # chunk's ~8-16 traced (round 27); by TMA, 8 whole layers ran 61.76 / 64.3 µs a layer at positions 0 / 511
-# against 62.6 / 65.47 (round 28, ``layer_chain_compact_h200.json``). Read at trace time.
+# against 62.6 / 65.47 (round 28, ``layer_chain_compact_h200.json``), and the engine's batch-1 compiled step
+# 1.741 ms against 1.820 (round 29, ``step_ab_query_tma_b1_h200.json``). Read at trace time.
 QUERY_TMA = True
 PHASES = 5  # grid barriers a layer
 

@@ -144,9 +144,9 @@ def test_greedy_sampler_matches_the_general_one():
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.standard_normal((4, 50)) * 3, jnp.float32).at[1, 7].set(40.0)  # row 1: EOS on top
     rows = 4
-    arrays = SamplingArrays(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows), jnp.arange(rows, dtype=jnp.uint32),
-                            jnp.zeros(rows, jnp.int32), jnp.asarray([False, True, False, False]),
-                            jnp.full(rows, 2, jnp.int32))
+    arrays = SamplingArrays(jnp.zeros(rows), jnp.zeros(rows, jnp.int32), jnp.ones(rows),
+                            jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32),
+                            jnp.asarray([False, True, False, False]), jnp.full(rows, 2, jnp.int32))
     run = jax.jit(lambda g: sample(logits, arrays, (7,), 3, filtered=False, logprobs=True, greedy=g), static_argnums=0)
     fast, general = run(True), run(False)
     for got, want in zip(fast, general):
