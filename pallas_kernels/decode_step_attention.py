@@ -410,7 +410,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                         plgpu.copy_gmem_to_smem(r.q.at[layer, rows], sm.q.at[rows], sm.lat_bar.at[0])
                 else:
                     lax.fori_loop(0, 3, window, None)
-                if not QUERY_TMA:
                     plgpu.commit_smem()
             slots = [lax.rem(count + b, RING) for b in range(5)]
             with jax.named_scope("chunk_wait"):  # the chunk's 5 boxes, issued by the producer ahead of the phase

@@ -538,11 +538,10 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             @pl.when((first == 0) & (end == gate_boxes))
             def _():
                 hin_smem[...] = jnp.sum(g * jax.nn.sigmoid(g) * u * scale, axis=1)  # the token's column, a row
-                plgpu.commit_smem()
-                h_row = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))  # (h's tile: at the down unit)
+                plgpu.commit_smem()  # (h's tile: built from hin_smem at the down unit)
                 if publishes:  # for the CTAs that take this tile's down rows (a plan with no such CTA: none)
                     with jax.named_scope("publish"):
-                        hs_ref.at[layer, tile, 0, 0][...] = h_row
+                        hs_ref.at[layer, tile, 0, 0][...] = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
                         plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
 
             if splits:
