@@ -248,7 +248,65 @@ def moe_one_launch(token_counts, configs, *, quick: bool) -> list[dict]:
     return rows
 
 
-PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch", "moe_waves")
+PARTS = ("sweep", "shared_mlp", "rows_vs_xla", "fused_launches", "head_products", "moe_one_launch", "moe_waves",
+         "dense_mlp")
+# (block_n, num_splits or None for the default, num_stages) of the dense MLP's two launches; the kernel's own first
+DENSE_CONFIGS = [(None, None, 3), (128, 4, 3), (128, 8, 3), (256, 2, 3), (256, 4, 3), (128, 2, 3), (64, 4, 3),
+                 (128, 4, 1), (256, 2, 2)]
+QUICK_DENSE_CONFIGS = [(None, None, 2), (32, 2, 2)]
+
+
+def dense_mlp(configs, *, quick: bool) -> list[dict]:
+    """The dense layer 0's SwiGLU MLP at one token (V2-Lite: 2048 -> 2 x 10944 -> 2048, 134 MB, a stack of
+    one layer as the engine holds it): the normed gate / up launch and the down launch at each tile config,
+    against XLA's GEMMs on the slice (the norm and silu as jnp), and the same with gate and up concatenated
+    into one [D, 2I] weight. TB/s counts each part's weight bytes."""
+    rng = np.random.default_rng(6)
+    hidden, inter = (64, 96) if quick else (2048, 10944)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.02, jnp.bfloat16)
+    x, wg, wu, wd = w(1, hidden) * 50, w(1, hidden, inter), w(1, hidden, inter), w(1, inter, hidden)
+    g, layer, eps = jnp.ones((1, hidden), jnp.bfloat16), jnp.int32(0), 1e-6
+    h = w(1, inter)
+    up_bytes, down_bytes = 2 * hidden * inter * 2, hidden * inter * 2
+    rows = []
+
+    def record(impl, part, fn, args, weight_bytes):
+        us, kernels = _time(fn, args, quick=quick)
+        rows.append(dict(impl=impl, part=part, us=us, tb_per_s=weight_bytes / us / 1e6, kernels_us=kernels))
+        print(f"  dense MLP {part:<8} {impl:<36} {us:8.2f} us {rows[-1]['tb_per_s']:6.2f} TB/s", flush=True)
+
+    for block_n, splits, stages in configs:
+        name = f"stacked_gemvs {block_n or 'auto'} cols, {splits or 'auto'} splits, s{stages}"
+        options = dict(block_n=block_n, num_splits=splits, num_stages=stages, interpret=quick)
+        record(name, "gate_up", lambda x, wg, wu, g, l, o=options: stacked_gemvs(x, (wg, wu), l, g, eps=eps, **o),
+               (x, wg, wu, g, layer), up_bytes)
+        record(name, "down", lambda h, wd, l, o=options: stacked_gemvs(h, (wd,), l, **o), (h, wd, layer), down_bytes)
+    f32 = jnp.float32
+    normed = lambda x, g, l: (x.astype(f32) * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(f32)), -1, keepdims=True)
+                                                               + eps) * g[l]).astype(x.dtype)
+    record("XLA dot on the slices", "gate_up",
+           lambda x, wg, wu, g, l: (jnp.dot(normed(x, g, l), wg[l], preferred_element_type=f32),
+                                    jnp.dot(normed(x, g, l), wu[l], preferred_element_type=f32)),
+           (x, wg, wu, g, layer), up_bytes)
+    wgu = jnp.concatenate([wg, wu], axis=-1)
+    record("XLA dot, gate and up as one weight", "gate_up",
+           lambda x, wgu, g, l: jnp.dot(normed(x, g, l), wgu[l], preferred_element_type=f32),
+           (x, wgu, g, layer), up_bytes)
+    record("stacked_gemvs, gate and up as one weight", "gate_up",
+           lambda x, wgu, g, l: stacked_gemvs(x, (wgu,), l, g, eps=eps, interpret=quick), (x, wgu, g, layer), up_bytes)
+    record("XLA dot on the slice", "down", lambda h, wd, l: jnp.dot(h, wd[l], preferred_element_type=f32),
+           (h, wd, layer), down_bytes)
+    backend = "interpret" if quick else "pallas"
+    record("dispatch.stacked_mlp (as the engine)", "whole",
+           lambda x, wg, wu, wd, g, l: dispatch.stacked_swiglu_down(
+               *dispatch.stacked_matmuls(x, (wg, wu), l, backend, norm=(g, eps))[:2], wd, l, backend, x.dtype),
+           (x, wg, wu, wd, g, layer), up_bytes + down_bytes)
+    record("XLA dots", "whole",
+           lambda x, wgu, wd, g, l: jnp.dot(
+               (jax.nn.silu(p := jnp.dot(normed(x, g, l), wgu[l], preferred_element_type=f32))[:, :inter]
+                * p[:, inter:]).astype(x.dtype), wd[l], preferred_element_type=f32),
+           (x, wgu, wd, g, layer), up_bytes + down_bytes)
+    return rows
 
 
 def moe_waves(*, quick: bool) -> list[dict]:
@@ -293,6 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
         "head_products": lambda: head_products(row_counts, QUICK_HEAD_CONFIGS if quick else HEAD_CONFIGS, quick=quick),
         "moe_one_launch": lambda: moe_one_launch((1, 2), QUICK_DECODE_TILES if quick else DECODE_TILES, quick=quick),
         "moe_waves": lambda: moe_waves(quick=quick),
+        "dense_mlp": lambda: dense_mlp(QUICK_DENSE_CONFIGS if quick else DENSE_CONFIGS, quick=quick),
     }
     results = {part: runs[part]() for part in PARTS if part in only}
     tables = []
@@ -312,7 +371,8 @@ def main(argv: list[str] | None = None) -> dict:
                "fused_launches": ["launch", "block_n", "num_stages", "num_splits", "default", "us", "tb_per_s"],
                "head_products": ["weight", "rows", "block_n", "block_k", "kernel_us", "xla_einsum_us"],
                "moe_one_launch": ["tokens", "impl", "us", "tb_per_s"],
-               "moe_waves": ["top_k", "shared", "programs", "mb", "us", "tb_per_s"]}
+               "moe_waves": ["top_k", "shared", "programs", "mb", "us", "tb_per_s"],
+               "dense_mlp": ["part", "impl", "us", "tb_per_s"]}
     for part, cols in columns.items():
         if part in results:
             tables.append(markdown_table(results[part], cols or list(results[part][0])))
