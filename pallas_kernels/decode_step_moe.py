@@ -138,6 +138,16 @@ PLANS = ("tiles", "dealt", "split")
 # V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
 # 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
 EXPERT_PLAN = "split"
+# The producer's top-k by rank (``_rank_picks``: each thread counts the experts ahead of its own, then the
+# picks come out of ceil(k / 5) packed sums), the computing warpgroup weighing them (``route_weights``, off the
+# routed boxes' path); else the producer's k rounds of a max and an arg-min, then the weights: ceil(k / 5)
+# cross-warp reductions before the routed boxes instead of 2 + 2k.
+ROUTE_BY_RANK = True
+_ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 experts)
+# A measurement knob, results wrong when set: the producer's routing of a layer left out, in part ("compute":
+# the logits still awaited and read, the softmax and top-k not run) or whole ("all": nor the router CTAs'
+# adds awaited), and experts 0 .. k-1 taken at weight 1 / k: what the routing holds the routed boxes back by.
+ROUTE_KNOCKOUT: str | None = None
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -221,6 +231,34 @@ def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int,
         if plan:
             table[c, :len(plan)] = plan
     return table
+
+
+def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int):
+    """The greedy top-k of a warpgroup's logits (one a thread, ``iota`` its id, -inf past ``num_experts``; the
+    same values in ``logits_smem``) in lax.top_k's order: value descending, ties to the lower id. Each thread
+    counts the experts ahead of its own (an expert is ahead when larger, or equal with a lower id: a
+    permutation's ranks); the ids of ranks 0 .. k - 1 are summed into int32 fields of ``_ID_BITS`` bits, 5 a
+    sum. -> (the k picked ids, the largest logit), scalars."""
+    if num_experts > 1 << _ID_BITS or num_experts % 8:
+        raise ValueError(f"_rank_picks: {num_experts} experts; accepted a multiple of 8 up to {1 << _ID_BITS}")
+
+    def ahead(j8, count):  # 8 experts an iteration: their loads in flight together, the code still small
+        for i in range(8):
+            j = j8 * 8 + i
+            v = logits_smem[j]
+            count = count + jnp.where((v > logits) | ((v == logits) & (j < iota)), 1, 0)
+        return count
+
+    rank = lax.fori_loop(0, num_experts // 8, ahead, iota * 0)
+    per_sum = 32 // _ID_BITS
+    picks = []
+    for first in range(0, top_k, per_sum):
+        field = (rank >= first) & (rank < min(first + per_sum, top_k))
+        shift = jnp.where(field, (rank - first) * _ID_BITS, 0)
+        packed = jnp.sum(jnp.where(field, iota << shift, 0))  # disjoint bit fields: the sum is exact
+        picks += [(packed >> ((k - first) * _ID_BITS)) & ((1 << _ID_BITS) - 1)
+                  for k in range(first, min(first + per_sum, top_k))]
+    return picks, logits_smem[picks[0]]
 
 
 class RouterSpec(NamedTuple):
@@ -326,15 +364,19 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         i0 = jnp.where(is_routed, lax.rem(t, jnp.int32(routed_tiles)), t - top_k * routed_tiles) * HALF
         return is_routed, expert, scale, i0
 
-    def await_routing(tile, routed, layer=None):
+    def await_routing(tile, routed, layer, producer: bool):
         """Once a layer, before the first routed tile's unit (``routed``: done already this layer; ``tile``
-        None: at the layer's end, if no unit needed it): the producer (passing its ``layer``) routes the layer,
-        the computing warpgroup waits for that on ``route_bar``. -> routed."""
+        None: at the layer's end, if no unit needed it): the producer routes the layer, the computing warpgroup
+        waits for that on ``route_bar`` (and with ``ROUTE_BY_RANK`` weighs the picks). -> routed."""
         first = jnp.logical_not(routed) if tile is None else (tile < top_k * routed_tiles) & jnp.logical_not(routed)
-        if layer is not None:
+        if producer:
             pl.when(first)(lambda: route_layer(layer))
         else:
-            pl.when(first)(lambda: plgpu.barrier_wait(route_bar.at[0]))
+            @pl.when(first)
+            def _():
+                plgpu.barrier_wait(route_bar.at[0])
+                if ROUTE_BY_RANK:
+                    route_weights(layer)
         return routed | first
 
     def loads():
@@ -348,7 +390,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             count, routed = carry
             _, tile, first, end, _ = unit(u)
             if router:
-                routed = await_routing(tile, routed, layer)
+                routed = await_routing(tile, routed, layer, True)
             is_routed, expert, _, i0 = tile_of(layer, tile)
 
             def box(n, count):
@@ -385,7 +427,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 count = count + router_boxes
             count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
             if router:
-                await_routing(None, routed, layer)
+                await_routing(None, routed, layer, True)
             return count
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
@@ -448,6 +490,20 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         computing warpgroup, which runs the shared tiles' products meanwhile. The routing overwrites the layer
         before's only after routed_sem counts this layer's router products, which follow the grid barrier that
         this CTA's computing warpgroup reaches after its units (the last readers of the layer before's)."""
+        if ROUTE_KNOCKOUT not in (None, "compute", "all"):
+            raise ValueError(f"ROUTE_KNOCKOUT={ROUTE_KNOCKOUT!r}; accepted: None, 'compute', 'all'")
+        if ROUTE_KNOCKOUT:
+            if ROUTE_KNOCKOUT == "compute":
+                plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
+                proxy_fence()
+                plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
+                plgpu.barrier_wait(logits_bar.at[0])
+            plgpu.wait_smem_to_gmem(0)
+            for k in range(top_k):
+                rid_smem[k], rw_smem[k] = jnp.int32(k), jnp.float32(1.0 / top_k)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(route_bar.at[0])
+            return
         with jax.named_scope("logits"):  # every router CTA's add, then the sums
             plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
             proxy_fence()
@@ -457,12 +513,21 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
             iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
             logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+            if ROUTE_BY_RANK:  # the ids only: the routed boxes wait for them; route_weights weighs them
+                picks, _ = _rank_picks(logits, iota, logits_smem, num_experts, top_k)
+                plgpu.wait_smem_to_gmem(0)  # the layer before's ids out of shared memory (CTA 0's copy)
+                for k, pick in enumerate(picks):
+                    rid_smem[k] = pick
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(route_bar.at[0])
+                pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer]))
+                return
             top = jnp.max(logits)
             total_exp = jnp.sum(jnp.exp(logits - top))
             plgpu.wait_smem_to_gmem(0)  # the layer before's routing out of shared memory (CTA 0's copies)
 
-            def choose(k, carry):  # chosen by logit (the softmax keeps their order), greedy, ties to the lower id
-                left, total = carry  # (lax.top_k's order): two reductions a pick, in a loop (the code stays small)
+            def choose(k, carry):  # chosen by logit (the softmax keeps their order), greedy, ties to the lower
+                left, total = carry  # id (lax.top_k's order): two reductions a pick, in a loop (small code)
                 best = jnp.max(left)
                 pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
                 score = jnp.exp(best - top) / total_exp  # as the scores' formula
@@ -482,6 +547,28 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             def _():  # the layer's routing, for the caller
                 plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
                 plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
+
+    def route_weights(layer):
+        """The computing warpgroup, once the producer's picks are in (``ROUTE_BY_RANK``): their softmax scores
+        from the logits in shared memory, as the producer's max rounds compute them (the same max, sum and
+        order), scaled, into ``rw_smem``; CTA 0 stores them for the caller. Off the routed boxes' path: they
+        are needed only when a routed tile's gate / up products end."""
+        strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
+        iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
+        logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+        top = logits_smem[rid_smem[0]]  # the first pick's logit is the largest
+        total_exp = jnp.sum(jnp.exp(logits - top))
+        scores, total = [], jnp.float32(1e-20)
+        for k in range(top_k):
+            scores.append(jnp.exp(logits_smem[rid_smem[k]] - top) / total_exp)
+            total = total + scores[-1]
+        scale = router.routed_scaling_factor / (total if router.norm_topk_prob else 1.0)
+        for k, score in enumerate(scores):
+            rw_smem[k] = score * scale
+
+            @pl.when(c == 0)
+            def _():
+                weights_out[layer, k] = score * scale
 
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
@@ -653,7 +740,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 count, last_gate_up, pending, routed = carry
                 kind, tile, first, end, part = unit(u)
                 if router:
-                    routed = await_routing(tile, routed)
+                    routed = await_routing(tile, routed, layer, False)
                 pl.when((kind == DOWN) & (pending >= 0))(lambda: signal(pending))
                 pending = jnp.where(kind == DOWN, -1, pending)
                 pl.when(kind == GATE_UP)(lambda: gate_up_unit(layer, tile, first, end, part, count))
@@ -665,7 +752,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             count, _, pending, routed = lax.fori_loop(0, num_units, one,
                                                       (count, jnp.int32(-1), jnp.int32(-1), jnp.bool_(False)))
             if router:
-                await_routing(None, routed)
+                await_routing(None, routed, layer, False)
             pl.when(pending >= 0)(lambda: signal(pending))  # before the barrier: readers of this layer wait on it
             with jax.named_scope("store"):
                 plgpu.commit_smem()
@@ -873,9 +960,10 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         compiler_params=plgpu.CompilerParams(
             # the trace's buffer is shared memory: 1024 entries overflow the MoE half's (round 22), and 512 its
             # then three warpgroups' (384 hold 8 layers' ~15 scopes a warpgroup); 384 overflow the whole layer's
-            # by 5.2 KiB (round 24), 256 hold 2 layers
-            approx_math=True, **({"profile_space": 256 if front else 384, "profile_dir": profile_dir}
-                                 if profile_dir else {})),
+            # by 5.2 KiB (round 24), 256 hold 2 layers; bounds-checked, a longer chain's trace (the engine's 26
+            # layers) stops when full instead of writing past it (an illegal access, session 44)
+            approx_math=True, **({"profile_space": 256 if front else 384, "profile_dir": profile_dir,
+                                  "profile_bounds_check": True} if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)
     result = outs[0][-1].reshape(hidden).astype(x.dtype)
     return (result, (outs[3], outs[4]) if router is not None else None, outs[5] if attention else None,
