@@ -138,16 +138,12 @@ PLANS = ("tiles", "dealt", "split")
 # V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
 # 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
 EXPERT_PLAN = "split"
-# The producer's top-k by rank (``_rank_picks``: each thread counts the experts ahead of its own, then the
-# picks come out of ceil(k / 5) packed sums), the computing warpgroup weighing them (``route_weights``, off the
-# routed boxes' path); else the producer's k rounds of a max and an arg-min, then the weights: ceil(k / 5)
-# cross-warp reductions before the routed boxes instead of 2 + 2k.
-ROUTE_BY_RANK = True
+# The producer picks a layer's experts by rank (``_rank_picks``: each thread counts the experts ahead of its
+# own, the picks come out of ceil(k / 5) packed sums); the computing warpgroup weighs them (``route_weights``),
+# off the routed boxes' path. H200, batch-1 compiled step (decode_profile.md round 30): 1.7443 ms against
+# 1.7648 with the producer's k rounds of a max and an arg-min then the weights (2 + 2k cross-warp reductions
+# before the routed boxes; code at 18c18c3, with ROUTE_KNOCKOUT, which measured the routing's hold on them).
 _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 experts)
-# A measurement knob, results wrong when set: the producer's routing of a layer left out, in part ("compute":
-# the logits still awaited and read, the softmax and top-k not run) or whole ("all": nor the router CTAs'
-# adds awaited), and experts 0 .. k-1 taken at weight 1 / k: what the routing holds the routed boxes back by.
-ROUTE_KNOCKOUT: str | None = None
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -238,7 +234,7 @@ def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int):
     same values in ``logits_smem``) in lax.top_k's order: value descending, ties to the lower id. Each thread
     counts the experts ahead of its own (an expert is ahead when larger, or equal with a lower id: a
     permutation's ranks); the ids of ranks 0 .. k - 1 are summed into int32 fields of ``_ID_BITS`` bits, 5 a
-    sum. -> (the k picked ids, the largest logit), scalars."""
+    sum. -> the k picked ids, scalars."""
     if num_experts > 1 << _ID_BITS or num_experts % 8:
         raise ValueError(f"_rank_picks: {num_experts} experts; accepted a multiple of 8 up to {1 << _ID_BITS}")
 
@@ -258,7 +254,7 @@ def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int):
         packed = jnp.sum(jnp.where(field, iota << shift, 0))  # disjoint bit fields: the sum is exact
         picks += [(packed >> ((k - first) * _ID_BITS)) & ((1 << _ID_BITS) - 1)
                   for k in range(first, min(first + per_sum, top_k))]
-    return picks, logits_smem[picks[0]]
+    return picks
 
 
 class RouterSpec(NamedTuple):
@@ -367,7 +363,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     def await_routing(tile, routed, layer, producer: bool):
         """Once a layer, before the first routed tile's unit (``routed``: done already this layer; ``tile``
         None: at the layer's end, if no unit needed it): the producer routes the layer, the computing warpgroup
-        waits for that on ``route_bar`` (and with ``ROUTE_BY_RANK`` weighs the picks). -> routed."""
+        waits for that on ``route_bar`` and weighs the picks. -> routed."""
         first = jnp.logical_not(routed) if tile is None else (tile < top_k * routed_tiles) & jnp.logical_not(routed)
         if producer:
             pl.when(first)(lambda: route_layer(layer))
@@ -375,8 +371,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             @pl.when(first)
             def _():
                 plgpu.barrier_wait(route_bar.at[0])
-                if ROUTE_BY_RANK:
-                    route_weights(layer)
+                route_weights(layer)
         return routed | first
 
     def loads():
@@ -486,24 +481,10 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
     def route_layer(layer):
         """The producer, before the layer's first routed box: once every router CTA has counted its add on
-        ``routed_sem``, the layer's logits, softmax and greedy top-k into shared memory; ``route_bar`` tells the
-        computing warpgroup, which runs the shared tiles' products meanwhile. The routing overwrites the layer
+        ``routed_sem``, the layer's logits and its greedy top-k ids into shared memory; ``route_bar`` tells the
+        computing warpgroup, which runs the shared tiles' products meanwhile (then weighs the picks). The routing overwrites the layer
         before's only after routed_sem counts this layer's router products, which follow the grid barrier that
         this CTA's computing warpgroup reaches after its units (the last readers of the layer before's)."""
-        if ROUTE_KNOCKOUT not in (None, "compute", "all"):
-            raise ValueError(f"ROUTE_KNOCKOUT={ROUTE_KNOCKOUT!r}; accepted: None, 'compute', 'all'")
-        if ROUTE_KNOCKOUT:
-            if ROUTE_KNOCKOUT == "compute":
-                plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
-                proxy_fence()
-                plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
-                plgpu.barrier_wait(logits_bar.at[0])
-            plgpu.wait_smem_to_gmem(0)
-            for k in range(top_k):
-                rid_smem[k], rw_smem[k] = jnp.int32(k), jnp.float32(1.0 / top_k)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(route_bar.at[0])
-            return
         with jax.named_scope("logits"):  # every router CTA's add, then the sums
             plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
             proxy_fence()
@@ -513,46 +494,19 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
             iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
             logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
-            if ROUTE_BY_RANK:  # the ids only: the routed boxes wait for them; route_weights weighs them
-                picks, _ = _rank_picks(logits, iota, logits_smem, num_experts, top_k)
-                plgpu.wait_smem_to_gmem(0)  # the layer before's ids out of shared memory (CTA 0's copy)
-                for k, pick in enumerate(picks):
-                    rid_smem[k] = pick
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(route_bar.at[0])
-                pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer]))
-                return
-            top = jnp.max(logits)
-            total_exp = jnp.sum(jnp.exp(logits - top))
-            plgpu.wait_smem_to_gmem(0)  # the layer before's routing out of shared memory (CTA 0's copies)
-
-            def choose(k, carry):  # chosen by logit (the softmax keeps their order), greedy, ties to the lower
-                left, total = carry  # id (lax.top_k's order): two reductions a pick, in a loop (small code)
-                best = jnp.max(left)
-                pick = jnp.min(jnp.where(left == best, iota, 2 * HALF))
-                score = jnp.exp(best - top) / total_exp  # as the scores' formula
-                rid_smem[k], rw_smem[k] = pick, score
-                return jnp.where(iota == pick, -jnp.inf, left), total + score
-
-            # the chosen scores' sum plus the reference's 1e-20 (moe_routing.route_reference's denominator;
-            # used with norm_topk_prob only)
-            _, total = lax.fori_loop(0, top_k, choose, (logits, jnp.float32(1e-20)))
-            scale = router.routed_scaling_factor / (total if router.norm_topk_prob else 1.0)
-            for k in range(top_k):
-                rw_smem[k] = rw_smem[k] * scale
+            picks = _rank_picks(logits, iota, logits_smem, num_experts, top_k)
+            plgpu.wait_smem_to_gmem(0)  # the layer before's ids out of shared memory (CTA 0's copy)
+            for k, pick in enumerate(picks):
+                rid_smem[k] = pick
             plgpu.commit_smem()
             plgpu.barrier_arrive(route_bar.at[0])
-
-            @pl.when(c == 0)
-            def _():  # the layer's routing, for the caller
-                plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer])
-                plgpu.copy_smem_to_gmem(rw_smem, weights_out.at[layer])
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer]))
 
     def route_weights(layer):
-        """The computing warpgroup, once the producer's picks are in (``ROUTE_BY_RANK``): their softmax scores
-        from the logits in shared memory, as the producer's max rounds compute them (the same max, sum and
-        order), scaled, into ``rw_smem``; CTA 0 stores them for the caller. Off the routed boxes' path: they
-        are needed only when a routed tile's gate / up products end."""
+        """The computing warpgroup, once the producer's picks are in: their softmax scores from the logits in
+        shared memory (the chosen scores' sum in pick order, plus route_reference's 1e-20, for norm_topk_prob),
+        scaled, into ``rw_smem``; CTA 0 stores them for the caller. Off the routed boxes' path: they are needed
+        only when a routed tile's gate / up products end."""
         strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
         iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
         logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)

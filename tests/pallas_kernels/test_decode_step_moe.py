@@ -272,16 +272,14 @@ def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
 @pytest.mark.parametrize("top_k", [1, 6, 8])
 def test_rank_picks_are_lax_top_k_ties_to_the_lower_id(top_k):
     """The producer's top-k by rank (``_rank_picks``), run on jnp arrays: lax.top_k's ids in its order, ties
-    to the lower id included, and the largest logit, with the warpgroup's -inf padding past the experts."""
+    to the lower id included, with the warpgroup's -inf padding past the experts."""
     rng = np.random.default_rng(top_k)
     for trial in range(20):
         values = rng.standard_normal(64).astype(np.float32)
         if trial % 2:  # few distinct values: many ties, some among the picks
             values = np.round(values * 2) / 2
         logits = jnp.asarray(np.concatenate([values, np.full(64, -np.inf, np.float32)]))
-        picks, top = kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 64, top_k)
-        expected_values, expected_ids = jax.lax.top_k(jnp.asarray(values), top_k)
-        assert [int(p) for p in picks] == expected_ids.tolist()
-        assert float(top) == float(expected_values[0])
+        picks = kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 64, top_k)
+        assert [int(p) for p in picks] == jax.lax.top_k(jnp.asarray(values), top_k)[1].tolist()
     with pytest.raises(ValueError, match="96 experts; accepted a multiple of 8 up to 64"):
         kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 96, 6)
