@@ -482,9 +482,10 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     def route_layer(layer):
         """The producer, before the layer's first routed box: once every router CTA has counted its add on
         ``routed_sem``, the layer's logits and its greedy top-k ids into shared memory; ``route_bar`` tells the
-        computing warpgroup, which runs the shared tiles' products meanwhile (then weighs the picks). The routing overwrites the layer
-        before's only after routed_sem counts this layer's router products, which follow the grid barrier that
-        this CTA's computing warpgroup reaches after its units (the last readers of the layer before's)."""
+        computing warpgroup, which runs the shared tiles' products meanwhile (then weighs the picks). The ids
+        overwrite the layer before's only after routed_sem counts this layer's router products, which follow the
+        grid barrier that this CTA's computing warpgroup reaches after its units (the last readers of the layer
+        before's)."""
         with jax.named_scope("logits"):  # every router CTA's add, then the sums
             plgpu.semaphore_wait(routed_sem, routers * (layer + 1), decrement=False, memory_scope="gpu")
             proxy_fence()
