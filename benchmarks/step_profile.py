@@ -12,7 +12,7 @@ variant (module attributes set to Python literals), its device time taken in tur
         --variant "moe 8 warps: dsjax.model.dispatch.MOE_DECODE_TILES.num_warps=8"
 
 With ``--kernel-trace DIR``, the batch-1 step kernel's per-scope trace as the engine runs it instead
-(``dispatch.STEP_KERNEL_TRACE``; its first ~3 layers, tracing slowing each scope ~2x), summarized by scope and
+(``dispatch.STEP_KERNEL_TRACE``; its first ~7 layers, tracing slowing each scope ~2x), summarized by scope and
 phase by phase (``benchmarks.common.barrier_phases``).
 """
 

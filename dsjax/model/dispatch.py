@@ -173,10 +173,10 @@ MOE_DECODE_MGPU = True
 # weights on Hopper either way (DeepseekForCausalLM.prepare_step_kernel: the same values), so an A/B may flip
 # this knob.
 STEP_KERNEL = True
-# A folder for the step kernel's per-scope trace (Mosaic GPU's profiler, ``profile_dir``), or None. Each call writes
-# a Perfetto JSON of every CTA's scopes, as many as its shared-memory buffer holds (the first ~3 layers); tracing
-# slows the scopes ~2x. A diagnostic of the kernel as the engine runs it (``step_profile --kernel-trace``), read
-# at trace time.
+# A folder for the step kernel's per-scope trace (Mosaic GPU's profiler, ``profile_dir``), or None. The first call
+# writes a Perfetto JSON of every CTA's scopes, as many as its shared-memory buffer holds (the first ~7 layers;
+# later calls find the kernel's file name taken and write none); tracing slows the scopes ~2x. A diagnostic of
+# the kernel as the engine runs it (``step_profile --kernel-trace``), read at trace time.
 STEP_KERNEL_TRACE: str | None = None
 
 
