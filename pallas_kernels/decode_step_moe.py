@@ -104,7 +104,6 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
         plgpu.SMEM((2 * HALF,), jnp.float32),  # the layer's logits
         plgpu.SMEM((ROUTE_SLOTS,), jnp.int32),  # the chosen experts
         plgpu.SMEM((ROUTE_SLOTS,), jnp.float32),  # their weights
-        plgpu.SMEM((-(-ROUTE_SLOTS // (32 // _ID_BITS)), 2 * HALF), jnp.int32),  # the picks' fields (_rank_picks)
         plgpu.Barrier(num_barriers=1),  # the norm's weights landed
         plgpu.Barrier(num_barriers=1),  # the logits landed
         plgpu.Barrier(num_barriers=1),  # the routing is in shared memory (the producer's, for the computing one)
@@ -144,11 +143,9 @@ EXPERT_PLAN = "split"
 # off the routed boxes' path. H200, batch-1 compiled step (decode_profile.md round 30): 1.7443 ms against
 # 1.7648 with the producer's k rounds of a max and an arg-min then the weights (2 + 2k cross-warp reductions
 # before the routed boxes; code at 18c18c3, with ROUTE_KNOCKOUT, which measured the routing's hold on them).
+# The routing's sums as loops of scalar shared-memory loads instead of cross-warp reductions (326 ops fewer)
+# were slower: 1.7876 ms against 1.7294 (round 30, code at d5793ab).
 _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 experts)
-# The routing's sums over the experts (the picks' packed fields, the softmax's denominator) as loops of shared-
-# memory loads instead of cross-warp reductions: ~100 ops of code against ~240 a reduction (the whole layer's
-# kernel is ~21.8k ops; machine code is a budget, decode_profile.md round 28). Not yet timed on the H200.
-ROUTE_SUMS_IN_SMEM = False
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -234,28 +231,12 @@ def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int,
     return table
 
 
-def _smem_sums(ref, count: int, term=lambda x: x):
-    """sum(term(ref[..., j]) for j < count) for each row of a [R, N] ref (or the one row of an [N] ref), as
-    scalar loads from shared memory, 8 a loop iteration (their loads in flight together, the code small)."""
-    rows = ref.shape[0] if len(ref.shape) == 2 else None
-
-    def eight(j8, sums):
-        for i in range(8):
-            j = j8 * 8 + i
-            sums = tuple(s + term(ref[j] if rows is None else ref[r, j]) for r, s in enumerate(sums))
-        return sums
-
-    zero = jnp.zeros((), ref.dtype)
-    return lax.fori_loop(0, count // 8, eight, (zero,) * (rows or 1))
-
-
-def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int, fields_smem=None):
+def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int):
     """The greedy top-k of a warpgroup's logits (one a thread, ``iota`` its id, -inf past ``num_experts``; the
     same values in ``logits_smem``) in lax.top_k's order: value descending, ties to the lower id. Each thread
     counts the experts ahead of its own (an expert is ahead when larger, or equal with a lower id: a
     permutation's ranks); the ids of ranks 0 .. k - 1 are summed into int32 fields of ``_ID_BITS`` bits, 5 a
-    sum: by cross-warp reductions, or with ``fields_smem`` (int32 [ceil(k / 5), 2 * 64]) by ``_smem_sums``.
-    -> the k picked ids, scalars."""
+    sum. -> the k picked ids, scalars."""
     if num_experts > 1 << _ID_BITS or num_experts % 8:
         raise ValueError(f"_rank_picks: {num_experts} experts; accepted a multiple of 8 up to {1 << _ID_BITS}")
 
@@ -268,20 +249,14 @@ def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int, fields_
 
     rank = lax.fori_loop(0, num_experts // 8, ahead, iota * 0)
     per_sum = 32 // _ID_BITS
-    firsts = range(0, top_k, per_sum)
-    fields = []
-    for first in firsts:
+    picks = []
+    for first in range(0, top_k, per_sum):
         field = (rank >= first) & (rank < min(first + per_sum, top_k))
         shift = jnp.where(field, (rank - first) * _ID_BITS, 0)
-        fields.append(jnp.where(field, iota << shift, 0))  # disjoint bit fields: their sum is exact
-    if fields_smem is None:
-        sums = [jnp.sum(f) for f in fields]
-    else:
-        for i, f in enumerate(fields):
-            fields_smem[i] = f
-        sums = _smem_sums(fields_smem, num_experts)
-    return [(packed >> ((k - first) * _ID_BITS)) & ((1 << _ID_BITS) - 1)
-            for first, packed in zip(firsts, sums) for k in range(first, min(first + per_sum, top_k))]
+        packed = jnp.sum(jnp.where(field, iota << shift, 0))  # disjoint bit fields: the sum is exact
+        picks += [(packed >> ((k - first) * _ID_BITS)) & ((1 << _ID_BITS) - 1)
+                  for k in range(first, min(first + per_sum, top_k))]
+    return picks
 
 
 class RouterSpec(NamedTuple):
@@ -317,8 +292,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, *attention_in) = refs[:num_in]
         (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + num_out]
         (ring, xin_smem, tiles_union, h_union, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
-         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, fields_smem, g_bar, logits_bar,
-         route_bar, *front_smem) = refs[num_in + num_out:]
+         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
+         *front_smem) = refs[num_in + num_out:]
         tiles_smem, flat_smem, *front_buffers = tiles_union
         if front:
             wo_ref, front_in = attention_in[0], attention_in[1:]
@@ -522,8 +497,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
             iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
             logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
-            picks = _rank_picks(logits, iota, logits_smem, num_experts, top_k,
-                                fields_smem if ROUTE_SUMS_IN_SMEM else None)
+            picks = _rank_picks(logits, iota, logits_smem, num_experts, top_k)
             plgpu.wait_smem_to_gmem(0)  # the layer before's ids out of shared memory (CTA 0's copy)
             for k, pick in enumerate(picks):
                 rid_smem[k] = pick
@@ -536,14 +510,11 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         shared memory (the chosen scores' sum in pick order, plus route_reference's 1e-20, for norm_topk_prob),
         scaled, into ``rw_smem``; CTA 0 stores them for the caller. Off the routed boxes' path: they are needed
         only when a routed tile's gate / up products end."""
+        strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
+        iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
+        logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
         top = logits_smem[rid_smem[0]]  # the first pick's logit is the largest
-        if ROUTE_SUMS_IN_SMEM:
-            (total_exp,) = _smem_sums(logits_smem, num_experts, lambda logit: jnp.exp(logit - top))
-        else:
-            strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
-            iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
-            logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
-            total_exp = jnp.sum(jnp.exp(logits - top))
+        total_exp = jnp.sum(jnp.exp(logits - top))
         scores, total = [], jnp.float32(1e-20)
         for k in range(top_k):
             scores.append(jnp.exp(logits_smem[rid_smem[k]] - top) / total_exp)

@@ -206,16 +206,14 @@ def test_moe_layer_tail_chain_reference_adds_o_proj_before_the_moe_half():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("query_tma, sums_in_smem", [(False, False), (True, False), (True, True)])
-def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma, sums_in_smem):
+@pytest.mark.parametrize("query_tma", [False, True])
+def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
     """Whole V2-Lite layers at one token (the attention phases, o_proj, the MoE half) lower as one kernel for an
     abstract H200, with the attention's buffers in the MoE half's shared memory; also with phase 3's query
-    windows read by TMA (``decode_step_attention.QUERY_TMA``), and with the routing's sums as shared-memory
-    loops (``ROUTE_SUMS_IN_SMEM``)."""
+    windows read by TMA (``decode_step_attention.QUERY_TMA``)."""
     from pallas_kernels import decode_step_attention
 
     monkeypatch.setattr(decode_step_attention, "QUERY_TMA", query_tma)
-    monkeypatch.setattr(kernel, "ROUTE_SUMS_IN_SMEM", sums_in_smem)
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights
 
     shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
@@ -271,28 +269,17 @@ def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("top_k, in_smem", [(1, False), (6, False), (8, False), (6, True), (8, True)])
-def test_rank_picks_are_lax_top_k_ties_to_the_lower_id(top_k, in_smem):
-    """The producer's top-k by rank (``_rank_picks``), run on jnp arrays (the fields' buffer a mutable jax
-    Ref): lax.top_k's ids in its order, ties to the lower id included, with the warpgroup's -inf padding past
-    the experts; the picks' fields summed by reductions or by ``_smem_sums``."""
+@pytest.mark.parametrize("top_k", [1, 6, 8])
+def test_rank_picks_are_lax_top_k_ties_to_the_lower_id(top_k):
+    """The producer's top-k by rank (``_rank_picks``), run on jnp arrays: lax.top_k's ids in its order, ties
+    to the lower id included, with the warpgroup's -inf padding past the experts."""
     rng = np.random.default_rng(top_k)
     for trial in range(20):
         values = rng.standard_normal(64).astype(np.float32)
         if trial % 2:  # few distinct values: many ties, some among the picks
             values = np.round(values * 2) / 2
         logits = jnp.asarray(np.concatenate([values, np.full(64, -np.inf, np.float32)]))
-        fields = jax.new_ref(jnp.full((2, 128), 12345, jnp.int32)) if in_smem else None  # stale values
-        picks = kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 64, top_k, fields)
+        picks = kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 64, top_k)
         assert [int(p) for p in picks] == jax.lax.top_k(jnp.asarray(values), top_k)[1].tolist()
     with pytest.raises(ValueError, match="96 experts; accepted a multiple of 8 up to 64"):
         kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 96, 6)
-
-
-def test_smem_sums_add_each_rows_first_entries():
-    """``_smem_sums``: each row's first ``count`` entries (a term of each), 8 a loop iteration."""
-    ref = jax.new_ref(jnp.arange(2 * 128, dtype=jnp.float32).reshape(2, 128))
-    assert [float(s) for s in kernel._smem_sums(ref, 64)] == [sum(range(64)), sum(range(128, 192))]
-    row = jax.new_ref(jnp.linspace(-2, 2, 128, dtype=jnp.float32))
-    (total,) = kernel._smem_sums(row, 64, jnp.exp)
-    np.testing.assert_allclose(float(total), float(jnp.sum(jnp.exp(jnp.linspace(-2, 2, 128)[:64]))), rtol=1e-6)
