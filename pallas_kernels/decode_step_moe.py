@@ -796,21 +796,25 @@ def moe_layer_tail_chain(x, attn, o_proj, norm, router, spec: RouterSpec, top_k:
 
 
 def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_spec, norm, router, spec: RouterSpec,
-                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
+                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None, slot=None):
     """Whole decoder layers at one token, L of them in one persistent kernel: x_mid = x_l + attention_l(x_l) over
     the paged context, then x_{l+1} = x_mid + experts(RMSNorm_l(x_mid)). The attention's phases are
     ``decode_step_attention.attention_phases`` (position, block_table, c_kv / k_pe [L, N, bs, ...] with the
     tokens before it, ``attention`` the stacked AttentionWeights, rope columns permuted, ``attention_spec``);
     o_proj (``attention.o_proj``) and the MoE half are ``moe_layer_tail_chain``'s; the rest as
     ``moe_block_chain`` -> (x_L, ids, weights, kv [L, 576]: each layer's new latent and rope key, for the
-    caller to write into the cache). Shapes must pass ``moe_supports(..., router=True, attention=H * 128)``
-    and ``attention_supports``."""
+    caller to write into the cache). With ``slot`` (the token's cache slot, a scalar) the kernel writes them
+    there itself (none for a slot past the pools): c_kv and k_pe are then jax Refs (``jax.new_ref``), updated in
+    place. Shapes must pass ``moe_supports(..., router=True, attention=H * 128)`` and ``attention_supports``."""
     num_layers, hidden = norm.shape
     o_proj = attention.o_proj.reshape(num_layers, -1, hidden)
     if attention.norm.shape != (num_layers, hidden):
         raise ValueError(f"moe_layer_chain: the attention norm {attention.norm.shape}; expected [L={num_layers}, "
                          f"D={hidden}]")
-    front = attention_operands(position, block_table, c_kv, k_pe, attention, attention_spec)
+    if slot is not None and not all(isinstance(pool, jax.Ref) for pool in (c_kv, k_pe)):
+        raise ValueError("moe_layer_chain: with a slot, c_kv and k_pe must be jax Refs (jax.new_ref), which the "
+                         f"kernel updates; got {type(c_kv).__name__} and {type(k_pe).__name__}")
+    front = attention_operands(position, block_table, c_kv, k_pe, attention, attention_spec, slot)
     return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir, (None, o_proj),
                        front)
 

@@ -232,8 +232,23 @@ def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
 
     caches = shape((layers, 16, 64, 512), bf16), shape((layers, 16, 64, 64), bf16)
     operands = (x, shape((), jnp.int32), shape((8,), jnp.int32), *caches, norm, router, *attention, *routed, *shared)
-    assert lower_for_h200(call, *operands).count("custom_call @mosaic_gpu") == 1
+    reading = lower_for_h200(call, *operands)
+    assert reading.count("custom_call @mosaic_gpu") == 1
     assert kernel._moe_smem_bytes(hidden, True, 3, heads) <= 227 * 1024
+
+    def writing(x, position, table, c_kv, k_pe, norm, router, *rest):  # the kernel writes the rows at a slot
+        pools = jax.new_ref(c_kv), jax.new_ref(k_pe)
+        out = kernel.moe_layer_chain(x, position, table, *pools, AttentionWeights(*rest[:7]), spec, norm, router,
+                                     kernel.RouterSpec(1e-6), 6, *rest[7:10], rest[10:], slot=position + 64)
+        return out, pools[0][...], pools[1][...]
+
+    hlo = lower_for_h200(writing, *operands)  # the pools aliased to outputs, beside the kernel's semaphores
+    alias = "stablehlo.output_operand_alias<"
+    assert hlo.count("custom_call @mosaic_gpu") == 1 and hlo.count(alias) == reading.count(alias) + 2
+    with pytest.raises(ValueError, match="with a slot, c_kv and k_pe must be jax Refs"):
+        jax.eval_shape(lambda x, position, table, *rest: kernel.moe_layer_chain(
+            x, position, table, rest[0], rest[1], AttentionWeights(*rest[4:11]), spec, rest[2], rest[3],
+            kernel.RouterSpec(1e-6), 6, *rest[11:14], rest[14:], slot=3), *operands)
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
