@@ -192,13 +192,15 @@ case $part in
       --variant "merge 2: pallas_kernels.decode_step_attention.MERGE_GROUP=2" \
       --out "$OUT/step_ab_merge_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-cache-writes)  # the step kernel writing the MoE layers' cache rows itself (dispatch.STEP_KERNEL_WRITES_CACHE:
-                      # the pools as jax Refs, aliased in place) against the XLA scatter after it: the GPU tests of
-                      # the rows and of the in-model steps both ways, then the batch-1 compiled step in turns
-                      # (~6 minutes)
-    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "writes_the_cache_rows or through_the_step_kernel" 2>&1 | tee "$OUT/gpu_tests_cache_writes.log" | tail -2
+                      # the pools as jax Refs, aliased in place) against the XLA scatter after it, and the producer's
+                      # routing leaner (decode_step_moe.ROUTE_LEAN): their GPU tests, then the batch-1 compiled
+                      # step under each, in turns (~8 minutes)
+    timeout 170 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "writes_the_cache_rows or through_the_step_kernel or moe_block_chain_gpu" 2>&1 \
+      | tee "$OUT/gpu_tests_cache_writes.log" | tail -2
     timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 3 --variant built --variant "kernel writes: dsjax.model.dispatch.STEP_KERNEL_WRITES_CACHE=True" \
+      --variant "lean routing: pallas_kernels.decode_step_moe.ROUTE_LEAN=True" \
       --out "$OUT/step_ab_cache_writes_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)

@@ -102,7 +102,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
         plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
         plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial logits
         plgpu.SMEM((2 * HALF,), jnp.float32),  # the layer's logits
-        plgpu.SMEM((ROUTE_SLOTS,), jnp.int32),  # the chosen experts
+        plgpu.SMEM((2 * HALF if ROUTE_LEAN else ROUTE_SLOTS,), jnp.int32),  # the chosen experts (the first ROUTE_SLOTS)
         plgpu.SMEM((ROUTE_SLOTS,), jnp.float32),  # their weights
         plgpu.Barrier(num_barriers=1),  # the norm's weights landed
         plgpu.Barrier(num_barriers=1),  # the logits landed
@@ -146,6 +146,9 @@ EXPERT_PLAN = "split"
 # The routing's sums as loops of scalar shared-memory loads instead of cross-warp reductions (326 ops fewer)
 # were slower: 1.7876 ms against 1.7294 (round 30, code at d5793ab).
 _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 experts)
+# The producer's routing leaner (not yet timed on the H200): the rank loop's counts in two independent chains, and
+# the picked ids stored as one vector (2 warpgroup barriers) instead of k scalars (2 each).
+ROUTE_LEAN = False
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -231,23 +234,27 @@ def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int,
     return table
 
 
-def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int):
+def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int, chains: int = 1):
     """The greedy top-k of a warpgroup's logits (one a thread, ``iota`` its id, -inf past ``num_experts``; the
     same values in ``logits_smem``) in lax.top_k's order: value descending, ties to the lower id. Each thread
     counts the experts ahead of its own (an expert is ahead when larger, or equal with a lower id: a
     permutation's ranks); the ids of ranks 0 .. k - 1 are summed into int32 fields of ``_ID_BITS`` bits, 5 a
-    sum. -> the k picked ids, scalars."""
+    sum. ``chains``: the counts kept in this many independent sums (their adds overlap). -> the k picked ids,
+    scalars."""
     if num_experts > 1 << _ID_BITS or num_experts % 8:
         raise ValueError(f"_rank_picks: {num_experts} experts; accepted a multiple of 8 up to {1 << _ID_BITS}")
 
-    def ahead(j8, count):  # 8 experts an iteration: their loads in flight together, the code still small
+    def ahead(j8, counts):  # 8 experts an iteration: their loads in flight together, the code still small
+        counts = list(counts)
         for i in range(8):
             j = j8 * 8 + i
             v = logits_smem[j]
-            count = count + jnp.where((v > logits) | ((v == logits) & (j < iota)), 1, 0)
-        return count
+            counts[i % chains] = counts[i % chains] + jnp.where((v > logits) | ((v == logits) & (j < iota)), 1, 0)
+        return tuple(counts)
 
-    rank = lax.fori_loop(0, num_experts // 8, ahead, iota * 0)
+    rank, *more = lax.fori_loop(0, num_experts // 8, ahead, (iota * 0,) * chains)
+    for count in more:
+        rank = rank + count
     per_sum = 32 // _ID_BITS
     picks = []
     for first in range(0, top_k, per_sum):
@@ -497,13 +504,20 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
             iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
             logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
-            picks = _rank_picks(logits, iota, logits_smem, num_experts, top_k)
+            picks = _rank_picks(logits, iota, logits_smem, num_experts, top_k, 2 if ROUTE_LEAN else 1)
             plgpu.wait_smem_to_gmem(0)  # the layer before's ids out of shared memory (CTA 0's copy)
-            for k, pick in enumerate(picks):
-                rid_smem[k] = pick
+            if ROUTE_LEAN:
+                ids = iota * 0
+                for k, pick in enumerate(picks):
+                    ids = jnp.where(iota == k, pick, ids)
+                rid_smem[...] = ids
+            else:
+                for k, pick in enumerate(picks):
+                    rid_smem[k] = pick
             plgpu.commit_smem()
             plgpu.barrier_arrive(route_bar.at[0])
-            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer]))
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(rid_smem.at[pl.ds(0, ROUTE_SLOTS)] if ROUTE_LEAN
+                                                            else rid_smem, ids_out.at[layer]))
 
     def route_weights(layer):
         """The computing warpgroup, once the producer's picks are in: their softmax scores from the logits in

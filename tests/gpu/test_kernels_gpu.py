@@ -586,18 +586,21 @@ def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     assert _rel(got, moe_chain_reference(x, weights, jnp.asarray(ids), *routed, shared)) < 2e-2
 
 
-@pytest.mark.parametrize("plan, router_dtype", [("tiles", "float32"), ("dealt", "float32"), ("dealt", "bfloat16"),
-                                                ("split", "float32")])
-def test_moe_block_chain_gpu(plan, router_dtype, monkeypatch):
+@pytest.mark.parametrize("plan, router_dtype, lean", [
+    ("tiles", "float32", False), ("dealt", "float32", False), ("dealt", "bfloat16", False), ("split", "float32", False),
+    ("split", "float32", True)])
+def test_moe_block_chain_gpu(plan, router_dtype, lean, monkeypatch):
     """The MoE half of two V2-Lite layers in one persistent kernel (RMSNorm, the router's products on 16 CTAs
     from its boxes, f32 weights as two bf16 parts, softmax top-6 routing in every CTA, the experts with the
-    shared tiles first) against the reference chain: the same experts chosen, their weights, the output."""
+    shared tiles first) against the reference chain: the same experts chosen, their weights, the output; also
+    with the producer's routing leaner (``ROUTE_LEAN``)."""
     import jax
 
     from pallas_kernels import decode_step_moe
     from pallas_kernels.decode_step_moe import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_supports
 
     monkeypatch.setattr(decode_step_moe, "EXPERT_PLAN", plan)
+    monkeypatch.setattr(decode_step_moe, "ROUTE_LEAN", lean)
     layers = 2
     assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16, router=True, num_experts=64, top_k=6) is None
     keys = iter(jax.random.split(jax.random.key(7), 10))
