@@ -488,6 +488,13 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # the CTA's partial output rows
         return count + router_boxes
 
+    def logits_row():
+        """The layer's logits in shared memory as a warpgroup's row, one a thread (-inf past the experts) ->
+        (each thread's expert id, its logit)."""
+        strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
+        iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
+        return iota, jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+
     def route_layer(layer):
         """The producer, before the layer's first routed box: once every router CTA has counted its add on
         ``routed_sem``, the layer's logits and its greedy top-k ids into shared memory; ``route_bar`` tells the
@@ -501,9 +508,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             plgpu.copy_gmem_to_smem(logits_ref.at[layer, 0], logits_smem.at[pl.ds(0, HALF)], logits_bar.at[0])
             plgpu.barrier_wait(logits_bar.at[0])
         with jax.named_scope("routing"):
-            strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
-            iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
-            logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+            iota, logits = logits_row()
             picks = _rank_picks(logits, iota, logits_smem, num_experts, top_k, 2 if ROUTE_LEAN else 1)
             plgpu.wait_smem_to_gmem(0)  # the layer before's ids out of shared memory (CTA 0's copy)
             if ROUTE_LEAN:
@@ -524,9 +529,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         shared memory (the chosen scores' sum in pick order, plus route_reference's 1e-20, for norm_topk_prob),
         scaled, into ``rw_smem``; CTA 0 stores them for the caller. Off the routed boxes' path: they are needed
         only when a routed tile's gate / up products end."""
-        strided = plgpu.Layout.WG_STRIDED((2 * HALF,), vec_size=1)
-        iota = plgpu.broadcasted_iota(jnp.int32, (2 * HALF,), 0, layout=strided)
-        logits = jnp.where(iota < num_experts, plgpu.load(logits_smem, layout=strided), -jnp.inf)
+        _, logits = logits_row()
         top = logits_smem[rid_smem[0]]  # the first pick's logit is the largest
         total_exp = jnp.sum(jnp.exp(logits - top))
         scores, total = [], jnp.float32(1e-20)
