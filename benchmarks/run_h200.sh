@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|step-cache-writes|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -191,17 +191,6 @@ case $part in
       --rounds 2 --variant built --variant "merge 4: pallas_kernels.decode_step_attention.MERGE_GROUP=4" \
       --variant "merge 2: pallas_kernels.decode_step_attention.MERGE_GROUP=2" \
       --out "$OUT/step_ab_merge_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  step-cache-writes)  # the step kernel writing the MoE layers' cache rows itself (dispatch.STEP_KERNEL_WRITES_CACHE:
-                      # the pools as jax Refs, aliased in place) against the XLA scatter after it, and the producer's
-                      # routing leaner (decode_step_moe.ROUTE_LEAN): their GPU tests, then the batch-1 compiled
-                      # step under each, in turns (~8 minutes)
-    timeout 170 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "writes_the_cache_rows or through_the_step_kernel or moe_block_chain_gpu" 2>&1 \
-      | tee "$OUT/gpu_tests_cache_writes.log" | tail -2
-    timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 3 --variant built --variant "kernel writes: dsjax.model.dispatch.STEP_KERNEL_WRITES_CACHE=True" \
-      --variant "lean routing: pallas_kernels.decode_step_moe.ROUTE_LEAN=True" \
-      --out "$OUT/step_ab_cache_writes_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

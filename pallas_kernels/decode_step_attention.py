@@ -165,12 +165,11 @@ def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int
 
 
 class AttentionRefs(NamedTuple):
-    """The attention phases' global memory (``attention_phases``). Inputs: pos i32[1] (the token's position; with
-    ``write_cache`` i32[2], its cache slot second), table i32[W] (its pages), cs f32[2, 32, 32] (rope's cos and
-    sin, a copy a row), g f32[L, D / 64, 64] (the attention norm), wq bf16[L, D, H * 192] (q_proj, rope columns
-    permuted), wkv bf16[L, D, 576] (kv_a, the same), knorm f32[L, 8, 64], wuk bf16[L, 512, H, 128], ckv bf16[L,
-    N, bs, 512], kpe bf16[L, N, bs, 64] (written at the slot with ``write_cache``), wuv bf16[L, 512, H, 128].
-    Outputs the phases write: qkv f32[L, 64, 64] (phase 1's sums: q's column tiles 0 ..
+    """The attention phases' global memory (``attention_phases``). Inputs: pos i32[1] (the token's position),
+    table i32[W] (its pages), cs f32[2, 32, 32] (rope's cos and sin, a copy a row), g f32[L, D / 64, 64] (the
+    attention norm), wq bf16[L, D, H * 192] (q_proj, rope columns permuted), wkv bf16[L, D, 576] (kv_a, the
+    same), knorm f32[L, 8, 64], wuk bf16[L, 512, H, 128], ckv bf16[L, N, bs, 512], kpe bf16[L, N, bs, 64], wuv
+    bf16[L, 512, H, 128]. Outputs the phases write: qkv f32[L, 64, 64] (phase 1's sums: q's column tiles 0 ..
     3H - 1, then kv_a's 9), q bf16[L, 192, 64] (the absorbed query's 64-column chunk j and the rotated q_pe (j
     = 8) of head h at row 16 j + h, zeros past: three [64, 64] windows), kvnew bf16[9, 64, 64] (the new
     token's latent and rope key as row 0 of 9 [64, 64] chunks, zeros below: phase 3's last state takes it as a
@@ -233,7 +232,7 @@ class AttentionScratch(NamedTuple):
 
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
-                     block_size: int, barrier_count, write_cache: bool = False):
+                     block_size: int, barrier_count):
     """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
     semaphore and layer loop the caller owns -> (zero, loads, compute):
 
@@ -243,11 +242,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
       position after.
     - ``compute(layer, count)`` (computing warpgroup, the layer's input rows in ``scratch.xin``): the phases,
       phase p ending at the grid barrier ``barrier_count(layer, p)`` -> the ring position after. The heads'
-      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj.
-
-    ``write_cache`` (``refs.pos`` then holds the token's position and its cache slot): phase 2 also stores each
-    layer's new latent and rope key into ``refs.ckv`` / ``refs.kpe`` at the slot (none past the pools: a
-    padding slot), which the caller passes as jax Refs so that the kernel updates them in place."""
+      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj."""
     r, sm = refs, scratch
     f32, bf16 = jnp.float32, jnp.bfloat16
     c = lax.axis_index("c")
@@ -264,10 +259,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     nch = states - 1  # phase 3: CTA s < nch takes chunk s of the context, CTA nch the new token
     wuv_units = num_heads * 2 * (LATENT // STEP)  # phase 4: (head, 64 v columns, 128 latent rows) a CTA
     position = r.pos[0]
-    if write_cache:  # the token's page and row in the pools, and whether the slot is in them
-        slot = r.pos[1]
-        slot_page, slot_row = lax.div(slot, block_size), lax.rem(slot, block_size)
-        slot_in = slot < r.ckv.shape[1] * block_size
     num_chunks = jnp.minimum(lax.div(position + CHUNK - 1, CHUNK), nch)
     in_chunks = (c < num_chunks) | (c == nch)
     head, ct = lax.div(c, LATENT // HALF), lax.rem(c, LATENT // HALF)  # phase 2's unit
@@ -381,9 +372,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             plgpu.copy_smem_to_gmem(sm.rope16.at[pl.ds(0, num_heads)], r.q.at[layer, pl.ds(8 * 16, num_heads)])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kv_out.at[layer, 8])
-            if write_cache:
-                pl.when(slot_in)(lambda: plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads],
-                                                                 r.kpe.at[layer, slot_page, slot_row]))
 
         @pl.when(c == latent_cta)
         @jax.named_scope("latent")
@@ -400,9 +388,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             for j in range(8):
                 plgpu.copy_smem_to_gmem(sm.latb.at[j], r.kvnew.at[j, 0])
             plgpu.copy_smem_to_gmem(sm.latb, r.kv_out.at[layer, pl.ds(0, 8)])
-            if write_cache:
-                pl.when(slot_in)(lambda: lax.fori_loop(0, 8, lambda j, _: plgpu.copy_smem_to_gmem(
-                    sm.latb.at[j], r.ckv.at[layer, slot_page, slot_row, pl.ds(j * HALF, HALF)]), None))
 
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 2))
         return count + p2_boxes
@@ -588,11 +573,9 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
     pl.when(lax.axis_index("wg") == 1)(loads)
 
 
-def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                       slot=None):
+def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec):
     """What a kernel running ``attention_phases`` takes: (the 11 inputs of AttentionRefs, the 7 outputs' types,
-    the phases' constants). ``slot``: the token's cache slot, for phases that write the pools there
-    (``write_cache``; c_kv and k_pe then jax Refs)."""
+    the phases' constants)."""
     num_layers, hidden = weights.norm.shape
     num_heads = weights.q_proj.shape[2]
     block_size = c_kv.shape[2]
@@ -600,10 +583,7 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
     f32, bf16 = jnp.float32, jnp.bfloat16
     cos, sin = rope_cos_sin(position, spec.inv_freq, spec.cos_sin_scale)
     cs = jnp.broadcast_to(jnp.stack([cos, sin])[:, None, :], (2, 32, ROPE // 2)).astype(f32)
-    pos = jnp.asarray(position, jnp.int32).reshape(1)
-    if slot is not None:
-        pos = jnp.concatenate([pos, jnp.asarray(slot, jnp.int32).reshape(1)])
-    inputs = (pos, block_table.astype(jnp.int32), cs,
+    inputs = (jnp.asarray(position, jnp.int32).reshape(1), block_table.astype(jnp.int32), cs,
               weights.norm.astype(f32).reshape(num_layers, hidden // HALF, HALF),
               weights.q_proj.reshape(num_layers, hidden, -1), weights.kv_a,
               weights.kv_a_norm.astype(f32).reshape(num_layers, 8, HALF), weights.w_uk, c_kv, k_pe, weights.w_uv)
@@ -615,7 +595,7 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
                  jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
                  jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
     constants = dict(num_heads=num_heads, states=states, scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps,
-                     kv_eps=spec.kv_eps, block_size=block_size, write_cache=slot is not None)
+                     kv_eps=spec.kv_eps, block_size=block_size)
     return inputs, out_types, constants
 
 

@@ -102,7 +102,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
         plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
         plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial logits
         plgpu.SMEM((2 * HALF,), jnp.float32),  # the layer's logits
-        plgpu.SMEM((2 * HALF if ROUTE_LEAN else ROUTE_SLOTS,), jnp.int32),  # the chosen experts (the first ROUTE_SLOTS)
+        plgpu.SMEM((ROUTE_SLOTS,), jnp.int32),  # the chosen experts
         plgpu.SMEM((ROUTE_SLOTS,), jnp.float32),  # their weights
         plgpu.Barrier(num_barriers=1),  # the norm's weights landed
         plgpu.Barrier(num_barriers=1),  # the logits landed
@@ -146,9 +146,6 @@ EXPERT_PLAN = "split"
 # The routing's sums as loops of scalar shared-memory loads instead of cross-warp reductions (326 ops fewer)
 # were slower: 1.7876 ms against 1.7294 (round 30, code at d5793ab).
 _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 experts)
-# The producer's routing leaner (not yet timed on the H200): the rank loop's counts in two independent chains, and
-# the picked ids stored as one vector (2 warpgroup barriers) instead of k scalars (2 each).
-ROUTE_LEAN = False
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -234,27 +231,23 @@ def expert_plan(num_tiles: int, num_ctas: int, gate_steps: int, down_steps: int,
     return table
 
 
-def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int, chains: int = 1):
+def _rank_picks(logits, iota, logits_smem, num_experts: int, top_k: int):
     """The greedy top-k of a warpgroup's logits (one a thread, ``iota`` its id, -inf past ``num_experts``; the
     same values in ``logits_smem``) in lax.top_k's order: value descending, ties to the lower id. Each thread
     counts the experts ahead of its own (an expert is ahead when larger, or equal with a lower id: a
     permutation's ranks); the ids of ranks 0 .. k - 1 are summed into int32 fields of ``_ID_BITS`` bits, 5 a
-    sum. ``chains``: the counts kept in this many independent sums (their adds overlap). -> the k picked ids,
-    scalars."""
+    sum. -> the k picked ids, scalars."""
     if num_experts > 1 << _ID_BITS or num_experts % 8:
         raise ValueError(f"_rank_picks: {num_experts} experts; accepted a multiple of 8 up to {1 << _ID_BITS}")
 
-    def ahead(j8, counts):  # 8 experts an iteration: their loads in flight together, the code still small
-        counts = list(counts)
+    def ahead(j8, count):  # 8 experts an iteration: their loads in flight together, the code still small
         for i in range(8):
             j = j8 * 8 + i
             v = logits_smem[j]
-            counts[i % chains] = counts[i % chains] + jnp.where((v > logits) | ((v == logits) & (j < iota)), 1, 0)
-        return tuple(counts)
+            count = count + jnp.where((v > logits) | ((v == logits) & (j < iota)), 1, 0)
+        return count
 
-    rank, *more = lax.fori_loop(0, num_experts // 8, ahead, (iota * 0,) * chains)
-    for count in more:
-        rank = rank + count
+    rank = lax.fori_loop(0, num_experts // 8, ahead, iota * 0)
     per_sum = 32 // _ID_BITS
     picks = []
     for first in range(0, top_k, per_sum):
@@ -509,20 +502,13 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             plgpu.barrier_wait(logits_bar.at[0])
         with jax.named_scope("routing"):
             iota, logits = logits_row()
-            picks = _rank_picks(logits, iota, logits_smem, num_experts, top_k, 2 if ROUTE_LEAN else 1)
+            picks = _rank_picks(logits, iota, logits_smem, num_experts, top_k)
             plgpu.wait_smem_to_gmem(0)  # the layer before's ids out of shared memory (CTA 0's copy)
-            if ROUTE_LEAN:
-                ids = iota * 0
-                for k, pick in enumerate(picks):
-                    ids = jnp.where(iota == k, pick, ids)
-                rid_smem[...] = ids
-            else:
-                for k, pick in enumerate(picks):
-                    rid_smem[k] = pick
+            for k, pick in enumerate(picks):
+                rid_smem[k] = pick
             plgpu.commit_smem()
             plgpu.barrier_arrive(route_bar.at[0])
-            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(rid_smem.at[pl.ds(0, ROUTE_SLOTS)] if ROUTE_LEAN
-                                                            else rid_smem, ids_out.at[layer]))
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(rid_smem, ids_out.at[layer]))
 
     def route_weights(layer):
         """The computing warpgroup, once the producer's picks are in: their softmax scores from the logits in
@@ -813,25 +799,21 @@ def moe_layer_tail_chain(x, attn, o_proj, norm, router, spec: RouterSpec, top_k:
 
 
 def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_spec, norm, router, spec: RouterSpec,
-                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None, slot=None):
+                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
     """Whole decoder layers at one token, L of them in one persistent kernel: x_mid = x_l + attention_l(x_l) over
     the paged context, then x_{l+1} = x_mid + experts(RMSNorm_l(x_mid)). The attention's phases are
     ``decode_step_attention.attention_phases`` (position, block_table, c_kv / k_pe [L, N, bs, ...] with the
     tokens before it, ``attention`` the stacked AttentionWeights, rope columns permuted, ``attention_spec``);
     o_proj (``attention.o_proj``) and the MoE half are ``moe_layer_tail_chain``'s; the rest as
     ``moe_block_chain`` -> (x_L, ids, weights, kv [L, 576]: each layer's new latent and rope key, for the
-    caller to write into the cache). With ``slot`` (the token's cache slot, a scalar) the kernel writes them
-    there itself (none for a slot past the pools): c_kv and k_pe are then jax Refs (``jax.new_ref``), updated in
-    place. Shapes must pass ``moe_supports(..., router=True, attention=H * 128)`` and ``attention_supports``."""
+    caller to write into the cache). Shapes must pass ``moe_supports(..., router=True, attention=H * 128)``
+    and ``attention_supports``."""
     num_layers, hidden = norm.shape
     o_proj = attention.o_proj.reshape(num_layers, -1, hidden)
     if attention.norm.shape != (num_layers, hidden):
         raise ValueError(f"moe_layer_chain: the attention norm {attention.norm.shape}; expected [L={num_layers}, "
                          f"D={hidden}]")
-    if slot is not None and not all(isinstance(pool, jax.Ref) for pool in (c_kv, k_pe)):
-        raise ValueError("moe_layer_chain: with a slot, c_kv and k_pe must be jax Refs (jax.new_ref), which the "
-                         f"kernel updates; got {type(c_kv).__name__} and {type(k_pe).__name__}")
-    front = attention_operands(position, block_table, c_kv, k_pe, attention, attention_spec, slot)
+    front = attention_operands(position, block_table, c_kv, k_pe, attention, attention_spec)
     return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir, (None, o_proj),
                        front)
 

@@ -173,10 +173,6 @@ MOE_DECODE_MGPU = True
 # weights on Hopper either way (DeepseekForCausalLM.prepare_step_kernel: the same values), so an A/B may flip
 # this knob.
 STEP_KERNEL = True
-# The step kernel writes each MoE layer's new cache rows itself (the pools passed as jax Refs, updated in place)
-# instead of returning them for an XLA scatter (~9 µs of select / update fusions a step, decode_profile.md round
-# 29). Not yet timed on the H200; read at trace time.
-STEP_KERNEL_WRITES_CACHE = False
 # A folder for the step kernel's per-scope trace (Mosaic GPU's profiler, ``profile_dir``), or None. The first call
 # writes a Perfetto JSON of every CTA's scopes, as many as its shared-memory buffer holds (the first ~7 layers;
 # later calls find the kernel's file name taken and write none); tracing slows the scopes ~2x. A diagnostic of

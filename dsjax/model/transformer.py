@@ -260,16 +260,12 @@ class DeepseekForCausalLM(nnx.Module):
         spec = decode_step_attention.AttentionSpec(stack.attn_norm.eps, attn.kv_a_norm.eps, attn.scale,
                                                    attn.inv_freq, attn.cos_sin_scale)
         shared = (moe.shared.w_gate[...], moe.shared.w_up[...], moe.shared.w_down[...])
-        writes = dispatch.STEP_KERNEL_WRITES_CACHE  # the kernel writes the rows into the pools, in place
-        pools = (jax.new_ref(cache.c_kv), jax.new_ref(cache.k_pe)) if writes else (cache.c_kv, cache.k_pe)
         out, _, _, kv = decode_step_moe.moe_layer_chain(
-            x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], *pools, weights, spec,
+            x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe, weights, spec,
             stack.mlp_norm.weight_f32[...], moe.router_parts[...],
             decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
             c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared,
-            profile_dir=dispatch.STEP_KERNEL_TRACE, slot=batch.slot_mapping[0] if writes else None)
-        if writes:
-            return out[None], cache._replace(c_kv=pools[0][...], k_pe=pools[1][...])
+            profile_dir=dispatch.STEP_KERNEL_TRACE)
         layers, block_size = c.num_moe_layers, cache.block_size
         block, offset = batch.slot_mapping[0] // block_size, batch.slot_mapping[0] % block_size
         write = lambda pool, rows: pool.at[:layers, block, offset].set(rows.astype(pool.dtype), mode="drop")

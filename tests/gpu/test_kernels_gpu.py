@@ -586,21 +586,18 @@ def test_moe_chain_gpu(layers, empty_slot, plan, monkeypatch):
     assert _rel(got, moe_chain_reference(x, weights, jnp.asarray(ids), *routed, shared)) < 2e-2
 
 
-@pytest.mark.parametrize("plan, router_dtype, lean", [
-    ("tiles", "float32", False), ("dealt", "float32", False), ("dealt", "bfloat16", False), ("split", "float32", False),
-    ("split", "float32", True)])
-def test_moe_block_chain_gpu(plan, router_dtype, lean, monkeypatch):
+@pytest.mark.parametrize("plan, router_dtype", [("tiles", "float32"), ("dealt", "float32"), ("dealt", "bfloat16"),
+                                                ("split", "float32")])
+def test_moe_block_chain_gpu(plan, router_dtype, monkeypatch):
     """The MoE half of two V2-Lite layers in one persistent kernel (RMSNorm, the router's products on 16 CTAs
     from its boxes, f32 weights as two bf16 parts, softmax top-6 routing in every CTA, the experts with the
-    shared tiles first) against the reference chain: the same experts chosen, their weights, the output; also
-    with the producer's routing leaner (``ROUTE_LEAN``)."""
+    shared tiles first) against the reference chain: the same experts chosen, their weights, the output."""
     import jax
 
     from pallas_kernels import decode_step_moe
     from pallas_kernels.decode_step_moe import RouterSpec, moe_block_chain, moe_block_chain_reference, moe_supports
 
     monkeypatch.setattr(decode_step_moe, "EXPERT_PLAN", plan)
-    monkeypatch.setattr(decode_step_moe, "ROUTE_LEAN", lean)
     layers = 2
     assert moe_supports(2048, 1408, 2816, layers, jnp.bfloat16, router=True, num_experts=64, top_k=6) is None
     keys = iter(jax.random.split(jax.random.key(7), 10))
@@ -702,43 +699,10 @@ def test_moe_layer_chain_gpu(position):
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 3e-2
 
 
-def test_moe_layer_chain_writes_the_cache_rows_gpu():
-    """With a slot, the whole-layer kernel writes each layer's new latent and rope key into the pools (jax Refs,
-    updated in place): the rows it returns, at the slot, and nothing else; a slot past the pools writes none."""
-    import jax
-
-    from benchmarks.megakernel_probe import layer_inputs
-    from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain
-
-    x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 200)
-
-    @jax.jit
-    def run(slot, x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared):
-        pools = jax.new_ref(c_kv), jax.new_ref(k_pe)
-        _, _, _, kv = moe_layer_chain(x, pos, table, *pools, attention, spec, norm, router, RouterSpec(1e-6), 6,
-                                      *routed, shared, slot=slot)
-        return kv, pools[0][...], pools[1][...]
-
-    page, row = int(table[200 // 64]), 200 % 64
-    kv, new_c, new_k = run(jnp.int32(page * 64 + row), x, pos, table, c_kv, k_pe, attention, norm, router, routed,
-                           shared)
-    new_c, new_k, old_c, old_k, kv = map(np.asarray, (new_c, new_k, c_kv, k_pe, kv))
-    np.testing.assert_array_equal(new_c[:, page, row], kv[:, :512])
-    np.testing.assert_array_equal(new_k[:, page, row], kv[:, 512:])
-    new_c[:, page, row], new_k[:, page, row] = old_c[:, page, row], old_k[:, page, row]
-    np.testing.assert_array_equal(new_c, old_c)
-    np.testing.assert_array_equal(new_k, old_k)
-    padding = jnp.int32(c_kv.shape[1] * 64)  # past the pools: dropped
-    _, new_c, new_k = run(padding, x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared)
-    np.testing.assert_array_equal(np.asarray(new_c), old_c)
-    np.testing.assert_array_equal(np.asarray(new_k), old_k)
-
-
-@pytest.mark.parametrize("writes", [False, True])
-def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch, writes):
+def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     """A random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers): a 70-token prompt prefilled, then
     three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL) give the logits
-    of the launches a layer; also with the kernel writing the cache rows (dispatch.STEP_KERNEL_WRITES_CACHE)."""
+    of the launches a layer."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -753,7 +717,6 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch, writes):
     calls = []
     chain = decode_step_moe.moe_layer_chain
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", lambda *a, **k: calls.append(1) or chain(*a, **k))
-    monkeypatch.setattr(dispatch, "STEP_KERNEL_WRITES_CACHE", writes)
     logits = {}
     for on in (False, True):
         monkeypatch.setattr(dispatch, "STEP_KERNEL", on)

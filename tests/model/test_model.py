@@ -188,15 +188,13 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
     assert head_gemvs * (2 if folded else 1) == head_gemvs_unfolded > 0
 
 
-@pytest.mark.parametrize("writes", [False, True])
-def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, writes):
+def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
     """The batch-1 step kernel's wiring (DeepseekForCausalLM.prepare_step_kernel, step_kernel_blocker,
     _moe_stack_step) on the CPU: with the kernel's jnp reference in its place (moe_layer_chain_reference, the
     model's attention and MoE half a layer; the kernel itself is checked against it on the GPU) and its shape
     checks waived for a tiny V2-Lite-like model, a prompt prefilled and then decoded one token a step gives the
     logits of the model as loaded (later steps read the cache rows earlier ones wrote); steps of several tokens
-    keep the layer scan. ``writes`` (dispatch.STEP_KERNEL_WRITES_CACHE): the stand-in writes the rows into the
-    pools it gets as jax Refs at the slot, as the kernel does, instead of the caller's scatter."""
+    keep the layer scan."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -214,24 +212,14 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, writes):
     assert "kernel_backend='reference'" in model.prepare_step_kernel()
     calls, traces = [], []
 
-    def chain(*args, profile_dir=None, slot=None):
+    def chain(*args, profile_dir=None):
         calls.append(args[0].shape)
         traces.append(profile_dir)  # dispatch.STEP_KERNEL_TRACE, passed through
-        if slot is None:
-            return decode_step_moe.moe_layer_chain_reference(*args)
-        c_kv, k_pe = args[3:5]
-        assert isinstance(c_kv, jax.Ref) and isinstance(k_pe, jax.Ref)
-        out = decode_step_moe.moe_layer_chain_reference(*args[:3], c_kv[...], k_pe[...], *args[5:])
-        block, row, kv = slot // c_kv.shape[2], slot % c_kv.shape[2], out[3]
-        layers = kv.shape[0]
-        c_kv[:layers, block, row] = kv[:, :c_kv.shape[3]].astype(c_kv.dtype)
-        k_pe[:layers, block, row] = kv[:, c_kv.shape[3]:].astype(k_pe.dtype)
-        return out
+        return decode_step_moe.moe_layer_chain_reference(*args)
 
     monkeypatch.setattr(DeepseekForCausalLM, "_why_not_step_kernel", lambda self, *shapes: None)
     monkeypatch.setattr(decode_step_attention, "attention_supports", lambda *a: None)
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
-    monkeypatch.setattr(dispatch, "STEP_KERNEL_WRITES_CACHE", writes)
     monkeypatch.setattr(dispatch, "STEP_KERNEL", False)
     assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
         "dispatch.STEP_KERNEL is off")

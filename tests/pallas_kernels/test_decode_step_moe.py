@@ -206,16 +206,14 @@ def test_moe_layer_tail_chain_reference_adds_o_proj_before_the_moe_half():
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("query_tma, lean", [(False, False), (True, False), (True, True)])
-def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma, lean):
+@pytest.mark.parametrize("query_tma", [False, True])
+def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
     """Whole V2-Lite layers at one token (the attention phases, o_proj, the MoE half) lower as one kernel for an
     abstract H200, with the attention's buffers in the MoE half's shared memory; also with phase 3's query
-    windows read by TMA (``decode_step_attention.QUERY_TMA``), and with ``ROUTE_LEAN``; with a slot, the kernel
-    writes the cache rows into pools passed as jax Refs."""
+    windows read by TMA (``decode_step_attention.QUERY_TMA``)."""
     from pallas_kernels import decode_step_attention
 
     monkeypatch.setattr(decode_step_attention, "QUERY_TMA", query_tma)
-    monkeypatch.setattr(kernel, "ROUTE_LEAN", lean)  # the producer's routing leaner
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights
 
     shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
@@ -234,23 +232,8 @@ def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma, lean):
 
     caches = shape((layers, 16, 64, 512), bf16), shape((layers, 16, 64, 64), bf16)
     operands = (x, shape((), jnp.int32), shape((8,), jnp.int32), *caches, norm, router, *attention, *routed, *shared)
-    reading = lower_for_h200(call, *operands)
-    assert reading.count("custom_call @mosaic_gpu") == 1
+    assert lower_for_h200(call, *operands).count("custom_call @mosaic_gpu") == 1
     assert kernel._moe_smem_bytes(hidden, True, 3, heads) <= 227 * 1024
-
-    def writing(x, position, table, c_kv, k_pe, norm, router, *rest):  # the kernel writes the rows at a slot
-        pools = jax.new_ref(c_kv), jax.new_ref(k_pe)
-        out = kernel.moe_layer_chain(x, position, table, *pools, AttentionWeights(*rest[:7]), spec, norm, router,
-                                     kernel.RouterSpec(1e-6), 6, *rest[7:10], rest[10:], slot=position + 64)
-        return out, pools[0][...], pools[1][...]
-
-    hlo = lower_for_h200(writing, *operands)  # the pools aliased to outputs, beside the kernel's semaphores
-    alias = "stablehlo.output_operand_alias<"
-    assert hlo.count("custom_call @mosaic_gpu") == 1 and hlo.count(alias) == reading.count(alias) + 2
-    with pytest.raises(ValueError, match="with a slot, c_kv and k_pe must be jax Refs"):
-        jax.eval_shape(lambda x, position, table, *rest: kernel.moe_layer_chain(
-            x, position, table, rest[0], rest[1], AttentionWeights(*rest[4:11]), spec, rest[2], rest[3],
-            kernel.RouterSpec(1e-6), 6, *rest[11:14], rest[14:], slot=3), *operands)
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
@@ -286,18 +269,17 @@ def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("top_k, chains", [(1, 1), (6, 1), (8, 1), (6, 2)])
-def test_rank_picks_are_lax_top_k_ties_to_the_lower_id(top_k, chains):
+@pytest.mark.parametrize("top_k", [1, 6, 8])
+def test_rank_picks_are_lax_top_k_ties_to_the_lower_id(top_k):
     """The producer's top-k by rank (``_rank_picks``), run on jnp arrays: lax.top_k's ids in its order, ties
-    to the lower id included, with the warpgroup's -inf padding past the experts; the counts in one chain or
-    two (``ROUTE_LEAN``)."""
+    to the lower id included, with the warpgroup's -inf padding past the experts."""
     rng = np.random.default_rng(top_k)
     for trial in range(20):
         values = rng.standard_normal(64).astype(np.float32)
         if trial % 2:  # few distinct values: many ties, some among the picks
             values = np.round(values * 2) / 2
         logits = jnp.asarray(np.concatenate([values, np.full(64, -np.inf, np.float32)]))
-        picks = kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 64, top_k, chains)
+        picks = kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 64, top_k)
         assert [int(p) for p in picks] == jax.lax.top_k(jnp.asarray(values), top_k)[1].tolist()
     with pytest.raises(ValueError, match="96 experts; accepted a multiple of 8 up to 64"):
         kernel._rank_picks(logits, jnp.arange(128, dtype=jnp.int32), logits, 96, 6)
