@@ -226,3 +226,55 @@ def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_
     if w_uk is not None:  # the absorbed query, rounded as the stacked per-head GEMV stores it
         q_nope = stacked_head_gemv_reference(q_nope, w_uk, norm_index, contract_rows=False).astype(dtype)
     return pools + (q_nope, q_pe.astype(dtype))
+
+
+def _rows_kernel(slot_ref, rows_ref, c_in, k_in, c_ref, k_ref, *, latent_dim, rope_dim, block_size, num_slots):
+    # slot i32[1]; rows [L, C + R]; c_in / k_in: the same buffers as the outputs c_ref [L', N, bs, C] and
+    # k_ref [L', N, bs, R]; program l stores layer l's row
+    del c_in, k_in
+    layer, slot = pl.program_id(0), slot_ref[0]
+
+    @pl.when((slot >= 0) & (slot < num_slots))  # padding points past the pool
+    def _():
+        block, offset = slot // block_size, slot % block_size
+        for start, width, pool in ((0, latent_dim, c_ref), (latent_dim, rope_dim, k_ref)):
+            cols = jnp.arange(pl.next_power_of_2(width))
+            ok = cols < width
+            row = plgpu.load(rows_ref.at[layer, start + cols], mask=ok, other=0)
+            plgpu.store(pool.at[layer, block, offset, cols], row.astype(pool.dtype), mask=ok)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
+def store_rows(c_kv, k_pe, rows, slot, *, interpret: bool = False):
+    """c_kv [L', N, bs, C], k_pe [L', N, bs, R] (donated: updated in place) <- rows [L, C + R] (L <= L')
+    at one token's ``slot`` (block * bs + offset) of layers 0..L-1: the latent (already normed) and the
+    rope key (already rotated) of each layer, as the step kernel returns them. A slot outside the pools
+    (padding) stores nothing. One launch, a program a layer, in place of XLA's bounds-checked scatter
+    (a read of the old rows, a select and an update per pool). -> (c_kv, k_pe)."""
+    latent_dim, rope_dim = c_kv.shape[-1], k_pe.shape[-1]
+    if (k_pe.shape[:3] != c_kv.shape[:3] or rows.ndim != 2 or rows.shape[0] > c_kv.shape[0]
+            or rows.shape[1] != latent_dim + rope_dim):
+        raise ValueError(f"store_rows: c_kv {c_kv.shape}, k_pe {k_pe.shape}, rows {rows.shape} do not match; "
+                         f"expected [L', N, bs, C], [L', N, bs, R] and [L <= L', C + R]")
+    num_blocks, block_size = c_kv.shape[1:3]
+    kernel = functools.partial(_rows_kernel, latent_dim=latent_dim, rope_dim=rope_dim, block_size=block_size,
+                               num_slots=num_blocks * block_size)
+    return tuple(pl.pallas_call(
+        kernel,
+        grid=(rows.shape[0],),
+        out_shape=[jax.ShapeDtypeStruct(c_kv.shape, c_kv.dtype), jax.ShapeDtypeStruct(k_pe.shape, k_pe.dtype)],
+        input_output_aliases={2: 0, 3: 1},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret,
+        name="store_rows",
+    )(jnp.asarray(slot, jnp.int32).reshape(1), rows, c_kv, k_pe))
+
+
+def store_rows_reference(c_kv, k_pe, rows, slot):
+    """``store_rows`` in plain jnp (a scatter that drops a slot outside the pools)."""
+    latent_dim, block_size = c_kv.shape[-1], c_kv.shape[2]
+    num_slots = c_kv.shape[1] * block_size
+    slot = jnp.where((slot >= 0) & (slot < num_slots), slot, num_slots)  # negative: dropped, not wrapped
+    block, offset, layers = slot // block_size, slot % block_size, rows.shape[0]
+    write = lambda pool, part: pool.at[:layers, block, offset].set(part.astype(pool.dtype), mode="drop")
+    return write(c_kv, rows[:, :latent_dim]), write(k_pe, rows[:, latent_dim:])

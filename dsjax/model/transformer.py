@@ -266,12 +266,8 @@ class DeepseekForCausalLM(nnx.Module):
             decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
             c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared,
             profile_dir=dispatch.STEP_KERNEL_TRACE)
-        layers, block_size = c.num_moe_layers, cache.block_size
-        block, offset = batch.slot_mapping[0] // block_size, batch.slot_mapping[0] % block_size
-        write = lambda pool, rows: pool.at[:layers, block, offset].set(rows.astype(pool.dtype), mode="drop")
-        cache = cache._replace(c_kv=write(cache.c_kv, kv[:, :c.kv_lora_rank]),
-                               k_pe=write(cache.k_pe, kv[:, c.kv_lora_rank:]))
-        return out[None], cache
+        c_kv, k_pe = dispatch.store_rows(cache.c_kv, cache.k_pe, kv, batch.slot_mapping[0], self.kernel_backend)
+        return out[None], cache._replace(c_kv=c_kv, k_pe=k_pe)
 
     def compute_logits(self, hidden):
         """hidden [..., D] (final-normed) -> f32[..., vocab] (the whole vocabulary on every tensor rank)."""

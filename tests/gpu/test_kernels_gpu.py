@@ -512,6 +512,23 @@ def test_write_latents_gpu():
         assert _rel(g, w) < 1e-4  # and nothing else moved
 
 
+def test_store_rows_gpu():
+    """The step kernel's 26 rows (f32, as it returns them) into V2-Lite-wide bf16 pools of 27 layers at one slot,
+    in place: exactly the reference's pools, and nothing stored for a slot past the pools."""
+    from pallas_kernels.latent_write import store_rows, store_rows_reference
+
+    rng = np.random.default_rng(0)
+    pools = lambda: (jnp.asarray(np.random.default_rng(1).standard_normal((27, 8, 64, 512)), jnp.bfloat16),
+                     jnp.asarray(np.random.default_rng(2).standard_normal((27, 8, 64, 64)), jnp.bfloat16))
+    rows = jnp.asarray(rng.standard_normal((26, 576)), jnp.float32)
+    for slot, written in ((3 * 64 + 17, True), (8 * 64, False)):
+        want = store_rows_reference(*pools(), rows, jnp.int32(slot))
+        got = store_rows(*pools(), rows, jnp.int32(slot))
+        for g, w, old in zip(got, want, pools()):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+            assert np.array_equal(np.asarray(g, np.float32), np.asarray(old, np.float32)) != written
+
+
 @pytest.mark.parametrize("absorb, tokens", [(False, 2), (True, 2), (True, 1)])
 def test_write_latents_with_query_partials_gpu(absorb, tokens):
     """V2-Lite's first attention launch's output as it leaves stacked_gemvs (16 split-K partials of

@@ -188,13 +188,15 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
     assert head_gemvs * (2 if folded else 1) == head_gemvs_unfolded > 0
 
 
-def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
+@pytest.mark.parametrize("rows_backend", ["reference", "interpret"])
+def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backend):
     """The batch-1 step kernel's wiring (DeepseekForCausalLM.prepare_step_kernel, step_kernel_blocker,
     _moe_stack_step) on the CPU: with the kernel's jnp reference in its place (moe_layer_chain_reference, the
     model's attention and MoE half a layer; the kernel itself is checked against it on the GPU) and its shape
     checks waived for a tiny V2-Lite-like model, a prompt prefilled and then decoded one token a step gives the
     logits of the model as loaded (later steps read the cache rows earlier ones wrote); steps of several tokens
-    keep the layer scan."""
+    keep the layer scan. The kernel's rows go into the cache by ``dispatch.store_rows``: its reference, or the
+    Triton store (``latent_write.store_rows``) in interpret mode."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -220,6 +222,13 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
     monkeypatch.setattr(DeepseekForCausalLM, "_why_not_step_kernel", lambda self, *shapes: None)
     monkeypatch.setattr(decode_step_attention, "attention_supports", lambda *a: None)
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
+    stores, store_rows = [], dispatch.store_rows
+
+    def store(c_kv, k_pe, rows, slot, backend):
+        stores.append((rows.shape, backend))
+        return store_rows(c_kv, k_pe, rows, slot, rows_backend)
+
+    monkeypatch.setattr(dispatch, "store_rows", store)
     monkeypatch.setattr(dispatch, "STEP_KERNEL", False)
     assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
         "dispatch.STEP_KERNEL is off")
@@ -241,6 +250,9 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch):
     assert stack.attn.kv_a_norm.weight_f32[...].shape == stack.attn.kv_a_norm.weight[...].shape
     assert "2 tokens in the step" in model.step_kernel_blocker(2, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4)
     got = _paged_logits(model, tokens, chunks)
-    assert calls == [(config.hidden_size,)]  # the one-token step (traced once), not the 7-token prefill
-    assert traces == ["/tmp/step_kernel_trace"]
+    # the one-token step, not the 7-token prefill: traced once (or twice with the interpret-mode store, whose first
+    # run in a process changes JAX's tracing context)
+    assert calls in ([(config.hidden_size,)], [(config.hidden_size,)] * (1 if rows_backend == "reference" else 2))
+    assert set(traces) == {"/tmp/step_kernel_trace"}
+    assert set(stores) == {((config.num_moe_layers, config.kv_lora_rank + config.qk_rope_head_dim), "reference")}
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

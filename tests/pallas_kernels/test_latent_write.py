@@ -147,3 +147,37 @@ def test_write_latents_refuses_queries_without_their_norm():
         write_latents(c_kv, k_pe, jnp.zeros((1, 96)), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), 0,
                       jnp.ones((1, 64)), 0, eps=1e-6, inv_freq=INV_FREQ, cos_sin_scale=1.0, interleave=True,
                       q=jnp.zeros((1, 2 * 48)), q_heads=(2, 16), interpret=True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_store_rows_writes_each_layer_at_the_slot_only(dtype):
+    """The step kernel's rows (2 of the pools' 3 layers, 64 + 32 wide) at one slot: those rows, nothing else;
+    a slot past the pools or negative stores nothing; the reference agrees."""
+    rows = jnp.asarray(np.random.default_rng(2).standard_normal((2, 96)), dtype)
+    before = [np.asarray(p, np.float32) for p in _pools(np.random.default_rng(1), dtype)]
+    for slot in (13, 5 * 4, -1):  # block 3, row 1; past the pool; negative
+        got = latent_write.store_rows(*_pools(np.random.default_rng(1), dtype), rows, jnp.int32(slot),
+                                      interpret=True)
+        want = latent_write.store_rows_reference(*_pools(np.random.default_rng(1), dtype), rows, jnp.int32(slot))
+        expected = [p.copy() for p in before]
+        if slot == 13:
+            expected[0][:2, 3, 1], expected[1][:2, 3, 1] = rows[:, :64], rows[:, 64:]
+        for pool, ref, exp in zip(got, want, expected):
+            np.testing.assert_array_equal(np.asarray(pool, np.float32), exp)
+            np.testing.assert_array_equal(np.asarray(ref, np.float32), exp)
+
+
+def test_store_rows_refuses_rows_that_do_not_fit():
+    c_kv, k_pe = _pools(np.random.default_rng(0), jnp.float32)
+    for rows in (jnp.zeros((2, 95)), jnp.zeros((4, 96))):
+        with pytest.raises(ValueError, match=r"expected \[L', N, bs, C\], \[L', N, bs, R\] and \[L <= L', C \+ R\]"):
+            latent_write.store_rows(c_kv, k_pe, rows, jnp.int32(0), interpret=True)
+
+
+def test_store_rows_lowers_to_triton_for_h200_in_place():
+    """V2-Lite's pools and the 26 MoE layers' rows: one Triton call, both pools aliased in and out."""
+    shape, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
+    hlo = lower_for_h200(latent_write.store_rows, shape((27, 2048, 64, 512), bf16), shape((27, 2048, 64, 64), bf16),
+                         shape((26, 576), bf16), shape((), jnp.int32))
+    assert hlo.count("__gpu$xla.gpu.triton") == 1
+    assert hlo.count("stablehlo.output_operand_alias<output_tuple_indices") == 2
