@@ -4,12 +4,18 @@ ready sample at once, so what is timed is what LLMEngine.step() does in Python a
 
     python -m benchmarks.host_overhead                      # tiny preset, batches 256 and 1024
     python -m benchmarks.host_overhead --batches 64 512 --profile 20
+    python -m benchmarks.host_overhead --device --preset deepseek-v2-lite --dtype bfloat16 --block-size 64 \
+        --batches 1 --prompt 128 --steps 300 --profile 0 --async-scheduling   # the host's share of a real step
 
 At large batch this work, not the device step, sets the engine's pace (docs/parallelism.md: 1024
 sequences on one or two H200s): with async scheduling a step takes max(host, device), without it the
 sum. The model's size does not enter (only its vocabulary, through the samples), so the tiny preset
 measures what V2-Lite's engine pays. Wall time (perf_counter) and the main thread's CPU time
 (thread_time) are both reported: on a shared machine the first moves with the neighbours.
+
+With ``--device`` the device stays in, and each step's launch call (the host queuing the forward and the
+sampler) and fetch (mostly waiting for the device) are timed too: with async scheduling the engine keeps
+the device busy while schedule + pack + launch + the fetch's own work stay under a device step.
 """
 
 from __future__ import annotations
@@ -43,16 +49,33 @@ def instant_device(runner, seed: int = 0):
     return launch
 
 
-def measure(preset: str, batch: int, prompt: int, steps: int, profile_steps: int = 0) -> dict:
+def timed(fn, spent: list):
+    """fn, appending each call's wall time to ``spent``."""
+    def wrapper(*args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            spent.append(time.perf_counter() - start)
+    return wrapper
+
+
+def measure(preset: str, batch: int, prompt: int, steps: int, profile_steps: int = 0, device: bool = False,
+            dtype: str = "float32", block_size: int = 16, async_scheduling: bool = False) -> dict:
     budget = max(batch, 2048)
-    llm = LLM(preset, max_num_seqs=batch, max_num_batched_tokens=budget, block_size=16, buckets=(batch, budget),
-              max_model_len=decode_len(batch, prompt, budget, steps + profile_steps + 8),
-              enable_prefix_caching=False, progress=False)
-    engine = llm.engine
+    llm = LLM(preset, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=budget, block_size=block_size,
+              buckets=(batch, budget), max_model_len=decode_len(batch, prompt, budget, steps + profile_steps + 8),
+              enable_prefix_caching=False, async_scheduling=async_scheduling, progress=False)
+    engine, runner = llm.engine, llm.engine.runner
     start_decode_batch(engine, batch, prompt, f"host-b{batch}")  # real prefill steps, then the stand-in
-    engine.runner.launch = instant_device(engine.runner)
+    launches, fetches = [], []
+    if device:  # the real device: the host's share is the launch call (queuing the step) and the fetch's wait
+        runner.launch, runner.fetch = timed(runner.launch, launches), timed(runner.fetch, fetches)
+    else:
+        runner.launch = instant_device(runner)
     for _ in range(3):
         engine.step()
+    del launches[:], fetches[:]
     wall, cpu = [], []
     for _ in range(steps):
         w, c = time.perf_counter(), time.thread_time()
@@ -61,6 +84,10 @@ def measure(preset: str, batch: int, prompt: int, steps: int, profile_steps: int
         cpu.append(time.thread_time() - c)
     row = {"batch": batch, "steps": steps, "wall_ms": statistics.median(wall) * 1e3, "wall_min_ms": min(wall) * 1e3,
            "cpu_ms": statistics.median(cpu) * 1e3, "us_per_sequence": statistics.median(cpu) / batch * 1e6}
+    if device:
+        row.update(wall_mean_ms=statistics.mean(wall) * 1e3, wall_max_ms=max(wall) * 1e3,
+                   launch_ms=statistics.median(launches) * 1e3, launch_max_ms=max(launches) * 1e3,
+                   fetch_ms=statistics.median(fetches) * 1e3)
     if profile_steps:  # where the host's time goes: functions by own time, and the call count
         profiler = cProfile.Profile()
         profiler.enable()
@@ -82,15 +109,28 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--profile", type=int, default=10, help="steps under cProfile for the function table (0: none)")
+    parser.add_argument("--device", action="store_true",
+                        help="keep the real device: time each step's launch call (the host queuing it) and fetch "
+                             "(mostly the wait for the device) as well")
+    parser.add_argument("--async-scheduling", action="store_true", help="the engine queues a step before reading "
+                        "the last one's samples (with --device: a step takes max(host, device))")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/ (or a path)")
     args = parser.parse_args(argv)
-    rows = [measure(args.preset, b, args.prompt, args.steps, args.profile) for b in args.batches]
-    table = markdown_table(rows, ["batch", "wall_ms", "wall_min_ms", "cpu_ms", "us_per_sequence", "python_calls_per_step"])
+    rows = [measure(args.preset, b, args.prompt, args.steps, args.profile, args.device, args.dtype, args.block_size,
+                    args.async_scheduling)
+            for b in args.batches]
+    columns = ["batch", "wall_ms", "wall_min_ms", "cpu_ms", "us_per_sequence", "python_calls_per_step"]
+    if args.device:
+        columns[3:3] = ["wall_mean_ms", "wall_max_ms", "launch_ms", "launch_max_ms", "fetch_ms"]
+    table = markdown_table(rows, columns)
     print(table)
     for row in rows:
         for entry in row.get("top", [])[:6]:
             print(f"  b{row['batch']}: {entry['own_ms_per_step']:7.2f} ms  x{entry['calls_per_step']:7.0f}  {entry['function']}")
-    payload = {**environment(), "preset": args.preset, "prompt": args.prompt, "rows": rows, "table": table}
+    payload = {**environment(), "preset": args.preset, "prompt": args.prompt, "device": args.device,
+               "async_scheduling": args.async_scheduling, "dtype": args.dtype, "rows": rows, "table": table}
     print("wrote", write_result(args.out, payload))
     return payload
 

@@ -139,6 +139,19 @@ def test_host_overhead_benchmark_times_the_engine_without_its_device(tmp_path):
     assert json.loads((tmp_path / "host.json").read_text())["rows"][0]["batch"] == 8
 
 
+def test_host_overhead_with_the_device_times_its_launch_and_fetch(tmp_path):
+    """--device keeps the (CPU) device: every step's launch and fetch are timed; async scheduling queues a step
+    before reading the last one's samples."""
+    from benchmarks import host_overhead
+
+    payload = host_overhead.main(["--batches", "1", "--steps", "4", "--profile", "0", "--device", "--async-scheduling",
+                                  "--out", str(tmp_path / "host")])
+    (row,) = payload["rows"]
+    assert payload["device"] and payload["async_scheduling"]
+    assert 0 < row["launch_ms"] <= row["launch_max_ms"] and row["fetch_ms"] > 0
+    assert row["wall_min_ms"] <= row["wall_ms"] <= row["wall_max_ms"] and "| launch_ms |" in payload["table"]
+
+
 def test_step_profile_reads_the_latest_trace(tmp_path):
     """A reused trace folder keeps earlier runs' traces: the profile reads the one written last."""
     import os
