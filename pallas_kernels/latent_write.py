@@ -13,6 +13,9 @@ the norm's 1 / rms itself, and with q it also returns the queries (the nope part
 rotated), one more program per head. That replaces four small XLA fusions a layer (the squares' sum,
 the kv and q epilogues, the q rope) with no launch of its own: on the H200 at batch 1 (V2-Lite), 140
 µs a step of fusions gone for 28 µs more in this kernel (benchmarks/results/decode_profile.md, round 6).
+
+``store_rows`` stores rows that are already finished (the batch-1 step kernel's latent and rope key of every MoE
+layer) at one slot, one program a layer, in place of XLA's scatter (decode_profile.md round 31).
 """
 
 from __future__ import annotations
