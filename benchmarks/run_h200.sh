@@ -191,17 +191,25 @@ case $part in
       --rounds 2 --variant built --variant "merge 4: pallas_kernels.decode_step_attention.MERGE_GROUP=4" \
       --variant "merge 2: pallas_kernels.decode_step_attention.MERGE_GROUP=2" \
       --out "$OUT/step_ab_merge_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  host-launch)  # round 31's next step: the host's share of a batch-1 engine step (host_overhead --device, async) and
-                # the compiled step, with XLA's command buffers as built and off (the CUDA graph is re-created on
-                # every call; off: single launches), one process each (~7 minutes)
-    for graphs in on off; do
-      flags=$([ $graphs = off ] && echo --xla_gpu_enable_command_buffer=)
+  host-launch)  # round 31's next step: the host's share of a batch-1 engine step under XLA command-buffer settings,
+                # one process each: the engine and device step (decode-curve, batch 1) and each step's launch call
+                # (host_overhead --device, async); settings in $2 (default: all four, ~2.5 minutes each):
+                # built, skip_profiled / skip_temp (--xla_gpu_command_buffer_update_mode: graphs not updated for
+                # buffers whose address stays; the CUDA graph is re-created on every call as built), off (no graphs)
+    for setting in ${2:-built skip_profiled skip_temp off}; do
+      case $setting in
+        built) flags= ;;
+        skip_profiled) flags=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED ;;
+        skip_temp) flags=--xla_gpu_command_buffer_update_mode=SKIP_TEMP ;;
+        off) flags=--xla_gpu_enable_command_buffer= ;;
+        *) echo "host-launch: setting $setting; accepted: built skip_profiled skip_temp off" >&2; exit 2 ;;
+      esac
+      echo "== $setting ($flags)"
+      XLA_FLAGS=$flags timeout 150 python -m dsjax.bench decode-curve --batches 1 --prompts 128 --out-dir "$OUT" \
+        --tag "h200_b1_graphs_$setting" 2>&1 | grep "decode-curve b"
       XLA_FLAGS=$flags timeout 150 python -m benchmarks.host_overhead --device --async-scheduling \
         --preset deepseek-v2-lite --dtype bfloat16 --block-size 64 --batches 1 --prompt 128 --steps 400 --profile 0 \
-        --out "$OUT/host_overhead_device_b1_graphs_${graphs}_h200" 2>&1 | grep -E "^\| (batch|1) "
-      XLA_FLAGS=$flags timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-        --num-kv-blocks 2048 --top 12 --trace-dir "/tmp/trace_$graphs" 2>&1 | grep -v "^WARNING" \
-        | tee "$OUT/step_profile_b1_graphs_${graphs}.txt" | head -3
+        --out "$OUT/host_overhead_device_b1_graphs_${setting}_h200" 2>&1 | grep -E "^\| (batch|1) "
     done ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)
