@@ -267,17 +267,19 @@ def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[di
 
 
 def ab_table(rows: list[dict]) -> str:
-    """Markdown: each variant's device ms by round, their median and the settings."""
+    """Markdown: each variant's device ms by round, their median, the median host ms a launch call held (a
+    launch queued behind another returns once that one nearly ends: decode_profile.md round 31) and the
+    settings."""
     names = list(dict.fromkeys(r["variant"] for r in rows))
     rounds = sorted({r["round"] for r in rows})
-    lines = ["| variant | " + " | ".join(f"round {i} ms" for i in rounds) + " | median ms | settings |",
-             "|---|" + "---|" * (len(rounds) + 2)]
+    lines = ["| variant | " + " | ".join(f"round {i} ms" for i in rounds) + " | median ms | launch call ms | settings |",
+             "|---|" + "---|" * (len(rounds) + 3)]
     for name in names:
         mine = [r for r in rows if r["variant"] == name]
         times = [f"{r['device_ms']:.4f}" for r in sorted(mine, key=lambda r: r["round"])]
         settings = " ".join(f"{k}={v}" for k, v in mine[0]["settings"].items()) or "as built"
         lines.append(f"| {name} | " + " | ".join(times) + f" | {np.median([r['device_ms'] for r in mine]):.4f} | "
-                     f"{settings} |")
+                     f"{np.median([r['launch_call_ms'] for r in mine]):.4f} | {settings} |")
     return "\n".join(lines)
 
 

@@ -237,7 +237,8 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
     assert seen == [(built, built_tiles), changed, (built, built_tiles), changed, (built, built_tiles)]
     assert (dispatch.STACKED_GEMV_MAX_TOKENS, dispatch.MOE_DECODE_TILES) == (built, built_tiles)
     assert all(r["device_ms"] > 0 for r in payload["rows"])
-    assert "| off |" in payload["table"] and json.loads(out.read_text())["rows"] == payload["rows"]
+    assert "| off |" in payload["table"] and "| launch call ms |" in payload["table"]
+    assert all(r["launch_call_ms"] > 0 for r in payload["rows"]) and json.loads(out.read_text())["rows"] == payload["rows"]
     with pytest.raises(SystemExit):
         step_profile.main(["--preset", "tiny", "--variant", "bad: dispatch.X=not a literal"])
     with pytest.raises(ValueError, match="dispatch.NO_SUCH'.*importable module"):
