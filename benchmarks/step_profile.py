@@ -248,6 +248,7 @@ def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[di
             setattr(module, attr, getattr(module, attr)._replace(**{field: value}) if field else value)
         jax.clear_caches()  # the knobs are read while tracing: every kernel and the step trace again
         runner._compiled.clear()
+        runner._samplers.clear()
         start = time.perf_counter()
         runner.compile_all()
         return time.perf_counter() - start
@@ -302,7 +303,7 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
         jax.block_until_ready((runner.cache, res))
     trace = latest_trace(trace_dir)
     # the step's programs (the forward of bucket t, its sampler) as XLA optimized them, for the ops' names
-    texts = [runner._compiled[t].as_text(), *(sampler.as_text() for sampler in runner._samplers.values())]
+    texts = [runner._compiled[t][0].as_text(), *(copies[0].as_text() for copies in runner._samplers.values())]
     with open(os.path.join(trace_dir, "step_hlo.txt"), "w") as f:
         f.write("\n\n".join(texts))
     described = hlo_lines(*texts)

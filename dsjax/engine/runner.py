@@ -13,7 +13,10 @@ and replicated, so every process of a multi-host run reads them.
 
 A step is two programs: the forward (per bucket: tokens -> cache writes and the sampled rows'
 logits) and the sampler (per row count and the batch's sampling features: top-k/top-p filtering,
-logprobs, decided on the host). Nothing in either waits on the host, so queuing a step never blocks.
+logprobs, decided on the host). Nothing in either waits on the host. On the GPU, though, a queued step's
+launch returns only once the step before it has nearly finished (decode_profile.md round 31: XLA updates a
+program's CUDA graph on every call, its buffers having moved). ``STEP_EXECUTABLES`` copies of each decode
+bucket's programs, launched in turns, give each update an idle graph.
 
 Async scheduling: dispatch() returns as soon as the step is queued; fetch() reads its sampled tokens.
 Each step also returns its tokens as a device array of max_num_seqs rows per rank (``last_tokens``),
@@ -49,6 +52,25 @@ from dsjax.parallel.mesh import num_batch_shards
 from dsjax.parallel.sharding import CACHE_SPEC, batch_spec, checks_vma, param_specs
 
 log = logging.getLogger(__name__)
+
+# Copies of each decode bucket's forward (buckets of at most max_num_seqs tokens) and of each sampler, compiled as
+# programs of their own and launched in turns. XLA re-records a program's CUDA graph whenever its buffers moved,
+# which they do every step (new inputs, last_tokens, logits), and a queued launch holds the host until the step
+# before it nearly ends: in the H200 step A/Bs each launch call of a back-to-back loop took the device step less
+# ~0.05 ms (decode_profile.md round 31). With two copies the graph a launch updates ran two steps ago. Read when
+# compiling (compile_all); 1 = one program each. Not yet timed on the H200.
+STEP_EXECUTABLES = 1
+
+
+def _own_function(fn):
+    """A new function object calling fn, under fn's name. jax caches lowerings by function object, so two jits
+    of one function compile to one program; each of these lowers and compiles to a program of its own (with its
+    own CUDA graph), and the shared name keeps the lowered module, and so its persistent-cache key, the same."""
+    def call(*args, **kwargs):
+        return fn(*args, **kwargs)
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step")
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 class StepInputs(NamedTuple):
@@ -124,7 +146,8 @@ class ModelRunner:
                                     in_specs=(param_specs(self.state), CACHE_SPEC,
                                               self._input_specs()._replace(sampling=None), P()),
                                     check_vma=checks_vma(model.kernel_backend))
-        self._jitted = jax.jit(forward, donate_argnums=(1,))
+        self._forward_fn = forward
+        self._jitted = [jax.jit(forward, donate_argnums=(1,))]  # a jit a copy of the step (``_jitted_copy``)
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
         copy_blocks = PagedKVCache.copy_blocks
         if self.mesh is not None:  # each rank copies within its own cache slice (local block ids)
@@ -132,9 +155,10 @@ class ModelRunner:
                                         out_specs=CACHE_SPEC)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
         self.last_tokens = self._zero_last_tokens()
-        self._compiled: dict[int, jax.stages.Compiled] = {}
-        # (rows, filtered, logprobs, greedy) -> the sampler (``sample``'s static settings)
-        self._samplers: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
+        self._compiled: dict[int, list[jax.stages.Compiled]] = {}  # bucket -> its forward's copies
+        # (rows, filtered, logprobs, greedy) -> the sampler's copies (``sample``'s static settings)
+        self._samplers: dict[tuple[int, bool, bool, bool], list[jax.stages.Compiled]] = {}
+        self._launches = 0  # launched steps: which copy the next one takes
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
         self.num_useful_tokens = 0  # scheduled tokens, summed over steps
@@ -164,9 +188,9 @@ class ModelRunner:
         rows = self.num_shards * self.config.max_num_seqs
         return result, jnp.pad(result.token_ids, (0, rows - result.token_ids.shape[0]))
 
-    def _sampler(self, rows: int, filtered: bool, logprobs: bool, greedy: bool) -> jax.stages.Compiled:
-        """The sampler for ``rows`` rows a rank, compiled on first use (the plain and the greedy ones with
-        every bucket)."""
+    def _sampler(self, rows: int, filtered: bool, logprobs: bool, greedy: bool) -> list[jax.stages.Compiled]:
+        """The sampler's copies (``STEP_EXECUTABLES``) for ``rows`` rows a rank, compiled on first use (the plain
+        and the greedy ones with every bucket)."""
         key = (rows, filtered, logprobs, greedy)
         if key not in self._samplers:
             start = time.perf_counter()
@@ -178,9 +202,21 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((self.num_shards * rows, self.model_config.vocab_size), jnp.float32,
                                           sharding=None if self.mesh is None else
                                           NamedSharding(self.mesh, batch_spec(2)))
-            self._samplers[key] = jax.jit(fn).lower(logits, shapes.sampling).compile()
+            self._samplers[key] = [jax.jit(_own_function(fn)).lower(logits, shapes.sampling).compile()
+                                   for _ in range(max(1, STEP_EXECUTABLES))]
             self.compile_seconds += time.perf_counter() - start
         return self._samplers[key]
+
+    def _jitted_copy(self, i: int):
+        """The i-th jit of the forward (``_own_function``: a program of its own each)."""
+        while len(self._jitted) <= i:
+            self._jitted.append(jax.jit(_own_function(self._forward_fn), donate_argnums=(1,)))
+        return self._jitted[i]
+
+    def step_copies(self, t: int) -> int:
+        """How many copies of bucket t's forward compile_all makes: ``STEP_EXECUTABLES`` for a decode bucket
+        (at most max_num_seqs tokens), else one."""
+        return max(1, STEP_EXECUTABLES) if t <= self.config.max_num_seqs else 1
 
     def _last_tokens_shape(self) -> jax.ShapeDtypeStruct:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -237,9 +273,9 @@ class ModelRunner:
         todo = [t for t in self.buckets.sizes if t not in self._compiled]
         start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
-            lowered = self._jitted.lower(self.state, self.cache, self._abstract_inputs(t)._replace(sampling=None),
-                                         self._last_tokens_shape())
-            self._compiled[t] = lowered.compile(self.compiler_options)
+            args = (self.state, self.cache, self._abstract_inputs(t)._replace(sampling=None), self._last_tokens_shape())
+            self._compiled[t] = [self._jitted_copy(i).lower(*args).compile(self.compiler_options)
+                                 for i in range(self.step_copies(t))]
             self._sampler(self.num_rows(t), False, False, False)
             self._sampler(self.num_rows(t), False, False, True)
             self.num_compiled_shapes += 1
@@ -329,15 +365,17 @@ class ModelRunner:
     def launch(self, t: int, inputs: StepInputs) -> SampleResult:
         """Queues the forward of bucket t and its sampler on host inputs (from prepare); updates the
         cache and last_tokens, and returns the device result."""
-        compiled = self._compiled.get(t)
-        if compiled is None:  # only after buckets change; compile_all normally covers every size
+        copies = self._compiled.get(t)
+        if copies is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
-            compiled = self._compiled[t]
+            copies = self._compiled[t]
         arrays = inputs.sampling
         drawn = arrays.temperature > 0
         filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
-        sampler = self._sampler(self.num_rows(t), filtered, bool(np.any(arrays.num_logprobs > 0)),
-                                not np.any(drawn))
+        samplers = self._sampler(self.num_rows(t), filtered, bool(np.any(arrays.num_logprobs > 0)),
+                                 not np.any(drawn))
+        turn, self._launches = self._launches, self._launches + 1  # the copies in turns (STEP_EXECUTABLES)
+        compiled, sampler = copies[turn % len(copies)], samplers[turn % len(samplers)]
         placed = self.place_inputs(inputs)
         try:
             self.cache, logits = compiled(self.state, self.cache, placed._replace(sampling=None), self.last_tokens)

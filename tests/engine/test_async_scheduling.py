@@ -122,3 +122,30 @@ def test_async_failed_read_aborts_both_queued_steps(engines, monkeypatch):
     assert not engine.has_unfinished_requests() and engine.block_manager.num_blocks_used == 0
     out = engines[1].generate([[5, 6, 7]], params, use_tqdm=False)[0]  # and the engine keeps serving
     assert len(out.outputs[0].token_ids) == 6
+
+
+def test_step_copies_in_turns_equal_sync(engines, monkeypatch):
+    """runner.STEP_EXECUTABLES = 2: each decode bucket's forward (at most max_num_seqs tokens) and each sampler
+    compiled twice, as distinct programs, and launched in turns; the async engine's outputs stay the sync
+    engine's exactly."""
+    from dsjax.engine import runner as runner_module
+
+    sync, _ = engines
+    monkeypatch.setattr(runner_module, "STEP_EXECUTABLES", 2)
+    llm = LLM("tiny", dtype="float32", progress=False, async_scheduling=True, **ENGINE)
+    runner = llm.engine.runner
+    assert {t: len(copies) for t, copies in runner._compiled.items()} == {1: 2, 2: 2, 4: 2, 8: 2, 16: 1, 32: 1}
+    assert all(len(copies) == 2 for copies in runner._samplers.values())
+    for copies in (runner._compiled[1], *runner._samplers.values()):
+        assert copies[0].runtime_executable() is not copies[1].runtime_executable()
+    launched = []
+    for copies in (*runner._compiled.values(), *runner._samplers.values()):
+        for i, fn in enumerate(copies):
+            copies[i] = (lambda fn, i: lambda *a: launched.append(i) or fn(*a))(fn, i)
+    greedy = sync.generate([[9, 8, 7, 6, 5, 4, 3]], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    prompts, params = mixed_requests(greedy.outputs[0].token_ids[5])
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert summary(got) == summary(expected)
+    assert logprob_values(got) == pytest.approx(logprob_values(expected), abs=1e-4)
+    assert launched.count(1) > 10 and launched.count(0) > launched.count(1) // 2  # both copies, in turns

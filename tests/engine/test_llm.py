@@ -120,9 +120,10 @@ def test_top_k_one_is_greedy(llm):
     """A batch of greedy rows takes the greedy sampler (no keys, no draw: ``sample(greedy=True)``); a top-k 1
     draw through the filtered one picks the same tokens."""
     samplers, calls = llm.engine.runner._samplers, []
-    built = {key: fn for key, fn in samplers.items() if key[3]}  # compile_all's greedy samplers, counted
+    built = {key: copies for key, copies in samplers.items() if key[3]}  # compile_all's greedy samplers, counted
     assert built
-    samplers.update({key: (lambda fn: lambda *a: calls.append(1) or fn(*a))(fn) for key, fn in built.items()})
+    samplers.update({key: [(lambda fn: lambda *a: calls.append(1) or fn(*a))(fn) for fn in copies]
+                     for key, copies in built.items()})
     try:
         greedy = llm.generate("abc", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
         assert len(calls) >= 8  # a step a token
@@ -247,7 +248,7 @@ def test_compiled_steps_update_the_kv_pool_in_place(llm):
     runner = llm.engine.runner
     pool_shapes = {f"{jnp.dtype(a.dtype).name.replace('float', 'f')}[{','.join(map(str, a.shape))}]"
                    for a in (runner.cache.c_kv, runner.cache.k_pe)}
-    for bucket, compiled in runner._compiled.items():
+    for bucket, (compiled, *_) in runner._compiled.items():
         copies = [line for line in compiled.as_text().splitlines()
                   if re.search(r"= (\S+)\{[\d,]+\} copy\(", line) and
                   re.search(r"= (\S+)\{", line).group(1) in pool_shapes]
