@@ -39,10 +39,7 @@ from dsjax.model import dispatch
 
 def _device_events(trace_file: str) -> list[dict]:
     """The complete ('X') events of a perfetto trace's GPU processes."""
-    with gzip.open(trace_file) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events)
-    pid_names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    events, pid_names, _ = _trace_events(trace_file)
     on_device = lambda pid: "gpu" in pid_names.get(pid, "").lower() or "/device" in pid_names.get(pid, "")
     return [e for e in events if e.get("ph") == "X" and "dur" in e and on_device(e.get("pid"))]
 
@@ -71,6 +68,63 @@ def hlo_lines(*hlo_texts: str) -> dict[str, str]:
                 seen.add(found.group(1))
                 lines.setdefault(found.group(1), []).append(found.group(2).strip())
     return {name: " | ".join(found) for name, found in lines.items()}
+
+
+def _trace_events(trace_file: str) -> tuple[list[dict], dict, dict]:
+    """A perfetto trace's events, its processes' names and its threads' names ((pid, tid) -> name)."""
+    with gzip.open(trace_file) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events)
+    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
+                         for e in events if e.get("ph") == "M" and e.get("name") == kind}
+    return events, meta("process_name"), meta("thread_name")
+
+
+def device_timeline(trace_file: str) -> list[dict]:
+    """One step on the device, op by op: the ops between the second and third starts of the op with the most
+    time (the step kernel at batch 1, a step's marker), each with its start (µs after the first), the gap since
+    the previous op ended (negative: they overlap, e.g. on another stream) and its duration. Empty when the
+    trace holds fewer than three steps."""
+    ops = sorted(_device_events(trace_file), key=lambda e: float(e["ts"]))
+    if not ops:
+        return []
+    marker = top_ops(trace_file, 1)[0][0]
+    starts = [i for i, e in enumerate(ops) if e["name"] == marker]
+    if len(starts) < 3:
+        return []
+    first, last = starts[1], starts[2]
+    rows, end = [], None
+    for e in ops[first:last + 1]:
+        ts, dur = float(e["ts"]), float(e["dur"])
+        rows.append({"name": e["name"], "start_us": ts - float(ops[first]["ts"]),
+                     "gap_us": 0.0 if end is None else ts - end, "dur_us": dur, "stream": e.get("tid")})
+        end = ts + dur if end is None else max(end, ts + dur)
+    return rows
+
+
+def host_spans(trace_file: str, root: str = "launch", min_us: float = 5.0, max_depth: int = 8) -> list[dict]:
+    """Where the host's time goes in one call: the median-length span whose name holds ``root`` (the runner's
+    launch) on its thread, with every span nested in it of at least ``min_us``, in time order, each with its
+    depth below the root (the profiler inflates every span; read them for proportions)."""
+    events, processes, threads = _trace_events(trace_file)
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e and "host" in processes.get(e["pid"], "").lower()]
+    roots = sorted((e for e in spans if root in e["name"]), key=lambda e: float(e["dur"]))
+    if not roots:
+        return []
+    chosen = roots[len(roots) // 2]
+    start, stop = float(chosen["ts"]), float(chosen["ts"]) + float(chosen["dur"])
+    inside = sorted((e for e in spans if (e["pid"], e.get("tid")) == (chosen["pid"], chosen.get("tid"))
+                     and float(e["ts"]) >= start and float(e["ts"]) + float(e["dur"]) <= stop + 1e-3),
+                    key=lambda e: (float(e["ts"]), -float(e["dur"])))
+    rows, stack = [], []
+    for e in inside:
+        ts = float(e["ts"])
+        while stack and ts >= stack[-1]:
+            stack.pop()
+        if float(e["dur"]) >= min_us and len(stack) <= max_depth:
+            rows.append({"depth": len(stack), "dur_us": float(e["dur"]), "name": e["name"]})
+        stack.append(ts + float(e["dur"]))
+    return rows
 
 
 def latest_trace(trace_dir: str) -> str | None:
@@ -137,6 +191,7 @@ def main(argv=None):
             if op["hlo"]:
                 print(f"{'':30}{op['hlo'][:240]}")
         print(f"the step's optimized HLO: {args.trace_dir}/step_hlo.txt")
+    print_timeline(profile["timeline"], profile["host"])
 
 
 def _decoding_engine(args):
@@ -314,7 +369,24 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
             # host time inside each launch() of the back-to-back loop (its share of device_ms)
             "launch_call_ms": launch_ms,
             "busy_ms_per_gpu": [us / steps / 1e3 for us in busy_us(trace)] if trace else None,
-            "trace": trace, "ops": ops}
+            "trace": trace, "ops": ops, "timeline": device_timeline(trace) if trace else [],
+            "host": host_spans(trace, min_us=20.0, max_depth=6) if trace else []}
+
+
+def print_timeline(timeline: list[dict], host: list[dict], gaps: int = 6):
+    """A summary of ``device_timeline`` (the step's ops, their time and the gaps between them, the largest
+    listed) and of ``host_spans``."""
+    if timeline:
+        ops, cycle = timeline[:-1], timeline[-1]["start_us"]
+        idle = sum(max(r["gap_us"], 0.0) for r in timeline)
+        print(f"one step on the device: {len(ops)} ops, {sum(r['dur_us'] for r in ops):.1f} us of them in a "
+              f"{cycle:.1f} us cycle, {idle:.1f} us of gaps; the largest before:")
+        for r in sorted(timeline, key=lambda r: -r["gap_us"])[:gaps]:
+            print(f"  {r['gap_us']:8.1f} us  {r['name'][:60]} (at {r['start_us']:.1f} us, stream {r['stream']})")
+    if host:
+        print("one launch on the host (profiled spans: read for proportions):")
+        for r in host:
+            print(f"  {'  ' * r['depth']}{r['dur_us']:9.1f} us  {r['name'][:90]}")
 
 
 if __name__ == "__main__":

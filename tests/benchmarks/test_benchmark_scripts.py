@@ -410,3 +410,34 @@ def test_route_linear_probe_counts_choices_that_differ_from_the_models():
     assert 0 < row["linear_parts"] < 0.1 and abs(row["linear_parts"] - row["f32_path"]) < 0.005
     payload = route_linear_probe.main(["--tokens", "500"])
     assert [r["path"].split(" ")[0] for r in payload["rows"]] == ["linear", "f32"]
+
+
+def test_step_profile_reads_one_step_and_one_launch_from_a_trace(tmp_path):
+    """device_timeline: the ops between the 2nd and 3rd starts of the op with the most time, with the gaps
+    between them; host_spans: the median launch on the host with the spans nested in it, by depth."""
+    import gzip
+
+    from benchmarks.step_profile import device_timeline, host_spans
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    device, host = [], []
+    for step in range(4):  # a kernel of 100 us, a gap of 5, a small op of 2, then 13 idle
+        t0 = step * 120.0
+        device += [{"ph": "X", "pid": 1, "tid": 7, "name": "kernel", "ts": t0, "dur": 100.0},
+                   {"ph": "X", "pid": 1, "tid": 7, "name": "small", "ts": t0 + 105.0, "dur": 2.0}]
+        length = (50.0, 80.0, 60.0, 70.0)[step]  # launches of 50-80 us: the median is the 70 us one
+        host += [{"ph": "X", "pid": 2, "tid": 3, "name": "$runner.py:329 launch", "ts": t0, "dur": length},
+                 {"ph": "X", "pid": 2, "tid": 3, "name": "Execute", "ts": t0 + 1.0, "dur": length - 10.0},
+                 {"ph": "X", "pid": 2, "tid": 3, "name": "update", "ts": t0 + 2.0, "dur": 30.0},
+                 {"ph": "X", "pid": 2, "tid": 3, "name": "tiny", "ts": t0 + 40.0, "dur": 1.0}]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": meta + device + host}, f)
+    timeline = device_timeline(str(path))
+    assert [(r["name"], r["start_us"], r["gap_us"], r["dur_us"]) for r in timeline] == [
+        ("kernel", 0.0, 0.0, 100.0), ("small", 105.0, 5.0, 2.0), ("kernel", 120.0, 13.0, 100.0)]
+    spans = host_spans(str(path), min_us=5.0)
+    assert [(r["depth"], r["dur_us"], r["name"]) for r in spans] == [
+        (0, 70.0, "$runner.py:329 launch"), (1, 60.0, "Execute"), (2, 30.0, "update")]
+    assert host_spans(str(path), root="absent") == []
