@@ -37,14 +37,15 @@ NAME = "host_overhead"
 
 
 def instant_device(runner, seed: int = 0):
-    """A stand-in for runner.launch: a SampleResult of random tokens, as numpy, for the step's rows."""
+    """A stand-in for runner.launch: a SampleResult of random tokens, as numpy, for the step's rows (no top
+    log-probabilities, as the sampler returns them when no row asks)."""
     rng = np.random.default_rng(seed)
-    vocab, k = runner.model_config.vocab_size, runner.config.max_logprobs
+    vocab = runner.model_config.vocab_size
 
     def launch(t, inputs):
         rows = runner.num_shards * runner.num_rows(t)
         return SampleResult(rng.integers(3, vocab, rows).astype(np.int32), np.full(rows, -1.0, np.float32),
-                            np.zeros((rows, k), np.int32), np.zeros((rows, k), np.float32))
+                            np.zeros((rows, 0), np.int32), np.zeros((rows, 0), np.float32))
 
     return launch
 

@@ -182,11 +182,12 @@ class ModelRunner:
         return cache, model.compute_logits(hidden[inputs.logits_indices])
 
     def _sample(self, logits, sampling: SamplingArrays, *, filtered: bool, logprobs: bool, greedy: bool):
-        """One rank's rows sampled; -> (every rank's SampleResult, its tokens padded to last_tokens)."""
+        """One rank's rows sampled; -> every rank's SampleResult, its token_ids padded to last_tokens' rows (the
+        next step's last_tokens: one array, where a second output of the same values would cost a copy)."""
         result = gather_batch(sample(logits, sampling, self.eos_token_ids, self.config.max_logprobs,
                                      filtered=filtered, logprobs=logprobs, greedy=greedy))
         rows = self.num_shards * self.config.max_num_seqs
-        return result, jnp.pad(result.token_ids, (0, rows - result.token_ids.shape[0]))
+        return result._replace(token_ids=jnp.pad(result.token_ids, (0, rows - result.token_ids.shape[0])))
 
     def _sampler(self, rows: int, filtered: bool, logprobs: bool, greedy: bool) -> list[jax.stages.Compiled]:
         """The sampler's copies (``STEP_EXECUTABLES``) for ``rows`` rows a rank, compiled on first use (the plain
@@ -197,7 +198,7 @@ class ModelRunner:
             fn = functools.partial(self._sample, filtered=filtered, logprobs=logprobs, greedy=greedy)
             if self.mesh is not None:
                 specs = self._input_specs().sampling
-                fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(batch_spec(2), specs), out_specs=(P(), P()))
+                fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(batch_spec(2), specs), out_specs=P())
             shapes = self._abstract_inputs(rows)  # a bucket of `rows` tokens has `rows` rows
             logits = jax.ShapeDtypeStruct((self.num_shards * rows, self.model_config.vocab_size), jnp.float32,
                                           sharding=None if self.mesh is None else
@@ -379,7 +380,8 @@ class ModelRunner:
         placed = self.place_inputs(inputs)
         try:
             self.cache, logits = compiled(self.state, self.cache, placed._replace(sampling=None), self.last_tokens)
-            result, self.last_tokens = sampler(logits, placed.sampling)
+            result = sampler(logits, placed.sampling)
+            self.last_tokens = result.token_ids  # padded to every row of last_tokens (_sample)
         except Exception:
             self._recover_cache()
             raise

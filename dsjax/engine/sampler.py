@@ -26,7 +26,7 @@ class SamplingArrays(NamedTuple):
 class SampleResult(NamedTuple):
     token_ids: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S] log-probability of the drawn token under the model's distribution
-    top_ids: jax.Array  # i32[S, K]
+    top_ids: jax.Array  # i32[S, K] (K = 0 when no row asked for top log-probabilities)
     top_logprobs: jax.Array  # f32[S, K]
 
 
@@ -57,7 +57,7 @@ def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_t
 
     filtered / logprobs / greedy (static, decided on the host from the batch's settings): whether any row
     uses top-k / top-p (the sorted path; rows that filter nothing draw as without it), whether any wants
-    top log-probabilities (else top_ids / top_logprobs are zeros), and whether every row is greedy
+    top log-probabilities (else top_ids / top_logprobs are empty, [S, 0]), and whether every row is greedy
     (temperature 0: no keys, no draw over the vocabulary; the same result). Static, not lax.cond: a
     conditional makes the GPU runtime read its predicate back, blocking the host mid-step."""
     if eos_token_ids:
@@ -74,7 +74,7 @@ def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_t
     chosen = jnp.take_along_axis(log_probs, token_ids[:, None], axis=-1)[:, 0]
     if logprobs:
         top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
-    else:  # *_like: the zeros take the logits' varying mesh axes when this runs inside a shard_map
-        top_logprobs = jnp.zeros_like(log_probs[:, :num_top_logprobs])
-        top_ids = jnp.zeros_like(log_probs[:, :num_top_logprobs], jnp.int32)
+    else:  # none asked: [S, 0], no device work (*_like: the logits' varying mesh axes inside a shard_map)
+        top_logprobs = jnp.zeros_like(log_probs[:, :0])
+        top_ids = jnp.zeros_like(log_probs[:, :0], jnp.int32)
     return SampleResult(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)

@@ -153,6 +153,23 @@ def test_greedy_sampler_matches_the_general_one():
     for got, want in zip(fast, general):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert int(fast.token_ids[1]) != 7  # masked
+    plain = sample(logits, arrays, (7,), 3, filtered=False, logprobs=False, greedy=True)  # no top log-probabilities:
+    assert plain.top_ids.shape == plain.top_logprobs.shape == (rows, 0)  # empty, nothing computed
+    np.testing.assert_array_equal(np.asarray(plain.token_ids), np.asarray(fast.token_ids))
+
+
+def test_sampler_returns_the_next_steps_last_tokens(llm):
+    """The runner's sampler returns one SampleResult whose token_ids, padded to every row of last_tokens, are
+    the next step's last_tokens (no second output holding the same tokens: a copy on the device)."""
+    runner = llm.engine.runner
+    rows, max_rows = 2, runner.config.max_num_seqs
+    logits = jnp.asarray(np.random.default_rng(1).standard_normal((rows, runner.model_config.vocab_size)), jnp.float32)
+    import jax
+
+    arrays = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), runner._abstract_inputs(rows).sampling)
+    result = runner._sampler(rows, False, False, True)[0](logits, arrays)
+    assert result.token_ids.shape == (max_rows,) and result.top_ids.shape == (rows, 0)
+    np.testing.assert_array_equal(np.asarray(result.token_ids[:rows]), np.asarray(jnp.argmax(logits, axis=-1)))
 
 
 def test_stop_token_ids_and_max_tokens(llm):
