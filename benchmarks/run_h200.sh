@@ -213,10 +213,14 @@ case $part in
     done ;;
   step-copies)  # round 31's other next step: two copies of each decode program launched in turns
                 # (dsjax.engine.runner.STEP_EXECUTABLES=2) against one, so that a queued launch's CUDA-graph update
-                # finds its graph idle: the batch-1 compiled step and each launch call's host ms, in turns (~5 min)
-    timeout 450 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+                # finds its graph idle: the batch-1 compiled step and each launch call's host ms, in turns; then a
+                # profile with the copies on: one step's device timeline and one launch's host spans (~8 min)
+    timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 3 --variant built --variant "two copies: dsjax.engine.runner.STEP_EXECUTABLES=2" \
-      --out "$OUT/step_ab_copies_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
+      --out "$OUT/step_ab_copies_b1_h200.json" 2>&1 | grep -E "^\||Error"
+    timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --top 8 --trace-dir /tmp/trace_copies --set dsjax.engine.runner.STEP_EXECUTABLES=2 2>&1 | grep -v "^WARNING" \
+      | tee "$OUT/step_profile_b1_copies.txt" | tail -45 ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

@@ -165,10 +165,16 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (with --variant)")
     parser.add_argument("--repeats", type=int, default=200, help="launches a timing (with --variant)")
     parser.add_argument("--out", help="JSON of the A/B under this path (with --variant)")
+    parser.add_argument("--set", type=lambda text: parse_variant(f"set: {text}")[1], default={},
+                        help="'module.ATTR[.FIELD]=LITERAL ...': knob settings for the whole run (before the engine "
+                             "is built), e.g. dsjax.engine.runner.STEP_EXECUTABLES=2")
     parser.add_argument("--kernel-trace", metavar="DIR", help="instead: the batch-1 step kernel's per-scope trace as "
                         "the engine runs it (dispatch.STEP_KERNEL_TRACE), its summary and phases")
     args = parser.parse_args(argv)
     b = args.batch
+    for target, value in args.set.items():
+        module, attr, field = _knob(target)
+        setattr(module, attr, getattr(module, attr)._replace(**{field: value}) if field else value)
     if args.kernel_trace:
         return kernel_trace(args)
     llm, host = _decoding_engine(args)

@@ -441,3 +441,24 @@ def test_step_profile_reads_one_step_and_one_launch_from_a_trace(tmp_path):
     assert [(r["depth"], r["dur_us"], r["name"]) for r in spans] == [
         (0, 70.0, "$runner.py:329 launch"), (1, 60.0, "Execute"), (2, 30.0, "update")]
     assert host_spans(str(path), root="absent") == []
+
+
+def test_step_profile_set_applies_knobs_before_the_engine(monkeypatch):
+    """--set 'module.ATTR=LITERAL ...' sets the knobs before the engine is built (here the run stops there)."""
+    from benchmarks import step_profile
+    from dsjax.engine import runner
+
+    monkeypatch.setattr(runner, "STEP_EXECUTABLES", runner.STEP_EXECUTABLES)  # put back after the test
+
+    class Built(Exception):
+        pass
+
+    def engine(args):
+        raise Built(runner.STEP_EXECUTABLES)
+
+    monkeypatch.setattr(step_profile, "_decoding_engine", engine)
+    with pytest.raises(Built) as seen:
+        step_profile.main(["--preset", "tiny", "--set", "dsjax.engine.runner.STEP_EXECUTABLES=2"])
+    assert seen.value.args == (2,)
+    with pytest.raises(SystemExit):
+        step_profile.main(["--preset", "tiny", "--set", "no_dot=1"])
