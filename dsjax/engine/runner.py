@@ -14,9 +14,9 @@ and replicated, so every process of a multi-host run reads them.
 A step is two programs: the forward (per bucket: tokens -> cache writes and the sampled rows'
 logits) and the sampler (per row count and the batch's sampling features: top-k/top-p filtering,
 logprobs, decided on the host). Nothing in either waits on the host. On the GPU, though, a queued step's
-launch returns only once the step before it has nearly finished (decode_profile.md round 31: XLA updates a
-program's CUDA graph on every call, its buffers having moved). ``STEP_EXECUTABLES`` copies of each decode
-bucket's programs, launched in turns, give each update an idle graph.
+launch returns only once the step before it has nearly finished (decode_profile.md round 31), likely because XLA
+updates a program's CUDA graph on every call (its buffers having moved). ``STEP_EXECUTABLES`` copies of each
+decode bucket's programs, launched in turns, would give each update an idle graph.
 
 Async scheduling: dispatch() returns as soon as the step is queued; fetch() reads its sampled tokens.
 Each step also returns its tokens as a device array of max_num_seqs rows per rank (``last_tokens``),
@@ -57,8 +57,9 @@ log = logging.getLogger(__name__)
 # programs of their own and launched in turns. XLA re-records a program's CUDA graph whenever its buffers moved,
 # which they do every step (new inputs, last_tokens, logits), and a queued launch holds the host until the step
 # before it nearly ends: in the H200 step A/Bs each launch call of a back-to-back loop took the device step less
-# ~0.05 ms (decode_profile.md round 31). With two copies the graph a launch updates ran two steps ago. Read when
-# compiling (compile_all); 1 = one program each. Not yet timed on the H200.
+# ~0.05 ms (decode_profile.md round 31). If the update is what waits, two copies remove the wait: the graph a
+# launch updates ran two steps ago. Read when compiling (compile_all); 1 = one program each. Not yet timed on the
+# H200.
 STEP_EXECUTABLES = 1
 
 
