@@ -15,7 +15,9 @@ measures what V2-Lite's engine pays. Wall time (perf_counter) and the main threa
 
 With ``--device`` the device stays in, and each step's launch call (the host queuing the forward and the
 sampler) and fetch (mostly waiting for the device) are timed too: with async scheduling the engine keeps
-the device busy while schedule + pack + launch + the fetch's own work stay under a device step.
+the device busy while schedule + pack + launch + the fetch's own work stay under a device step. Then the
+next step is launched alone, again and again, each waited for: ``launch_alone_ms``, the host's cost of
+queuing a step when nothing holds the launch back.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pstats
 import statistics
 import time
 
+import jax
 import numpy as np
 
 from benchmarks.common import environment, markdown_table, write_result
@@ -51,14 +54,31 @@ def instant_device(runner, seed: int = 0):
 
 
 def timed(fn, spent: list):
-    """fn, appending each call's wall time to ``spent``."""
+    """fn, appending each call's wall time to ``spent`` (fn itself as ``__wrapped__``)."""
     def wrapper(*args):
         start = time.perf_counter()
         try:
             return fn(*args)
         finally:
             spent.append(time.perf_counter() - start)
+    wrapper.__wrapped__ = fn
     return wrapper
+
+
+def launch_alone_ms(engine, launches: int) -> float:
+    """Median host ms of queuing the engine's next step with the device idle (each launch waited for before
+    the next): what a launch costs the host when nothing holds it back."""
+    runner = engine.runner
+    launch = getattr(runner.launch, "__wrapped__", runner.launch)
+    out = engine.scheduler.schedule()
+    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+    spent = []
+    for _ in range(launches + 10):
+        start = time.perf_counter()
+        result = launch(t, inputs)
+        spent.append(time.perf_counter() - start)
+        jax.block_until_ready((runner.cache, result))
+    return statistics.median(spent[10:]) * 1e3
 
 
 def measure(preset: str, batch: int, prompt: int, steps: int, profile_steps: int = 0, device: bool = False,
@@ -88,7 +108,7 @@ def measure(preset: str, batch: int, prompt: int, steps: int, profile_steps: int
     if device:
         row.update(wall_mean_ms=statistics.mean(wall) * 1e3, wall_max_ms=max(wall) * 1e3,
                    launch_ms=statistics.median(launches) * 1e3, launch_max_ms=max(launches) * 1e3,
-                   fetch_ms=statistics.median(fetches) * 1e3)
+                   fetch_ms=statistics.median(fetches) * 1e3, launch_alone_ms=launch_alone_ms(engine, steps))
     if profile_steps:  # where the host's time goes: functions by own time, and the call count
         profiler = cProfile.Profile()
         profiler.enable()
@@ -124,7 +144,7 @@ def main(argv=None) -> dict:
             for b in args.batches]
     columns = ["batch", "wall_ms", "wall_min_ms", "cpu_ms", "us_per_sequence", "python_calls_per_step"]
     if args.device:
-        columns[3:3] = ["wall_mean_ms", "wall_max_ms", "launch_ms", "launch_max_ms", "fetch_ms"]
+        columns[3:3] = ["wall_mean_ms", "wall_max_ms", "launch_ms", "launch_max_ms", "fetch_ms", "launch_alone_ms"]
     table = markdown_table(rows, columns)
     print(table)
     for row in rows:

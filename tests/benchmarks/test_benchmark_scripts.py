@@ -148,7 +148,7 @@ def test_host_overhead_with_the_device_times_its_launch_and_fetch(tmp_path):
                                   "--out", str(tmp_path / "host")])
     (row,) = payload["rows"]
     assert payload["device"] and payload["async_scheduling"]
-    assert 0 < row["launch_ms"] <= row["launch_max_ms"] and row["fetch_ms"] > 0
+    assert 0 < row["launch_ms"] <= row["launch_max_ms"] and row["fetch_ms"] > 0 and row["launch_alone_ms"] > 0
     assert row["wall_min_ms"] <= row["wall_ms"] <= row["wall_max_ms"] and "| launch_ms |" in payload["table"]
 
 
