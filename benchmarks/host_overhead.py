@@ -33,6 +33,7 @@ import numpy as np
 
 from benchmarks.common import environment, markdown_table, write_result
 from benchmarks.decode_probe import decode_len, start_decode_batch
+from benchmarks.step_profile import apply_settings, parse_variant
 from dsjax import LLM
 from dsjax.engine.sampler import SampleResult
 
@@ -135,10 +136,14 @@ def main(argv=None) -> dict:
                              "(mostly the wait for the device) as well")
     parser.add_argument("--async-scheduling", action="store_true", help="the engine queues a step before reading "
                         "the last one's samples (with --device: a step takes max(host, device))")
+    parser.add_argument("--set", type=lambda text: parse_variant(f"set: {text}")[1], default={},
+                        help="'module.ATTR[.FIELD]=LITERAL ...': knob settings for the run, before the engine is built "
+                             "(e.g. dsjax.engine.runner.PACK_STEP_INPUTS=True)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/ (or a path)")
     args = parser.parse_args(argv)
+    apply_settings(args.set)
     rows = [measure(args.preset, b, args.prompt, args.steps, args.profile, args.device, args.dtype, args.block_size,
                     args.async_scheduling)
             for b in args.batches]
@@ -151,6 +156,7 @@ def main(argv=None) -> dict:
         for entry in row.get("top", [])[:6]:
             print(f"  b{row['batch']}: {entry['own_ms_per_step']:7.2f} ms  x{entry['calls_per_step']:7.0f}  {entry['function']}")
     payload = {**environment(), "preset": args.preset, "prompt": args.prompt, "device": args.device,
+               "settings": {k: repr(v) for k, v in args.set.items()},
                "async_scheduling": args.async_scheduling, "dtype": args.dtype, "rows": rows, "table": table}
     print("wrote", write_result(args.out, payload))
     return payload

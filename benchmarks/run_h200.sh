@@ -214,9 +214,11 @@ case $part in
   step-copies)  # round 31's other next step: two copies of each decode program launched in turns
                 # (dsjax.engine.runner.STEP_EXECUTABLES=2) against one, so that a queued launch's CUDA-graph update
                 # finds its graph idle: the batch-1 compiled step and each launch call's host ms, in turns; then a
-                # profile with the copies on: one step's device timeline and one launch's host spans (~8 min)
-    timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+                # profile with the copies on: one step's device timeline and one launch's host spans; the step's
+                # int inputs packed into one transfer (PACK_STEP_INPUTS) as a third variant (~10 min)
+    timeout 450 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 3 --variant built --variant "two copies: dsjax.engine.runner.STEP_EXECUTABLES=2" \
+      --variant "packed inputs: dsjax.engine.runner.PACK_STEP_INPUTS=True" \
       --out "$OUT/step_ab_copies_b1_h200.json" 2>&1 | grep -E "^\||Error"
     timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --top 8 --trace-dir /tmp/trace_copies --set dsjax.engine.runner.STEP_EXECUTABLES=2 2>&1 | grep -v "^WARNING" \

@@ -172,9 +172,7 @@ def main(argv=None):
                         "the engine runs it (dispatch.STEP_KERNEL_TRACE), its summary and phases")
     args = parser.parse_args(argv)
     b = args.batch
-    for target, value in args.set.items():
-        module, attr, field = _knob(target)
-        setattr(module, attr, getattr(module, attr)._replace(**{field: value}) if field else value)
+    apply_settings(args.set)
     if args.kernel_trace:
         return kernel_trace(args)
     llm, host = _decoding_engine(args)
@@ -258,6 +256,13 @@ def parse_variant(text: str) -> tuple[str, dict[str, object]]:
     return name.strip(), settings
 
 
+def apply_settings(settings: dict[str, object]):
+    """Sets each 'module.ATTR[.FIELD]' of ``settings`` (from ``parse_variant``) to its value."""
+    for target, value in settings.items():
+        module, attr, field = _knob(target)
+        setattr(module, attr, getattr(module, attr)._replace(**{field: value}) if field else value)
+
+
 def _knob(target: str) -> tuple[object, str, str | None]:
     """'module.ATTR' or 'module.ATTR.FIELD' -> (the module, ATTR, FIELD or None): the longest importable
     prefix is the module."""
@@ -304,9 +309,7 @@ def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[di
     def apply(settings):
         for (module, attr), value in original.items():
             setattr(module, attr, value)
-        for target, value in settings.items():
-            module, attr, field = knobs[target]
-            setattr(module, attr, getattr(module, attr)._replace(**{field: value}) if field else value)
+        apply_settings(settings)
         jax.clear_caches()  # the knobs are read while tracing: every kernel and the step trace again
         runner._compiled.clear()
         runner._samplers.clear()

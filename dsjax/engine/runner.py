@@ -61,6 +61,14 @@ log = logging.getLogger(__name__)
 # launch updates ran two steps ago. Read when compiling (compile_all); 1 = one program each. Not yet timed on the
 # H200.
 STEP_EXECUTABLES = 1
+# Without a mesh, the forward's seven int32 inputs (tokens, positions, slots, sequence ids, token sources, logits
+# rows, block tables) go to the device as one vector, one transfer instead of seven (_pack, _unpack): each transfer
+# is a host call that the H200's launch profile showed at 10-55 µs, once at 893 (decode_profile.md round 31). The
+# forward slices the vector back apart, which may cost the device a small copy. Read when compiling; not yet timed.
+PACK_STEP_INPUTS = False
+# _pack's order of the forward's inputs: (name, per-token or per-row) -- block_tables last, S x max_blocks_per_seq
+_PACKED = (("tokens", "t"), ("positions", "t"), ("slot_mapping", "t"), ("seq_ids", "t"), ("token_sources", "t"),
+           ("logits_indices", "s"))
 
 
 def _own_function(fn):
@@ -163,6 +171,7 @@ class ModelRunner:
         # (rows, filtered, logprobs, greedy) -> the sampler's copies (``sample``'s static settings)
         self._samplers: dict[tuple[int, bool, bool, bool], list[jax.stages.Compiled]] = {}
         self._launches = 0  # launched steps: which copy the next one takes
+        self._packed: dict[int, bool] = {}  # bucket -> whether its forward takes the inputs packed (_pack)
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
         self.num_useful_tokens = 0  # scheduled tokens, summed over steps
@@ -176,10 +185,12 @@ class ModelRunner:
         self.compile_all()
 
     # ----- compiled steps ------------------------------------------------------------------------
-    def _forward(self, state_leaves, cache, inputs: StepInputs, last_tokens):
+    def _forward(self, state_leaves, cache, inputs, last_tokens):
         """One rank's forward (all of it without a mesh): its tokens, its cache slice, the logits of its
-        rows. state_leaves: the weights' state flattened; last_tokens: the previous step's sampled tokens, every
-        rank's (replicated)."""
+        rows. state_leaves: the weights' state flattened; inputs: StepInputs (no sampling), or them packed
+        (``_pack``); last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
+        if not isinstance(inputs, StepInputs):
+            inputs = self._unpack(inputs)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_treedef, state_leaves))
         sources = inputs.token_sources
         tokens = jnp.where(sources >= 0, last_tokens[jnp.maximum(sources, 0)], inputs.tokens)
@@ -267,6 +278,27 @@ class ModelRunner:
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._input_specs(),
                             is_leaf=lambda x: isinstance(x, P))
 
+    def _pack(self, inputs: StepInputs) -> np.ndarray:
+        """The forward's int32 inputs of one step (no mesh) as one host vector: ``_PACKED``'s fields, then the
+        block tables row by row."""
+        fields = {**inputs._asdict(), **inputs.batch._asdict()}
+        return np.concatenate([fields[name] for name, _ in _PACKED] + [inputs.batch.block_tables.ravel()])
+
+    def _unpack(self, packed) -> StepInputs:
+        """``_pack``'s vector -> StepInputs (no sampling), sliced apart. Its length L = 5T + S (1 + W) fixes the
+        bucket T, with S = min(T, max_num_seqs) rows and W = max_blocks_per_seq; the T <= max rows and T > max
+        rows lengths do not overlap."""
+        length, w, most = packed.shape[0], self.config.max_blocks_per_seq, self.config.max_num_seqs
+        t = length // (w + 6) if length <= most * (w + 6) else (length - most * (w + 1)) // 5
+        s = self.num_rows(t)
+        fields, start = {}, 0
+        for name, per in _PACKED:
+            size = t if per == "t" else s
+            fields[name], start = packed[start:start + size], start + size
+        tables = packed[start:].reshape(s, w)
+        return StepInputs(fields["tokens"], PagedBatch(fields["positions"], fields["slot_mapping"], fields["seq_ids"],
+                                                       tables), fields["logits_indices"], None, fields["token_sources"])
+
     def place_inputs(self, inputs: StepInputs) -> StepInputs:
         """Host arrays -> device: each device receives its rank's slices (every process passes the
         same host arrays in a multi-host run)."""
@@ -279,8 +311,11 @@ class ModelRunner:
         todo = [t for t in self.buckets.sizes if t not in self._compiled]
         start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
-            args = (self._state_leaves, self.cache, self._abstract_inputs(t)._replace(sampling=None),
-                    self._last_tokens_shape())
+            inputs = self._abstract_inputs(t)._replace(sampling=None)
+            self._packed[t] = PACK_STEP_INPUTS and self.mesh is None
+            if self._packed[t]:
+                inputs = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(inputs)),), jnp.int32)
+            args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
             self._compiled[t] = [self._jitted_copy(i).lower(*args).compile(self.compiler_options)
                                  for i in range(self.step_copies(t))]
             self._sampler(self.num_rows(t), False, False, False)
@@ -385,8 +420,8 @@ class ModelRunner:
         compiled, sampler = copies[turn % len(copies)], samplers[turn % len(samplers)]
         placed = self.place_inputs(inputs)
         try:
-            self.cache, logits = compiled(self._state_leaves, self.cache, placed._replace(sampling=None),
-                                          self.last_tokens)
+            forward_inputs = self._pack(inputs) if self._packed[t] else placed._replace(sampling=None)
+            self.cache, logits = compiled(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
             result = sampler(logits, placed.sampling)
             self.last_tokens = result.token_ids  # padded to every row of last_tokens (_sample)
         except Exception:

@@ -149,3 +149,31 @@ def test_step_copies_in_turns_equal_sync(engines, monkeypatch):
     assert summary(got) == summary(expected)
     assert logprob_values(got) == pytest.approx(logprob_values(expected), abs=1e-4)
     assert launched.count(1) > 10 and launched.count(0) > launched.count(1) // 2  # both copies, in turns
+
+
+def test_packed_step_inputs_equal_sync(engines, monkeypatch):
+    """runner.PACK_STEP_INPUTS: the forward's int32 inputs go to the device as one vector (_pack) that the
+    forward slices apart (_unpack, buckets up to and past max_num_seqs); the outputs stay the sync engine's."""
+    import jax
+    import numpy as np
+
+    from dsjax.engine import runner as runner_module
+
+    sync, _ = engines
+    monkeypatch.setattr(runner_module, "PACK_STEP_INPUTS", True)
+    llm = LLM("tiny", dtype="float32", progress=False, async_scheduling=True, **ENGINE)
+    runner = llm.engine.runner
+    assert all(runner._packed.values()) and sorted(runner._packed) == [1, 2, 4, 8, 16, 32]
+    for t in (1, 8, 16, 32):  # the bucket comes back from the vector's length alone
+        rng = np.random.default_rng(t)
+        host = jax.tree.map(lambda a: rng.integers(-5, 1000, a.shape).astype(np.int32),
+                            runner._abstract_inputs(t)._replace(sampling=None))
+        back = runner._unpack(runner._pack(host))
+        for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(host)):
+            np.testing.assert_array_equal(got, want)
+    greedy = sync.generate([[9, 8, 7, 6, 5, 4, 3]], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    prompts, params = mixed_requests(greedy.outputs[0].token_ids[5])
+    expected = sync.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert summary(got) == summary(expected)
+    assert logprob_values(got) == pytest.approx(logprob_values(expected), abs=1e-4)
