@@ -48,15 +48,22 @@ def logprob_values(outputs) -> list[float]:
     return [lp for out in outputs for c in out.outputs for entry in c.logprobs or [] for lp in entry.values()]
 
 
-def test_async_outputs_equal_sync(engines):
-    sync, overlapped = engines
+def outputs_equal_sync(sync, llm):
+    """The mixed requests through ``llm`` give the sync engine's outputs exactly (log-probability values to
+    1e-4) -> (llm's outputs, the sync engine's, the prompts, their params)."""
     greedy = sync.generate([[9, 8, 7, 6, 5, 4, 3]], SamplingParams(max_tokens=16, temperature=0.0))[0]
     stop_token = greedy.outputs[0].token_ids[5]  # request 2 stops on its 6th token (or earlier)
     prompts, params = mixed_requests(stop_token)
     expected = sync.generate(prompts, params, use_tqdm=False)
-    got = overlapped.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
     assert summary(got) == summary(expected)
     assert logprob_values(got) == pytest.approx(logprob_values(expected), abs=1e-4)
+    return got, expected, prompts, params
+
+
+def test_async_outputs_equal_sync(engines):
+    sync, overlapped = engines
+    got, expected, prompts, params = outputs_equal_sync(sync, overlapped)
     assert got[2].outputs[0].finish_reason == "stop" and len(got[2].outputs[0].token_ids) <= 6
     for cpl_got, cpl_expected in zip(got[3].outputs, expected[3].outputs):
         assert cpl_got.cumulative_logprob == pytest.approx(cpl_expected.cumulative_logprob, abs=1e-4)
@@ -142,12 +149,7 @@ def test_step_copies_in_turns_equal_sync(engines, monkeypatch):
     for copies in (*runner._compiled.values(), *runner._samplers.values()):
         for i, fn in enumerate(copies):
             copies[i] = (lambda fn, i: lambda *a: launched.append(i) or fn(*a))(fn, i)
-    greedy = sync.generate([[9, 8, 7, 6, 5, 4, 3]], SamplingParams(max_tokens=16, temperature=0.0))[0]
-    prompts, params = mixed_requests(greedy.outputs[0].token_ids[5])
-    expected = sync.generate(prompts, params, use_tqdm=False)
-    got = llm.generate(prompts, params, use_tqdm=False)
-    assert summary(got) == summary(expected)
-    assert logprob_values(got) == pytest.approx(logprob_values(expected), abs=1e-4)
+    outputs_equal_sync(sync, llm)
     assert launched.count(1) > 10 and launched.count(0) > launched.count(1) // 2  # both copies, in turns
 
 
@@ -171,9 +173,4 @@ def test_packed_step_inputs_equal_sync(engines, monkeypatch):
         back = runner._unpack(runner._pack(host))
         for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(host)):
             np.testing.assert_array_equal(got, want)
-    greedy = sync.generate([[9, 8, 7, 6, 5, 4, 3]], SamplingParams(max_tokens=16, temperature=0.0))[0]
-    prompts, params = mixed_requests(greedy.outputs[0].token_ids[5])
-    expected = sync.generate(prompts, params, use_tqdm=False)
-    got = llm.generate(prompts, params, use_tqdm=False)
-    assert summary(got) == summary(expected)
-    assert logprob_values(got) == pytest.approx(logprob_values(expected), abs=1e-4)
+    outputs_equal_sync(sync, llm)
