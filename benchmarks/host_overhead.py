@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks.common import environment, markdown_table, write_result
 from benchmarks.decode_probe import decode_len, start_decode_batch
-from benchmarks.step_profile import apply_settings, parse_variant
+from benchmarks.step_profile import apply_settings, parse_settings
 from dsjax import LLM
 from dsjax.engine.sampler import SampleResult
 
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
                              "(mostly the wait for the device) as well")
     parser.add_argument("--async-scheduling", action="store_true", help="the engine queues a step before reading "
                         "the last one's samples (with --device: a step takes max(host, device))")
-    parser.add_argument("--set", type=lambda text: parse_variant(f"set: {text}")[1], default={},
+    parser.add_argument("--set", type=parse_settings, default={},
                         help="'module.ATTR[.FIELD]=LITERAL ...': knob settings for the run, before the engine is built "
                              "(e.g. dsjax.engine.runner.PACK_STEP_INPUTS=True)")
     parser.add_argument("--dtype", default="float32")

@@ -226,8 +226,7 @@ case $part in
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --kernel-trace "$OUT/kernel_trace" 2>&1 | grep -v "^WARNING" | tail -120 | tee "$OUT/step_kernel_trace_b1.txt"
-    ls -t "$OUT"/kernel_trace/*.json | tail -n +2 | xargs -r rm ;;  # a trace a step: keep the newest
+      --kernel-trace "$OUT/kernel_trace" 2>&1 | grep -v "^WARNING" | tail -120 | tee "$OUT/step_kernel_trace_b1.txt" ;;
   step-profile)  # the batch-1 step's device ops with the step kernel on, each with its line of the step's optimized
                  # HLO (what it computes; the whole HLO in $OUT/trace/step_hlo.txt), ~2 minutes
     timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

@@ -39,7 +39,7 @@ from dsjax.model import dispatch
 
 def _device_events(trace_file: str) -> list[dict]:
     """The complete ('X') events of a perfetto trace's GPU processes."""
-    events, pid_names, _ = _trace_events(trace_file)
+    events, pid_names = _trace_events(trace_file)
     on_device = lambda pid: "gpu" in pid_names.get(pid, "").lower() or "/device" in pid_names.get(pid, "")
     return [e for e in events if e.get("ph") == "X" and "dur" in e and on_device(e.get("pid"))]
 
@@ -70,14 +70,13 @@ def hlo_lines(*hlo_texts: str) -> dict[str, str]:
     return {name: " | ".join(found) for name, found in lines.items()}
 
 
-def _trace_events(trace_file: str) -> tuple[list[dict], dict, dict]:
-    """A perfetto trace's events, its processes' names and its threads' names ((pid, tid) -> name)."""
+def _trace_events(trace_file: str) -> tuple[list[dict], dict]:
+    """A perfetto trace's events and its processes' names (pid -> name)."""
     with gzip.open(trace_file) as f:
         events = json.load(f)
     events = events.get("traceEvents", events)
-    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]
-                         for e in events if e.get("ph") == "M" and e.get("name") == kind}
-    return events, meta("process_name"), meta("thread_name")
+    return events, {e["pid"]: e["args"]["name"] for e in events
+                    if e.get("ph") == "M" and e.get("name") == "process_name"}
 
 
 def device_timeline(trace_file: str) -> list[dict]:
@@ -88,7 +87,10 @@ def device_timeline(trace_file: str) -> list[dict]:
     ops = sorted(_device_events(trace_file), key=lambda e: float(e["ts"]))
     if not ops:
         return []
-    marker = top_ops(trace_file, 1)[0][0]
+    totals = defaultdict(float)
+    for e in ops:
+        totals[e["name"]] += float(e["dur"])
+    marker = max(totals, key=totals.get)
     starts = [i for i, e in enumerate(ops) if e["name"] == marker]
     if len(starts) < 3:
         return []
@@ -106,7 +108,7 @@ def host_spans(trace_file: str, root: str = "launch", min_us: float = 5.0, max_d
     """Where the host's time goes in one call: the median-length span whose name holds ``root`` (the runner's
     launch) on its thread, with every span nested in it of at least ``min_us``, in time order, each with its
     depth below the root (the profiler inflates every span; read them for proportions)."""
-    events, processes, threads = _trace_events(trace_file)
+    events, processes = _trace_events(trace_file)
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e and "host" in processes.get(e["pid"], "").lower()]
     roots = sorted((e for e in spans if root in e["name"]), key=lambda e: float(e["dur"]))
     if not roots:
@@ -165,7 +167,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="turns of every variant (with --variant)")
     parser.add_argument("--repeats", type=int, default=200, help="launches a timing (with --variant)")
     parser.add_argument("--out", help="JSON of the A/B under this path (with --variant)")
-    parser.add_argument("--set", type=lambda text: parse_variant(f"set: {text}")[1], default={},
+    parser.add_argument("--set", type=parse_settings, default={},
                         help="'module.ATTR[.FIELD]=LITERAL ...': knob settings for the whole run (before the engine "
                              "is built), e.g. dsjax.engine.runner.STEP_EXECUTABLES=2")
     parser.add_argument("--kernel-trace", metavar="DIR", help="instead: the batch-1 step kernel's per-scope trace as "
@@ -254,6 +256,12 @@ def parse_variant(text: str) -> tuple[str, dict[str, object]]:
     if not name.strip():
         raise argparse.ArgumentTypeError(f"variant {text!r} has no name (NAME[: module.ATTR=LITERAL ...])")
     return name.strip(), settings
+
+
+def parse_settings(text: str) -> dict[str, object]:
+    """'module.ATTR[.FIELD]=LITERAL ...' (a --set argument) -> {target: value}, as ``parse_variant`` reads a
+    variant's settings."""
+    return parse_variant(f"set: {text}")[1]
 
 
 def apply_settings(settings: dict[str, object]):

@@ -284,13 +284,15 @@ class ModelRunner:
         fields = {**inputs._asdict(), **inputs.batch._asdict()}
         return np.concatenate([fields[name] for name, _ in _PACKED] + [inputs.batch.block_tables.ravel()])
 
+    def _packed_length(self, t: int) -> int:
+        """The length of bucket t's ``_pack`` vector: its forward's int32 inputs, all of them."""
+        return sum(a.size for a in jax.tree.leaves(self._abstract_inputs(t)._replace(sampling=None)))
+
     def _unpack(self, packed) -> StepInputs:
-        """``_pack``'s vector -> StepInputs (no sampling), sliced apart. Its length L = 5T + S (1 + W) fixes the
-        bucket T, with S = min(T, max_num_seqs) rows and W = max_blocks_per_seq; the T <= max rows and T > max
-        rows lengths do not overlap."""
-        length, w, most = packed.shape[0], self.config.max_blocks_per_seq, self.config.max_num_seqs
-        t = length // (w + 6) if length <= most * (w + 6) else (length - most * (w + 1)) // 5
-        s = self.num_rows(t)
+        """``_pack``'s vector -> StepInputs (no sampling), sliced apart; its length names the bucket (the length
+        grows with the bucket)."""
+        t = next(t for t in self.buckets.sizes if self._packed_length(t) == packed.shape[0])
+        s, w = self.num_rows(t), self.config.max_blocks_per_seq
         fields, start = {}, 0
         for name, per in _PACKED:
             size = t if per == "t" else s
@@ -314,7 +316,7 @@ class ModelRunner:
             inputs = self._abstract_inputs(t)._replace(sampling=None)
             self._packed[t] = PACK_STEP_INPUTS and self.mesh is None
             if self._packed[t]:
-                inputs = jax.ShapeDtypeStruct((sum(a.size for a in jax.tree.leaves(inputs)),), jnp.int32)
+                inputs = jax.ShapeDtypeStruct((self._packed_length(t),), jnp.int32)
             args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
             self._compiled[t] = [self._jitted_copy(i).lower(*args).compile(self.compiler_options)
                                  for i in range(self.step_copies(t))]
