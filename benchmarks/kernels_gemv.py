@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import environment, kernel_time_us, markdown_table, run_interpret, write_result  # noqa: E402
 from dsjax.model import dispatch  # noqa: E402
+from pallas_kernels.common import rms_norm  # noqa: E402
 from pallas_kernels.moe_decode import DecodeTiles, moe_decode  # noqa: E402
 from pallas_kernels.moe_experts import moe_experts  # noqa: E402
 from pallas_kernels.stacked_gemv import default_splits, stacked_gemv, stacked_gemvs, stacked_head_gemv  # noqa: E402
@@ -282,8 +283,7 @@ def dense_mlp(configs, *, quick: bool) -> list[dict]:
                (x, wg, wu, g, layer), up_bytes)
         record(name, "down", lambda h, wd, l, o=options: stacked_gemvs(h, (wd,), l, **o), (h, wd, layer), down_bytes)
     f32 = jnp.float32
-    normed = lambda x, g, l: (x.astype(f32) * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(f32)), -1, keepdims=True)
-                                                               + eps) * g[l]).astype(x.dtype)
+    normed = lambda x, g, l: rms_norm(x, g[l], eps)  # the model's RMSNorm
     record("XLA dot on the slices", "gate_up",
            lambda x, wg, wu, g, l: (jnp.dot(normed(x, g, l), wg[l], preferred_element_type=f32),
                                     jnp.dot(normed(x, g, l), wu[l], preferred_element_type=f32)),
