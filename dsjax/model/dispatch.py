@@ -95,6 +95,32 @@ def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
     return stacked_swiglu_down(gate, up, w_down, layer, backend, x.dtype)
 
 
+# One-token steps on Hopper run a dense layer's MLP (V2-Lite's layer 0: 134 MB, intermediate 10944) through the
+# TMA-fed expert launch (pallas_kernels/moe_decode_mgpu.py) as the one expert of its stack, weight 1: every CTA
+# streams 64 of its intermediate columns' gate / up / down and no launch waits for another. Alone that launch reads
+# V2-Lite's 139 MB MoE layer at 3.95 TB/s, where the stacked GEMVs (norm + gate / up, then down: two launches and
+# the silu between) read the dense MLP at ~3.3 TB/s in the batch-1 step, 41.2 µs (decode_profile.md round 32).
+# Read at trace time; not yet timed in the step.
+DENSE_MLP_MGPU = False
+
+
+def dense_mlp_mgpu_takes(x, w_gate, backend: str) -> bool:
+    """Whether ``dense_mlp_decode`` runs the dense MLP of x [T, D] (w_gate [L, D, I]) through the expert launch."""
+    hidden, inter = w_gate.shape[1:]
+    return (DENSE_MLP_MGPU and backend == "pallas" and x.dtype == w_gate.dtype
+            and moe_decode_mgpu.supports(hidden, inter, 0, x.shape[0], w_gate.dtype) is None)
+
+
+def dense_mlp_decode(x, norm, eps: float, w_gate, w_up, w_down, layer, residual=None):
+    """x [1, D] raw (before the layer's RMSNorm, every layer's weights ``norm`` [L, D]) through layer ``layer`` of
+    the dense MLP stacks w_gate / w_up [L, D, I], w_down [L, I, D] by the expert launch, the MLP as expert 0 of a
+    one-expert stack (a free reshape), plus ``residual`` in f32 before the rounding -> [1, D]."""
+    one = lambda w: w[:, None]  # [L, 1, ...]
+    return moe_decode_mgpu.moe_decode_mgpu(rms_norm(x, norm[layer], eps), jnp.ones((1, 1), jnp.float32),
+                                           jnp.zeros((1, 1), jnp.int32), one(w_gate), one(w_up), one(w_down),
+                                           layer, residual=residual)
+
+
 def stacked_swiglu_down(gate, up, w_down, layer, backend: str, dtype):
     """silu(gate) * up (f32 [T, I] products) through layer ``layer``'s stacked w_down [L, I, D] -> [T, D]."""
     h = (jax.nn.silu(gate) * up).astype(dtype)

@@ -35,8 +35,12 @@ class MLP(nnx.Module):
         """A few raw tokens x [T, D] (T <= ``dispatch.STACKED_GEMV_MAX_TOKENS``), before the layer's
         RMSNorm, with every layer's weights at hand (``stack``, see ``DeepseekForCausalLM._stacked``):
         the norm and the gate and up products in one stacked-GEMV launch, then the down GEMV (plus x
-        with ``add_residual``)."""
+        with ``add_residual``); one token on Hopper through the expert launch where
+        ``dispatch.dense_mlp_mgpu_takes``."""
         w_gate, w_up, w_down = stack.mlp
+        if dispatch.dense_mlp_mgpu_takes(x, w_gate, backend):
+            return dispatch.dense_mlp_decode(x, stack.mlp_norm, eps, w_gate, w_up, w_down, stack.index,
+                                             residual=x if add_residual else None)
         gate, up, normed = dispatch.stacked_matmuls(x, (w_gate, w_up), stack.index, backend, norm=(stack.mlp_norm, eps))
         out = dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype)
         return x + out if add_residual else out

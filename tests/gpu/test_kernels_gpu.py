@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -467,6 +468,33 @@ def test_moe_decode_mgpu_gpu(empty_slot):
     residual = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)  # added where the partials are summed
     with_residual = moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared, residual)
     assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
+
+
+def test_dense_mlp_through_the_expert_launch_gpu(monkeypatch):
+    """dispatch.DENSE_MLP_MGPU: V2-Lite's dense layer-0 MLP (2048 -> 10944) at one token through the TMA-fed expert
+    launch as a one-expert stack, against the stacked GEMVs' path and the f32 reference, residual added."""
+    from flax import nnx
+
+    from dsjax.model import dispatch
+    from dsjax.model.moe import MLP
+    from dsjax.model.transformer import LayerStack
+
+    rng = np.random.default_rng(12)
+    mk = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.03, jnp.bfloat16)
+    w_gate, w_up, w_down = mk(2, 2048, 10944), mk(2, 2048, 10944), mk(2, 10944, 2048)
+    norm = jnp.asarray(1 + 0.1 * rng.standard_normal((2, 2048)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)
+    mlp = MLP(2048, 64, jnp.bfloat16, nnx.Rngs(0))  # its own weights unused: decode reads the stacks
+    stack = lambda ws: LayerStack(index=jnp.int32(1), attn={}, mlp=ws, experts=None, mlp_norm=norm, router=None)
+    decode = lambda ws, backend: jax.jit(lambda x: mlp.decode(x, stack(ws), 1e-6, backend, add_residual=True))(x)
+    up = tuple(w.astype(jnp.float32) for w in (w_gate, w_up, w_down))
+    want = decode(up, "reference")
+    gemvs = decode((w_gate, w_up, w_down), "pallas")
+    monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", True)
+    assert dispatch.dense_mlp_mgpu_takes(x, w_gate, "pallas")
+    got = decode((w_gate, w_up, w_down), "pallas")
+    assert got.shape == (1, 2048) and got.dtype == jnp.bfloat16
+    assert _rel(got, want) < 2e-2 and _rel(got, gemvs) < 2e-2
 
 
 def test_route_finishes_the_norm_gpu():

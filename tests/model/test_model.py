@@ -156,6 +156,46 @@ def test_stacked_mlp_kernels_read_their_layer(num_tokens):
         np.testing.assert_allclose(got, h @ w_down[layer], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("add_residual", [False, True])
+def test_dense_mlp_through_the_expert_launch_is_the_layers_mlp(add_residual, monkeypatch):
+    """dispatch.DENSE_MLP_MGPU: a one-token dense MLP goes to the expert launch (``moe_decode_mgpu``, here its
+    reference, which takes the same arguments) as the one expert of a one-expert view of its stacks, weight 1,
+    the layer's RMSNorm first and x added as the residual: the same as the stacked GEMVs' path."""
+    from dsjax.model import dispatch
+    from dsjax.model.moe import MLP
+    from dsjax.model.transformer import LayerStack
+    from pallas_kernels import moe_decode_mgpu
+    from pallas_kernels.moe_decode import moe_decode_reference
+
+    layers, hidden, inter = 3, 64, 128
+    keys = jax.random.split(jax.random.key(6), 5)
+    x = jax.random.normal(keys[0], (1, hidden), jnp.float32) * 3
+    w_gate, w_up = (jax.random.normal(k, (layers, hidden, inter), jnp.float32) * 0.1 for k in keys[1:3])
+    w_down = jax.random.normal(keys[3], (layers, inter, hidden), jnp.float32) * 0.1
+    norm = 1 + 0.1 * jax.random.normal(keys[4], (layers, hidden), jnp.float32)
+    mlp = MLP(hidden, inter, jnp.float32, nnx.Rngs(0))
+    stack = LayerStack(index=jnp.int32(1), attn={}, mlp=(w_gate, w_up, w_down), experts=None, mlp_norm=norm,
+                       router=None)
+    want = mlp.decode(x, stack, 1e-6, "reference", add_residual=add_residual)
+    calls = []
+
+    def launch(*args, residual=None):
+        calls.append(args)
+        return moe_decode_reference(*args, None, residual)
+
+    assert not dispatch.dense_mlp_mgpu_takes(x, w_gate, "pallas")  # off as built
+    monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", True)
+    assert not dispatch.dense_mlp_mgpu_takes(x, w_gate, "reference")
+    monkeypatch.setattr(dispatch, "dense_mlp_mgpu_takes", lambda x, w, backend: True)
+    monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", launch)
+    got = mlp.decode(x, stack, 1e-6, "reference", add_residual=add_residual)
+    (args,) = calls
+    _, weights, ids, gate, up, down, layer = args
+    assert gate.shape == (layers, 1, hidden, inter) and down.shape == (layers, 1, inter, hidden) and int(layer) == 1
+    assert weights.tolist() == [[1.0]] and ids.tolist() == [[0]]
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("num_tokens, folded", [(1, True), (8, True), (9, False)])
 def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, monkeypatch):
     """Up to dispatch.QUERY_FOLD_MAX_TOKENS tokens (no q LoRA) write_latents absorbs the queries through
