@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
                         "the last one's samples (with --device: a step takes max(host, device))")
     parser.add_argument("--set", type=parse_settings, default={},
                         help="'module.ATTR[.FIELD]=LITERAL ...': knob settings for the run, before the engine is built "
-                             "(e.g. dsjax.engine.runner.PACK_STEP_INPUTS=True)")
+                             "(e.g. dsjax.engine.runner.STEP_KERNEL_GRAPHS=True)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", default=NAME, help="results file name under benchmarks/results/ (or a path)")

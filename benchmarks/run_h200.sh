@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-copies|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|dense-mgpu|transfer-wait|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -211,18 +211,31 @@ case $part in
         --preset deepseek-v2-lite --dtype bfloat16 --block-size 64 --batches 1 --prompt 128 --steps 400 --profile 0 \
         --out "$OUT/host_overhead_device_b1_graphs_${setting}_h200" 2>&1 | grep -E "^\| (batch|1) "
     done ;;
-  step-copies)  # round 31's other next step: two copies of each decode program launched in turns
-                # (dsjax.engine.runner.STEP_EXECUTABLES=2) against one, so that a queued launch's CUDA-graph update
-                # finds its graph idle: the batch-1 compiled step and each launch call's host ms, in turns; then a
-                # profile with the copies on: one step's device timeline and one launch's host spans; the step's
-                # int inputs packed into one transfer (PACK_STEP_INPUTS) as a third variant (~10 min)
-    timeout 450 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 3 --variant built --variant "two copies: dsjax.engine.runner.STEP_EXECUTABLES=2" \
-      --variant "packed inputs: dsjax.engine.runner.PACK_STEP_INPUTS=True" \
-      --out "$OUT/step_ab_copies_b1_h200.json" 2>&1 | grep -E "^\||Error"
-    timeout 150 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --top 8 --trace-dir /tmp/trace_copies --set dsjax.engine.runner.STEP_EXECUTABLES=2 2>&1 | grep -v "^WARNING" \
-      | tee "$OUT/step_profile_b1_copies.txt" | tail -45 ;;
+  step-graphs)  # round 32: the batch-1 compiled step as built (its forward without CUDA graphs, one packed
+               # transfer a step) against the graphs on (runner.STEP_KERNEL_GRAPHS), in turns; then step-curve
+               # (~6 minutes)
+    timeout 300 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 3 --variant built --variant "graphs on: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
+      --out "$OUT/step_ab_graphs_b1_h200.json" 2>&1 | grep -E "^\||Error"
+    timeout 250 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
+      --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
+  dense-mgpu)  # round 32's built-off knob: layer 0's dense MLP through the TMA-fed expert launch
+              # (dispatch.DENSE_MLP_MGPU) -- its GPU test, then the batch-1 compiled step with it against as built,
+              # 3 rounds in turns (~7 minutes; round 32's call cut the test at 60 s and the A/B at 170 s, too short
+              # on a fresh machine)
+    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "dense_mlp" 2>&1 \
+      | tee "$OUT/gpu_tests_dense_mgpu.log" | tail -2
+    timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 3 --variant built --variant "dense mlp by the expert launch: dsjax.model.dispatch.DENSE_MLP_MGPU=True" \
+      --out "$OUT/step_ab_dense_mgpu_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  transfer-wait)  # round 32: does a launch on host inputs wait for the running step? A ~2 ms program, then a
+                  # tiny one on a device / numpy array, device_put, device_put to pinned host; then the engine's
+                  # batch-1 step back to back, its inputs from host against placed once (~3 minutes)
+    timeout 250 python -m benchmarks.transfer_wait --engine --preset deepseek-v2-lite \
+      --out "$OUT/transfer_wait_b1_h200.json" --hlo "$OUT/forward_hlo_b1.txt" 2>&1 | grep -E "^\||Error|HLO"
+    echo "== CUDA graphs off"
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 250 python -m benchmarks.transfer_wait --engine \
+      --preset deepseek-v2-lite --out "$OUT/transfer_wait_b1_graphs_off_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

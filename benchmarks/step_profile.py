@@ -169,7 +169,7 @@ def main(argv=None):
     parser.add_argument("--out", help="JSON of the A/B under this path (with --variant)")
     parser.add_argument("--set", type=parse_settings, default={},
                         help="'module.ATTR[.FIELD]=LITERAL ...': knob settings for the whole run (before the engine "
-                             "is built), e.g. dsjax.engine.runner.STEP_EXECUTABLES=2")
+                             "is built), e.g. dsjax.engine.runner.STEP_KERNEL_GRAPHS=True")
     parser.add_argument("--kernel-trace", metavar="DIR", help="instead: the batch-1 step kernel's per-scope trace as "
                         "the engine runs it (dispatch.STEP_KERNEL_TRACE), its summary and phases")
     args = parser.parse_args(argv)
@@ -375,7 +375,7 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
         jax.block_until_ready((runner.cache, res))
     trace = latest_trace(trace_dir)
     # the step's programs (the forward of bucket t, its sampler) as XLA optimized them, for the ops' names
-    texts = [runner._compiled[t][0].as_text(), *(copies[0].as_text() for copies in runner._samplers.values())]
+    texts = [runner._compiled[t].as_text(), *(sampler.as_text() for sampler in runner._samplers.values())]
     with open(os.path.join(trace_dir, "step_hlo.txt"), "w") as f:
         f.write("\n\n".join(texts))
     described = hlo_lines(*texts)

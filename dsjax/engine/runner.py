@@ -12,11 +12,9 @@ local to its slice, and T is the bucket of the busiest rank. The sampled tokens 
 and replicated, so every process of a multi-host run reads them.
 
 A step is two programs: the forward (per bucket: tokens -> cache writes and the sampled rows'
-logits) and the sampler (per row count and the batch's sampling features: top-k/top-p filtering,
-logprobs, decided on the host). Nothing in either waits on the host. On the GPU, though, a queued step's
-launch returns only once the step before it has nearly finished (decode_profile.md round 31), likely because XLA
-updates a program's CUDA graph on every call (its buffers having moved). ``STEP_EXECUTABLES`` copies of each
-decode bucket's programs, launched in turns, would give each update an idle graph.
+logits) and the sampler (per bucket and the batch's sampling features: top-k/top-p filtering,
+logprobs, decided on the host). Nothing in either waits on the host. Without a mesh both take the step's
+inputs as one int32 vector (``_pack``), sent to the device in one transfer.
 
 Async scheduling: dispatch() returns as soon as the step is queued; fetch() reads its sampled tokens.
 Each step also returns its tokens as a device array of max_num_seqs rows per rank (``last_tokens``),
@@ -53,33 +51,15 @@ from dsjax.parallel.sharding import CACHE_SPEC, batch_spec, checks_vma, param_sp
 
 log = logging.getLogger(__name__)
 
-# Copies of each decode bucket's forward (buckets of at most max_num_seqs tokens) and of each sampler, compiled as
-# programs of their own and launched in turns. XLA re-records a program's CUDA graph whenever its buffers moved,
-# which they do every step (new inputs, last_tokens, logits), and a queued launch holds the host until the step
-# before it nearly ends: in the H200 step A/Bs each launch call of a back-to-back loop took the device step less
-# ~0.05 ms (decode_profile.md round 31). If the update is what waits, two copies remove the wait: the graph a
-# launch updates ran two steps ago. Read when compiling (compile_all); 1 = one program each. Not yet timed on the
-# H200.
-STEP_EXECUTABLES = 1
-# Without a mesh, the forward's seven int32 inputs (tokens, positions, slots, sequence ids, token sources, logits
-# rows, block tables) go to the device as one vector, one transfer instead of seven (_pack, _unpack): each transfer
-# is a host call that the H200's launch profile showed at 10-55 µs, once at 893 (decode_profile.md round 31). The
-# forward slices the vector back apart, which may cost the device a small copy. Read when compiling; not yet timed.
-PACK_STEP_INPUTS = False
-# _pack's order of the forward's inputs: (name, per-token or per-row) -- block_tables last, S x max_blocks_per_seq
+# Whether a bucket whose forward runs the batch-1 step kernel keeps XLA's command buffers (CUDA graphs). That
+# forward is ~34 ops, and XLA re-records its graph on every call (the inputs, last_tokens and logits move): on the
+# H200 the step ran ~25 µs faster with graphs off (decode_profile.md round 32). Read when compiling; the other
+# buckets (hundreds of launches a step) keep their graphs.
+STEP_KERNEL_GRAPHS = False
+# _pack's order of a step's inputs: (name, per-token or per-row), then the block tables (S x max_blocks_per_seq),
+# then the sampling arrays' fields (per row, in SamplingArrays' order, as int32 bit patterns)
 _PACKED = (("tokens", "t"), ("positions", "t"), ("slot_mapping", "t"), ("seq_ids", "t"), ("token_sources", "t"),
            ("logits_indices", "s"))
-
-
-def _own_function(fn):
-    """A new function object calling fn, under fn's name. jax caches lowerings by function object, so two jits
-    of one function compile to one program; each of these lowers and compiles to a program of its own (with its
-    own CUDA graph), and the shared name keeps the lowered module, and so its persistent-cache key, the same."""
-    def call(*args, **kwargs):
-        return fn(*args, **kwargs)
-    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step")
-    call.__name__ = call.__qualname__ = name
-    return call
 
 
 class StepInputs(NamedTuple):
@@ -158,8 +138,10 @@ class ModelRunner:
             forward = jax.shard_map(forward, mesh=self.mesh, out_specs=(CACHE_SPEC, batch_spec(2)),
                                     in_specs=(specs, CACHE_SPEC, self._input_specs()._replace(sampling=None), P()),
                                     check_vma=checks_vma(model.kernel_backend))
-        self._forward_fn = forward
-        self._jitted = [jax.jit(forward, donate_argnums=(1,))]  # a jit a copy of the step (``_jitted_copy``)
+        self._jitted = jax.jit(forward, donate_argnums=(1,))
+        self._packs = self.mesh is None  # the step's inputs as one vector (_pack)
+        table_width = config.max_blocks_per_seq
+        self._runs_step_kernel = lambda t: model.step_kernel_blocker(t, self.cache, table_width) is None
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
         copy_blocks = PagedKVCache.copy_blocks
         if self.mesh is not None:  # each rank copies within its own cache slice (local block ids)
@@ -167,11 +149,9 @@ class ModelRunner:
                                         out_specs=CACHE_SPEC)
         self._copy_blocks = jax.jit(copy_blocks, donate_argnums=(0,))
         self.last_tokens = self._zero_last_tokens()
-        self._compiled: dict[int, list[jax.stages.Compiled]] = {}  # bucket -> its forward's copies
-        # (rows, filtered, logprobs, greedy) -> the sampler's copies (``sample``'s static settings)
-        self._samplers: dict[tuple[int, bool, bool, bool], list[jax.stages.Compiled]] = {}
-        self._launches = 0  # launched steps: which copy the next one takes
-        self._packed: dict[int, bool] = {}  # bucket -> whether its forward takes the inputs packed (_pack)
+        self._compiled: dict[int, jax.stages.Compiled] = {}  # bucket -> its forward
+        # (bucket, filtered, logprobs, greedy) -> the sampler (``sample``'s static settings)
+        self._samplers: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
         self.num_useful_tokens = 0  # scheduled tokens, summed over steps
@@ -189,7 +169,7 @@ class ModelRunner:
         """One rank's forward (all of it without a mesh): its tokens, its cache slice, the logits of its
         rows. state_leaves: the weights' state flattened; inputs: StepInputs (no sampling), or them packed
         (``_pack``); last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
-        if not isinstance(inputs, StepInputs):
+        if self._packs:
             inputs = self._unpack(inputs)
         model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_treedef, state_leaves))
         sources = inputs.token_sources
@@ -205,35 +185,29 @@ class ModelRunner:
         rows = self.num_shards * self.config.max_num_seqs
         return result._replace(token_ids=jnp.pad(result.token_ids, (0, rows - result.token_ids.shape[0])))
 
-    def _sampler(self, rows: int, filtered: bool, logprobs: bool, greedy: bool) -> list[jax.stages.Compiled]:
-        """The sampler's copies (``STEP_EXECUTABLES``) for ``rows`` rows a rank, compiled on first use (the plain
-        and the greedy ones with every bucket)."""
-        key = (rows, filtered, logprobs, greedy)
+    def _sampler(self, t: int, filtered: bool, logprobs: bool, greedy: bool) -> jax.stages.Compiled:
+        """The sampler of bucket t's rows, compiled on first use (the plain and the greedy ones with every
+        bucket). Without a mesh it takes the step's packed vector, whose sampling fields it reads."""
+        key = (t, filtered, logprobs, greedy)
         if key not in self._samplers:
             start = time.perf_counter()
             fn = functools.partial(self._sample, filtered=filtered, logprobs=logprobs, greedy=greedy)
             if self.mesh is not None:
                 specs = self._input_specs().sampling
                 fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(batch_spec(2), specs), out_specs=P())
-            shapes = self._abstract_inputs(rows)  # a bucket of `rows` tokens has `rows` rows
-            logits = jax.ShapeDtypeStruct((self.num_shards * rows, self.model_config.vocab_size), jnp.float32,
-                                          sharding=None if self.mesh is None else
+                sampling = self._abstract_inputs(t).sampling
+            else:
+                fn = functools.partial(self._sample_packed, fn)
+                sampling = jax.ShapeDtypeStruct((self._packed_length(t),), jnp.int32)
+            logits = jax.ShapeDtypeStruct((self.num_shards * self.num_rows(t), self.model_config.vocab_size),
+                                          jnp.float32, sharding=None if self.mesh is None else
                                           NamedSharding(self.mesh, batch_spec(2)))
-            self._samplers[key] = [jax.jit(_own_function(fn)).lower(logits, shapes.sampling).compile()
-                                   for _ in range(max(1, STEP_EXECUTABLES))]
+            self._samplers[key] = jax.jit(fn).lower(logits, sampling).compile()
             self.compile_seconds += time.perf_counter() - start
         return self._samplers[key]
 
-    def _jitted_copy(self, i: int):
-        """The i-th jit of the forward (``_own_function``: a program of its own each)."""
-        while len(self._jitted) <= i:
-            self._jitted.append(jax.jit(_own_function(self._forward_fn), donate_argnums=(1,)))
-        return self._jitted[i]
-
-    def step_copies(self, t: int) -> int:
-        """How many copies of bucket t's forward compile_all makes: ``STEP_EXECUTABLES`` for a decode bucket
-        (at most max_num_seqs tokens), else one."""
-        return max(1, STEP_EXECUTABLES) if t <= self.config.max_num_seqs else 1
+    def _sample_packed(self, sample_fn, logits, packed):
+        return sample_fn(logits, self._unpack_sampling(packed, logits.shape[0]))
 
     def _last_tokens_shape(self) -> jax.ShapeDtypeStruct:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -279,27 +253,36 @@ class ModelRunner:
                             is_leaf=lambda x: isinstance(x, P))
 
     def _pack(self, inputs: StepInputs) -> np.ndarray:
-        """The forward's int32 inputs of one step (no mesh) as one host vector: ``_PACKED``'s fields, then the
-        block tables row by row."""
+        """A step's inputs (no mesh) as one int32 host vector: ``_PACKED``'s fields, the block tables row by
+        row, then the sampling arrays' fields (floats and unsigned seeds as their bit patterns, flags as 0 / 1)."""
         fields = {**inputs._asdict(), **inputs.batch._asdict()}
-        return np.concatenate([fields[name] for name, _ in _PACKED] + [inputs.batch.block_tables.ravel()])
+        sampling = [a.astype(np.int32) if a.dtype == np.bool_ else a.view(np.int32) for a in inputs.sampling]
+        return np.concatenate([fields[name] for name, _ in _PACKED] + [inputs.batch.block_tables.ravel()] + sampling)
 
     def _packed_length(self, t: int) -> int:
-        """The length of bucket t's ``_pack`` vector: its forward's int32 inputs, all of them."""
-        return sum(a.size for a in jax.tree.leaves(self._abstract_inputs(t)._replace(sampling=None)))
+        """The length of bucket t's ``_pack`` vector: its step's inputs, all of them."""
+        return sum(a.size for a in jax.tree.leaves(self._abstract_inputs(t)))
 
     def _unpack(self, packed) -> StepInputs:
-        """``_pack``'s vector -> StepInputs (no sampling), sliced apart; its length names the bucket (the length
-        grows with the bucket)."""
+        """``_pack``'s vector -> StepInputs without the sampling arrays (the forward's), sliced apart; its length
+        names the bucket (the length grows with the bucket)."""
         t = next(t for t in self.buckets.sizes if self._packed_length(t) == packed.shape[0])
         s, w = self.num_rows(t), self.config.max_blocks_per_seq
         fields, start = {}, 0
         for name, per in _PACKED:
             size = t if per == "t" else s
             fields[name], start = packed[start:start + size], start + size
-        tables = packed[start:].reshape(s, w)
+        tables = packed[start:start + s * w].reshape(s, w)
         return StepInputs(fields["tokens"], PagedBatch(fields["positions"], fields["slot_mapping"], fields["seq_ids"],
                                                        tables), fields["logits_indices"], None, fields["token_sources"])
+
+    @staticmethod
+    def _unpack_sampling(packed, s: int) -> SamplingArrays:
+        """The sampling arrays of ``_pack``'s vector (its last 7 * s entries, s rows)."""
+        temperature, top_k, top_p, seeds, counters, mask_eos, num_logprobs = packed[-7 * s:].reshape(7, s)
+        as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
+        return SamplingArrays(as_f32(temperature), top_k, as_f32(top_p),
+                              jax.lax.bitcast_convert_type(seeds, jnp.uint32), counters, mask_eos != 0, num_logprobs)
 
     def place_inputs(self, inputs: StepInputs) -> StepInputs:
         """Host arrays -> device: each device receives its rank's slices (every process passes the
@@ -314,16 +297,21 @@ class ModelRunner:
         start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
             inputs = self._abstract_inputs(t)._replace(sampling=None)
-            self._packed[t] = PACK_STEP_INPUTS and self.mesh is None
-            if self._packed[t]:
+            if self._packs:
                 inputs = jax.ShapeDtypeStruct((self._packed_length(t),), jnp.int32)
             args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
-            self._compiled[t] = [self._jitted_copy(i).lower(*args).compile(self.compiler_options)
-                                 for i in range(self.step_copies(t))]
-            self._sampler(self.num_rows(t), False, False, False)
-            self._sampler(self.num_rows(t), False, False, True)
+            self._compiled[t] = self._jitted.lower(*args).compile(self._compiler_options(t))
+            self._sampler(t, False, False, False)
+            self._sampler(t, False, False, True)
             self.num_compiled_shapes += 1
         self.compile_seconds += time.perf_counter() - start
+
+    def _compiler_options(self, t: int) -> dict | None:
+        """XLA options of bucket t's forward: the backend's, and no command buffers where it runs the step kernel
+        (``STEP_KERNEL_GRAPHS``)."""
+        if STEP_KERNEL_GRAPHS or not self._runs_step_kernel(self.num_shards * t):
+            return self.compiler_options
+        return {**(self.compiler_options or {}), "xla_gpu_enable_command_buffer": ""}
 
     def _maybe_requantize(self):
         """buckets="quantile": after the warm-up steps, re-derive the buckets from the observed sizes."""
@@ -409,22 +397,22 @@ class ModelRunner:
     def launch(self, t: int, inputs: StepInputs) -> SampleResult:
         """Queues the forward of bucket t and its sampler on host inputs (from prepare); updates the
         cache and last_tokens, and returns the device result."""
-        copies = self._compiled.get(t)
-        if copies is None:  # only after buckets change; compile_all normally covers every size
+        compiled = self._compiled.get(t)
+        if compiled is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
-            copies = self._compiled[t]
+            compiled = self._compiled[t]
         arrays = inputs.sampling
         drawn = arrays.temperature > 0
         filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
-        samplers = self._sampler(self.num_rows(t), filtered, bool(np.any(arrays.num_logprobs > 0)),
-                                 not np.any(drawn))
-        turn, self._launches = self._launches, self._launches + 1  # the copies in turns (STEP_EXECUTABLES)
-        compiled, sampler = copies[turn % len(copies)], samplers[turn % len(samplers)]
-        placed = self.place_inputs(inputs)
+        sampler = self._sampler(t, filtered, bool(np.any(arrays.num_logprobs > 0)), not np.any(drawn))
+        if self._packs:  # one transfer, both programs' input
+            forward_inputs = sampling = jax.device_put(self._pack(inputs))
+        else:
+            placed = self.place_inputs(inputs)
+            forward_inputs, sampling = placed._replace(sampling=None), placed.sampling
         try:
-            forward_inputs = self._pack(inputs) if self._packed[t] else placed._replace(sampling=None)
             self.cache, logits = compiled(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
-            result = sampler(logits, placed.sampling)
+            result = sampler(logits, sampling)
             self.last_tokens = result.token_ids  # padded to every row of last_tokens (_sample)
         except Exception:
             self._recover_cache()

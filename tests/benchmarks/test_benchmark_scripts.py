@@ -152,6 +152,30 @@ def test_host_overhead_with_the_device_times_its_launch_and_fetch(tmp_path):
     assert row["wall_min_ms"] <= row["wall_ms"] <= row["wall_max_ms"] and "| launch_ms |" in payload["table"]
 
 
+def test_transfer_wait_probe_times_each_case_and_the_engines_step(tmp_path):
+    """The probe's synthetic cases, each behind a busy program and idle, the two-launch anatomy, and with
+    --engine the engine's step from host inputs, placed once and its forward alone; the forward's HLO written."""
+    import json
+
+    from benchmarks import transfer_wait
+
+    out, hlo = tmp_path / "wait.json", tmp_path / "forward.txt"
+    payload = transfer_wait.main(["--reps", "2", "--size", "64", "--chain", "2", "--engine", "--preset", "tiny",
+                                  "--rounds", "1", "--repeats", "10", "--out", str(out), "--hlo", str(hlo)])
+    rows = {row["case"]: row for row in payload["rows"]}
+    for case in ("tiny(device array)", "tiny(numpy array)", "device_put(numpy)",
+                 "busy donating the output of a pending busy"):
+        assert rows[case]["behind_busy_us"] > 0
+    assert rows["tiny(numpy array)"]["idle_us"] > 0
+    for case in ("anatomy: busy program", "anatomy: engine forward, inputs placed once"):
+        assert 0 < rows[case]["first_returns_us"] < rows[case]["second_returns_us"] < rows[case]["second_ready_us"]
+    engine = [row for row in payload["rows"] if "round" in row]
+    assert {row["case"] for row in engine} == {"inputs from host (runner.launch)", "inputs placed once",
+                                              "the forward alone, inputs placed once"}
+    assert all(row["step_ms"] > 0 and row["launch_call_ms"] > 0 for row in engine)
+    assert json.loads(out.read_text())["probe"] == "transfer_wait" and "ENTRY" in hlo.read_text()
+
+
 def test_step_profile_reads_the_latest_trace(tmp_path):
     """A reused trace folder keeps earlier runs' traces: the profile reads the one written last."""
     import os
@@ -448,17 +472,17 @@ def test_step_profile_set_applies_knobs_before_the_engine(monkeypatch):
     from benchmarks import step_profile
     from dsjax.engine import runner
 
-    monkeypatch.setattr(runner, "STEP_EXECUTABLES", runner.STEP_EXECUTABLES)  # put back after the test
+    monkeypatch.setattr(runner, "STEP_KERNEL_GRAPHS", runner.STEP_KERNEL_GRAPHS)  # put back after the test
 
     class Built(Exception):
         pass
 
     def engine(args):
-        raise Built(runner.STEP_EXECUTABLES)
+        raise Built(runner.STEP_KERNEL_GRAPHS)
 
     monkeypatch.setattr(step_profile, "_decoding_engine", engine)
     with pytest.raises(Built) as seen:
-        step_profile.main(["--preset", "tiny", "--set", "dsjax.engine.runner.STEP_EXECUTABLES=2"])
-    assert seen.value.args == (2,)
+        step_profile.main(["--preset", "tiny", "--set", "dsjax.engine.runner.STEP_KERNEL_GRAPHS=True"])
+    assert seen.value.args == (True,)
     with pytest.raises(SystemExit):
         step_profile.main(["--preset", "tiny", "--set", "no_dot=1"])

@@ -131,46 +131,32 @@ def test_async_failed_read_aborts_both_queued_steps(engines, monkeypatch):
     assert len(out.outputs[0].token_ids) == 6
 
 
-def test_step_copies_in_turns_equal_sync(engines, monkeypatch):
-    """runner.STEP_EXECUTABLES = 2: each decode bucket's forward (at most max_num_seqs tokens) and each sampler
-    compiled twice, as distinct programs, and launched in turns; the async engine's outputs stay the sync
-    engine's exactly."""
-    from dsjax.engine import runner as runner_module
-
-    sync, _ = engines
-    monkeypatch.setattr(runner_module, "STEP_EXECUTABLES", 2)
-    llm = LLM("tiny", dtype="float32", progress=False, async_scheduling=True, **ENGINE)
-    runner = llm.engine.runner
-    assert {t: len(copies) for t, copies in runner._compiled.items()} == {1: 2, 2: 2, 4: 2, 8: 2, 16: 1, 32: 1}
-    assert all(len(copies) == 2 for copies in runner._samplers.values())
-    for copies in (runner._compiled[1], *runner._samplers.values()):
-        assert copies[0].runtime_executable() is not copies[1].runtime_executable()
-    launched = []
-    for copies in (*runner._compiled.values(), *runner._samplers.values()):
-        for i, fn in enumerate(copies):
-            copies[i] = (lambda fn, i: lambda *a: launched.append(i) or fn(*a))(fn, i)
-    outputs_equal_sync(sync, llm)
-    assert launched.count(1) > 10 and launched.count(0) > launched.count(1) // 2  # both copies, in turns
-
-
-def test_packed_step_inputs_equal_sync(engines, monkeypatch):
-    """runner.PACK_STEP_INPUTS: the forward's int32 inputs go to the device as one vector (_pack) that the
-    forward slices apart (_unpack, buckets up to and past max_num_seqs); the outputs stay the sync engine's."""
+def test_packed_step_inputs_equal_sync(engines):
+    """Without a mesh a step's inputs, the sampling arrays' too, reach the device as one int32 vector (_pack) that
+    the forward and the sampler slice apart (_unpack, _unpack_sampling; buckets up to and past max_num_seqs); the
+    async engine's outputs stay the sync engine's."""
     import jax
     import numpy as np
 
-    from dsjax.engine import runner as runner_module
-
-    sync, _ = engines
-    monkeypatch.setattr(runner_module, "PACK_STEP_INPUTS", True)
-    llm = LLM("tiny", dtype="float32", progress=False, async_scheduling=True, **ENGINE)
+    sync, llm = engines
     runner = llm.engine.runner
-    assert all(runner._packed.values()) and sorted(runner._packed) == [1, 2, 4, 8, 16, 32]
+    assert runner._packs and sorted(runner._compiled) == [1, 2, 4, 8, 16, 32]
     for t in (1, 8, 16, 32):  # the bucket comes back from the vector's length alone
         rng = np.random.default_rng(t)
-        host = jax.tree.map(lambda a: rng.integers(-5, 1000, a.shape).astype(np.int32),
-                            runner._abstract_inputs(t)._replace(sampling=None))
-        back = runner._unpack(runner._pack(host))
-        for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(host)):
+        host = jax.tree.map(lambda a: rng.integers(-5, 1000, a.shape).astype(a.dtype), runner._abstract_inputs(t))
+        sampling = host.sampling
+        host = host._replace(sampling=sampling._replace(
+            temperature=rng.uniform(0, 2, sampling.temperature.shape).astype(np.float32),
+            top_p=rng.uniform(0, 1, sampling.top_p.shape).astype(np.float32),
+            seeds=rng.integers(0, 2**32, sampling.seeds.shape, dtype=np.uint64).astype(np.uint32),
+            mask_eos=rng.integers(0, 2, sampling.mask_eos.shape).astype(np.bool_)))
+        packed = runner._pack(host)
+        assert packed.dtype == np.int32 and packed.shape == (runner._packed_length(t),)
+        back = runner._unpack(packed)
+        for got, want in zip(jax.tree.leaves(back._replace(sampling=None)), jax.tree.leaves(host._replace(sampling=None))):
             np.testing.assert_array_equal(got, want)
+        rows = runner.num_rows(t)
+        for got, want in zip(runner._unpack_sampling(jax.numpy.asarray(packed), rows), host.sampling):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(np.asarray(got), want)
     outputs_equal_sync(sync, llm)

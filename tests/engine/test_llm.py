@@ -120,10 +120,9 @@ def test_top_k_one_is_greedy(llm):
     """A batch of greedy rows takes the greedy sampler (no keys, no draw: ``sample(greedy=True)``); a top-k 1
     draw through the filtered one picks the same tokens."""
     samplers, calls = llm.engine.runner._samplers, []
-    built = {key: copies for key, copies in samplers.items() if key[3]}  # compile_all's greedy samplers, counted
+    built = {key: fn for key, fn in samplers.items() if key[3]}  # compile_all's greedy samplers, counted
     assert built
-    samplers.update({key: [(lambda fn: lambda *a: calls.append(1) or fn(*a))(fn) for fn in copies]
-                     for key, copies in built.items()})
+    samplers.update({key: (lambda fn: lambda *a: calls.append(1) or fn(*a))(fn) for key, fn in built.items()})
     try:
         greedy = llm.generate("abc", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
         assert len(calls) >= 8  # a step a token
@@ -164,10 +163,8 @@ def test_sampler_returns_the_next_steps_last_tokens(llm):
     runner = llm.engine.runner
     rows, max_rows = 2, runner.config.max_num_seqs
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((rows, runner.model_config.vocab_size)), jnp.float32)
-    import jax
-
-    arrays = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), runner._abstract_inputs(rows).sampling)
-    result = runner._sampler(rows, False, False, True)[0](logits, arrays)
+    packed = jnp.zeros((runner._packed_length(rows),), jnp.int32)  # the step's inputs, greedy rows
+    result = runner._sampler(rows, False, False, True)(logits, packed)
     assert result.token_ids.shape == (max_rows,) and result.top_ids.shape == (rows, 0)
     np.testing.assert_array_equal(np.asarray(result.token_ids[:rows]), np.asarray(jnp.argmax(logits, axis=-1)))
 
@@ -259,13 +256,33 @@ def test_stats_report_buckets(llm):
     assert 0 <= stats["padding_ratio"] < 1 and stats["warmup_seconds"] > 0
 
 
+def test_step_kernel_buckets_compile_without_command_buffers(llm, monkeypatch):
+    """A bucket whose forward runs the batch-1 step kernel compiles with XLA's command buffers off
+    (runner.STEP_KERNEL_GRAPHS, decode_profile.md round 32), every other bucket with the backend's options; the
+    option compiles (on CPU XLA ignores it)."""
+    from dsjax.engine import runner as runner_module
+
+    runner = llm.engine.runner
+    assert not any(runner._runs_step_kernel(t) for t in runner.buckets.sizes)  # the reference backend on CPU
+    assert runner._compiler_options(1) == runner.compiler_options
+    monkeypatch.setattr(runner, "_runs_step_kernel", lambda t: t == 1)
+    assert runner._compiler_options(1) == {**(runner.compiler_options or {}), "xla_gpu_enable_command_buffer": ""}
+    assert runner._compiler_options(2) == runner.compiler_options
+    compiled = runner._jitted.lower(runner._state_leaves, runner.cache,
+                                    jnp.zeros((runner._packed_length(1),), jnp.int32),
+                                    runner.last_tokens).compile(runner._compiler_options(1))
+    assert compiled.as_text()
+    monkeypatch.setattr(runner_module, "STEP_KERNEL_GRAPHS", True)
+    assert runner._compiler_options(1) == runner.compiler_options
+
+
 def test_compiled_steps_update_the_kv_pool_in_place(llm):
     """The donated pool is written in place: no step copies it (on CPU a one-token step once copied
     the whole pool several times a layer, making decode cost grow with the pool, not the context)."""
     runner = llm.engine.runner
     pool_shapes = {f"{jnp.dtype(a.dtype).name.replace('float', 'f')}[{','.join(map(str, a.shape))}]"
                    for a in (runner.cache.c_kv, runner.cache.k_pe)}
-    for bucket, (compiled, *_) in runner._compiled.items():
+    for bucket, compiled in runner._compiled.items():
         copies = [line for line in compiled.as_text().splitlines()
                   if re.search(r"= (\S+)\{[\d,]+\} copy\(", line) and
                   re.search(r"= (\S+)\{", line).group(1) in pool_shapes]
