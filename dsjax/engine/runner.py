@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 # H200 the step ran ~25 µs faster with graphs off (decode_profile.md round 32). Read when compiling; the other
 # buckets (hundreds of launches a step) keep their graphs.
 STEP_KERNEL_GRAPHS = False
+# Whether a bucket whose forward runs the batch-1 step kernel also compiles that forward with the greedy sampler
+# inside, for its steps whose rows all decode greedily without log-probabilities: one program a step instead of
+# two. The loop of round 32 (decode_profile.md) ran the forward alone 7 µs a step faster than forward + sampler,
+# and each program's launch costs the host ~0.2-0.3 ms. Read when compiling; not yet timed on the H200.
+GREEDY_IN_FORWARD = False
 # _pack's order of a step's inputs: (name, per-token or per-row), then the block tables (S x max_blocks_per_seq),
 # then the sampling arrays' fields (per row, in SamplingArrays' order, as int32 bit patterns)
 _PACKED = (("tokens", "t"), ("positions", "t"), ("slot_mapping", "t"), ("seq_ids", "t"), ("token_sources", "t"),
@@ -140,8 +145,7 @@ class ModelRunner:
                                     check_vma=checks_vma(model.kernel_backend))
         self._jitted = jax.jit(forward, donate_argnums=(1,))
         self._packs = self.mesh is None  # the step's inputs as one vector (_pack)
-        table_width = config.max_blocks_per_seq
-        self._runs_step_kernel = lambda t: model.step_kernel_blocker(t, self.cache, table_width) is None
+        self._step_kernel_blocker = model.step_kernel_blocker
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
         copy_blocks = PagedKVCache.copy_blocks
         if self.mesh is not None:  # each rank copies within its own cache slice (local block ids)
@@ -152,6 +156,7 @@ class ModelRunner:
         self._compiled: dict[int, jax.stages.Compiled] = {}  # bucket -> its forward
         # (bucket, filtered, logprobs, greedy) -> the sampler (``sample``'s static settings)
         self._samplers: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
+        self._greedy_forwards: dict[int, jax.stages.Compiled] = {}  # bucket -> its forward + greedy sampler
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
         self.num_useful_tokens = 0  # scheduled tokens, summed over steps
@@ -208,6 +213,17 @@ class ModelRunner:
 
     def _sample_packed(self, sample_fn, logits, packed):
         return sample_fn(logits, self._unpack_sampling(packed, logits.shape[0]))
+
+    def _forward_greedy(self, state_leaves, cache, packed, last_tokens):
+        """The forward and the greedy sampler as one program (no mesh; ``GREEDY_IN_FORWARD``) -> (cache,
+        SampleResult)."""
+        cache, logits = self._forward(state_leaves, cache, packed, last_tokens)
+        sample_fn = functools.partial(self._sample, filtered=False, logprobs=False, greedy=True)
+        return cache, self._sample_packed(sample_fn, logits, packed)
+
+    def runs_step_kernel(self, t: int) -> bool:
+        """Whether bucket t's forward runs the batch-1 step kernel (``DeepseekForCausalLM.step_kernel_blocker``)."""
+        return self._step_kernel_blocker(self.num_shards * t, self.cache, self.config.max_blocks_per_seq) is None
 
     def _last_tokens_shape(self) -> jax.ShapeDtypeStruct:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, P())
@@ -301,6 +317,9 @@ class ModelRunner:
                 inputs = jax.ShapeDtypeStruct((self._packed_length(t),), jnp.int32)
             args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
             self._compiled[t] = self._jitted.lower(*args).compile(self._compiler_options(t))
+            if GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
+                greedy = jax.jit(self._forward_greedy, donate_argnums=(1,))
+                self._greedy_forwards[t] = greedy.lower(*args).compile(self._compiler_options(t))
             self._sampler(t, False, False, False)
             self._sampler(t, False, False, True)
             self.num_compiled_shapes += 1
@@ -309,7 +328,7 @@ class ModelRunner:
     def _compiler_options(self, t: int) -> dict | None:
         """XLA options of bucket t's forward: the backend's, and no command buffers where it runs the step kernel
         (``STEP_KERNEL_GRAPHS``)."""
-        if STEP_KERNEL_GRAPHS or not self._runs_step_kernel(self.num_shards * t):
+        if STEP_KERNEL_GRAPHS or not self.runs_step_kernel(t):
             return self.compiler_options
         return {**(self.compiler_options or {}), "xla_gpu_enable_command_buffer": ""}
 
@@ -404,15 +423,20 @@ class ModelRunner:
         arrays = inputs.sampling
         drawn = arrays.temperature > 0
         filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
-        sampler = self._sampler(t, filtered, bool(np.any(arrays.num_logprobs > 0)), not np.any(drawn))
+        logprobs, greedy = bool(np.any(arrays.num_logprobs > 0)), not np.any(drawn)
+        one_program = self._greedy_forwards.get(t) if greedy and not logprobs else None
+        sampler = None if one_program else self._sampler(t, filtered, logprobs, greedy)
         if self._packs:  # one transfer, both programs' input
             forward_inputs = sampling = jax.device_put(self._pack(inputs))
         else:
             placed = self.place_inputs(inputs)
             forward_inputs, sampling = placed._replace(sampling=None), placed.sampling
         try:
-            self.cache, logits = compiled(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
-            result = sampler(logits, sampling)
+            if one_program:
+                self.cache, result = one_program(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
+            else:
+                self.cache, logits = compiled(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
+                result = sampler(logits, sampling)
             self.last_tokens = result.token_ids  # padded to every row of last_tokens (_sample)
         except Exception:
             self._recover_cache()

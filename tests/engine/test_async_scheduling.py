@@ -160,3 +160,34 @@ def test_packed_step_inputs_equal_sync(engines):
             assert got.dtype == want.dtype
             np.testing.assert_array_equal(np.asarray(got), want)
     outputs_equal_sync(sync, llm)
+
+
+def test_greedy_sampler_inside_the_forward_equals_sync(engines, monkeypatch):
+    """runner.GREEDY_IN_FORWARD: a bucket that runs the batch-1 step kernel (forced here for bucket 1) also compiles
+    its forward with the greedy sampler inside, and its steps whose rows all decode greedily without
+    log-probabilities run that one program (no sampler program); the outputs stay the sync engine's, a lone greedy
+    request's and min_tokens' EOS mask included."""
+    from dsjax.engine import runner as runner_module
+
+    sync, _ = engines
+    monkeypatch.setattr(runner_module, "GREEDY_IN_FORWARD", True)
+    monkeypatch.setattr(runner_module.ModelRunner, "runs_step_kernel", lambda self, t: t == 1)
+    llm = LLM("tiny", dtype="float32", progress=False, async_scheduling=True, **ENGINE)
+    runner = llm.engine.runner
+    assert sorted(runner._greedy_forwards) == [1]
+    one, two = [], []  # launches of bucket 1's one program, and of its greedy sampler program
+    counted = lambda fn, calls: lambda *a: calls.append(1) or fn(*a)
+    runner._greedy_forwards[1] = counted(runner._greedy_forwards[1], one)
+    runner._samplers[1, False, False, True] = counted(runner._samplers[1, False, False, True], two)
+    outputs_equal_sync(sync, llm)
+    for params in (SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                   SamplingParams(max_tokens=20, temperature=0.0, min_tokens=15)):
+        alone = [[9, 8, 7, 6, 5, 4, 3]]
+        assert summary(llm.generate(alone, params, use_tqdm=False)) == summary(sync.generate(alone, params, use_tqdm=False))
+    assert len(one) > 20  # the lone greedy requests' decodes, one program a step
+    logprobs = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
+    before = len(one)
+    assert summary(llm.generate([[5, 6, 7]], logprobs, use_tqdm=False)) == summary(
+        sync.generate([[5, 6, 7]], logprobs, use_tqdm=False))
+    assert len(one) == before and (1, False, True, True) in runner._samplers  # log-probabilities: two programs
+    assert not two

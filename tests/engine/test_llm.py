@@ -263,9 +263,9 @@ def test_step_kernel_buckets_compile_without_command_buffers(llm, monkeypatch):
     from dsjax.engine import runner as runner_module
 
     runner = llm.engine.runner
-    assert not any(runner._runs_step_kernel(t) for t in runner.buckets.sizes)  # the reference backend on CPU
+    assert not any(runner.runs_step_kernel(t) for t in runner.buckets.sizes)  # the reference backend on CPU
     assert runner._compiler_options(1) == runner.compiler_options
-    monkeypatch.setattr(runner, "_runs_step_kernel", lambda t: t == 1)
+    monkeypatch.setattr(runner, "runs_step_kernel", lambda t: t == 1)
     assert runner._compiler_options(1) == {**(runner.compiler_options or {}), "xla_gpu_enable_command_buffer": ""}
     assert runner._compiler_options(2) == runner.compiler_options
     compiled = runner._jitted.lower(runner._state_leaves, runner.cache,

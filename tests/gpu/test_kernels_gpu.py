@@ -770,3 +770,31 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
         logits[on] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8, cache_dtype=jnp.bfloat16)
     assert calls  # the one-token steps took the kernel
     assert _rel(logits[True][-3:], logits[False][-3:]) < 3e-2
+
+
+def test_engine_greedy_steps_in_one_program_gpu(monkeypatch):
+    """runner.GREEDY_IN_FORWARD: an engine over a random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers)
+    whose one-token steps run the step kernel compiles bucket 1's forward with the greedy sampler inside; a greedy
+    request after a 70-token prompt gives the tokens of the two programs a step."""
+    import dataclasses
+
+    from dsjax import LLM, SamplingParams
+    from dsjax.config import ModelConfig
+    from dsjax.engine import llm as llm_module
+    from dsjax.engine import runner as runner_module
+    from dsjax.model.transformer import random_model
+
+    config = dataclasses.replace(ModelConfig.preset("deepseek-v2-lite"), num_hidden_layers=3)
+    model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
+    monkeypatch.setattr(llm_module, "load_model", lambda *args, **kwargs: model)
+    prompt = np.random.default_rng(5).integers(3, 1000, size=70).tolist()
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for on in (False, True):
+        monkeypatch.setattr(runner_module, "GREEDY_IN_FORWARD", on)
+        llm = LLM("deepseek-v2-lite", dtype="bfloat16", kernel_backend="pallas", max_num_seqs=1,
+                  max_num_batched_tokens=128, max_model_len=256, block_size=64, num_kv_blocks=16, buckets=(1, 128),
+                  enable_prefix_caching=False, progress=False)
+        assert sorted(llm.engine.runner._greedy_forwards) == ([1] if on else [])
+        tokens[on] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert tokens[True] == tokens[False]
