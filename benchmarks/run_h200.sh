@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|dense-mgpu|greedy-forward|transfer-wait|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|dense-mgpu|greedy-forward|step-context|transfer-wait|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -244,6 +244,14 @@ case $part in
     echo "== CUDA graphs off"
     XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 250 python -m benchmarks.transfer_wait --engine \
       --preset deepseek-v2-lite --out "$OUT/transfer_wait_b1_graphs_off_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  step-context)  # round 32's finding: the batch-1 step grows ~4.6 µs a layer from context ~142 to ~630. The kernel's
+                # per-scope trace at prompts of 128 and 1024 tokens, phase by phase, to see which phase grows
+                # (~6 minutes)
+    for p in 128 1024; do
+      timeout 280 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+        --prompt $p --kernel-trace "$OUT/kernel_trace_p$p" 2>&1 | grep -v "^WARNING" | tail -120 \
+        | tee "$OUT/step_kernel_trace_b1_p$p.txt" | tail -25
+    done ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

@@ -161,6 +161,7 @@ def main(argv=None):
     parser.add_argument("--kernel-backend", default="auto")
     parser.add_argument("--trace-dir", default="/tmp/dsjax_trace")
     parser.add_argument("--num-kv-blocks", type=int, default=4096)
+    parser.add_argument("--prompt", type=int, default=4, help="prompt tokens a sequence (the step's context)")
     parser.add_argument("--top", type=int, default=25, help="device ops to list")
     parser.add_argument("--variant", action="append", default=[], type=parse_variant,
                         help="'NAME[: module.ATTR[.FIELD]=LITERAL ...]': A/B these knob settings instead of profiling")
@@ -201,17 +202,19 @@ def main(argv=None):
 
 
 def _decoding_engine(args):
-    """An engine of ``args.batch`` sequences in steady decode -> (the LLM, 10 engine.step() host times)."""
-    b = args.batch
+    """An engine of ``args.batch`` sequences in steady decode, each after a prompt of ``args.prompt`` tokens (one
+    prefill step each) -> (the LLM, 10 engine.step() host times)."""
+    b, prompt = args.batch, getattr(args, "prompt", 4)
+    chunk = max(b, 16, prompt)  # a prompt prefills in one step
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
-              max_num_batched_tokens=max(b, 16), max_model_len=256, block_size=64,
-              buckets=(b, max(b, 16)) if b < 16 else (b,), num_kv_blocks=args.num_kv_blocks,
+              max_num_batched_tokens=chunk, max_model_len=max(256, prompt + 230), block_size=64,
+              buckets=(b, chunk) if b < chunk else (b,), num_kv_blocks=args.num_kv_blocks,
               enable_prefix_caching=False, progress=False)
     engine = llm.engine
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     for i in range(b):
-        engine.add_request(str(i), None, params, prompt_token_ids=[5 + i, 6, 7, 8])
-    for _ in range(6):
+        engine.add_request(str(i), None, params, prompt_token_ids=[5 + i] + [6 + t % 100 for t in range(prompt - 1)])
+    for _ in range(-(-b * prompt // chunk) + 5):  # the prefill steps, then a few decodes
         engine.step()
     host = []
     for _ in range(10):

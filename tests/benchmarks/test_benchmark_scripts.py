@@ -176,6 +176,22 @@ def test_transfer_wait_probe_times_each_case_and_the_engines_step(tmp_path):
     assert json.loads(out.read_text())["probe"] == "transfer_wait" and "ENTRY" in hlo.read_text()
 
 
+def test_step_profile_engine_decodes_after_a_prompt_of_the_asked_length():
+    """--prompt: each sequence's prompt has that many tokens, prefilled in one step, and every sequence decodes
+    when the step is taken (4 tokens as before by default)."""
+    import argparse
+
+    from benchmarks.step_profile import _decoding_engine
+
+    for prompt in (4, 40):
+        args = argparse.Namespace(preset="tiny", batch=2, kernel_backend="auto", num_kv_blocks=64, prompt=prompt)
+        llm, host = _decoding_engine(args)
+        running = llm.engine.scheduler.running
+        assert len(running) == 2 and len(host) == 10
+        assert all(seq.num_prompt_tokens == prompt and seq.is_decoding for seq in running)
+        assert llm.engine.config.max_model_len >= prompt + 200
+
+
 def test_step_profile_reads_the_latest_trace(tmp_path):
     """A reused trace folder keeps earlier runs' traces: the profile reads the one written last."""
     import os
