@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|dense-mgpu|greedy-forward|step-context|transfer-wait|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|dense-mgpu|round33-ab|greedy-forward|step-context|transfer-wait|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -228,6 +228,14 @@ case $part in
     timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 3 --variant built --variant "dense mlp by the expert launch: dsjax.model.dispatch.DENSE_MLP_MGPU=True" \
       --out "$OUT/step_ab_dense_mgpu_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
+  round33-ab)  # round 32's two built-off knobs in one A/B (no GPU tests: dense-mgpu and greedy-forward run those):
+              # the batch-1 compiled step as built, with layer 0's MLP by the expert launch, with the greedy sampler
+              # in the forward, and with both, 3 rounds in turns (~6 minutes)
+    timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 3 --variant built --variant "dense mlp: dsjax.model.dispatch.DENSE_MLP_MGPU=True" \
+      --variant "greedy in forward: dsjax.engine.runner.GREEDY_IN_FORWARD=True" \
+      --variant "both: dsjax.model.dispatch.DENSE_MLP_MGPU=True dsjax.engine.runner.GREEDY_IN_FORWARD=True" \
+      --out "$OUT/step_ab_round33_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
   greedy-forward)  # round 32's other built-off knob: the batch-1 step's greedy sampler inside its forward, one
                   # program a step (runner.GREEDY_IN_FORWARD), against as built, 3 rounds in turns; then its
                   # GPU test (an engine over a 3-layer V2-Lite-shaped model; ~7 minutes)

@@ -322,8 +322,7 @@ def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[di
             setattr(module, attr, value)
         apply_settings(settings)
         jax.clear_caches()  # the knobs are read while tracing: every kernel and the step trace again
-        runner._compiled.clear()
-        runner._samplers.clear()
+        runner.clear_compiled()
         start = time.perf_counter()
         runner.compile_all()
         return time.perf_counter() - start

@@ -325,6 +325,12 @@ class ModelRunner:
             self.num_compiled_shapes += 1
         self.compile_seconds += time.perf_counter() - start
 
+    def clear_compiled(self):
+        """Drops every compiled program (compile_all makes them again, e.g. after a knob read at trace time changed)."""
+        self._compiled.clear()
+        self._samplers.clear()
+        self._greedy_forwards.clear()
+
     def _compiler_options(self, t: int) -> dict | None:
         """XLA options of bucket t's forward: the backend's, and no command buffers where it runs the step kernel
         (``STEP_KERNEL_GRAPHS``)."""

@@ -285,6 +285,25 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
         original_ab(None, [("x", {"dsjax.model.dispatch.NO_SUCH": 1})], rounds=1, repeats=1)
 
 
+def test_step_profile_ab_drops_the_other_variants_programs(monkeypatch):
+    """A variant's programs do not outlive it: with runner.GREEDY_IN_FORWARD on in one variant (the step kernel's
+    bucket forced to 1), the built variant after it times the step without the forward + sampler program."""
+    from benchmarks import step_profile
+    from dsjax.engine import runner as runner_module
+
+    monkeypatch.setattr(runner_module.ModelRunner, "runs_step_kernel", lambda self, t: t == 1)
+    seen, timed = [], step_profile.time_compiled_step
+
+    def recording(engine, t, inputs, repeats):
+        seen.append(sorted(engine.runner._greedy_forwards))
+        return timed(engine, t, inputs, repeats)
+
+    monkeypatch.setattr(step_profile, "time_compiled_step", recording)
+    step_profile.main(["--preset", "tiny", "--batch", "1", "--num-kv-blocks", "64", "--rounds", "2", "--repeats", "2",
+                       "--variant", "built", "--variant", "greedy: dsjax.engine.runner.GREEDY_IN_FORWARD=True"])
+    assert seen == [[], [1], [], [1]] and runner_module.GREEDY_IN_FORWARD is False
+
+
 def test_step_profile_kernel_trace_says_why_the_kernel_did_not_run(tmp_path):
     """--kernel-trace: the engine's steps under dispatch.STEP_KERNEL_TRACE (put back after); on the CPU no step
     kernel runs, and the error says why (the model's own reason)."""
