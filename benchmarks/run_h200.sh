@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|dense-mgpu|round33-ab|greedy-forward|step-context|transfer-wait|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|transfer-wait|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -219,16 +219,14 @@ case $part in
       --out "$OUT/step_ab_graphs_b1_h200.json" 2>&1 | grep -E "^\||Error"
     timeout 250 python -m dsjax.bench decode-curve --batches 1 2 32 --prompts 128 --out-dir "$OUT" \
       --tag h200_b1b2b32_step_kernel | grep "decode-curve b" ;;
-  dense-mgpu)  # round 32's built-off knob: layer 0's dense MLP through the TMA-fed expert launch
-              # (dispatch.DENSE_MLP_MGPU) -- its GPU test, then the batch-1 compiled step with it against as built,
-              # 3 rounds in turns (~7 minutes; round 32's call cut the test at 60 s and the A/B at 170 s, too short
-              # on a fresh machine)
-    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "dense_mlp" 2>&1 \
-      | tee "$OUT/gpu_tests_dense_mgpu.log" | tail -2
-    timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 3 --variant built --variant "dense mlp by the expert launch: dsjax.model.dispatch.DENSE_MLP_MGPU=True" \
-      --out "$OUT/step_ab_dense_mgpu_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  round33-ab)  # round 32's two built-off knobs in one A/B (no GPU tests: dense-mgpu and greedy-forward run those):
+  round33-tests)  # round 32's two built-off knobs, their GPU tests: layer 0's MLP by the expert launch
+                 # (dispatch.DENSE_MLP_MGPU) against the stacked GEMVs and the f32 reference, and an engine over a
+                 # 3-layer V2-Lite-shaped model with the greedy sampler inside the forward (runner.GREEDY_IN_FORWARD)
+                 # giving the tokens of two programs a step (~4 minutes; round 32's call cut a test at 60 s, too
+                 # short on a fresh machine)
+    timeout 400 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "dense_mlp or greedy_steps_in_one_program" \
+      2>&1 | tee "$OUT/gpu_tests_round33.log" | tail -3 ;;
+  round33-ab)  # round 32's two built-off knobs in one A/B (their GPU tests: round33-tests):
               # the batch-1 compiled step as built, with layer 0's MLP by the expert launch, with the greedy sampler
               # in the forward, and with both, 3 rounds in turns (~6 minutes)
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
@@ -236,22 +234,6 @@ case $part in
       --variant "greedy in forward: dsjax.engine.runner.GREEDY_IN_FORWARD=True" \
       --variant "both: dsjax.model.dispatch.DENSE_MLP_MGPU=True dsjax.engine.runner.GREEDY_IN_FORWARD=True" \
       --out "$OUT/step_ab_round33_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
-  greedy-forward)  # round 32's other built-off knob: the batch-1 step's greedy sampler inside its forward, one
-                  # program a step (runner.GREEDY_IN_FORWARD), against as built, 3 rounds in turns; then its
-                  # GPU test (an engine over a 3-layer V2-Lite-shaped model; ~7 minutes)
-    timeout 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 3 --variant built --variant "greedy in the forward: dsjax.engine.runner.GREEDY_IN_FORWARD=True" \
-      --out "$OUT/step_ab_greedy_forward_b1_h200.json" 2>&1 | grep -E "^\||Error"
-    timeout 200 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "greedy_steps_in_one_program" 2>&1 \
-      | tee "$OUT/gpu_tests_greedy_forward.log" | tail -2 ;;
-  transfer-wait)  # round 32: does a launch on host inputs wait for the running step? A ~2 ms program, then a
-                  # tiny one on a device / numpy array, device_put, device_put to pinned host; then the engine's
-                  # batch-1 step back to back, its inputs from host against placed once (~3 minutes)
-    timeout 250 python -m benchmarks.transfer_wait --engine --preset deepseek-v2-lite \
-      --out "$OUT/transfer_wait_b1_h200.json" --hlo "$OUT/forward_hlo_b1.txt" 2>&1 | grep -E "^\||Error|HLO"
-    echo "== CUDA graphs off"
-    XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 250 python -m benchmarks.transfer_wait --engine \
-      --preset deepseek-v2-lite --out "$OUT/transfer_wait_b1_graphs_off_h200.json" 2>&1 | grep -E "^\||Error" ;;
   step-context)  # round 32's finding: the batch-1 step grows ~4.6 µs a layer from context ~142 to ~630. The kernel's
                 # per-scope trace at prompts of 128 and 1024 tokens, phase by phase, to see which phase grows
                 # (~6 minutes)

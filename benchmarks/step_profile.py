@@ -204,7 +204,7 @@ def main(argv=None):
 def _decoding_engine(args):
     """An engine of ``args.batch`` sequences in steady decode, each after a prompt of ``args.prompt`` tokens (one
     prefill step each) -> (the LLM, 10 engine.step() host times)."""
-    b, prompt = args.batch, getattr(args, "prompt", 4)
+    b, prompt = args.batch, args.prompt
     chunk = max(b, 16, prompt)  # a prompt prefills in one step
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
               max_num_batched_tokens=chunk, max_model_len=max(256, prompt + 230), block_size=64,

@@ -203,6 +203,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--kernel-backend", default="auto")
     parser.add_argument("--num-kv-blocks", type=int, default=2048)
+    parser.add_argument("--prompt", type=int, default=4, help="prompt tokens of the engine's sequence")
     parser.add_argument("--rounds", type=int, default=3, help="turns of the engine's two cases")
     parser.add_argument("--repeats", type=int, default=200, help="launches an engine timing")
     parser.add_argument("--out", help="JSON of the results under this path")

@@ -218,8 +218,8 @@ class ModelRunner:
         """The forward and the greedy sampler as one program (no mesh; ``GREEDY_IN_FORWARD``) -> (cache,
         SampleResult)."""
         cache, logits = self._forward(state_leaves, cache, packed, last_tokens)
-        sample_fn = functools.partial(self._sample, filtered=False, logprobs=False, greedy=True)
-        return cache, self._sample_packed(sample_fn, logits, packed)
+        return cache, self._sample(logits, self._unpack_sampling(packed, logits.shape[0]), filtered=False,
+                                   logprobs=False, greedy=True)
 
     def runs_step_kernel(self, t: int) -> bool:
         """Whether bucket t's forward runs the batch-1 step kernel (``DeepseekForCausalLM.step_kernel_blocker``)."""
@@ -292,19 +292,16 @@ class ModelRunner:
         return StepInputs(fields["tokens"], PagedBatch(fields["positions"], fields["slot_mapping"], fields["seq_ids"],
                                                        tables), fields["logits_indices"], None, fields["token_sources"])
 
-    @staticmethod
-    def _unpack_sampling(packed, s: int) -> SamplingArrays:
-        """The sampling arrays of ``_pack``'s vector (its last 7 * s entries, s rows)."""
-        temperature, top_k, top_p, seeds, counters, mask_eos, num_logprobs = packed[-7 * s:].reshape(7, s)
-        as_f32 = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.float32)
-        return SamplingArrays(as_f32(temperature), top_k, as_f32(top_p),
-                              jax.lax.bitcast_convert_type(seeds, jnp.uint32), counters, mask_eos != 0, num_logprobs)
+    def _unpack_sampling(self, packed, s: int) -> SamplingArrays:
+        """The sampling arrays of ``_pack``'s vector (its last entries, s rows each), back in their dtypes."""
+        dtypes = [a.dtype for a in self._input_shapes(1).sampling]
+        fields = packed[-len(dtypes) * s:].reshape(len(dtypes), s)
+        return SamplingArrays(*(f != 0 if dtype == jnp.bool_ else jax.lax.bitcast_convert_type(f, dtype)
+                                for f, dtype in zip(fields, dtypes)))
 
     def place_inputs(self, inputs: StepInputs) -> StepInputs:
-        """Host arrays -> device: each device receives its rank's slices (every process passes the
-        same host arrays in a multi-host run)."""
-        if self.mesh is None:
-            return inputs
+        """Host arrays -> the mesh's devices: each receives its rank's slices (every process passes the
+        same host arrays in a multi-host run). Without a mesh a step's inputs go packed (``_pack``)."""
         return jax.device_put(inputs, self._input_shardings())
 
     def compile_all(self):

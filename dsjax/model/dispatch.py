@@ -104,11 +104,17 @@ def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
 DENSE_MLP_MGPU = False
 
 
+def _expert_launch_takes(x, w_gate, shared_inter: int) -> bool:
+    """Whether the TMA-fed expert launch (``moe_decode_mgpu``) takes x [T, D] over experts whose last two
+    dimensions of w_gate are [D, I] (shared experts of ``shared_inter`` columns, 0 for none)."""
+    hidden, inter = w_gate.shape[-2:]
+    return (moe_decode_mgpu.supports(hidden, inter, shared_inter, x.shape[0], w_gate.dtype) is None
+            and x.dtype == w_gate.dtype)
+
+
 def dense_mlp_mgpu_takes(x, w_gate, backend: str) -> bool:
     """Whether ``dense_mlp_decode`` runs the dense MLP of x [T, D] (w_gate [L, D, I]) through the expert launch."""
-    hidden, inter = w_gate.shape[1:]
-    return (DENSE_MLP_MGPU and backend == "pallas" and x.dtype == w_gate.dtype
-            and moe_decode_mgpu.supports(hidden, inter, 0, x.shape[0], w_gate.dtype) is None)
+    return DENSE_MLP_MGPU and backend == "pallas" and _expert_launch_takes(x, w_gate, 0)
 
 
 def dense_mlp_decode(x, norm, eps: float, w_gate, w_up, w_down, layer, residual=None):
@@ -214,11 +220,9 @@ def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=N
     ``residual`` [T, D] in f32 before the sum's rounding to x's dtype when given."""
     if backend == "reference":
         return moe_decode_reference(x, weights, ids, *experts, layer, shared, residual)
-    if MOE_DECODE_MGPU and backend == "pallas":
-        hidden, inter = experts[0].shape[2:]
-        if moe_decode_mgpu.supports(hidden, inter, 0 if shared is None else shared[0].shape[-1], x.shape[0],
-                                    experts[0].dtype) is None and x.dtype == experts[0].dtype:
-            return moe_decode_mgpu.moe_decode_mgpu(x, weights, ids, *experts, layer, shared, residual)
+    if MOE_DECODE_MGPU and backend == "pallas" and _expert_launch_takes(
+            x, experts[0], 0 if shared is None else shared[0].shape[-1]):
+        return moe_decode_mgpu.moe_decode_mgpu(x, weights, ids, *experts, layer, shared, residual)
     return moe_decode_kernel(x, weights, ids, *experts, layer, shared, residual, tiles=MOE_DECODE_TILES,
                              interpret=backend == "interpret")
 
