@@ -228,12 +228,13 @@ case $part in
       2>&1 | tee "$OUT/gpu_tests_round33.log" | tail -3 ;;
   round33-ab)  # round 32's two built-off knobs in one A/B (their GPU tests: round33-tests):
               # the batch-1 compiled step as built, with layer 0's MLP by the expert launch, with the greedy sampler
-              # in the forward, and with both, 3 rounds in turns (~6 minutes)
+              # in the forward, and with both, 2 rounds in turns, each variant compiling the timed bucket only
+              # (~4 minutes; round 33's first call, compiling every bucket a variant, ran past 560 s)
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 3 --variant built --variant "dense mlp: dsjax.model.dispatch.DENSE_MLP_MGPU=True" \
+      --rounds 2 --variant built --variant "dense mlp: dsjax.model.dispatch.DENSE_MLP_MGPU=True" \
       --variant "greedy in forward: dsjax.engine.runner.GREEDY_IN_FORWARD=True" \
       --variant "both: dsjax.model.dispatch.DENSE_MLP_MGPU=True dsjax.engine.runner.GREEDY_IN_FORWARD=True" \
-      --out "$OUT/step_ab_round33_b1_h200.json" 2>&1 | grep -E "^\||Error" ;;
+      --out "$OUT/step_ab_round33_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
   step-context)  # round 32's finding: the batch-1 step grows ~4.6 µs a layer from context ~142 to ~630. The kernel's
                 # per-scope trace at prompts of 128 and 1024 tokens, phase by phase, to see which phase grows
                 # (~6 minutes)

@@ -59,8 +59,9 @@ STEP_KERNEL_GRAPHS = False
 # Whether a bucket whose forward runs the batch-1 step kernel also compiles that forward with the greedy sampler
 # inside, for its steps whose rows all decode greedily without log-probabilities: one program a step instead of
 # two. The loop of round 32 (decode_profile.md) ran the forward alone 7 µs a step faster than forward + sampler,
-# and each program's launch costs the host ~0.2-0.3 ms. Read when compiling; not yet timed on the H200.
-GREEDY_IN_FORWARD = False
+# and each program's launch costs the host ~0.2-0.3 ms. Read when compiling. In the batch-1 compiled step (round 33,
+# step_ab_round33_b1_h200.json): 1.7273 vs 1.7303 ms on the device, and the host's launch call 1.49 vs 1.63 ms.
+GREEDY_IN_FORWARD = True
 # _pack's order of a step's inputs: (name, per-token or per-row), then the block tables (S x max_blocks_per_seq),
 # then the sampling arrays' fields (per row, in SamplingArrays' order, as int32 bit patterns)
 _PACKED = (("tokens", "t"), ("positions", "t"), ("slot_mapping", "t"), ("seq_ids", "t"), ("token_sources", "t"),
@@ -304,9 +305,9 @@ class ModelRunner:
         same host arrays in a multi-host run). Without a mesh a step's inputs go packed (``_pack``)."""
         return jax.device_put(inputs, self._input_shardings())
 
-    def compile_all(self):
-        """Compiles every bucket ahead of time, so no request ever waits on the compiler."""
-        todo = [t for t in self.buckets.sizes if t not in self._compiled]
+    def compile_all(self, sizes=None):
+        """Compiles every bucket (or those of ``sizes``) ahead of time, so no request ever waits on the compiler."""
+        todo = [t for t in (self.buckets.sizes if sizes is None else sizes) if t not in self._compiled]
         start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
             inputs = self._abstract_inputs(t)._replace(sampling=None)

@@ -100,8 +100,8 @@ def stacked_mlp(x, w_gate, w_up, w_down, layer, backend: str):
 # streams 64 of its intermediate columns' gate / up / down and no launch waits for another. Alone that launch reads
 # V2-Lite's 139 MB MoE layer at 3.95 TB/s, where the stacked GEMVs (norm + gate / up, then down: two launches and
 # the silu between) read the dense MLP at ~3.3 TB/s in the batch-1 step, 41.2 µs (decode_profile.md round 32).
-# Read at trace time; not yet timed in the step.
-DENSE_MLP_MGPU = False
+# Read at trace time. In the batch-1 compiled step (round 33, step_ab_round33_b1_h200.json): 1.7110 vs 1.7303 ms.
+DENSE_MLP_MGPU = True
 
 
 def _expert_launch_takes(x, w_gate, shared_inter: int) -> bool:
