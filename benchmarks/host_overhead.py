@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import statistics
 import time
@@ -54,14 +55,17 @@ def instant_device(runner, seed: int = 0):
     return launch
 
 
-def timed(fn, spent: list):
-    """fn, appending each call's wall time to ``spent`` (fn itself as ``__wrapped__``)."""
+def timed(fn, spent: list, cpu: list | None = None):
+    """fn, appending each call's wall time to ``spent`` and, given ``cpu``, the calling thread's CPU time
+    in it (fn itself as ``__wrapped__``)."""
     def wrapper(*args):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args)
         finally:
             spent.append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu.append(time.thread_time() - start_cpu)
     wrapper.__wrapped__ = fn
     return wrapper
 
@@ -90,14 +94,16 @@ def measure(preset: str, batch: int, prompt: int, steps: int, profile_steps: int
               enable_prefix_caching=False, async_scheduling=async_scheduling, progress=False)
     engine, runner = llm.engine, llm.engine.runner
     start_decode_batch(engine, batch, prompt, f"host-b{batch}")  # real prefill steps, then the stand-in
-    launches, fetches = [], []
+    launches, fetches, launch_cpu, fetch_cpu = [], [], [], []
     if device:  # the real device: the host's share is the launch call (queuing the step) and the fetch's wait
-        runner.launch, runner.fetch = timed(runner.launch, launches), timed(runner.fetch, fetches)
+        runner.launch = timed(runner.launch, launches, launch_cpu)
+        runner.fetch = timed(runner.fetch, fetches, fetch_cpu)
     else:
         runner.launch = instant_device(runner)
     for _ in range(3):
         engine.step()
-    del launches[:], fetches[:]
+    for spent in (launches, fetches, launch_cpu, fetch_cpu):
+        del spent[:]
     wall, cpu = [], []
     for _ in range(steps):
         w, c = time.perf_counter(), time.thread_time()
@@ -107,9 +113,14 @@ def measure(preset: str, batch: int, prompt: int, steps: int, profile_steps: int
     row = {"batch": batch, "steps": steps, "wall_ms": statistics.median(wall) * 1e3, "wall_min_ms": min(wall) * 1e3,
            "cpu_ms": statistics.median(cpu) * 1e3, "us_per_sequence": statistics.median(cpu) / batch * 1e6}
     if device:
+        ms = lambda values: statistics.median(values) * 1e3  # noqa: E731
+        # a step's wall time outside its launch and fetch calls: scheduling, packing, the outputs
+        other = [w - l - f for w, l, f in zip(wall, launches, fetches)]
         row.update(wall_mean_ms=statistics.mean(wall) * 1e3, wall_max_ms=max(wall) * 1e3,
-                   launch_ms=statistics.median(launches) * 1e3, launch_max_ms=max(launches) * 1e3,
-                   fetch_ms=statistics.median(fetches) * 1e3, launch_alone_ms=launch_alone_ms(engine, steps))
+                   launch_ms=ms(launches), launch_max_ms=max(launches) * 1e3, launch_cpu_ms=ms(launch_cpu),
+                   fetch_ms=ms(fetches), fetch_cpu_ms=ms(fetch_cpu), other_ms=ms(other),
+                   wall_p10_ms=float(np.percentile(wall, 10)) * 1e3, wall_p90_ms=float(np.percentile(wall, 90)) * 1e3,
+                   launch_alone_ms=launch_alone_ms(engine, steps))
     if profile_steps:  # where the host's time goes: functions by own time, and the call count
         profiler = cProfile.Profile()
         profiler.enable()
@@ -149,13 +160,16 @@ def main(argv=None) -> dict:
             for b in args.batches]
     columns = ["batch", "wall_ms", "wall_min_ms", "cpu_ms", "us_per_sequence", "python_calls_per_step"]
     if args.device:
-        columns[3:3] = ["wall_mean_ms", "wall_max_ms", "launch_ms", "launch_max_ms", "fetch_ms", "launch_alone_ms"]
+        columns[3:3] = ["wall_p10_ms", "wall_p90_ms", "wall_max_ms", "launch_ms", "launch_cpu_ms", "launch_max_ms",
+                        "fetch_ms", "fetch_cpu_ms", "other_ms", "launch_alone_ms"]
     table = markdown_table(rows, columns)
     print(table)
     for row in rows:
         for entry in row.get("top", [])[:6]:
             print(f"  b{row['batch']}: {entry['own_ms_per_step']:7.2f} ms  x{entry['calls_per_step']:7.0f}  {entry['function']}")
-    payload = {**environment(), "preset": args.preset, "prompt": args.prompt, "device": args.device,
+    # what else the host ran, for comparing runs across processes and machines
+    host = {"cpus_usable": len(os.sched_getaffinity(0)), "loadavg": list(os.getloadavg())}
+    payload = {**environment(), "host": host, "preset": args.preset, "prompt": args.prompt, "device": args.device,
                "settings": {k: repr(v) for k, v in args.set.items()},
                "async_scheduling": args.async_scheduling, "dtype": args.dtype, "rows": rows, "table": table}
     print("wrote", write_result(args.out, payload))

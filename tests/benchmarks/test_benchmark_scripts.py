@@ -150,6 +150,8 @@ def test_host_overhead_with_the_device_times_its_launch_and_fetch(tmp_path):
     assert payload["device"] and payload["async_scheduling"]
     assert 0 < row["launch_ms"] <= row["launch_max_ms"] and row["fetch_ms"] > 0 and row["launch_alone_ms"] > 0
     assert row["wall_min_ms"] <= row["wall_ms"] <= row["wall_max_ms"] and "| launch_ms |" in payload["table"]
+    assert row["wall_p10_ms"] <= row["wall_p90_ms"] and 0 < row["launch_cpu_ms"] and 0 <= row["fetch_cpu_ms"]
+    assert row["other_ms"] < row["wall_ms"] and payload["host"]["cpus_usable"] >= 1
 
 
 def test_transfer_wait_probe_times_each_case_and_the_engines_step(tmp_path):
@@ -260,9 +262,11 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
     def recording_ab(engine, variants, **kw):
         inner = engine.runner.compile_all
         monkeypatch.setattr(engine.runner, "compile_all",
-                            lambda: (seen.append((dispatch.STACKED_GEMV_MAX_TOKENS,
-                                                  dispatch.MOE_DECODE_TILES)), inner())[1])
-        return original_ab(engine, variants, **kw)
+                            lambda sizes=None: (seen.append((dispatch.STACKED_GEMV_MAX_TOKENS,
+                                                             dispatch.MOE_DECODE_TILES, sizes)), inner(sizes))[1])
+        rows = original_ab(engine, variants, **kw)
+        assert not engine.runner._compiled  # the step as built compiles again at the next launch
+        return rows
 
     monkeypatch.setattr(step_profile, "ab_compiled_steps", recording_ab)
     out = tmp_path / "ab.json"
@@ -273,8 +277,9 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
                                  "--out", str(out)])
     assert [(r["variant"], r["round"]) for r in payload["rows"]] == [("built", 0), ("off", 0), ("built", 1),
                                                                       ("off", 1)]
+    assert all(sizes is not None and len(sizes) == 1 for *_, sizes in seen)  # the timed bucket only
     changed = (0, built_tiles._replace(num_warps=8))
-    assert seen == [(built, built_tiles), changed, (built, built_tiles), changed, (built, built_tiles)]
+    assert [knobs for *knobs, _ in seen] == [[built, built_tiles], [*changed], [built, built_tiles], [*changed]]
     assert (dispatch.STACKED_GEMV_MAX_TOKENS, dispatch.MOE_DECODE_TILES) == (built, built_tiles)
     assert all(r["device_ms"] > 0 for r in payload["rows"])
     assert "| off |" in payload["table"] and "| launch call ms |" in payload["table"]
@@ -286,8 +291,9 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
 
 
 def test_step_profile_ab_drops_the_other_variants_programs(monkeypatch):
-    """A variant's programs do not outlive it: with runner.GREEDY_IN_FORWARD on in one variant (the step kernel's
-    bucket forced to 1), the built variant after it times the step without the forward + sampler program."""
+    """A variant's programs do not outlive it: with runner.GREEDY_IN_FORWARD off in one variant (the step kernel's
+    bucket forced to 1), the built variant after it times the step with the forward + sampler program again, and
+    that variant without it."""
     from benchmarks import step_profile
     from dsjax.engine import runner as runner_module
 
@@ -300,8 +306,8 @@ def test_step_profile_ab_drops_the_other_variants_programs(monkeypatch):
 
     monkeypatch.setattr(step_profile, "time_compiled_step", recording)
     step_profile.main(["--preset", "tiny", "--batch", "1", "--num-kv-blocks", "64", "--rounds", "2", "--repeats", "2",
-                       "--variant", "built", "--variant", "greedy: dsjax.engine.runner.GREEDY_IN_FORWARD=True"])
-    assert seen == [[], [1], [], [1]] and runner_module.GREEDY_IN_FORWARD is False
+                       "--variant", "built", "--variant", "two programs: dsjax.engine.runner.GREEDY_IN_FORWARD=False"])
+    assert seen == [[1], [], [1], []] and runner_module.GREEDY_IN_FORWARD is True
 
 
 def test_step_profile_kernel_trace_says_why_the_kernel_did_not_run(tmp_path):

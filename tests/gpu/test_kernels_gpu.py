@@ -489,6 +489,8 @@ def test_dense_mlp_through_the_expert_launch_gpu(monkeypatch):
     decode = lambda ws, backend: jax.jit(lambda x: mlp.decode(x, stack(ws), 1e-6, backend, add_residual=True))(x)
     up = tuple(w.astype(jnp.float32) for w in (w_gate, w_up, w_down))
     want = decode(up, "reference")
+    monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", False)
+    assert not dispatch.dense_mlp_mgpu_takes(x, w_gate, "pallas")
     gemvs = decode((w_gate, w_up, w_down), "pallas")
     monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", True)
     assert dispatch.dense_mlp_mgpu_takes(x, w_gate, "pallas")
@@ -798,3 +800,32 @@ def test_engine_greedy_steps_in_one_program_gpu(monkeypatch):
         assert sorted(llm.engine.runner._greedy_forwards) == ([1] if on else [])
         tokens[on] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert tokens[True] == tokens[False]
+
+
+def test_engine_multi_step_chunks_gpu(monkeypatch):
+    """num_scheduler_steps=4 over a random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers) whose
+    one-token steps run the step kernel: the chunk program runs the kernel 4 times a launch, each step's token
+    the next one's input, and gives the tokens of single steps (a greedy request after a 70-token prompt, 10
+    tokens: chunks of 4, 4 and 1 after the prefill's)."""
+    import dataclasses
+
+    from dsjax import LLM, SamplingParams
+    from dsjax.config import ModelConfig
+    from dsjax.engine import llm as llm_module
+    from dsjax.model.transformer import random_model
+
+    config = dataclasses.replace(ModelConfig.preset("deepseek-v2-lite"), num_hidden_layers=3)
+    model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
+    monkeypatch.setattr(llm_module, "load_model", lambda *args, **kwargs: model)
+    prompt = np.random.default_rng(5).integers(3, 1000, size=70).tolist()
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    tokens, steps = {}, {}
+    for chunk in (1, 4):
+        llm = LLM("deepseek-v2-lite", dtype="bfloat16", kernel_backend="pallas", max_num_seqs=1,
+                  max_num_batched_tokens=128, max_model_len=256, block_size=64, num_kv_blocks=16, buckets=(1, 128),
+                  enable_prefix_caching=False, async_scheduling=True, num_scheduler_steps=chunk, progress=False)
+        assert llm.engine.runner.runs_step_kernel(1)
+        tokens[chunk] = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+        steps[chunk] = llm.engine.num_steps
+    assert tokens[4] == tokens[1] and len(tokens[4]) == 10
+    assert steps == {1: 10, 4: 4}

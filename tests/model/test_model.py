@@ -183,8 +183,9 @@ def test_dense_mlp_through_the_expert_launch_is_the_layers_mlp(add_residual, mon
         calls.append(args)
         return moe_decode_reference(*args, None, residual)
 
-    assert not dispatch.dense_mlp_mgpu_takes(x, w_gate, "pallas")  # off as built
-    monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", True)
+    monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", False)
+    assert not dispatch.dense_mlp_mgpu_takes(x, w_gate, "pallas")  # the knob off
+    monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", True)  # on as built
     assert not dispatch.dense_mlp_mgpu_takes(x, w_gate, "reference")
     monkeypatch.setattr(dispatch, "dense_mlp_mgpu_takes", lambda x, w, backend: True)
     monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", launch)
