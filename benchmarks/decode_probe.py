@@ -80,7 +80,9 @@ def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_
             device_repeats: int = 0) -> dict:
     """Steady-state decode of ``batch`` sequences of ``prompt_len``-token prompts: the median of
     ``decode_steps`` engine steps (host included) after ``warmup_steps``, and with ``device_repeats``
-    the compiled step alone. ``context`` is the mean number of tokens a sequence attends to."""
+    the compiled step alone. ``context`` is the mean number of tokens a sequence attends to. With
+    multi-step chunks (``num_scheduler_steps`` k) an engine step decodes k tokens a sequence: ``step_ms``
+    (and its spread, and the host's CPU) is a k-th of an engine step's, a decode step's share."""
     if decode_steps < 1 or warmup_steps < 0 or device_repeats < 0:
         raise ValueError(f"decode_steps={decode_steps}, warmup_steps={warmup_steps}, device_repeats="
                          f"{device_repeats}: accepted decode_steps >= 1, the others >= 0")
@@ -91,25 +93,30 @@ def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_
     try:
         for _ in range(warmup_steps):
             engine.step()
-        times, context = [], 0
+        times, cpu, context = [], [], 0
         for _ in range(decode_steps):
             if not all_decoding(scheduler, batch):
                 raise RuntimeError(f"batch={batch}, prompt={prompt_len}: a sequence stopped decoding while timed "
                                    f"({scheduler.num_preemptions - preemptions} preemptions): the KV pool of "
                                    f"{engine.num_blocks} blocks is too small for this point")
             context += sum(seq.num_tokens for seq in scheduler.running)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.thread_time()
             engine.step()
             times.append(time.perf_counter() - start)
+            cpu.append(time.thread_time() - start_cpu)
         device_ms = compiled_step_ms(engine, device_repeats) if device_repeats else None
     finally:
         for rid in ids:
             engine.abort_request(rid)
         while engine.has_unfinished_requests():  # an async engine's last step is still in flight
             engine.step()
-    step = statistics.median(times)
+    k = engine.config.num_scheduler_steps  # decode steps an engine step (every one a full chunk here)
+    step = statistics.median(times) / k
     row = {"batch": batch, "prompt": prompt_len, "context": context / decode_steps / batch,
-           "steps_timed": len(times), "step_ms": step * 1e3, "tok_per_s": batch / step,
+           "steps_timed": len(times), "step_ms": step * 1e3, "tok_per_s": batch / step, "num_scheduler_steps": k,
+           # the steps' spread, and the host thread's CPU a step (what it spends between the device's waits)
+           "step_p10_ms": float(np.percentile(times, 10)) / k * 1e3,
+           "step_p90_ms": float(np.percentile(times, 90)) / k * 1e3, "host_cpu_ms": statistics.median(cpu) / k * 1e3,
            "preemptions": scheduler.num_preemptions - preemptions}
     if device_ms is not None:
         row |= {"device_step_ms": device_ms, "device_tok_per_s": batch / device_ms * 1e3}

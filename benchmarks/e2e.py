@@ -89,6 +89,7 @@ class Settings:
     kv_cache_gib: float | None = None  # None: what the grid needs, within the device's free memory
     seed: int = 0
     async_scheduling: bool = True  # the engine queues each step before reading the previous one
+    num_scheduler_steps: int = 1  # decode steps a launch runs once every sequence decodes (multi-step chunks)
 
     def __post_init__(self):
         for name in ("batches", "prompts", "hf_batches"):
@@ -97,7 +98,7 @@ class Settings:
                 raise ValueError(f"{name}={values}: accepted one or more integers >= 1")
             object.__setattr__(self, name, tuple(sorted(set(values))))
         for name in ("steps", "prefill_chunk", "block_size", "mixed_requests", "mixed_max_tokens", "hf_prompt",
-                     "hf_new_tokens", "templates"):
+                     "hf_new_tokens", "templates", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: accepted an integer >= 1")
         for name in ("warmup_steps", "device_repeats"):
@@ -135,7 +136,8 @@ def engine_args(settings: Settings, model_config) -> dict:
     """One engine for every scenario: max_num_seqs = the largest batch, token buckets = the batch sizes
     (decode steps run unpadded) plus one prefill chunk, max_model_len = the longest request of any."""
     chunk, top = settings.max_num_batched_tokens, max(settings.batches)
-    decode = decode_len(top, max(settings.prompts), chunk, settings.warmup_steps + settings.steps)
+    decode = decode_len(top, max(settings.prompts), chunk,
+                        (settings.warmup_steps + settings.steps) * settings.num_scheduler_steps)
     mixed = workload(settings, model_config.vocab_size).longest_request()
     longest = max(decode, mixed, settings.hf_prompt + settings.hf_new_tokens)
     max_model_len = -(-longest // settings.block_size) * settings.block_size
@@ -145,7 +147,8 @@ def engine_args(settings: Settings, model_config) -> dict:
                          "lower --prompts, --batches or --scale")
     args = dict(max_num_seqs=top, max_num_batched_tokens=chunk, max_model_len=max_model_len,
                 block_size=settings.block_size, buckets=tuple(sorted({*settings.batches, chunk})),
-                enable_prefix_caching=True, async_scheduling=settings.async_scheduling)
+                enable_prefix_caching=True, async_scheduling=settings.async_scheduling,
+                num_scheduler_steps=settings.num_scheduler_steps)
     args["kv_cache_memory"] = kv_cache_bytes(settings, model_config, top * max(decode, mixed))
     return args
 
@@ -270,6 +273,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="overlap host work with the device step (default: on)")
+    p.add_argument("--num-scheduler-steps", type=int,
+                   help="decode steps one launch runs once every sequence decodes (default: 1)")
     return p
 
 

@@ -12,7 +12,8 @@ from benchmarks.common import markdown_table
 from benchmarks.decode_probe import decode_len, measure
 from benchmarks.roofline import all_weight_bytes, batch_touching_fraction, decode_step_bytes, kv_bytes_per_token
 
-COLUMNS = ["batch", "prompt", "context", "step_ms", "tok_per_s", "device_step_ms", "device_tok_per_s",
+COLUMNS = ["batch", "prompt", "context", "step_ms", "step_p90_ms", "host_cpu_ms", "tok_per_s", "device_step_ms",
+           "device_tok_per_s",
            "roofline_tok_per_s", "roofline_fraction", "device_roofline_fraction", "gb_per_step", "experts_touched"]
 
 
@@ -51,7 +52,8 @@ def run_decode_curve(llm, settings) -> dict:
     decode steps; points that cannot fit (or come after settings.curve_budget_s) are recorded as skipped."""
     model_config = llm.model.config
     dtype_bytes = jnp.dtype(llm.model.dtype).itemsize
-    num_steps = settings.warmup_steps + settings.steps
+    # decode steps a sequence takes while measured (an engine step is a chunk of num_scheduler_steps of them)
+    num_steps = (settings.warmup_steps + settings.steps) * settings.num_scheduler_steps
     rows, skipped = [], []
     start = time.perf_counter()
     for prompt in settings.prompts:

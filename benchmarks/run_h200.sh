@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|transfer-wait|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -326,6 +326,27 @@ case $part in
     timeout 560 python -m benchmarks.parallel_h200x2 --runs 1gpu tp2 ep2 --batches 256 1024 --profile-batch 1024 \
       --timeout 150 | tail -30
     cp benchmarks/results/parallel_h200x2.json "$OUT/" 2>/dev/null || true ;;
+  multi-step-tests)  # multi-step chunks (num_scheduler_steps): the engine's GPU test, chunks of 4 through the step
+                    # kernel against single steps (~2 minutes)
+    timeout 300 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "multi_step_chunks" 2>&1 \
+      | tee "$OUT/gpu_tests_multi_step.log" | tail -3 ;;
+  multi-step-curve)  # the engine at batch 1 and 2 in chunks of 1 (as built), 4 and 8 decode steps a launch, one
+                    # process each, and chunks of 4 as CUDA graphs: does the batch-1 step reach the compiled step
+                    # once the host launches a quarter as often (~8 minutes)
+    for k in ${2:-1 4 8 4g}; do  # 4g: chunks of 4 as CUDA graphs (runner.CHUNK_GRAPHS)
+      timeout 170 python -c "import sys, dsjax.engine.runner as r; r.CHUNK_GRAPHS = '$k'.endswith('g')
+from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 --prompts 128 \
+        --num-scheduler-steps ${k%g} --out-dir "$OUT" --tag h200_b1b2_chunk$k | grep "decode-curve b"
+    done ;;
+  host-swing)  # round 33's finding: the batch-1 engine step swings ±0.05 ms from one process to the next while the
+              # compiled step holds. Three processes of host_overhead --device (async, 300 steps): each step's wall
+              # time (p10 / median / p90), its launch and fetch calls (wall and the thread's CPU), the rest; which
+              # of them moves between a fast process and a slow one (~5 minutes)
+    for i in 1 2 3; do
+      timeout 170 python -m benchmarks.host_overhead --device --async-scheduling --preset deepseek-v2-lite \
+        --dtype bfloat16 --block-size 64 --batches 1 --prompt 128 --steps 300 --profile 0 \
+        --out "$OUT/host_swing_b1_run${i}_h200" 2>&1 | grep -E "^\||Error"
+    done ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
   *) echo "usage: $0 PART, PART one of: $(sed -n 4p "$0" | tr -d '#.) ')" >&2

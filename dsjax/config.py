@@ -344,6 +344,11 @@ class EngineConfig:
     # detokenizing) overlaps the device's; a token reaches the caller one step() later, and a sequence
     # that stops computes one extra token, dropped.
     async_scheduling: bool = False
+    # Decode steps a launch runs (vLLM's multi-step scheduling): when every running sequence decodes and none
+    # waits, one program runs up to this many forward + sample steps on the device, each feeding its tokens to
+    # the next, so the host launches and reads once per chunk. Tokens then reach the caller in chunks; a
+    # sequence that stops inside one drops the rest of it. One device only (no mesh).
+    num_scheduler_steps: int = 1
     num_quantile_buckets: int = 6
     quantile_warmup_steps: int = 32
     realtime_max_prompt_tokens: int = 512
@@ -354,7 +359,7 @@ class EngineConfig:
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "aging_steps",
-                     "num_quantile_buckets", "quantile_warmup_steps"):
+                     "num_quantile_buckets", "quantile_warmup_steps", "num_scheduler_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise _refuse(name, value, "a positive integer")

@@ -103,6 +103,9 @@ class LLMEngine:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's "
                               f"max_position_embeddings={model.config.max_position_embeddings}")
         num_shards = num_batch_shards(model.mesh)
+        if config.num_scheduler_steps > 1 and model.mesh is not None:
+            raise ConfigError(f"num_scheduler_steps={config.num_scheduler_steps}: multi-step decoding runs on one "
+                              "device; accepted: 1 with a mesh (tensor, expert or data parallelism)")
         num_blocks, num_compressed = kv_pool_sizes(model.config, config, model.dtype, num_shards)
         # (label, blocks, kv_cache_dtype, group size) of each pool: one, or full precision + older blocks.
         pools = [("", num_blocks, config.kv_cache_dtype, config.kv_cache_group_size)]
@@ -141,7 +144,8 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len,
             eos_token_ids=eos_token_ids, enable_chunked_prefill=config.enable_chunked_prefill,
             realtime_max_prompt_tokens=config.realtime_max_prompt_tokens,
-            bulk_min_prompt_tokens=config.bulk_min_prompt_tokens, aging_steps=config.aging_steps)
+            bulk_min_prompt_tokens=config.bulk_min_prompt_tokens, aging_steps=config.aging_steps,
+            num_scheduler_steps=config.num_scheduler_steps)
         self._requests: dict[str, _Request] = {}
         self._owner: dict[str, tuple[_Request, int]] = {}  # sequence id -> (request, child index)
         self._seed_rng = random.Random(config.seed)
@@ -252,7 +256,9 @@ class LLMEngine:
             result = self.runner.fetch(handle)
         except Exception as e:
             raise StepFailedError(self._fail_step(out, also_failed), e) from e
-        token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()  # Python numbers, in one pass
+        # Python numbers, in one pass; a multi-step chunk's are [num_seqs, steps]
+        token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
+        chunk = result.token_ids.ndim == 2
         sampled = {item.seq.request_id: token_ids[i] for i, item in enumerate(out.scheduled) if item.do_sample}
         received = {id(item) for item in self.scheduler.resolve(out, sampled)}
         now = time.time()
@@ -261,19 +267,25 @@ class LLMEngine:
             if id(item) not in received or item.seq.request_id not in self._owner:
                 continue
             request, index = self._owner[item.seq.request_id]
-            token = sampled[item.seq.request_id]
+            seq, detok = item.seq, request.detokenizers[index]
             request.metrics.first_token_time = request.metrics.first_token_time or now
-            request.cumulative_logprob[index] += logprobs[i]
-            if request.params.logprobs is not None:
-                k = request.params.logprobs
-                entry = {int(t): float(lp) for t, lp in zip(result.top_ids[i, :k], result.top_logprobs[i, :k])}
-                entry[token] = logprobs[i]
-                request.logprobs[index].append(entry)
-            detok = request.detokenizers[index]
-            detok.append(token)
-            seq = item.seq
-            if detok.stop_reason is not None and not seq.is_finished:
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, detok.stop_reason)
+            first = item.num_computed_tokens + item.num_scheduled_tokens - seq.num_prompt_tokens  # its output index
+            # the tokens resolve() took: the chunk's up to the one that ended the sequence, if one did
+            for step, token in enumerate(seq.output_token_ids[first:first + item.num_steps]):
+                logprob = logprobs[i][step] if chunk else logprobs[i]
+                request.cumulative_logprob[index] += logprob
+                if request.params.logprobs is not None:
+                    k = request.params.logprobs
+                    top_ids, top_lps = ((result.top_ids[i, step, :k], result.top_logprobs[i, step, :k]) if chunk
+                                        else (result.top_ids[i, :k], result.top_logprobs[i, :k]))
+                    entry = {int(t): float(lp) for t, lp in zip(top_ids, top_lps)}
+                    entry[token] = logprob
+                    request.logprobs[index].append(entry)
+                detok.append(token)
+                if detok.stop_reason is not None and not seq.is_finished:
+                    del seq.output_token_ids[first + step + 1:]  # a chunk's tokens after the stop string
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED, detok.stop_reason)
+                    break
             if seq.is_finished:
                 detok.flush()
             touched[request.request_id] = request

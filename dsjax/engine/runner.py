@@ -16,6 +16,10 @@ logits) and the sampler (per bucket and the batch's sampling features: top-k/top
 logprobs, decided on the host). Nothing in either waits on the host. Without a mesh both take the step's
 inputs as one int32 vector (``_pack``), sent to the device in one transfer.
 
+Multi-step chunks (``num_scheduler_steps``, no mesh): a decode-only step may run as up to that many forward +
+sample steps in one program (``_forward_steps``), each step's samples the next one's tokens, one cache slot a
+step and row (none past a row's own count of steps); the host launches and reads once a chunk.
+
 Async scheduling: dispatch() returns as soon as the step is queued; fetch() reads its sampled tokens.
 Each step also returns its tokens as a device array of max_num_seqs rows per rank (``last_tokens``),
 and the next step takes any token whose value the host does not know yet (a PENDING_TOKEN) from it:
@@ -62,6 +66,11 @@ STEP_KERNEL_GRAPHS = False
 # and each program's launch costs the host ~0.2-0.3 ms. Read when compiling. In the batch-1 compiled step (round 33,
 # step_ab_round33_b1_h200.json): 1.7273 vs 1.7303 ms on the device, and the host's launch call 1.49 vs 1.63 ms.
 GREEDY_IN_FORWARD = True
+# Whether a multi-step chunk program (num_scheduler_steps > 1) of a bucket that runs the batch-1 step kernel keeps
+# XLA's command buffers, which STEP_KERNEL_GRAPHS turns off for that bucket's forward. A chunk is a loop of steps
+# whose kernels the host otherwise launches one by one, every step; as a CUDA graph (the loop a conditional node)
+# one launch would queue them all. Read when compiling; not yet timed on the H200.
+CHUNK_GRAPHS = False
 # _pack's order of a step's inputs: (name, per-token or per-row), then the block tables (S x max_blocks_per_seq),
 # then the sampling arrays' fields (per row, in SamplingArrays' order, as int32 bit patterns)
 _PACKED = (("tokens", "t"), ("positions", "t"), ("slot_mapping", "t"), ("seq_ids", "t"), ("token_sources", "t"),
@@ -101,7 +110,9 @@ class StepHandle:
 
 @dataclasses.dataclass
 class StepResult:
-    token_ids: np.ndarray  # i32[num_seqs]
+    """A step's samples by scheduled sequence; a multi-step chunk's have a steps axis after the first."""
+
+    token_ids: np.ndarray  # i32[num_seqs] (chunk: [num_seqs, steps])
     logprobs: np.ndarray  # f32[num_seqs]
     top_ids: np.ndarray  # i32[num_seqs, K]
     top_logprobs: np.ndarray  # f32[num_seqs, K]
@@ -158,6 +169,8 @@ class ModelRunner:
         # (bucket, filtered, logprobs, greedy) -> the sampler (``sample``'s static settings)
         self._samplers: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
         self._greedy_forwards: dict[int, jax.stages.Compiled] = {}  # bucket -> its forward + greedy sampler
+        # (bucket, filtered, logprobs, greedy) -> its multi-step chunk program (num_scheduler_steps > 1)
+        self._chunks: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
         self.num_compiled_shapes = 0
         self.compile_seconds = 0.0
         self.num_useful_tokens = 0  # scheduled tokens, summed over steps
@@ -221,6 +234,60 @@ class ModelRunner:
         cache, logits = self._forward(state_leaves, cache, packed, last_tokens)
         return cache, self._sample(logits, self._unpack_sampling(packed, logits.shape[0]), filtered=False,
                                    logprobs=False, greedy=True)
+
+    def _forward_steps(self, state_leaves, cache, packed, last_tokens, *, t: int, filtered: bool, logprobs: bool,
+                       greedy: bool):
+        """A multi-step chunk of bucket t (decodes only, no mesh): ``num_scheduler_steps`` forward + sample steps,
+        step j's samples step j + 1's tokens. packed: ``_pack``'s vector, then each row's count of steps (a row
+        past its count writes no cache slot and repeats its last position). -> (cache, SampleResult with a
+        steps axis after the rows', the next step's last_tokens: each row's sample of its last step)."""
+        s, bs = self.num_rows(t), self.config.block_size
+        packed, row_steps = packed[:-s], packed[-s:]
+        inputs, sampling = self._unpack(packed), self._unpack_sampling(packed, s)
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_treedef, state_leaves))
+        batch, rows = inputs.batch, inputs.batch.seq_ids  # token i decodes row rows[i]
+        sources = inputs.token_sources
+        tokens = jnp.where(sources >= 0, last_tokens[jnp.maximum(sources, 0)], inputs.tokens)
+        pad_slot = self._padding_slot()
+        live = batch.slot_mapping != pad_slot  # a scheduled token, not the bucket's padding
+
+        def step(carry, j):
+            cache, tokens = carry
+            active = live & (j < row_steps[rows])
+            positions = batch.positions + jnp.where(live, jnp.minimum(j, jnp.maximum(row_steps[rows] - 1, 0)), 0)
+            slots = batch.block_tables[rows, positions // bs] * bs + positions % bs
+            stepped = batch._replace(positions=positions, slot_mapping=jnp.where(active, slots, pad_slot))
+            hidden, cache = model.forward_paged(tokens, cache, stepped)
+            logits = model.compute_logits(hidden[inputs.logits_indices])
+            result = self._sample(logits, sampling._replace(counters=sampling.counters + j), filtered=filtered,
+                                  logprobs=logprobs, greedy=greedy)
+            return (cache, result.token_ids[rows]), result
+
+        steps = self.config.num_scheduler_steps
+        (cache, _), results = jax.lax.scan(step, (cache, tokens), jnp.arange(steps, dtype=jnp.int32))
+        every_row = jnp.arange(results.token_ids.shape[1])
+        last_step = jnp.maximum(jnp.pad(row_steps, (0, every_row.shape[0] - s)) - 1, 0)
+        last = results.token_ids[last_step, every_row]
+        return cache, jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), results), last
+
+    def _chunk_program(self, t: int, filtered: bool, logprobs: bool, greedy: bool) -> jax.stages.Compiled:
+        """Bucket t's multi-step chunk program for those sampling features, compiled on first use (the greedy
+        one of every decode bucket with the rest, ``compile_all``)."""
+        key = (t, filtered, logprobs, greedy)
+        if key not in self._chunks:
+            start = time.perf_counter()
+            fn = functools.partial(self._forward_steps, t=t, filtered=filtered, logprobs=logprobs, greedy=greedy)
+            packed = jax.ShapeDtypeStruct((self._packed_length(t) + self.num_rows(t),), jnp.int32)
+            args = (self._state_leaves, self.cache, packed, self._last_tokens_shape())
+            options = self.compiler_options if CHUNK_GRAPHS else self._compiler_options(t)
+            self._chunks[key] = jax.jit(fn, donate_argnums=(1,)).lower(*args).compile(options)
+            self.compile_seconds += time.perf_counter() - start
+        return self._chunks[key]
+
+    def _padding_slot(self) -> int:
+        """The cache slot of the bucket's padding tokens: past every pool (k_pe spans the compressed one too), so
+        their writes are dropped."""
+        return (self.num_blocks_per_shard + self.num_compressed_blocks) * self.config.block_size
 
     def runs_step_kernel(self, t: int) -> bool:
         """Whether bucket t's forward runs the batch-1 step kernel (``DeepseekForCausalLM.step_kernel_blocker``)."""
@@ -318,6 +385,8 @@ class ModelRunner:
             if GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
                 greedy = jax.jit(self._forward_greedy, donate_argnums=(1,))
                 self._greedy_forwards[t] = greedy.lower(*args).compile(self._compiler_options(t))
+            if self.config.num_scheduler_steps > 1 and self._packs and t <= self.buckets.pick(self.config.max_num_seqs):
+                self._chunk_program(t, filtered=False, logprobs=False, greedy=True)
             self._sampler(t, False, False, False)
             self._sampler(t, False, False, True)
             self.num_compiled_shapes += 1
@@ -328,6 +397,7 @@ class ModelRunner:
         self._compiled.clear()
         self._samplers.clear()
         self._greedy_forwards.clear()
+        self._chunks.clear()
 
     def _compiler_options(self, t: int) -> dict | None:
         """XLA options of bucket t's forward: the backend's, and no command buffers where it runs the step kernel
@@ -364,8 +434,7 @@ class ModelRunner:
         s = self.num_rows(t)
         tokens = np.zeros(shards * t, np.int32)
         positions = np.zeros(shards * t, np.int32)
-        # Padding writes past every pool (k_pe spans the compressed one too): dropped.
-        slots = np.full(shards * t, (self.num_blocks_per_shard + self.num_compressed_blocks) * bs, np.int32)
+        slots = np.full(shards * t, self._padding_slot(), np.int32)
         seq_ids = np.zeros(shards * t, np.int32)
         sources = np.full(shards * t, -1, np.int32)
         tables = np.zeros((shards * s, w), np.int32)
@@ -415,11 +484,18 @@ class ModelRunner:
         if len(rows) != out.num_seqs:
             raise ValueError(f"{len(rows)} sampling rows for {out.num_seqs} scheduled sequences")
         t, inputs, row_of = self.prepare(out, rows, pending_rows)
-        return StepHandle(t, row_of, self.launch(t, inputs), out.num_batched_tokens)
+        row_steps = None
+        if out.num_steps > 1:  # a multi-step chunk: each row's count of steps
+            if not self._packs:
+                raise ValueError(f"a chunk of {out.num_steps} steps: multi-step decoding runs without a mesh")
+            row_steps = np.zeros(self.num_rows(t), np.int32)
+            row_steps[row_of] = [item.num_steps for item in out.scheduled]
+        return StepHandle(t, row_of, self.launch(t, inputs, row_steps), out.num_batched_tokens)
 
-    def launch(self, t: int, inputs: StepInputs) -> SampleResult:
+    def launch(self, t: int, inputs: StepInputs, row_steps: np.ndarray | None = None) -> SampleResult:
         """Queues the forward of bucket t and its sampler on host inputs (from prepare); updates the
-        cache and last_tokens, and returns the device result."""
+        cache and last_tokens, and returns the device result. row_steps: a multi-step chunk's count of
+        steps for each of the bucket's rows (``_forward_steps``); its result has a steps axis after the rows'."""
         compiled = self._compiled.get(t)
         if compiled is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
@@ -428,6 +504,15 @@ class ModelRunner:
         drawn = arrays.temperature > 0
         filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
         logprobs, greedy = bool(np.any(arrays.num_logprobs > 0)), not np.any(drawn)
+        if row_steps is not None:
+            chunk = self._chunk_program(t, filtered, logprobs, greedy)
+            packed = jax.device_put(np.concatenate([self._pack(inputs), row_steps]))
+            try:
+                self.cache, result, self.last_tokens = chunk(self._state_leaves, self.cache, packed, self.last_tokens)
+            except Exception:
+                self._recover_cache()
+                raise
+            return result
         one_program = self._greedy_forwards.get(t) if greedy and not logprobs else None
         sampler = None if one_program else self._sampler(t, filtered, logprobs, greedy)
         if self._packs:  # one transfer, both programs' input

@@ -10,6 +10,12 @@ computed, each sampling sequence gets a PENDING_TOKEN), resolve() once its sampl
 (the pending tokens take their values, stop conditions are checked). Synchronous engines call both
 right away (update_from_output); with async scheduling the next step is scheduled in between, so a
 sequence decodes its pending token, whose value the device supplies from the step before.
+
+Multi-step decoding (num_scheduler_steps > 1): when every running sequence decodes and none waits, a step
+is a chunk of up to num_scheduler_steps decode steps run by one launch. Each sequence gets room for its
+chunk's tokens (fewer than the chunk near its max_tokens, or while its EOS is still masked by min_tokens),
+commit() adds that many PENDING_TOKENs, and resolve() takes that many tokens, stopping at the first that
+ends the sequence.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ class ScheduledSequence:
     num_computed_tokens: int  # at schedule time: the position of the first scheduled token
     is_decode: bool
     do_sample: bool  # the chunk ends at the sequence's last token: sample the next one
+    num_steps: int = 1  # decode steps of a multi-step chunk: tokens sampled (and cache slots written)
 
     @property
     def token_ids(self) -> list[int]:
@@ -44,6 +51,7 @@ class SchedulerOutput:
     num_decodes: int
     num_batched_tokens: int  # sum of num_scheduled_tokens
     preempted: list[Sequence]  # preempted during this step; their blocks are already freed
+    num_steps: int = 1  # decode steps the launch runs (> 1: a multi-step chunk, every item a decode)
 
     @property
     def decodes(self) -> list[ScheduledSequence]:
@@ -79,10 +87,12 @@ class Scheduler:
         realtime_max_prompt_tokens: int = 512,
         bulk_min_prompt_tokens: int = 2048,
         aging_steps: int = 64,
+        num_scheduler_steps: int = 1,
     ):
         for name, value in [
             ("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
             ("max_model_len", max_model_len), ("aging_steps", aging_steps),
+            ("num_scheduler_steps", num_scheduler_steps),
         ]:
             if value < 1:
                 raise ValueError(f"{name}={value}: accepted an int >= 1")
@@ -105,6 +115,7 @@ class Scheduler:
         self.realtime_max_prompt_tokens = realtime_max_prompt_tokens
         self.bulk_min_prompt_tokens = bulk_min_prompt_tokens
         self.aging_steps = aging_steps
+        self.num_scheduler_steps = num_scheduler_steps
 
         self.waiting: dict[Lane, collections.deque[Sequence]] = {lane: collections.deque() for lane in Lane}
         self.running: list[Sequence] = []  # sorted by _priority_key
@@ -183,6 +194,9 @@ class Scheduler:
         decodes, prefilling = [], []
         for seq in self.running:
             (decodes if seq.is_decoding else prefilling).append(seq)
+        # A multi-step chunk only when nothing else would run: no prompt to prefill, none waiting to be admitted.
+        chunk = self.num_scheduler_steps if decodes and not prefilling and not self.num_waiting else 1
+        steps: dict[Sequence, int] = {}
         for seq in decodes + prefilling:
             if budget == 0:
                 break
@@ -192,9 +206,12 @@ class Scheduler:
                 continue
             num_remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(num_remaining, budget)
+            # cache slots it needs: a multi-step chunk writes one a step (the decoded token, then each sampled one
+            # but the last)
+            room = steps.setdefault(seq, self._chunk_steps(seq, chunk)) if chunk > 1 else num_new
             if num_new < num_remaining and not self.enable_chunked_prefill:
                 continue
-            if self.block_manager.num_blocks_to_append(seq, num_new) == 0:
+            if self.block_manager.num_blocks_to_append(seq, room) == 0:
                 scheduled[seq] = num_new  # its blocks have room (most decode steps): nothing to allocate
                 budget -= num_new
                 continue
@@ -203,11 +220,11 @@ class Scheduler:
             # victim is the last in priority order: BULK before DEFAULT before REALTIME, most
             # recently admitted first, among those in seq's pool (data-parallel attention splits
             # the cache); it may be seq itself.
-            if not self.block_manager.can_append(seq, num_new) and self.block_manager.num_compressed_blocks:
+            if not self.block_manager.can_append(seq, room) and self.block_manager.num_compressed_blocks:
                 # Before preempting anyone: move old blocks to the compressed pool, lowest priority first.
                 self.block_manager.relieve_pressure(list(reversed(self.running)),
-                                                    self.block_manager.num_blocks_to_append(seq, num_new))
-            while not self.block_manager.can_append(seq, num_new):
+                                                    self.block_manager.num_blocks_to_append(seq, room))
+            while not self.block_manager.can_append(seq, room):
                 victim = self._victim_for(seq)
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
@@ -215,19 +232,25 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status is SequenceStatus.RUNNING:
-                self.block_manager.append(seq, num_new)
+                self.block_manager.append(seq, room)
                 scheduled[seq] = num_new
                 budget -= num_new
 
         # Admitting while others are being preempted would only thrash; but never return an empty step.
         if not preempted or not scheduled:
             budget = self._admit(scheduled, budget)
+        # A chunk that lost a sequence to preemption, or gained a prompt (every running one was preempted), runs
+        # as one step: the room taken for the rest is used by the steps after it. One whose sequences all take a
+        # single step (each one token from its max_tokens) runs as one step too.
+        if preempted or any(not seq.is_decoding for seq in scheduled) or max(steps.values(), default=1) == 1:
+            chunk = 1
 
         self._age_waiting()
         items = [
             ScheduledSequence(
                 seq=seq, num_scheduled_tokens=n, num_computed_tokens=seq.num_computed_tokens,
                 is_decode=seq.is_decoding, do_sample=seq.num_computed_tokens + n == seq.num_tokens,
+                num_steps=steps[seq] if chunk > 1 else 1,
             )
             for seq, n in scheduled.items()
         ]
@@ -238,7 +261,17 @@ class Scheduler:
             num_decodes=sum(item.is_decode for item in items),
             num_batched_tokens=self.max_num_batched_tokens - budget,
             preempted=preempted,
+            num_steps=chunk,
         )
+
+    def _chunk_steps(self, seq: Sequence, chunk: int) -> int:
+        """The decode steps of a multi-step chunk seq takes: at most ``chunk``, none past its max_tokens, and none
+        past the min_tokens that still mask its EOS (the mask is one flag a chunk)."""
+        params = seq.sampling_params
+        steps = min(chunk, params.max_tokens - seq.num_output_tokens)
+        if not params.ignore_eos and seq.num_output_tokens < params.min_tokens:
+            steps = min(steps, params.min_tokens - seq.num_output_tokens)
+        return steps
 
     def _victim_for(self, seq: Sequence) -> Sequence:
         shard = self.block_manager.shard_of(seq)
@@ -313,15 +346,18 @@ class Scheduler:
             seq = item.seq
             if seq.status is not SequenceStatus.RUNNING:  # aborted between schedule() and now
                 continue
-            seq.num_computed_tokens += item.num_scheduled_tokens
-            self.block_manager.cache_full_blocks(seq)
+            # a chunk's further steps each compute the token sampled by the step before
+            seq.num_computed_tokens += item.num_scheduled_tokens + item.num_steps - 1
             if item.do_sample:
-                seq.output_token_ids.append(PENDING_TOKEN)
+                seq.output_token_ids.extend([PENDING_TOKEN] * item.num_steps)
+            self.block_manager.cache_full_blocks(seq)
 
-    def resolve(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[ScheduledSequence]:
+    def resolve(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[ScheduledSequence]:
         """The committed step's sampled tokens replace their PENDING_TOKENs and stop conditions are
-        checked. Returns the items that received a token (not those finished or aborted meanwhile:
-        their token was computed for nothing and is dropped)."""
+        checked. sampled: a token a sequence, or a multi-step chunk's tokens (item.num_steps of them, or
+        more: the rest is ignored). Returns the items that received a token (not those finished or
+        aborted meanwhile: their token was computed for nothing and is dropped); of a chunk, the tokens
+        up to the first that ends the sequence are taken (seq.output_token_ids ends there)."""
         received = []
         for item in output.scheduled:
             seq = item.seq
@@ -332,10 +368,18 @@ class Scheduler:
                 continue  # never committed
             if seq.request_id not in sampled:
                 raise KeyError(f"request {seq.request_id!r}: step {output.step} owes it a sampled token")
-            token_id = sampled[seq.request_id]
-            seq.output_token_ids[index] = token_id
+            tokens = sampled[seq.request_id]
+            status = None
+            for step, token_id in enumerate([tokens] if isinstance(tokens, int) else tokens[:item.num_steps]):
+                seq.output_token_ids[index + step] = token_id
+                status, stop_reason = self._check_stop(seq, token_id, index + step + 1)
+                if status is not None:
+                    del seq.output_token_ids[index + step + 1:]  # the chunk's steps after the stop
+                    break
             received.append(item)
-            status, stop_reason = self._check_stop(seq, token_id, index + 1)
+            if item.num_steps > 1 and seq.status is SequenceStatus.RUNNING:  # blocks full of the chunk's tokens,
+                # pending at commit (hashed before finish frees them; a preempted sequence's are gone)
+                self.block_manager.cache_full_blocks(seq)
             if status is not None:
                 self.finish(seq, status, stop_reason)
         return received

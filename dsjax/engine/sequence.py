@@ -98,6 +98,14 @@ class Sequence:
         return bool(self.output_token_ids) and self.output_token_ids[-1] == PENDING_TOKEN
 
     @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values are known: all but the trailing PENDING_TOKENs (a multi-step chunk's are several)."""
+        num, outputs = len(self.output_token_ids), self.output_token_ids
+        while num and outputs[num - 1] == PENDING_TOKEN:
+            num -= 1
+        return len(self.prompt_token_ids) + num
+
+    @property
     def is_decoding(self) -> bool:
         """Only the last sampled token is uncomputed: the next step feeds it alone.
 

@@ -251,7 +251,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_hashed, parent = self._hash_progress[seq.request_id]
-        num_full_blocks = seq.num_computed_tokens // self.block_size
+        if seq.num_computed_tokens // self.block_size <= num_hashed:  # most steps: no block filled
+            return
+        # a block is hashed once its tokens are known: a multi-step chunk's are pending until it is read back
+        num_full_blocks = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         if num_full_blocks <= num_hashed:
             return
         bs = self.block_size

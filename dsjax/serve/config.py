@@ -21,7 +21,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # The engine fields the server exposes; None means "EngineConfig's default".
 ENGINE_FIELDS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory",
                  "num_kv_blocks", "kv_cache_dtype", "kv_cache_group_size", "full_precision_window", "enable_prefix_caching", "enable_chunked_prefill", "async_scheduling",
-                 "max_logprobs", "seed")
+                 "num_scheduler_steps", "max_logprobs", "seed")
 # The ParallelConfig fields the server exposes; None means "the --parallel-config file's, or 1".
 PARALLEL_FIELDS = ("tensor_parallel_size", "expert_parallel_size", "data_parallel_size", "coordinator_address",
                    "num_processes", "process_id")
@@ -52,6 +52,7 @@ class ServeConfig:
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     async_scheduling: bool | None = None
+    num_scheduler_steps: int | None = None
     max_logprobs: int | None = None
     seed: int | None = None
     # devices (see PARALLEL_FIELDS; docs/parallelism.md)
@@ -74,7 +75,8 @@ class ServeConfig:
         _check_int("max_queue_len", self.max_queue_len, 0, "an int >= 0")
         for name in ("max_n", "max_body_bytes"):
             _check_int(name, getattr(self, name), 1, "an int >= 1")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                     "num_scheduler_steps"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), 1, "an int >= 1 (or unset)")
         if not isinstance(self.drain_timeout, (int, float)) or isinstance(self.drain_timeout, bool) \
@@ -192,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                    help="queue each engine step before reading the previous one's tokens (host work overlaps "
                         "the device's)")
+    p.add_argument("--num-scheduler-steps", type=int,
+                   help="decode steps one launch runs on the device when every running sequence decodes "
+                        "(default: 1); tokens then stream in chunks of that many")
     p.add_argument("--max-logprobs", type=int, help="largest logprobs / top_logprobs a request may ask for")
     p.add_argument("--seed", type=int, help="engine seed for requests without one")
     p.add_argument("--parallel-config", help="YAML of parallel sizes (configs/parallel/*.yaml, or a preset name)")

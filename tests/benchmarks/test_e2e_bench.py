@@ -101,6 +101,7 @@ def test_decode_curve(results):
         assert r["experts_touched"] == pytest.approx(
             expected_experts_touched(r["batch"], TINY.n_routed_experts, TINY.num_experts_per_tok))
         assert r["preemptions"] == 0
+        assert r["step_p10_ms"] <= r["step_ms"] <= r["step_p90_ms"] and r["host_cpu_ms"] > 0
     by_batch = {r["batch"]: r for r in payload["rows"] if r["prompt"] == 8}
     assert by_batch[1]["experts_touched"] == pytest.approx(TINY.num_experts_per_tok)
     assert by_batch[2]["roofline_tok_per_s"] > by_batch[1]["roofline_tok_per_s"]
@@ -174,6 +175,16 @@ def test_one_scenario_alone(tmp_path, capsys):
     assert [(r["batch"], r["prompt"]) for r in rows] == [(1, 8), (2, 8)]
     assert "## Mixed" not in (tmp_path / "e2e_summary_test.md").read_text()
     assert "wrote" in capsys.readouterr().out
+
+
+def test_decode_curve_in_multi_step_chunks(tmp_path):
+    """--num-scheduler-steps 4: each timed engine step decodes a chunk of 4 tokens a sequence; the row's step is a
+    decode step's share of it, and the context grows 4 tokens an engine step."""
+    bench_main(["decode-curve", *GRID, "--prompts", "8", "--batches", "1", "--num-scheduler-steps", "4",
+                "--out-dir", str(tmp_path)])
+    (row,) = json.loads((tmp_path / "e2e_decode_curve_test.json").read_text())["rows"]
+    assert row["num_scheduler_steps"] == 4 and row["tok_per_s"] == pytest.approx(1e3 / row["step_ms"])
+    assert row["context"] >= 8 + 1 + 4 + 4  # prompt, first token, a warm-up chunk, then chunks of 4 (mean 17)
 
 
 def test_bad_flags_name_the_field(capsys):

@@ -191,3 +191,52 @@ def test_greedy_sampler_inside_the_forward_equals_sync(engines, monkeypatch):
         sync.generate([[5, 6, 7]], logprobs, use_tqdm=False))
     assert len(one) == before and (1, False, True, True) in runner._samplers  # log-probabilities: two programs
     assert not two
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_multi_step_chunks_equal_sync(engines, async_scheduling):
+    """num_scheduler_steps=4: once every running sequence decodes and none waits, a step is a chunk of up to 4
+    decode steps in one program (short of a sequence's max_tokens, and of the min_tokens that mask its EOS), and
+    a sequence that stops inside one drops the rest. The mixed requests (stop tokens and strings, seeds, n=2,
+    log-probabilities, min_tokens, preemption in a small pool, prefix hits) give the single-step sync engine's
+    outputs exactly, with and without async scheduling; no block leaks."""
+    sync, _ = engines
+    llm = LLM("tiny", dtype="float32", progress=False, async_scheduling=async_scheduling, num_scheduler_steps=4,
+              **ENGINE)
+    runner = llm.engine.runner
+    chunks = []
+    launch = runner.launch
+    runner.launch = lambda t, inputs, row_steps=None: (chunks.append(row_steps), launch(t, inputs, row_steps))[1]
+    got, expected, prompts, params = outputs_equal_sync(sync, llm)
+    steps = [r for r in chunks if r is not None]
+    assert steps and max(int(r.max()) for r in steps) == 4  # chunks ran, whole ones too
+    assert any(0 < int(r[r > 0].min()) < 4 for r in steps)  # and rows of fewer steps (max_tokens, min_tokens)
+    assert any(key[2] for key in runner._chunks)  # the log-probabilities' chunk program too
+    # One lone greedy request: prefill, then chunks of 4 (a token each step of the device, 4 a launch).
+    before = llm.engine.num_steps
+    alone = [[9, 8, 7, 6, 5, 4, 3]]
+    greedy = SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True)
+    assert summary(llm.generate(alone, greedy, use_tqdm=False)) == summary(sync.generate(alone, greedy,
+                                                                                         use_tqdm=False))
+    assert llm.engine.num_steps - before == 1 + 3
+    again = llm.generate(prompts, params, use_tqdm=False)  # prefix hits on blocks a chunk filled
+    assert summary(again) == summary(expected) and llm.engine.stats()["prefix_cache_hits"] > 0
+    assert not llm.engine.has_unfinished_requests() and llm.engine.block_manager.num_blocks_used == 0
+    llm.engine.scheduler.check_invariants()
+
+
+def test_multi_step_chunk_blocks_are_cached_once_read():
+    """A chunk's own tokens are pending when it is committed: the blocks they fill are hashed when the chunk is
+    read back (not with the placeholder), so a follow-up prompt repeating the generated text hits as many cached
+    tokens as after single steps."""
+    settings = dict(ENGINE, max_num_seqs=2, num_kv_blocks=48)
+    hits = []
+    for steps in (1, 4):
+        llm = LLM("tiny", dtype="float32", progress=False, num_scheduler_steps=steps, **settings)
+        prompt = [5, 6, 7, 8, 9]
+        first = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+        follow_up = prompt + first.outputs[0].token_ids[:11] + [3, 4]
+        before = llm.engine.stats()["prefix_cache_hits"]
+        llm.generate([follow_up], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        hits.append(llm.engine.stats()["prefix_cache_hits"] - before)
+    assert hits[0] >= 12 and hits[1] == hits[0]

@@ -338,3 +338,44 @@ def test_finished_statuses_are_exactly_those_with_a_finish_reason():
             assert status in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
             with pytest.raises(ValueError, match="accepted a finished status"):
                 finish_reason_of(status)
+
+
+# ---- multi-step chunks ------------------------------------------------------------------------------
+
+
+def test_multi_step_chunks_only_when_every_sequence_decodes():
+    """num_scheduler_steps=4: a prefill step and any step with a request waiting stay single; once all decode,
+    each sequence takes a chunk of up to 4 steps (fewer near max_tokens, and not past the min_tokens that mask
+    its EOS), with cache room for every step; resolve takes the chunk's tokens up to a stop and frees the rest."""
+    s = make(num_scheduler_steps=4, max_num_seqs=2)
+    a = request("a", 3, max_tokens=6)
+    b = request("b", 5, start=200, max_tokens=20, min_tokens=3)
+    s.add(a)
+    s.add(b)
+    out = s.schedule()
+    assert out.num_steps == 1 and all(item.num_steps == 1 for item in out.scheduled)  # the prefills
+    s.update_from_output(out, {"a": 7, "b": 8})
+    out = s.schedule()
+    assert out.num_steps == 4 and {i.seq.request_id: i.num_steps for i in out.scheduled} == {"a": 4, "b": 2}
+    assert all(i.num_scheduled_tokens == 1 and i.is_decode for i in out.scheduled)
+    assert len(a.block_table) == 2 and len(b.block_table) == 2  # room for positions 3..6 and 5..6
+    s.update_from_output(out, {"a": [10, 11, 12, 13], "b": [20, 21, 99, 99]})
+    assert a.output_token_ids == [7, 10, 11, 12, 13] and b.output_token_ids == [8, 20, 21]
+    assert a.num_computed_tokens == a.num_tokens - 1 and b.num_computed_tokens == b.num_tokens - 1
+    out = s.schedule()
+    assert {i.seq.request_id: i.num_steps for i in out.scheduled} == {"a": 1, "b": 4}  # a: one token to max_tokens
+    finished = s.update_from_output(out, {"a": [14, 0, 0, 0], "b": [30, EOS, 31, 32]})
+    assert {seq.request_id for seq in finished} == {"a", "b"}
+    assert a.output_token_ids == [7, 10, 11, 12, 13, 14] and a.finish_reason == "length"
+    assert b.output_token_ids == [8, 20, 21, 30, EOS] and b.finish_reason == "stop"  # the chunk's rest dropped
+    assert s.block_manager.num_blocks_used == 0
+    s.add(request("c", 3))
+    s.add(request("d", 3, start=300))
+    s.update_from_output(s.schedule(), {"c": 1, "d": 2})
+    s.add(request("e", 3, start=400))  # waits: max_num_seqs=2
+    assert s.schedule().num_steps == 1
+    s = make(num_scheduler_steps=4)
+    s.add(request("x", 3, max_tokens=2))
+    s.update_from_output(s.schedule(), {"x": 5})
+    out = s.schedule()  # one token from max_tokens: a chunk of one step is a plain step
+    assert out.num_steps == 1 and [i.num_steps for i in out.scheduled] == [1]
