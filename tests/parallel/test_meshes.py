@@ -53,6 +53,7 @@ def test_meshes_match_one_device():
         assert r["logits_rel_err"] < 1e-4 and r["mesh_arg_logits_rel_err"] < 1e-4, name
         assert r["tokens_equal"], f"{name}: greedy tokens differ:\n{r['tokens']}\n{r['ref_tokens']}"
         assert r["logprob_err"] < 1e-3, name
+        assert "num_scheduler_steps=2: multi-step decoding runs on one device" in r["multi_step_refusal"], name
         layers, experts, hidden, inter = r["expert_shape"]
         # weights live in shards
         assert r["expert_shard_shape"] == [layers, experts // ep, hidden, inter // tp], name

@@ -31,6 +31,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 import dsjax  # noqa: E402
 from dsjax import LLM, ParallelConfig  # noqa: E402
+from dsjax.config import ConfigError  # noqa: E402
 from tests.parallel.cases import ENGINE, GREEDY, PROMPTS, TOKENS  # noqa: E402
 
 
@@ -99,6 +100,11 @@ def check_mesh(tp, ep, dp, one_device, reference, ref_llm, ref_tokens, ref_logpr
         checkpoints["int8_tokens_equal"] = int8_tokens == int8_reference()
         checkpoints["partial_prefix"] = partial_prefix_hits(llm, ref_llm)
     on_mesh = dsjax.load_model("tiny", mesh=model.mesh)  # a ready mesh instead of a ParallelConfig
+    try:  # multi-step chunks run on one device: refused on a mesh, before any compile
+        LLM("tiny", **{**ENGINE, "num_scheduler_steps": 2}, parallel=parallel)
+        checkpoints["multi_step_refusal"] = None
+    except ConfigError as e:
+        checkpoints["multi_step_refusal"] = str(e)
     return {
         **checkpoints,
         "logits_rel_err": rel_err(model.logits(TOKENS), reference),

@@ -26,12 +26,13 @@ def test_shipped_configs_load(name):
 
 def test_flags_override_the_file():
     config = config_from_args(["--config", str(CONFIGS / "tiny-cpu.yaml"), "--max-num-seqs", "4",
-                               "--no-enable-prefix-caching", "--served-model-name", "m", "--kv-cache-memory", "0.5"])
+                               "--no-enable-prefix-caching", "--served-model-name", "m", "--kv-cache-memory", "0.5",
+                               "--num-scheduler-steps", "4"])
     assert config.max_num_seqs == 4 and config.enable_prefix_caching is False and config.model_name == "m"
     assert config.kv_cache_memory == 0.5
     assert config.max_num_batched_tokens == 32  # from the file
     engine = config.engine_config()
-    assert engine.max_num_seqs == 4 and engine.enable_prefix_caching is False
+    assert engine.max_num_seqs == 4 and engine.enable_prefix_caching is False and engine.num_scheduler_steps == 4
 
 
 def test_unknown_yaml_key_names_the_key_and_the_accepted_ones(tmp_path):
@@ -51,6 +52,7 @@ def test_yaml_keys_may_use_dashes(tmp_path):
     (dict(port=70000), "port"), (dict(max_n=0), "max_n"), (dict(dtype="fp8"), "dtype"),
     (dict(max_queue_len=-1), "max_queue_len"), (dict(max_num_seqs=True), "max_num_seqs"),
     (dict(block_size=3), "block_size"),  # refused by EngineConfig, at parse time
+    (dict(num_scheduler_steps=0), "num_scheduler_steps"),
 ])
 def test_bad_values_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):
