@@ -42,15 +42,16 @@ NAME = "host_overhead"
 
 
 def instant_device(runner, seed: int = 0):
-    """A stand-in for runner.launch: a SampleResult of random tokens, as numpy, for the step's rows (no top
-    log-probabilities, as the sampler returns them when no row asks)."""
+    """A stand-in for runner.launch: a SampleResult of random tokens, as numpy, for the step's rows (a multi-step
+    chunk's with a steps axis; no top log-probabilities, as the sampler returns them when no row asks)."""
     rng = np.random.default_rng(seed)
     vocab = runner.model_config.vocab_size
 
-    def launch(t, inputs):
+    def launch(t, inputs, row_steps=None):
         rows = runner.num_shards * runner.num_rows(t)
-        return SampleResult(rng.integers(3, vocab, rows).astype(np.int32), np.full(rows, -1.0, np.float32),
-                            np.zeros((rows, 0), np.int32), np.zeros((rows, 0), np.float32))
+        shape = (rows,) if row_steps is None else (rows, runner.config.num_scheduler_steps)  # a chunk's steps axis
+        return SampleResult(rng.integers(3, vocab, shape).astype(np.int32), np.full(shape, -1.0, np.float32),
+                            np.zeros((*shape, 0), np.int32), np.zeros((*shape, 0), np.float32))
 
     return launch
 
