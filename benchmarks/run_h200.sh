@@ -334,9 +334,11 @@ case $part in
                     # process each, and chunks of 4 as CUDA graphs: does the batch-1 step reach the compiled step
                     # once the host launches a quarter as often (~8 minutes)
     for k in ${2:-1 4 8 4g}; do  # 4g: chunks of 4 as CUDA graphs (runner.CHUNK_GRAPHS)
+      # 96 timed tokens a sequence at every k: the same contexts (~190 on average)
       timeout 170 python -c "import sys, dsjax.engine.runner as r; r.CHUNK_GRAPHS = '$k'.endswith('g')
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 --prompts 128 \
-        --num-scheduler-steps ${k%g} --out-dir "$OUT" --tag h200_b1b2_chunk$k | grep "decode-curve b"
+        --num-scheduler-steps ${k%g} --steps $((96 / ${k%g})) --out-dir "$OUT" --tag h200_b1b2_chunk$k \
+        | grep "decode-curve b"
     done ;;
   host-swing)  # round 33's finding: the batch-1 engine step swings ±0.05 ms from one process to the next while the
               # compiled step holds. Three processes of host_overhead --device (async, 300 steps): each step's wall
