@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from dsjax import LLM, SamplingParams
 from dsjax.engine.scheduler import Scheduler
 from dsjax.kv.block_manager import BlockManager
@@ -46,12 +48,14 @@ def test_rungs_fire_in_order_under_a_squeeze():
     assert bm.get_num_free_blocks() == 10 and bm.num_compressed_blocks_free == 12
 
 
-def test_engine_logs_each_rung_once_and_counts_it(caplog):
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_engine_logs_each_rung_once_and_counts_it(caplog, num_scheduler_steps):
     """The real engine: a cached prefix, then four sequences growing to max_model_len in a pool that
-    holds less than that (28 full-precision + 29 compressed blocks for 64 needed)."""
+    holds less than that (28 full-precision + 29 compressed blocks for 64 needed); in multi-step chunks
+    too, whose cache room for 4 steps a sequence climbs the same ladder."""
     llm = LLM("tiny", dtype="float32", kernel_backend="reference", max_num_seqs=4, max_num_batched_tokens=16,
               max_model_len=64, block_size=4, buckets=(16,), progress=False, kv_cache_dtype="int8",
-              full_precision_window=WINDOW, num_kv_blocks=40)
+              full_precision_window=WINDOW, num_kv_blocks=40, num_scheduler_steps=num_scheduler_steps)
     engine = llm.engine
     assert (engine.block_manager.num_blocks_total, engine.block_manager.num_compressed_blocks) == (28, 29)
     with caplog.at_level(logging.WARNING, logger="dsjax.engine.llm_engine"):
@@ -65,3 +69,5 @@ def test_engine_logs_each_rung_once_and_counts_it(caplog):
     fired = [rung for rung, (key, _) in enumerate(engine.LADDER, start=1) if stats[key]]
     assert [int(m.split("rung ")[1].split(" ")[0]) for m in logged] == fired  # once each, lowest rung first
     engine.block_manager.check_invariants([])
+    if num_scheduler_steps > 1:  # the 54 tokens a sequence mostly came in chunks (64 launches in single steps)
+        assert engine.num_steps < 40
