@@ -190,11 +190,16 @@ class ModelRunner:
         (``_pack``); last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
         if self._packs:
             inputs = self._unpack(inputs)
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_treedef, state_leaves))
-        sources = inputs.token_sources
-        tokens = jnp.where(sources >= 0, last_tokens[jnp.maximum(sources, 0)], inputs.tokens)
+        model, tokens = self._model_and_tokens(state_leaves, inputs, last_tokens)
         hidden, cache = model.forward_paged(tokens, cache, inputs.batch)
         return cache, model.compute_logits(hidden[inputs.logits_indices])
+
+    def _model_and_tokens(self, state_leaves, inputs: StepInputs, last_tokens):
+        """The model over the flat weights, and the step's tokens: a pending one (token_sources >= 0) taken from the
+        previous step's last_tokens."""
+        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_treedef, state_leaves))
+        sources = inputs.token_sources
+        return model, jnp.where(sources >= 0, last_tokens[jnp.maximum(sources, 0)], inputs.tokens)
 
     def _sample(self, logits, sampling: SamplingArrays, *, filtered: bool, logprobs: bool, greedy: bool):
         """One rank's rows sampled; -> every rank's SampleResult, its token_ids padded to last_tokens' rows (the
@@ -244,10 +249,8 @@ class ModelRunner:
         s, bs = self.num_rows(t), self.config.block_size
         packed, row_steps = packed[:-s], packed[-s:]
         inputs, sampling = self._unpack(packed), self._unpack_sampling(packed, s)
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_treedef, state_leaves))
+        model, tokens = self._model_and_tokens(state_leaves, inputs, last_tokens)
         batch, rows = inputs.batch, inputs.batch.seq_ids  # token i decodes row rows[i]
-        sources = inputs.token_sources
-        tokens = jnp.where(sources >= 0, last_tokens[jnp.maximum(sources, 0)], inputs.tokens)
         pad_slot = self._padding_slot()
         live = batch.slot_mapping != pad_slot  # a scheduled token, not the bucket's padding
 
@@ -504,23 +507,23 @@ class ModelRunner:
         drawn = arrays.temperature > 0
         filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
         logprobs, greedy = bool(np.any(arrays.num_logprobs > 0)), not np.any(drawn)
+        chunk = one_program = sampler = None
         if row_steps is not None:
             chunk = self._chunk_program(t, filtered, logprobs, greedy)
-            packed = jax.device_put(np.concatenate([self._pack(inputs), row_steps]))
-            try:
-                self.cache, result, self.last_tokens = chunk(self._state_leaves, self.cache, packed, self.last_tokens)
-            except Exception:
-                self._recover_cache()
-                raise
-            return result
-        one_program = self._greedy_forwards.get(t) if greedy and not logprobs else None
-        sampler = None if one_program else self._sampler(t, filtered, logprobs, greedy)
-        if self._packs:  # one transfer, both programs' input
-            forward_inputs = sampling = jax.device_put(self._pack(inputs))
+        else:
+            one_program = self._greedy_forwards.get(t) if greedy and not logprobs else None
+            sampler = None if one_program else self._sampler(t, filtered, logprobs, greedy)
+        if self._packs:  # one transfer, every program's input (a chunk's row counts after the step's)
+            packed = self._pack(inputs) if chunk is None else np.concatenate([self._pack(inputs), row_steps])
+            forward_inputs = sampling = jax.device_put(packed)
         else:
             placed = self.place_inputs(inputs)
             forward_inputs, sampling = placed._replace(sampling=None), placed.sampling
         try:
+            if chunk is not None:
+                self.cache, result, self.last_tokens = chunk(self._state_leaves, self.cache, forward_inputs,
+                                                             self.last_tokens)
+                return result
             if one_program:
                 self.cache, result = one_program(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
             else:

@@ -208,7 +208,9 @@ class Scheduler:
             num_new = min(num_remaining, budget)
             # cache slots it needs: a multi-step chunk writes one a step (the decoded token, then each sampled one
             # but the last)
-            room = steps.setdefault(seq, self._chunk_steps(seq, chunk)) if chunk > 1 else num_new
+            room = num_new
+            if chunk > 1:
+                room = steps[seq] = self._chunk_steps(seq, chunk)
             if num_new < num_remaining and not self.enable_chunked_prefill:
                 continue
             if self.block_manager.num_blocks_to_append(seq, room) == 0:
