@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -242,6 +242,20 @@ case $part in
       timeout 280 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
         --prompt $p --kernel-trace "$OUT/kernel_trace_p$p" 2>&1 | grep -v "^WARNING" | tail -120 \
         | tee "$OUT/step_kernel_trace_b1_p$p.txt" | tail -25
+    done ;;
+  merge-context)  # round 34: the batch-1 step grows with context in phase 4 (its merge: the w_uv scope 3.9 -> 6.0 µs traced
+                 # from prompt 128 to 1024, the other attention phases flat; step_kernel_trace_b1_p*.txt). Merging the
+                 # chunks' states 16 or 32 at a time waits out L2 once a group: the attention chain's GPU tests (groups of
+                 # 16 and 32 among them), then the compiled step under each, in turns, at the prompts in $2 (default
+                 # 1024; ~5 minutes a prompt: the engine's start and ~50 s of compile a variant. Round 34's call gave
+                 # each prompt 200 s and got one round of two variants)
+    timeout 150 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "attention_chain_gpu" 2>&1 \
+      | tee "$OUT/gpu_tests_merge_context.log" | tail -2
+    for p in ${2:-1024}; do
+      timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+        --prompt $p --rounds 2 --variant built --variant "merge 16: pallas_kernels.decode_step_attention.MERGE_GROUP=16" \
+        --variant "merge 32: pallas_kernels.decode_step_attention.MERGE_GROUP=32" \
+        --out "$OUT/step_ab_merge_context_p${p}_b1_h200.json" 2>&1 | grep -E "^\||^round|Error"
     done ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)

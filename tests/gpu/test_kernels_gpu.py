@@ -700,7 +700,7 @@ def test_moe_layer_tail_chain_gpu(plan, monkeypatch):
     assert got.shape == (2048,) and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("position, merge_group", [(0, 8), (63, 8), (200, 8), (511, 8), (511, 4), (200, 2)])
+@pytest.mark.parametrize("position, merge_group", [(0, 8), (63, 8), (200, 8), (511, 8), (511, 4), (200, 2), (200, 16), (511, 32)])
 def test_attention_chain_gpu(position, merge_group, monkeypatch):
     """Two V2-Lite attention halves at one token in one persistent kernel (norm, q / kv_a, W_UK, rope, the paged
     context in 64-token chunks plus the new token, the states merged ``MERGE_GROUP`` at a time, W_UV, o_proj,
