@@ -48,7 +48,7 @@ def instant_device(runner, seed: int = 0):
     vocab = runner.model_config.vocab_size
 
     def launch(t, inputs, row_steps=None):
-        rows = runner.num_shards * runner.num_rows(t)
+        rows = runner.num_shards * runner.layout.num_rows(t)
         shape = (rows,) if row_steps is None else (rows, runner.config.num_scheduler_steps)  # a chunk's steps axis
         return SampleResult(rng.integers(3, vocab, shape).astype(np.int32), np.full(shape, -1.0, np.float32),
                             np.zeros((*shape, 0), np.int32), np.zeros((*shape, 0), np.float32))

@@ -130,7 +130,7 @@ def engine_step(args) -> list[dict]:
     t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
     compiled = runner._compiled[t]
     sampler = runner._sampler(t, False, False, True)
-    placed_forward = placed_sampling = jax.device_put(runner._pack(inputs))  # no mesh: the packed vector
+    placed_forward = placed_sampling = jax.device_put(runner.layout.pack(inputs))  # no mesh: the packed vector
 
     def from_host():
         return runner.launch(t, inputs)

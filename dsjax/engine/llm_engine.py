@@ -13,7 +13,8 @@ import jax
 from dsjax.config import ConfigError, EngineConfig
 from dsjax.engine.detokenizer import IncrementalDetokenizer
 from dsjax.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from dsjax.engine.runner import ModelRunner, RowSampling, StepHandle
+from dsjax.engine.runner import ModelRunner, StepHandle
+from dsjax.engine.step_inputs import RowSampling
 from dsjax.engine.sampling_params import SamplingParams
 from dsjax.engine.scheduler import Scheduler, SchedulerOutput
 from dsjax.engine.sequence import Sequence, SequenceStatus

@@ -14,7 +14,7 @@ and replicated, so every process of a multi-host run reads them.
 A step is two programs: the forward (per bucket: tokens -> cache writes and the sampled rows'
 logits) and the sampler (per bucket and the batch's sampling features: top-k/top-p filtering,
 logprobs, decided on the host). Nothing in either waits on the host. Without a mesh both take the step's
-inputs as one int32 vector (``_pack``), sent to the device in one transfer.
+inputs as one int32 vector (``StepLayout.pack``), sent to the device in one transfer.
 
 Multi-step chunks (``num_scheduler_steps``, no mesh): a decode-only step may run as up to that many forward +
 sample steps in one program (``_forward_steps``), each step's samples the next one's tokens, one cache slot a
@@ -32,7 +32,6 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +45,10 @@ from dsjax.config import EngineConfig
 from dsjax.engine.buckets import Buckets
 from dsjax.engine.sampler import SampleResult, SamplingArrays, sample
 from dsjax.engine.scheduler import SchedulerOutput
-from dsjax.engine.sequence import PENDING_TOKEN, Sequence
+from dsjax.engine.sequence import Sequence
+from dsjax.engine.step_inputs import RowSampling, StepInputs, StepLayout
 from dsjax.model.dispatch import compiler_options
-from dsjax.model.paged import PagedBatch, PagedKVCache
+from dsjax.model.paged import PagedKVCache
 from dsjax.parallel.collectives import gather_batch
 from dsjax.parallel.mesh import num_batch_shards
 from dsjax.parallel.sharding import CACHE_SPEC, batch_spec, checks_vma, param_specs
@@ -71,33 +71,6 @@ GREEDY_IN_FORWARD = True
 # whose kernels the host otherwise launches one by one, every step; as a CUDA graph (the loop a conditional node)
 # one launch would queue them all. Read when compiling; not yet timed on the H200.
 CHUNK_GRAPHS = False
-# _pack's order of a step's inputs: (name, per-token or per-row), then the block tables (S x max_blocks_per_seq),
-# then the sampling arrays' fields (per row, in SamplingArrays' order, as int32 bit patterns)
-_PACKED = (("tokens", "t"), ("positions", "t"), ("slot_mapping", "t"), ("seq_ids", "t"), ("token_sources", "t"),
-           ("logits_indices", "s"))
-
-
-class StepInputs(NamedTuple):
-    tokens: jax.Array  # i32[T]
-    batch: PagedBatch
-    logits_indices: jax.Array  # i32[S] last scheduled token of each sequence
-    sampling: SamplingArrays
-    token_sources: jax.Array  # i32[T] -1: tokens[i]; r >= 0: row r of the previous step's last_tokens
-
-
-class RowSampling(NamedTuple):
-    """Sampling settings of one scheduled sequence, in scheduler order (a tuple, not a frozen dataclass:
-    one is built for every sequence every step, and prepare() transposes them with zip)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    counter: int = 0  # tokens generated so far by this sequence
-    mask_eos: bool = False
-    num_logprobs: int = 0
-
-
 @dataclasses.dataclass
 class StepHandle:
     """A dispatched step: its bucket, where each scheduled sequence's sample lands, the device result."""
@@ -144,6 +117,9 @@ class ModelRunner:
         self.num_blocks_per_shard = num_blocks // self.num_shards
         self.num_compressed_blocks = num_compressed_blocks
         self.shard_of = shard_of or (lambda seq: 0)
+        # the cache slot of a bucket's padding tokens: past every pool (k_pe spans the compressed one too)
+        padding_slot = (self.num_blocks_per_shard + num_compressed_blocks) * config.block_size
+        self.layout = StepLayout(config, self.num_shards, self.mesh, padding_slot, self.shard_of)
         self.cache_dtype = model.dtype
         self.cache = self._zero_cache()
         self.eos_token_ids = tuple(eos_token_ids)
@@ -153,10 +129,10 @@ class ModelRunner:
         if self.mesh is not None:
             specs = jax.tree.leaves(param_specs(self.state), is_leaf=lambda x: isinstance(x, P))  # as the leaves
             forward = jax.shard_map(forward, mesh=self.mesh, out_specs=(CACHE_SPEC, batch_spec(2)),
-                                    in_specs=(specs, CACHE_SPEC, self._input_specs()._replace(sampling=None), P()),
+                                    in_specs=(specs, CACHE_SPEC, self.layout.specs()._replace(sampling=None), P()),
                                     check_vma=checks_vma(model.kernel_backend))
         self._jitted = jax.jit(forward, donate_argnums=(1,))
-        self._packs = self.mesh is None  # the step's inputs as one vector (_pack)
+        self._packs = self.mesh is None  # the step's inputs as one vector (StepLayout.pack)
         self._step_kernel_blocker = model.step_kernel_blocker
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
         copy_blocks = PagedKVCache.copy_blocks
@@ -187,9 +163,9 @@ class ModelRunner:
     def _forward(self, state_leaves, cache, inputs, last_tokens):
         """One rank's forward (all of it without a mesh): its tokens, its cache slice, the logits of its
         rows. state_leaves: the weights' state flattened; inputs: StepInputs (no sampling), or them packed
-        (``_pack``); last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
+        (``StepLayout.pack``); last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
         if self._packs:
-            inputs = self._unpack(inputs)
+            inputs = self.layout.unpack(inputs, self.buckets.sizes)
         model, tokens = self._model_and_tokens(state_leaves, inputs, last_tokens)
         hidden, cache = model.forward_paged(tokens, cache, inputs.batch)
         return cache, model.compute_logits(hidden[inputs.logits_indices])
@@ -217,13 +193,13 @@ class ModelRunner:
             start = time.perf_counter()
             fn = functools.partial(self._sample, filtered=filtered, logprobs=logprobs, greedy=greedy)
             if self.mesh is not None:
-                specs = self._input_specs().sampling
+                specs = self.layout.specs().sampling
                 fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(batch_spec(2), specs), out_specs=P())
-                sampling = self._abstract_inputs(t).sampling
+                sampling = self.layout.abstract(t).sampling
             else:
                 fn = functools.partial(self._sample_packed, fn)
-                sampling = jax.ShapeDtypeStruct((self._packed_length(t),), jnp.int32)
-            logits = jax.ShapeDtypeStruct((self.num_shards * self.num_rows(t), self.model_config.vocab_size),
+                sampling = jax.ShapeDtypeStruct((self.layout.packed_length(t),), jnp.int32)
+            logits = jax.ShapeDtypeStruct((self.num_shards * self.layout.num_rows(t), self.model_config.vocab_size),
                                           jnp.float32, sharding=None if self.mesh is None else
                                           NamedSharding(self.mesh, batch_spec(2)))
             self._samplers[key] = jax.jit(fn).lower(logits, sampling).compile()
@@ -231,27 +207,27 @@ class ModelRunner:
         return self._samplers[key]
 
     def _sample_packed(self, sample_fn, logits, packed):
-        return sample_fn(logits, self._unpack_sampling(packed, logits.shape[0]))
+        return sample_fn(logits, self.layout.unpack_sampling(packed, logits.shape[0]))
 
     def _forward_greedy(self, state_leaves, cache, packed, last_tokens):
         """The forward and the greedy sampler as one program (no mesh; ``GREEDY_IN_FORWARD``) -> (cache,
         SampleResult)."""
         cache, logits = self._forward(state_leaves, cache, packed, last_tokens)
-        return cache, self._sample(logits, self._unpack_sampling(packed, logits.shape[0]), filtered=False,
+        return cache, self._sample(logits, self.layout.unpack_sampling(packed, logits.shape[0]), filtered=False,
                                    logprobs=False, greedy=True)
 
     def _forward_steps(self, state_leaves, cache, packed, last_tokens, *, t: int, filtered: bool, logprobs: bool,
                        greedy: bool):
         """A multi-step chunk of bucket t (decodes only, no mesh): ``num_scheduler_steps`` forward + sample steps,
-        step j's samples step j + 1's tokens. packed: ``_pack``'s vector, then each row's count of steps (a row
-        past its count writes no cache slot and repeats its last position). -> (cache, SampleResult with a
-        steps axis after the rows', the next step's last_tokens: each row's sample of its last step)."""
-        s, bs = self.num_rows(t), self.config.block_size
+        step j's samples step j + 1's tokens. packed: ``StepLayout.pack``'s vector, then each row's count of
+        steps (a row past its count writes no cache slot and repeats its last position). -> (cache, SampleResult
+        with a steps axis after the rows', the next step's last_tokens: each row's sample of its last step)."""
+        s, bs = self.layout.num_rows(t), self.config.block_size
         packed, row_steps = packed[:-s], packed[-s:]
-        inputs, sampling = self._unpack(packed), self._unpack_sampling(packed, s)
+        inputs, sampling = self.layout.unpack(packed, self.buckets.sizes), self.layout.unpack_sampling(packed, s)
         model, tokens = self._model_and_tokens(state_leaves, inputs, last_tokens)
         batch, rows = inputs.batch, inputs.batch.seq_ids  # token i decodes row rows[i]
-        pad_slot = self._padding_slot()
+        pad_slot = self.layout.padding_slot
         live = batch.slot_mapping != pad_slot  # a scheduled token, not the bucket's padding
 
         def step(carry, j):
@@ -280,17 +256,12 @@ class ModelRunner:
         if key not in self._chunks:
             start = time.perf_counter()
             fn = functools.partial(self._forward_steps, t=t, filtered=filtered, logprobs=logprobs, greedy=greedy)
-            packed = jax.ShapeDtypeStruct((self._packed_length(t) + self.num_rows(t),), jnp.int32)
+            packed = jax.ShapeDtypeStruct((self.layout.packed_length(t) + self.layout.num_rows(t),), jnp.int32)
             args = (self._state_leaves, self.cache, packed, self._last_tokens_shape())
             options = self.compiler_options if CHUNK_GRAPHS else self._compiler_options(t)
             self._chunks[key] = jax.jit(fn, donate_argnums=(1,)).lower(*args).compile(options)
             self.compile_seconds += time.perf_counter() - start
         return self._chunks[key]
-
-    def _padding_slot(self) -> int:
-        """The cache slot of the bucket's padding tokens: past every pool (k_pe spans the compressed one too), so
-        their writes are dropped."""
-        return (self.num_blocks_per_shard + self.num_compressed_blocks) * self.config.block_size
 
     def runs_step_kernel(self, t: int) -> bool:
         """Whether bucket t's forward runs the batch-1 step kernel (``DeepseekForCausalLM.step_kernel_blocker``)."""
@@ -304,9 +275,6 @@ class ModelRunner:
         shape = self._last_tokens_shape()
         return jax.device_put(np.zeros(shape.shape, np.int32), shape.sharding)
 
-    def num_rows(self, num_tokens_bucket: int) -> int:
-        return min(num_tokens_bucket, self.config.max_num_seqs)
-
     def _zero_cache(self) -> PagedKVCache:
         sharding = None if self.mesh is None else NamedSharding(self.mesh, CACHE_SPEC)
         return PagedKVCache.zeros(self.model_config, self.num_blocks, self.config.block_size, self.cache_dtype,
@@ -314,75 +282,19 @@ class ModelRunner:
                                   group_size=self.config.kv_cache_group_size,
                                   num_compressed_blocks=self.num_compressed_blocks)
 
-    def _abstract_inputs(self, t: int) -> StepInputs:
-        inputs = self._input_shapes(t)
-        if self.mesh is None:
-            return inputs
-        return jax.tree.map(lambda a, sharding: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
-                            inputs, self._input_shardings())
-
-    def _input_shapes(self, t: int) -> StepInputs:
-        """Shapes of a step at bucket t: every rank's t tokens and num_rows(t) rows, rank-major."""
-        t, s, w = self.num_shards * t, self.num_shards * self.num_rows(t), self.config.max_blocks_per_seq
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-        f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-        return StepInputs(
-            i32(t), PagedBatch(i32(t), i32(t), i32(t), i32(s, w)), i32(s),
-            SamplingArrays(f32(s), i32(s), f32(s), jax.ShapeDtypeStruct((s,), jnp.uint32), i32(s),
-                           jax.ShapeDtypeStruct((s,), jnp.bool_), i32(s)), i32(t))
-
-    def _input_specs(self) -> StepInputs:
-        """Every input split over the data-parallel ranks along its leading axis."""
-        return jax.tree.map(lambda a: batch_spec(a.ndim), self._input_shapes(1))
-
-    def _input_shardings(self) -> StepInputs:
-        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self._input_specs(),
-                            is_leaf=lambda x: isinstance(x, P))
-
-    def _pack(self, inputs: StepInputs) -> np.ndarray:
-        """A step's inputs (no mesh) as one int32 host vector: ``_PACKED``'s fields, the block tables row by
-        row, then the sampling arrays' fields (floats and unsigned seeds as their bit patterns, flags as 0 / 1)."""
-        fields = {**inputs._asdict(), **inputs.batch._asdict()}
-        sampling = [a.astype(np.int32) if a.dtype == np.bool_ else a.view(np.int32) for a in inputs.sampling]
-        return np.concatenate([fields[name] for name, _ in _PACKED] + [inputs.batch.block_tables.ravel()] + sampling)
-
-    def _packed_length(self, t: int) -> int:
-        """The length of bucket t's ``_pack`` vector: its step's inputs, all of them."""
-        return sum(a.size for a in jax.tree.leaves(self._abstract_inputs(t)))
-
-    def _unpack(self, packed) -> StepInputs:
-        """``_pack``'s vector -> StepInputs without the sampling arrays (the forward's), sliced apart; its length
-        names the bucket (the length grows with the bucket)."""
-        t = next(t for t in self.buckets.sizes if self._packed_length(t) == packed.shape[0])
-        s, w = self.num_rows(t), self.config.max_blocks_per_seq
-        fields, start = {}, 0
-        for name, per in _PACKED:
-            size = t if per == "t" else s
-            fields[name], start = packed[start:start + size], start + size
-        tables = packed[start:start + s * w].reshape(s, w)
-        return StepInputs(fields["tokens"], PagedBatch(fields["positions"], fields["slot_mapping"], fields["seq_ids"],
-                                                       tables), fields["logits_indices"], None, fields["token_sources"])
-
-    def _unpack_sampling(self, packed, s: int) -> SamplingArrays:
-        """The sampling arrays of ``_pack``'s vector (its last entries, s rows each), back in their dtypes."""
-        dtypes = [a.dtype for a in self._input_shapes(1).sampling]
-        fields = packed[-len(dtypes) * s:].reshape(len(dtypes), s)
-        return SamplingArrays(*(f != 0 if dtype == jnp.bool_ else jax.lax.bitcast_convert_type(f, dtype)
-                                for f, dtype in zip(fields, dtypes)))
-
     def place_inputs(self, inputs: StepInputs) -> StepInputs:
         """Host arrays -> the mesh's devices: each receives its rank's slices (every process passes the
-        same host arrays in a multi-host run). Without a mesh a step's inputs go packed (``_pack``)."""
-        return jax.device_put(inputs, self._input_shardings())
+        same host arrays in a multi-host run). Without a mesh a step's inputs go packed (``StepLayout.pack``)."""
+        return jax.device_put(inputs, self.layout.shardings())
 
     def compile_all(self, sizes=None):
         """Compiles every bucket (or those of ``sizes``) ahead of time, so no request ever waits on the compiler."""
         todo = [t for t in (self.buckets.sizes if sizes is None else sizes) if t not in self._compiled]
         start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
-            inputs = self._abstract_inputs(t)._replace(sampling=None)
+            inputs = self.layout.abstract(t)._replace(sampling=None)
             if self._packs:
-                inputs = jax.ShapeDtypeStruct((self._packed_length(t),), jnp.int32)
+                inputs = jax.ShapeDtypeStruct((self.layout.packed_length(t),), jnp.int32)
             args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
             self._compiled[t] = self._jitted.lower(*args).compile(self._compiler_options(t))
             if GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
@@ -428,53 +340,9 @@ class ModelRunner:
         previous step's result (StepHandle.row_of).
 
         -> (bucket t, inputs, row i32[num_seqs]: where scheduled sequence i's sample comes back)."""
-        bs, w, shards = self.config.block_size, self.config.max_blocks_per_seq, self.num_shards
-        by_shard: list[list[int]] = [[] for _ in range(shards)]
-        for i, item in enumerate(out.scheduled):
-            by_shard[self.shard_of(item.seq)].append(i)
-        busiest = max(sum(out.scheduled[i].num_scheduled_tokens for i in items) for items in by_shard)
-        t = self.buckets.pick(busiest)
-        s = self.num_rows(t)
-        tokens = np.zeros(shards * t, np.int32)
-        positions = np.zeros(shards * t, np.int32)
-        slots = np.full(shards * t, self._padding_slot(), np.int32)
-        seq_ids = np.zeros(shards * t, np.int32)
-        sources = np.full(shards * t, -1, np.int32)
-        tables = np.zeros((shards * s, w), np.int32)
-        logits_indices = np.zeros(shards * s, np.int32)
-        row_of = np.zeros(len(out.scheduled), np.int64)
-        padded = [RowSampling()] * (shards * s)
-        for shard, items in enumerate(by_shard):
-            offset = 0  # within the rank's t tokens
-            for r, i in enumerate(items):
-                item = out.scheduled[i]
-                n, start, row = item.num_scheduled_tokens, shard * t + offset, shard * s + r
-                block_table, first = item.seq.block_table, item.num_computed_tokens
-                if n == 1:  # decodes, most of a large batch: scalars, no temporary arrays
-                    token = item.seq.last_token_id if item.is_decode else item.token_ids[0]
-                    if token == PENDING_TOKEN:
-                        sources[start] = pending_rows[item.seq]
-                    tokens[start] = token
-                    positions[start] = first
-                    slots[start] = block_table[first // bs] * bs + first % bs
-                    seq_ids[start] = r
-                else:
-                    table = np.asarray(block_table, np.int32)
-                    pos = np.arange(first, first + n, dtype=np.int32)
-                    tokens[start:start + n] = item.token_ids
-                    positions[start:start + n] = pos
-                    slots[start:start + n] = table[pos // bs] * bs + pos % bs
-                    seq_ids[start:start + n] = r
-                tables[row, :len(block_table)] = block_table
-                logits_indices[row] = offset + n - 1
-                padded[row], row_of[i] = rows[i], row
-                offset += n
-        temperature, top_k, top_p, seed, counter, mask_eos, num_logprobs = zip(*padded)  # RowSampling's fields
-        sampling = SamplingArrays(
-            np.asarray(temperature, np.float32), np.asarray(top_k, np.int32), np.asarray(top_p, np.float32),
-            np.asarray([s & 0xFFFFFFFF for s in seed], np.uint32), np.asarray(counter, np.int32),
-            np.asarray(mask_eos, np.bool_), np.asarray(num_logprobs, np.int32))
-        inputs = StepInputs(tokens, PagedBatch(positions, slots, seq_ids, tables), logits_indices, sampling, sources)
+        by_shard = self.layout.by_shard(out)
+        t = self.buckets.pick(max(sum(out.scheduled[i].num_scheduled_tokens for i in items) for items in by_shard))
+        inputs, row_of = self.layout.arrays(out, rows, t, by_shard, pending_rows)
         return t, inputs, row_of
 
     def execute(self, out: SchedulerOutput, rows: list[RowSampling]) -> StepResult:
@@ -491,7 +359,7 @@ class ModelRunner:
         if out.num_steps > 1:  # a multi-step chunk: each row's count of steps
             if not self._packs:
                 raise ValueError(f"a chunk of {out.num_steps} steps: multi-step decoding runs without a mesh")
-            row_steps = np.zeros(self.num_rows(t), np.int32)
+            row_steps = np.zeros(self.layout.num_rows(t), np.int32)
             row_steps[row_of] = [item.num_steps for item in out.scheduled]
         return StepHandle(t, row_of, self.launch(t, inputs, row_steps), out.num_batched_tokens)
 
@@ -514,7 +382,9 @@ class ModelRunner:
             one_program = self._greedy_forwards.get(t) if greedy and not logprobs else None
             sampler = None if one_program else self._sampler(t, filtered, logprobs, greedy)
         if self._packs:  # one transfer, every program's input (a chunk's row counts after the step's)
-            packed = self._pack(inputs) if chunk is None else np.concatenate([self._pack(inputs), row_steps])
+            packed = self.layout.pack(inputs)
+            if chunk is not None:
+                packed = np.concatenate([packed, row_steps])
             forward_inputs = sampling = jax.device_put(packed)
         else:
             placed = self.place_inputs(inputs)

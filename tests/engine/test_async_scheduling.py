@@ -132,31 +132,32 @@ def test_async_failed_read_aborts_both_queued_steps(engines, monkeypatch):
 
 
 def test_packed_step_inputs_equal_sync(engines):
-    """Without a mesh a step's inputs, the sampling arrays' too, reach the device as one int32 vector (_pack) that
-    the forward and the sampler slice apart (_unpack, _unpack_sampling; buckets up to and past max_num_seqs); the
-    async engine's outputs stay the sync engine's."""
+    """Without a mesh a step's inputs, the sampling arrays' too, reach the device as one int32 vector
+    (StepLayout.pack) that the forward and the sampler slice apart (unpack, unpack_sampling; buckets up to and
+    past max_num_seqs); the async engine's outputs stay the sync engine's."""
     import jax
     import numpy as np
 
     sync, llm = engines
     runner = llm.engine.runner
+    layout = runner.layout
     assert runner._packs and sorted(runner._compiled) == [1, 2, 4, 8, 16, 32]
     for t in (1, 8, 16, 32):  # the bucket comes back from the vector's length alone
         rng = np.random.default_rng(t)
-        host = jax.tree.map(lambda a: rng.integers(-5, 1000, a.shape).astype(a.dtype), runner._abstract_inputs(t))
+        host = jax.tree.map(lambda a: rng.integers(-5, 1000, a.shape).astype(a.dtype), layout.abstract(t))
         sampling = host.sampling
         host = host._replace(sampling=sampling._replace(
             temperature=rng.uniform(0, 2, sampling.temperature.shape).astype(np.float32),
             top_p=rng.uniform(0, 1, sampling.top_p.shape).astype(np.float32),
             seeds=rng.integers(0, 2**32, sampling.seeds.shape, dtype=np.uint64).astype(np.uint32),
             mask_eos=rng.integers(0, 2, sampling.mask_eos.shape).astype(np.bool_)))
-        packed = runner._pack(host)
-        assert packed.dtype == np.int32 and packed.shape == (runner._packed_length(t),)
-        back = runner._unpack(packed)
+        packed = layout.pack(host)
+        assert packed.dtype == np.int32 and packed.shape == (layout.packed_length(t),)
+        back = layout.unpack(packed, runner.buckets.sizes)
         for got, want in zip(jax.tree.leaves(back._replace(sampling=None)), jax.tree.leaves(host._replace(sampling=None))):
             np.testing.assert_array_equal(got, want)
-        rows = runner.num_rows(t)
-        for got, want in zip(runner._unpack_sampling(jax.numpy.asarray(packed), rows), host.sampling):
+        rows = layout.num_rows(t)
+        for got, want in zip(layout.unpack_sampling(jax.numpy.asarray(packed), rows), host.sampling):
             assert got.dtype == want.dtype
             np.testing.assert_array_equal(np.asarray(got), want)
     outputs_equal_sync(sync, llm)

@@ -163,7 +163,7 @@ def test_sampler_returns_the_next_steps_last_tokens(llm):
     runner = llm.engine.runner
     rows, max_rows = 2, runner.config.max_num_seqs
     logits = jnp.asarray(np.random.default_rng(1).standard_normal((rows, runner.model_config.vocab_size)), jnp.float32)
-    packed = jnp.zeros((runner._packed_length(rows),), jnp.int32)  # the step's inputs, greedy rows
+    packed = jnp.zeros((runner.layout.packed_length(rows),), jnp.int32)  # the step's inputs, greedy rows
     result = runner._sampler(rows, False, False, True)(logits, packed)
     assert result.token_ids.shape == (max_rows,) and result.top_ids.shape == (rows, 0)
     np.testing.assert_array_equal(np.asarray(result.token_ids[:rows]), np.asarray(jnp.argmax(logits, axis=-1)))
@@ -269,7 +269,7 @@ def test_step_kernel_buckets_compile_without_command_buffers(llm, monkeypatch):
     assert runner._compiler_options(1) == {**(runner.compiler_options or {}), "xla_gpu_enable_command_buffer": ""}
     assert runner._compiler_options(2) == runner.compiler_options
     compiled = runner._jitted.lower(runner._state_leaves, runner.cache,
-                                    jnp.zeros((runner._packed_length(1),), jnp.int32),
+                                    jnp.zeros((runner.layout.packed_length(1),), jnp.int32),
                                     runner.last_tokens).compile(runner._compiler_options(1))
     assert compiled.as_text()
     monkeypatch.setattr(runner_module, "STEP_KERNEL_GRAPHS", True)
