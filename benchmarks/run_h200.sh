@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -256,6 +256,19 @@ case $part in
         --prompt $p --rounds 2 --variant built --variant "merge 16: pallas_kernels.decode_step_attention.MERGE_GROUP=16" \
         --variant "merge 32: pallas_kernels.decode_step_attention.MERGE_GROUP=32" \
         --out "$OUT/step_ab_merge_context_p${p}_b1_h200.json" 2>&1 | grep -E "^\||^round|Error"
+    done ;;
+  sampler-ab)  # round 34's one-pass sampler (sampler.ONE_PASS: the argmax, the max and the sum of exponentials in one
+              # reduction of two launches, where the greedy sampler took five of the batch-1 step's 26): its tests on
+              # the GPU, then the compiled step with it, with the two-pass form, and with the step kernel's bucket
+              # as a CUDA graph again (round 32 measured it 10 µs slower while the sampler was a second program), in
+              # turns, at the batches in $2 (default 1; ~5 minutes a batch)
+    timeout 150 python -m pytest tests/engine/test_llm.py -q -p no:cacheprovider -rf -k "sampler" 2>&1 \
+      | tee "$OUT/sampler_tests_gpu.log" | tail -2
+    for b in ${2:-1}; do
+      timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
+        --rounds 3 --variant built --variant "two pass: dsjax.engine.sampler.ONE_PASS=False" \
+        --variant "graphs on: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
+        --out "$OUT/step_ab_sampler_b${b}_h200.json" 2>&1 | grep -E "^\||^round|Error"
     done ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)

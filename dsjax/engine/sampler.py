@@ -51,6 +51,42 @@ def _plain_sample(logits, arrays: SamplingArrays, keys):
     return jax.vmap(jax.random.categorical)(keys, scaled)
 
 
+_CHUNK = 512  # vocabulary entries a first-stage partial of _best_and_sum_exp covers
+# Whether sample() takes the argmax, max and sum of exponentials from _best_and_sum_exp's one pass (True) or
+# from jnp.argmax / max and a second pass for the sum (XLA fuses the argmax and the max). Read at trace time; to
+# be timed on the H200 (decode_profile.md round 34: the greedy sampler was five of the batch-1 step's 26 launches).
+ONE_PASS = True
+
+
+def _combine(a, b):
+    """Two partials (max, sum of exp(x - max), index of the max) of an online softmax as one: each sum rescaled to
+    the larger max, ties to the lower index (as jnp.argmax)."""
+    (max_a, sum_a, at_a), (max_b, sum_b, at_b) = a, b
+    top = jnp.maximum(max_a, max_b)
+    # a side still at -inf (the initial value, or masked logits) adds nothing; exp(-inf - -inf) would be nan
+    scaled = lambda m, s: jnp.where(m == -jnp.inf, 0.0, s * jnp.exp(m - top))
+    first = (max_a > max_b) | ((max_a == max_b) & (at_a < at_b))
+    return top, scaled(max_a, sum_a) + scaled(max_b, sum_b), jnp.where(first, at_a, at_b)
+
+
+def _best_and_sum_exp(logits):
+    """logits f32[S, V] -> (argmax i32[S], max f32[S], sum of exp(logits - max) f32[S]): an online softmax's
+    reduction, one pass over the vocabulary where argmax and log_softmax take three (and on the GPU five
+    launches: here two, the chunks' partials, then theirs). Two explicit stages of ``_CHUNK`` entries a partial
+    (the vocabulary padded with -inf) keep the sums as accurate as a plain sum's where a backend reduces a row
+    in order (the CPU: one ordered sum over 70k entries was off by ~1e-4)."""
+    rows, vocab = logits.shape
+    chunks = -(-vocab // _CHUNK)
+    padded = jnp.pad(logits, ((0, 0), (0, chunks * _CHUNK - vocab)), constant_values=-jnp.inf)
+    padded = padded.reshape(rows, chunks, _CHUNK)
+    index = jax.lax.broadcasted_iota(jnp.int32, padded.shape, 1) * _CHUNK + jax.lax.broadcasted_iota(
+        jnp.int32, padded.shape, 2)
+    init = (jnp.array(-jnp.inf, logits.dtype), jnp.array(0, logits.dtype), jnp.array(0, jnp.int32))
+    partials = jax.lax.reduce((padded, jnp.ones_like(padded), index), init, _combine, (2,))
+    top, sum_exp, best = jax.lax.reduce(partials, init, _combine, (1,))
+    return best, top, sum_exp
+
+
 def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_top_logprobs: int, *,
            filtered: bool = True, logprobs: bool = True, greedy: bool = False) -> SampleResult:
     """logits f32[S, V] -> SampleResult.
@@ -63,18 +99,25 @@ def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_t
     if eos_token_ids:
         eos = jnp.zeros((logits.shape[-1],), bool).at[jnp.asarray(eos_token_ids)].set(True)
         logits = jnp.where(arrays.mask_eos[:, None] & eos[None, :], -jnp.inf, logits)
-    best = jnp.argmax(logits, axis=-1)
+    if ONE_PASS:
+        best, top, sum_exp = _best_and_sum_exp(logits)
+    else:
+        best, top = jnp.argmax(logits, axis=-1).astype(jnp.int32), jnp.max(logits, axis=-1)
+        sum_exp = jnp.sum(jnp.exp(logits - top[:, None]), axis=-1)
     if greedy:
-        token_ids = best.astype(jnp.int32)
+        token_ids = best
     else:
         keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(arrays.seeds, arrays.counters)
         drawn = (_filtered_sample if filtered else _plain_sample)(logits, arrays, keys)
         token_ids = jnp.where(arrays.temperature > 0, drawn, best).astype(jnp.int32)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    chosen = jnp.take_along_axis(log_probs, token_ids[:, None], axis=-1)[:, 0]
+    log_sum = jnp.log(sum_exp)  # log_softmax(x) = (x - max) - log_sum, as jax.nn.log_softmax forms it
+    if greedy:  # the drawn token is the max, (max - max) - log_sum: no gather
+        chosen = -log_sum
+    else:
+        chosen = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - top) - log_sum
     if logprobs:
-        top_logprobs, top_ids = jax.lax.top_k(log_probs, num_top_logprobs)
+        top_logprobs, top_ids = jax.lax.top_k((logits - top[:, None]) - log_sum[:, None], num_top_logprobs)
     else:  # none asked: [S, 0], no device work (*_like: the logits' varying mesh axes inside a shard_map)
-        top_logprobs = jnp.zeros_like(log_probs[:, :0])
-        top_ids = jnp.zeros_like(log_probs[:, :0], jnp.int32)
+        top_logprobs = jnp.zeros_like(logits[:, :0])
+        top_ids = jnp.zeros_like(logits[:, :0], jnp.int32)
     return SampleResult(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)

@@ -157,6 +157,41 @@ def test_greedy_sampler_matches_the_general_one():
     np.testing.assert_array_equal(np.asarray(plain.token_ids), np.asarray(fast.token_ids))
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
+def test_sampler_log_probabilities_are_log_softmax(one_pass, monkeypatch):
+    """The sampler's one-pass reduction (argmax, max and the sum of exponentials, rescaled as partials meet; and
+    the two-pass form it replaces, sampler.ONE_PASS) gives jnp.argmax's token (ties to the lower index, masked
+    EOS never) and jax.nn.log_softmax's log-probabilities: the drawn token's and the top ones, over a vocabulary
+    long enough for many partials."""
+    import jax
+
+    from dsjax.engine import sampler
+    from dsjax.engine.sampler import SamplingArrays, sample
+
+    monkeypatch.setattr(sampler, "ONE_PASS", one_pass)
+
+    rng = np.random.default_rng(3)
+    rows, vocab = 5, 70_000
+    logits = jnp.asarray(rng.standard_normal((rows, vocab)) * 4, jnp.float32)
+    logits = logits.at[0, 123].set(30.0).at[0, 60_001].set(30.0)  # row 0: a tie, the lower index wins
+    logits = logits.at[1, 7].set(50.0).at[2, :].set(-jnp.inf).at[2, 9].set(1.0)  # row 1: EOS on top, masked
+    logits = logits.at[3, : vocab // 2].set(-jnp.inf)  # row 2: one finite logit; row 3: half of them -inf
+    arrays = SamplingArrays(jnp.asarray([0.0, 0.0, 0.0, 0.7, 1.3]), jnp.zeros(rows, jnp.int32), jnp.ones(rows),
+                            jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32),
+                            jnp.asarray([False, True, False, False, False]), jnp.full(rows, 3, jnp.int32))
+    got = jax.jit(lambda: sample(logits, arrays, (7,), 3, filtered=False, logprobs=True))()
+    masked = logits.at[1, 7].set(-jnp.inf)
+    want = jax.nn.log_softmax(masked, axis=-1)
+    tokens = np.asarray(got.token_ids)
+    np.testing.assert_array_equal(tokens[:3], np.asarray(jnp.argmax(masked, axis=-1))[:3])
+    assert tokens[0] == 123 and tokens[1] != 7 and tokens[2] == 9 and tokens[3] >= vocab // 2
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(want)[np.arange(rows), tokens], atol=2e-5)
+    top_logprobs, top_ids = jax.lax.top_k(want, 3)
+    np.testing.assert_allclose(np.asarray(got.top_logprobs), np.asarray(top_logprobs), atol=2e-5)
+    np.testing.assert_array_equal(np.asarray(got.top_ids)[[1, 2, 3, 4]], np.asarray(top_ids)[[1, 2, 3, 4]])
+    assert float(got.logprobs[2]) == 0.0  # the only finite logit: probability 1
+
+
 def test_sampler_returns_the_next_steps_last_tokens(llm):
     """The runner's sampler returns one SampleResult whose token_ids, padded to every row of last_tokens, are
     the next step's last_tokens (no second output holding the same tokens: a copy on the device)."""
