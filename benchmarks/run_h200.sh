@@ -257,16 +257,16 @@ case $part in
         --variant "merge 32: pallas_kernels.decode_step_attention.MERGE_GROUP=32" \
         --out "$OUT/step_ab_merge_context_p${p}_b1_h200.json" 2>&1 | grep -E "^\||^round|Error"
     done ;;
-  sampler-ab)  # round 34's one-pass sampler (sampler.ONE_PASS: the argmax, the max and the sum of exponentials in one
-              # reduction of two launches, where the greedy sampler took five of the batch-1 step's 26): its tests on
-              # the GPU, then the compiled step with it, with the two-pass form, and with the step kernel's bucket
+  sampler-ab)  # round 34's one-pass sampler (sampler.ONE_PASS, built off: the argmax, the max and the sum of
+              # exponentials in one reduction of two launches, where the greedy sampler takes five of the batch-1
+              # step's 26): its tests on the GPU, then the compiled step as built, with it, and with the step kernel's bucket
               # as a CUDA graph again (round 32 measured it 10 µs slower while the sampler was a second program), in
               # turns, at the batches in $2 (default 1; ~5 minutes a batch)
     timeout 150 python -m pytest tests/engine/test_llm.py -q -p no:cacheprovider -rf -k "sampler" 2>&1 \
       | tee "$OUT/sampler_tests_gpu.log" | tail -2
     for b in ${2:-1}; do
       timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "two pass: dsjax.engine.sampler.ONE_PASS=False" \
+        --rounds 3 --variant built --variant "one pass: dsjax.engine.sampler.ONE_PASS=True" \
         --variant "graphs on: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
         --out "$OUT/step_ab_sampler_b${b}_h200.json" 2>&1 | grep -E "^\||^round|Error"
     done ;;

@@ -53,9 +53,10 @@ def _plain_sample(logits, arrays: SamplingArrays, keys):
 
 _CHUNK = 512  # vocabulary entries a first-stage partial of _best_and_sum_exp covers
 # Whether sample() takes the argmax, max and sum of exponentials from _best_and_sum_exp's one pass (True) or
-# from jnp.argmax / max and a second pass for the sum (XLA fuses the argmax and the max). Read at trace time; to
-# be timed on the H200 (decode_profile.md round 34: the greedy sampler was five of the batch-1 step's 26 launches).
-ONE_PASS = True
+# from jnp.argmax / max and a second pass for the sum (XLA fuses the argmax and the max). Read at trace time. Off
+# until timed on the H200 (decode_profile.md round 34: the greedy sampler was five of the batch-1 step's 26
+# launches; ``run_h200.sh sampler-ab``).
+ONE_PASS = False
 
 
 def _combine(a, b):
@@ -71,8 +72,8 @@ def _combine(a, b):
 
 def _best_and_sum_exp(logits):
     """logits f32[S, V] -> (argmax i32[S], max f32[S], sum of exp(logits - max) f32[S]): an online softmax's
-    reduction, one pass over the vocabulary where argmax and log_softmax take three (and on the GPU five
-    launches: here two, the chunks' partials, then theirs). Two explicit stages of ``_CHUNK`` entries a partial
+    reduction, one pass over the vocabulary where argmax and the sum take two (on the GPU two launches, the
+    chunks' partials, then theirs, where those take four). Two explicit stages of ``_CHUNK`` entries a partial
     (the vocabulary padded with -inf) keep the sums as accurate as a plain sum's where a backend reduces a row
     in order (the CPU: one ordered sum over 70k entries was off by ~1e-4)."""
     rows, vocab = logits.shape
