@@ -379,8 +379,10 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
             res = runner.launch(t, inputs)
         jax.block_until_ready((runner.cache, res))
     trace = latest_trace(trace_dir)
-    # the step's programs (the forward of bucket t, its sampler) as XLA optimized them, for the ops' names
-    texts = [runner._compiled[t].as_text(), *(sampler.as_text() for sampler in runner._samplers.values())]
+    # the step's programs as XLA optimized them, for the ops' names: the forward with the greedy sampler inside first
+    # where the bucket has one (what a greedy step launches: its names win), then the forward and the samplers
+    greedy = [runner._greedy_forwards[t].as_text()] if t in runner._greedy_forwards else []
+    texts = [*greedy, runner._compiled[t].as_text(), *(sampler.as_text() for sampler in runner._samplers.values())]
     with open(os.path.join(trace_dir, "step_hlo.txt"), "w") as f:
         f.write("\n\n".join(texts))
     described = hlo_lines(*texts)
