@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|knobs-curve|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -269,6 +269,19 @@ case $part in
         --rounds 3 --variant built --variant "one pass: dsjax.engine.sampler.ONE_PASS=True" \
         --variant "graphs on: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
         --out "$OUT/step_ab_sampler_b${b}_h200.json" 2>&1 | grep -E "^\||^round|Error"
+    done ;;
+  knobs-curve)  # after sampler-ab: the engine at batch 1 and 2 (96 timed tokens, one process each) as built, with the
+               # one-pass sampler, with the step kernel's bucket as a CUDA graph, and with both (~6 minutes; the knobs
+               # in $2 as NAME=MODULE.ATTR=VALUE,... lists, default those three)
+    for run in ${2:-built one_pass=dsjax.engine.sampler.ONE_PASS=True graphs=dsjax.engine.runner.STEP_KERNEL_GRAPHS=True both=dsjax.engine.sampler.ONE_PASS=True,dsjax.engine.runner.STEP_KERNEL_GRAPHS=True}; do
+      name=${run%%=*}; sets=${run#"$name"}; sets=${sets#=}
+      echo "== $name ($sets)"
+      timeout 170 python -c "import sys, importlib
+for s in filter(None, '$sets'.split(',')):
+    path, value = s.split('='); module, attr = path.rsplit('.', 1)
+    setattr(importlib.import_module(module), attr, eval(value))
+from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 --prompts 128 --steps 96 \
+        --out-dir "$OUT" --tag "h200_b1b2_$name" | grep "decode-curve b"
     done ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)
