@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|knobs-curve|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|knobs-curve|xla-flags|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -282,6 +282,27 @@ for s in filter(None, '$sets'.split(',')):
     setattr(importlib.import_module(module), attr, eval(value))
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 --prompts 128 --steps 96 \
         --out-dir "$OUT" --tag "h200_b1b2_$name" | grep "decode-curve b"
+    done ;;
+  xla-flags)  # round 34: outside the step kernel a batch-1 step is ~24 small launches (norms as a reduce and a scale,
+             # split-K sums, residual adds; ~60 µs at their boundaries): does one of XLA's experimental fusion passes
+             # make fewer of them? The compiled step in one process a setting (the compiled step alone moves ~3 µs
+             # between processes, round 33), settings in $2 (default all five; ~2 minutes each): built,
+             # block_level (xla_gpu_experimental_enable_fusion_block_level_rewriter), heroless
+             # (..._enable_triton_heroless_priority_fusion), all_triton (..._all_fusions_with_triton), same_shape
+             # (..._enable_same_shape_multi_output_fusion)
+    for setting in ${2:-built block_level heroless all_triton same_shape}; do
+      case $setting in
+        built) flags= ;;
+        block_level) flags=--xla_gpu_experimental_enable_fusion_block_level_rewriter=true ;;
+        heroless) flags=--xla_gpu_experimental_enable_triton_heroless_priority_fusion=true ;;
+        all_triton) flags=--xla_gpu_experimental_all_fusions_with_triton=true ;;
+        same_shape) flags=--xla_gpu_experimental_enable_same_shape_multi_output_fusion=true ;;
+        *) echo "xla-flags: setting $setting; accepted: built block_level heroless all_triton same_shape" >&2; exit 2 ;;
+      esac
+      echo "== $setting ($flags)"
+      XLA_FLAGS=$flags timeout 200 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
+        --num-kv-blocks 2048 --rounds 2 --variant "$setting" --out "$OUT/step_xla_flags_${setting}_b1_h200.json" \
+        2>&1 | grep -E "^round|Error"
     done ;;
   step-kernel-trace)  # the batch-1 step kernel's per-scope trace in the engine (dispatch.STEP_KERNEL_TRACE): its
                      # first ~7 layers' scopes phase by phase (the trace stops when its buffer is full; ~3 minutes)
