@@ -174,8 +174,9 @@ def test_sampler_log_probabilities_are_log_softmax(one_pass, monkeypatch):
     rows, vocab = 5, 70_000
     logits = jnp.asarray(rng.standard_normal((rows, vocab)) * 4, jnp.float32)
     logits = logits.at[0, 123].set(30.0).at[0, 60_001].set(30.0)  # row 0: a tie, the lower index wins
-    logits = logits.at[1, 7].set(50.0).at[2, :].set(-jnp.inf).at[2, 9].set(1.0)  # row 1: EOS on top, masked
-    logits = logits.at[3, : vocab // 2].set(-jnp.inf)  # row 2: one finite logit; row 3: half of them -inf
+    logits = logits.at[1, 7].set(50.0)  # row 1: EOS on top, masked (min_tokens)
+    logits = logits.at[2, :].set(-jnp.inf).at[2, 9].set(1.0)  # row 2: one finite logit
+    logits = logits.at[3, : vocab // 2].set(-jnp.inf)  # row 3 (drawn, as row 4): half of its logits -inf
     arrays = SamplingArrays(jnp.asarray([0.0, 0.0, 0.0, 0.7, 1.3]), jnp.zeros(rows, jnp.int32), jnp.ones(rows),
                             jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32),
                             jnp.asarray([False, True, False, False, False]), jnp.full(rows, 3, jnp.int32))
