@@ -257,9 +257,13 @@ class LLMEngine:
             result = self.runner.fetch(handle)
         except Exception as e:
             raise StepFailedError(self._fail_step(out, also_failed), e) from e
-        # Python numbers, in one pass; a multi-step chunk's are [num_seqs, steps]
-        token_ids, logprobs = result.token_ids.tolist(), result.logprobs.tolist()
-        chunk = result.token_ids.ndim == 2
+        # Python numbers, in one pass; a multi-step chunk's are [num_seqs, steps]. Log-probabilities as a chunk's
+        # in either case: a single step is a chunk of one.
+        token_ids = result.token_ids.tolist()
+        steps = result.token_ids.shape[1] if result.token_ids.ndim == 2 else 1
+        logprobs = result.logprobs.reshape(len(token_ids), steps).tolist()
+        top_ids = result.top_ids.reshape(len(token_ids), steps, result.top_ids.shape[-1])
+        top_logprobs = result.top_logprobs.reshape(top_ids.shape)
         sampled = {item.seq.request_id: token_ids[i] for i, item in enumerate(out.scheduled) if item.do_sample}
         received = {id(item) for item in self.scheduler.resolve(out, sampled)}
         now = time.time()
@@ -273,13 +277,11 @@ class LLMEngine:
             first = item.num_computed_tokens + item.num_scheduled_tokens - seq.num_prompt_tokens  # its output index
             # the tokens resolve() took: the chunk's up to the one that ended the sequence, if one did
             for step, token in enumerate(seq.output_token_ids[first:first + item.num_steps]):
-                logprob = logprobs[i][step] if chunk else logprobs[i]
+                logprob = logprobs[i][step]
                 request.cumulative_logprob[index] += logprob
                 if request.params.logprobs is not None:
                     k = request.params.logprobs
-                    top_ids, top_lps = ((result.top_ids[i, step, :k], result.top_logprobs[i, step, :k]) if chunk
-                                        else (result.top_ids[i, :k], result.top_logprobs[i, :k]))
-                    entry = {int(t): float(lp) for t, lp in zip(top_ids, top_lps)}
+                    entry = {int(t): float(lp) for t, lp in zip(top_ids[i, step, :k], top_logprobs[i, step, :k])}
                     entry[token] = logprob
                     request.logprobs[index].append(entry)
                 detok.append(token)

@@ -190,7 +190,6 @@ class ModelRunner:
         bucket). Without a mesh it takes the step's packed vector, whose sampling fields it reads."""
         key = (t, filtered, logprobs, greedy)
         if key not in self._samplers:
-            start = time.perf_counter()
             fn = functools.partial(self._sample, filtered=filtered, logprobs=logprobs, greedy=greedy)
             if self.mesh is not None:
                 specs = self.layout.specs().sampling
@@ -202,8 +201,7 @@ class ModelRunner:
             logits = jax.ShapeDtypeStruct((self.num_shards * self.layout.num_rows(t), self.model_config.vocab_size),
                                           jnp.float32, sharding=None if self.mesh is None else
                                           NamedSharding(self.mesh, batch_spec(2)))
-            self._samplers[key] = jax.jit(fn).lower(logits, sampling).compile()
-            self.compile_seconds += time.perf_counter() - start
+            self._samplers[key] = self._compile(jax.jit(fn), (logits, sampling))
         return self._samplers[key]
 
     def _sample_packed(self, sample_fn, logits, packed):
@@ -254,13 +252,11 @@ class ModelRunner:
         one of every decode bucket with the rest, ``compile_all``)."""
         key = (t, filtered, logprobs, greedy)
         if key not in self._chunks:
-            start = time.perf_counter()
             fn = functools.partial(self._forward_steps, t=t, filtered=filtered, logprobs=logprobs, greedy=greedy)
             packed = jax.ShapeDtypeStruct((self.layout.packed_length(t) + self.layout.num_rows(t),), jnp.int32)
             args = (self._state_leaves, self.cache, packed, self._last_tokens_shape())
             options = self.compiler_options if CHUNK_GRAPHS else self._compiler_options(t)
-            self._chunks[key] = jax.jit(fn, donate_argnums=(1,)).lower(*args).compile(options)
-            self.compile_seconds += time.perf_counter() - start
+            self._chunks[key] = self._compile(jax.jit(fn, donate_argnums=(1,)), args, options)
         return self._chunks[key]
 
     def runs_step_kernel(self, t: int) -> bool:
@@ -290,22 +286,28 @@ class ModelRunner:
     def compile_all(self, sizes=None):
         """Compiles every bucket (or those of ``sizes``) ahead of time, so no request ever waits on the compiler."""
         todo = [t for t in (self.buckets.sizes if sizes is None else sizes) if t not in self._compiled]
-        start = time.perf_counter()
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
             inputs = self.layout.abstract(t)._replace(sampling=None)
             if self._packs:
                 inputs = jax.ShapeDtypeStruct((self.layout.packed_length(t),), jnp.int32)
             args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
-            self._compiled[t] = self._jitted.lower(*args).compile(self._compiler_options(t))
+            self._compiled[t] = self._compile(self._jitted, args, self._compiler_options(t))
             if GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
                 greedy = jax.jit(self._forward_greedy, donate_argnums=(1,))
-                self._greedy_forwards[t] = greedy.lower(*args).compile(self._compiler_options(t))
+                self._greedy_forwards[t] = self._compile(greedy, args, self._compiler_options(t))
             if self.config.num_scheduler_steps > 1 and self._packs and t <= self.buckets.pick(self.config.max_num_seqs):
                 self._chunk_program(t, filtered=False, logprobs=False, greedy=True)
             self._sampler(t, False, False, False)
             self._sampler(t, False, False, True)
             self.num_compiled_shapes += 1
+
+    def _compile(self, jitted, args, options=None) -> jax.stages.Compiled:
+        """jitted lowered on abstract args and compiled with XLA ``options``, its time added to compile_seconds
+        (every program of the runner compiles here, once, so none is counted twice)."""
+        start = time.perf_counter()
+        compiled = jitted.lower(*args).compile(options)
         self.compile_seconds += time.perf_counter() - start
+        return compiled
 
     def clear_compiled(self):
         """Drops every compiled program (compile_all makes them again, e.g. after a knob read at trace time changed)."""
