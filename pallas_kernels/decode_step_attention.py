@@ -232,7 +232,7 @@ class AttentionScratch(NamedTuple):
 
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
-                     block_size: int, barrier_count):
+                     block_size: int, barrier_count, cache_layer: int = 0):
     """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
     semaphore and layer loop the caller owns -> (zero, loads, compute):
 
@@ -242,7 +242,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
       position after.
     - ``compute(layer, count)`` (computing warpgroup, the layer's input rows in ``scratch.xin``): the phases,
       phase p ending at the grid barrier ``barrier_count(layer, p)`` -> the ring position after. The heads'
-      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj."""
+      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj.
+
+    Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches)."""
     r, sm = refs, scratch
     f32, bf16 = jnp.float32, jnp.bfloat16
     c = lax.axis_index("c")
@@ -294,8 +296,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             token = c * CHUNK
             page, t0 = r.table[lax.div(token, block_size)], lax.rem(token, block_size)
             lax.fori_loop(0, 4, lambda b, _: issue(count + b, lambda h: [
-                (r.ckv.at[layer, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)]), None)
-            issue(count + 4, lambda h: [(r.kpe.at[layer, page, pl.ds(t0, CHUNK)], True)])
+                (r.ckv.at[cache_layer + layer, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)]),
+                          None)
+            issue(count + 4, lambda h: [(r.kpe.at[cache_layer + layer, page, pl.ds(t0, CHUNK)], True)])
 
         @pl.when(c == nch)
         def _():  # the new token's rows, once phase 2 has written them
@@ -573,9 +576,10 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
     pl.when(lax.axis_index("wg") == 1)(loads)
 
 
-def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec):
+def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
+                       cache_layer: int = 0):
     """What a kernel running ``attention_phases`` takes: (the 11 inputs of AttentionRefs, the 7 outputs' types,
-    the phases' constants)."""
+    the phases' constants), the weights' layer l reading the caches' layer ``cache_layer`` + l."""
     num_layers, hidden = weights.norm.shape
     num_heads = weights.q_proj.shape[2]
     block_size = c_kv.shape[2]
@@ -595,16 +599,17 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
                  jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
                  jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
     constants = dict(num_heads=num_heads, states=states, scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps,
-                     kv_eps=spec.kv_eps, block_size=block_size)
+                     kv_eps=spec.kv_eps, block_size=block_size, cache_layer=cache_layer)
     return inputs, out_types, constants
 
 
 def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                    profile_dir: str | None = None):
+                    profile_dir: str | None = None, cache_layer: int = 0):
     """L layers' attention halves at one token in one persistent kernel: x_{l+1} = x_l + layer l's attention of
     x_l over its paged context (``attention_half_reference``'s, up to the residual stream's rounding). x [D]
-    bf16 at ``position`` (a scalar) of the sequence whose pages are block_table i32[W]; each layer's cache c_kv
-    [L, N, bs, 512] / k_pe [L, N, bs, 64] holds the tokens before it; ``weights`` stacked over layers, rope
+    bf16 at ``position`` (a scalar) of the sequence whose pages are block_table i32[W]; layer l's cache, layer
+    ``cache_layer`` + l of c_kv [L', N, bs, 512] / k_pe [L', N, bs, 64], holds the tokens before it (the engine's
+    dense layers sit after the MoE stack in its caches); ``weights`` stacked over layers, rope
     columns permuted (``permute_rope_columns``) -> (x_L [D] bf16, kv [L, 576] bf16: each layer's new latent and
     rope key, which the caller writes into the cache at the token's slot).
 
@@ -623,13 +628,15 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     Shapes must pass ``attention_supports``."""
     num_layers, hidden = weights.norm.shape
     num_heads = weights.q_proj.shape[2]
-    if x.shape != (hidden,) or c_kv.shape[0] != num_layers or k_pe.shape[:3] != c_kv.shape[:3]:
-        raise ValueError(f"attention_chain: x {x.shape}, c_kv {c_kv.shape}, k_pe {k_pe.shape}; expected x [D={hidden}] "
-                         f"and caches [L={num_layers}, N, bs, ...]")
+    if (x.shape != (hidden,) or not 0 <= cache_layer <= c_kv.shape[0] - num_layers
+            or k_pe.shape[:3] != c_kv.shape[:3]):
+        raise ValueError(f"attention_chain: x {x.shape}, c_kv {c_kv.shape}, k_pe {k_pe.shape}, cache_layer={cache_layer}; "
+                         f"expected x [D={hidden}] and caches [L', N, bs, ...] holding layers cache_layer .. "
+                         f"cache_layer + {num_layers - 1}")
     num_ctas = num_sms()
     f32, bf16 = jnp.float32, jnp.bfloat16
     rows = hidden // HALF
-    inputs, out_types, constants = attention_operands(position, block_table, c_kv, k_pe, weights, spec)
+    inputs, out_types, constants = attention_operands(position, block_table, c_kv, k_pe, weights, spec, cache_layer)
     kernel = functools.partial(_attention_body, num_layers=num_layers, num_ctas=num_ctas, **constants)
     out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), *out_types)  # x_mid's rows a layer first
     scratch = [
@@ -677,21 +684,24 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
 
 
 def attention_layer_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                              layer: int):
-    """``attention_half_reference`` on layer ``layer`` of the stacked weights and caches [L, ...] -> (x_mid, the
-    row [576] it wrote into the layer's cache: the new latent and rope key)."""
+                              layer: int, cache_layer: int = 0):
+    """``attention_half_reference`` on layer ``layer`` of the stacked weights, over cache layer ``cache_layer`` +
+    ``layer`` of the caches [L', ...] -> (x_mid, the row [576] it wrote into that cache layer: the new latent and
+    rope key)."""
     block_size = c_kv.shape[2]
     page, offset = block_table[position // block_size], position % block_size
-    x, c_l, k_l = attention_half_reference(x, position, block_table, c_kv[layer], k_pe[layer],
+    at = cache_layer + layer
+    x, c_l, k_l = attention_half_reference(x, position, block_table, c_kv[at], k_pe[at],
                                            AttentionWeights(*(w[layer] for w in weights)), spec)
     return x, jnp.concatenate([c_l[page, offset], k_l[page, offset]])
 
 
-def attention_chain_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec):
+def attention_chain_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
+                              cache_layer: int = 0):
     """The same chain with ``attention_half_reference`` a layer -> (x_L, kv [L, 576]: the rows each layer wrote
     into its cache)."""
     rows = []
-    for layer in range(c_kv.shape[0]):
-        x, row = attention_layer_reference(x, position, block_table, c_kv, k_pe, weights, spec, layer)
+    for layer in range(weights.norm.shape[0]):
+        x, row = attention_layer_reference(x, position, block_table, c_kv, k_pe, weights, spec, layer, cache_layer)
         rows.append(row)
     return x, jnp.stack(rows)

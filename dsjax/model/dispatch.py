@@ -211,6 +211,13 @@ STEP_KERNEL = True
 # later calls find the kernel's file name taken and write none); tracing slows the scopes ~2x. A diagnostic of
 # the kernel as the engine runs it (``step_profile --kernel-trace``), read at trace time.
 STEP_KERNEL_TRACE: str | None = None
+# With the step kernel, a one-token step also runs the dense layer's attention half as one persistent kernel
+# (``decode_step_attention.attention_chain``, one layer, its cache after the MoE stack's) in place of its ~7 launches
+# (norm + q / kv_a, the latent's write, decode + combine, W_UV, o_proj and the residual's adds: 24.9 µs of work and
+# ~2.4 µs at each launch's boundary in decode_profile.md round 34), its new cache row stored with the stack's in one
+# launch. Models with one dense layer (V2-Lite, V2). Built and CPU-tested (the kernel's jnp reference in its place);
+# off until the H200 has timed it (``run_h200.sh sampler-ab``). Read at trace time.
+STEP_KERNEL_DENSE_ATTENTION = False
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):

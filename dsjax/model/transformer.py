@@ -81,12 +81,15 @@ class DecoderLayer(nnx.Module):
         sublayer's RMSNorm into its first stacked-GEMV launch (``MLAttention.paged``, ``MoE.decode``)."""
         attn_out, cache = self.attn.paged(x, cache, layer, batch, norm=self.attn_norm, backend=backend,
                                           stacked=stacked and stacked.attn)
-        h = x + psum_tensor(attn_out)
+        return self.mlp_paged(x + psum_tensor(attn_out), backend=backend, stacked=stacked), cache
+
+    def mlp_paged(self, h, *, backend: str, stacked: LayerStack = None):
+        """The MLP sublayer of ``paged``: h [T, D] (after the attention's residual) -> h + MLP(norm(h))."""
         if stacked is not None and h.shape[0] <= dispatch.STACKED_GEMV_MAX_TOKENS:
             if is_manual(TENSOR):  # the ranks' partial outputs are summed before the residual joins them
-                return h + psum_tensor(self.mlp.decode(h, stacked, self.mlp_norm.eps, backend)), cache
-            return self.mlp.decode(h, stacked, self.mlp_norm.eps, backend, add_residual=True), cache
-        return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked)), cache
+                return h + psum_tensor(self.mlp.decode(h, stacked, self.mlp_norm.eps, backend))
+            return self.mlp.decode(h, stacked, self.mlp_norm.eps, backend, add_residual=True)
+        return h + psum_tensor(self._mlp(self.mlp_norm(h), backend, stacked))
 
 
 def _stacked_layers(num_layers: int, config: ModelConfig, moe: bool, dtype, rngs: nnx.Rngs,
@@ -180,12 +183,16 @@ class DeepseekForCausalLM(nnx.Module):
             return one
 
         x = embed_lookup(self.embed[...], tokens)
-        # the MoE stack first in the cache's layer axis, the dense layers after it (see _scan_layers)
-        carry = _scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers))
-        if self.step_kernel_blocker(tokens.shape[0], cache, batch.block_tables.shape[-1]) is None:
-            x, cache = self._moe_stack_step(*carry, batch)
-        else:
+        if self.step_kernel_blocker(tokens.shape[0], cache, batch.block_tables.shape[-1]) is not None:
+            # the MoE stack first in the cache's layer axis, the dense layers after it (see _scan_layers)
+            carry = _scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers))
             x, cache = _scan_layers(self.moe_layers, carry, 0, step(self.moe_layers))
+        elif self.dense_attention_blocker() is None:
+            x, dense_rows = self._dense_layer_step(x, cache, batch)
+            x, cache = self._moe_stack_step(x, cache, batch, dense_rows)
+        else:
+            x, cache = self._moe_stack_step(
+                *_scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers)), batch)
         return self.norm(x), cache
 
     def prepare_step_kernel(self) -> str | None:
@@ -201,15 +208,18 @@ class DeepseekForCausalLM(nnx.Module):
         None once ready, else why not. Idempotent."""
         if why_not := self._why_not_step_kernel():
             return why_not
-        attn, moe = self.moe_layers.attn, self.moe_layers.mlp
-        if attn.interleave:
-            attn.q_proj[...], attn.kv_a[...] = permute_rope_columns(attn.q_proj[...], attn.kv_a[...],
-                                                                      attn.rope_dim, True)
-            attn.interleave = False
+        moe = self.moe_layers.mlp
         moe.router_parts = StepKernelCache(jax.jit(decode_step_moe.router_parts)(moe.router[...]))
-        stack = self.moe_layers
-        for norm in (stack.attn_norm, attn.kv_a_norm, stack.mlp_norm):
-            norm.weight_f32 = StepKernelCache(jnp.asarray(norm.weight[...], jnp.float32))
+        for stack in (self.moe_layers, self.dense_layers):  # the dense layers' attention too (dense_attention_blocker)
+            if stack is None:
+                continue
+            attn = stack.attn
+            if attn.interleave:
+                attn.q_proj[...], attn.kv_a[...] = permute_rope_columns(attn.q_proj[...], attn.kv_a[...],
+                                                                          attn.rope_dim, True)
+                attn.interleave = False
+            for norm in (stack.attn_norm, attn.kv_a_norm, stack.mlp_norm):
+                norm.weight_f32 = StepKernelCache(jnp.asarray(norm.weight[...], jnp.float32))
         return None
 
     def _why_not_step_kernel(self, block_size: int = 64, capacity: int = 64) -> str | None:
@@ -249,23 +259,56 @@ class DeepseekForCausalLM(nnx.Module):
             return "an 8-bit or two-pool cache (the kernel reads one bf16 pool)"
         return None
 
-    def _moe_stack_step(self, x, cache: PagedKVCache, batch: PagedBatch):
-        """The MoE stack of a one-token step as one persistent kernel: x [1, D] -> (x after the stack, the
-        cache with every MoE layer's new latent and rope key at the token's slot)."""
-        stack, c = self.moe_layers, self.config
-        attn, moe = stack.attn, stack.mlp
+    def dense_attention_blocker(self) -> str | None:
+        """None when a step that runs the step kernel also runs the dense layer's attention half as one kernel
+        (``dispatch.STEP_KERNEL_DENSE_ATTENTION``), else why not."""
+        if not dispatch.STEP_KERNEL_DENSE_ATTENTION:
+            return "dispatch.STEP_KERNEL_DENSE_ATTENTION is off"
+        if self.config.num_dense_layers != 1:
+            return f"{self.config.num_dense_layers} dense layers (the kernel's path takes one)"
+        if self.dense_layers.attn.interleave or not hasattr(self.dense_layers.attn_norm, "weight_f32"):
+            return "the dense layer's rope columns and f32 norms are not prepared (prepare_step_kernel)"
+        return None
+
+    @staticmethod
+    def _attention_weights(stack):
+        """``stack``'s attention as the step kernels take it (``prepare_step_kernel`` done) -> (weights, spec)."""
+        attn = stack.attn
         weights = decode_step_attention.AttentionWeights(
             stack.attn_norm.weight_f32[...], attn.q_proj[...], attn.kv_a[...], attn.kv_a_norm.weight_f32[...],
             attn.w_uk[...], attn.w_uv[...], attn.o_proj[...])
         spec = decode_step_attention.AttentionSpec(stack.attn_norm.eps, attn.kv_a_norm.eps, attn.scale,
                                                    attn.inv_freq, attn.cos_sin_scale)
+        return weights, spec
+
+    def _dense_layer_step(self, x, cache: PagedKVCache, batch: PagedBatch):
+        """The dense layer of a one-token step: its attention half as one persistent kernel
+        (``decode_step_attention.attention_chain`` over its cache layer, after the MoE stack's), then its MLP as
+        the layer scan runs it. x [1, D] -> (x after the layer, its new cache row [1, 576], which the caller
+        stores with the MoE stack's)."""
+        stack = self.dense_layers
+        h, row = decode_step_attention.attention_chain(
+            x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe,
+            *self._attention_weights(stack), cache_layer=self.config.num_moe_layers)
+        mlp = lambda layer, h, _, index: layer.mlp_paged(h, backend=self.kernel_backend,
+                                                         stacked=self._stacked(stack, index))
+        return _scan_layers(stack, h[None], self.config.num_moe_layers, mlp), row
+
+    def _moe_stack_step(self, x, cache: PagedKVCache, batch: PagedBatch, dense_rows=None):
+        """The MoE stack of a one-token step as one persistent kernel: x [1, D] -> (x after the stack, the
+        cache with every MoE layer's new latent and rope key at the token's slot, and ``dense_rows`` [Ld, 576]
+        at the dense layers' after them when given, all in one store)."""
+        stack, c = self.moe_layers, self.config
+        moe = stack.mlp
         shared = (moe.shared.w_gate[...], moe.shared.w_up[...], moe.shared.w_down[...])
         out, _, _, kv = decode_step_moe.moe_layer_chain(
-            x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe, weights, spec,
-            stack.mlp_norm.weight_f32[...], moe.router_parts[...],
+            x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe,
+            *self._attention_weights(stack), stack.mlp_norm.weight_f32[...], moe.router_parts[...],
             decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
             c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared,
             profile_dir=dispatch.STEP_KERNEL_TRACE)
+        if dense_rows is not None:  # the cache's layers in order: the MoE stack's, then the dense layers'
+            kv = jnp.concatenate([kv, dense_rows.astype(kv.dtype)])
         c_kv, k_pe = dispatch.store_rows(cache.c_kv, cache.k_pe, kv, batch.slot_mapping[0], self.kernel_backend)
         return out[None], cache._replace(c_kv=c_kv, k_pe=k_pe)
 

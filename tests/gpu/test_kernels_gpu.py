@@ -722,6 +722,23 @@ def test_attention_chain_gpu(position, merge_group, monkeypatch):
 
 
 @pytest.mark.parametrize("position", [0, 200])
+def test_attention_chain_reads_its_cache_layer_gpu(position):
+    """One attention half whose cache is layer 1 of two (``cache_layer``, as the engine's dense layer after the MoE
+    stack; cache layer 0 holds other values) against the reference on the same layer."""
+    import jax
+
+    from benchmarks.megakernel_probe import attention_inputs
+    from pallas_kernels.decode_step_attention import AttentionWeights, attention_chain, attention_chain_reference
+
+    x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
+    last = AttentionWeights(*(w[1:] for w in weights))
+    run = lambda fn: jax.jit(lambda *a, w: fn(*a, w, spec, cache_layer=1))(x, pos, table, c_kv, k_pe, w=last)
+    got, kv = run(attention_chain)
+    want, want_kv = run(attention_chain_reference)
+    assert kv.shape == (1, 576) and _rel(kv, want_kv) < 1e-2 and _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("position", [0, 200])
 def test_moe_layer_chain_gpu(position):
     """Two whole V2-Lite layers at one token in one persistent kernel (the attention phases, o_proj, the MoE
     half) against the reference layers: each layer's new cache row, layer 0's routing, the output."""
@@ -748,14 +765,15 @@ def test_moe_layer_chain_gpu(position):
 
 def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     """A random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers): a 70-token prompt prefilled, then
-    three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL) give the logits
-    of the launches a layer."""
+    three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL), with the dense
+    layer's attention half as a kernel too or not (dispatch.STEP_KERNEL_DENSE_ATTENTION), give the logits of the
+    launches a layer."""
     import dataclasses
 
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import random_model
-    from pallas_kernels import decode_step_moe
+    from pallas_kernels import decode_step_attention, decode_step_moe
     from tests.model.test_model import _paged_logits
 
     config = dataclasses.replace(ModelConfig.preset("deepseek-v2-lite"), num_hidden_layers=3)
@@ -764,14 +782,21 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     calls = []
     chain = decode_step_moe.moe_layer_chain
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", lambda *a, **k: calls.append(1) or chain(*a, **k))
+    dense_calls = []
+    dense_chain = decode_step_attention.attention_chain
+    monkeypatch.setattr(decode_step_attention, "attention_chain",
+                        lambda *a, **k: dense_calls.append(k["cache_layer"]) or dense_chain(*a, **k))
     logits = {}
-    for on in (False, True):
+    for on, dense in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(dispatch, "STEP_KERNEL", on)
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense)
         model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
         assert model.prepare_step_kernel() is None
-        logits[on] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8, cache_dtype=jnp.bfloat16)
-    assert calls  # the one-token steps took the kernel
-    assert _rel(logits[True][-3:], logits[False][-3:]) < 3e-2
+        logits[on, dense] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8,
+                                          cache_dtype=jnp.bfloat16)
+    assert calls and set(dense_calls) == {config.num_moe_layers}  # the one-token steps took the kernels
+    for on in ((True, False), (True, True)):
+        assert _rel(logits[on][-3:], logits[False, False][-3:]) < 3e-2
 
 
 def test_engine_greedy_steps_in_one_program_gpu(monkeypatch):

@@ -229,15 +229,18 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
     assert head_gemvs * (2 if folded else 1) == head_gemvs_unfolded > 0
 
 
-@pytest.mark.parametrize("rows_backend", ["reference", "interpret"])
-def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backend):
+@pytest.mark.parametrize("rows_backend, dense_attention", [("reference", False), ("interpret", False),
+                                                           ("reference", True)])
+def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backend, dense_attention):
     """The batch-1 step kernel's wiring (DeepseekForCausalLM.prepare_step_kernel, step_kernel_blocker,
     _moe_stack_step) on the CPU: with the kernel's jnp reference in its place (moe_layer_chain_reference, the
     model's attention and MoE half a layer; the kernel itself is checked against it on the GPU) and its shape
     checks waived for a tiny V2-Lite-like model, a prompt prefilled and then decoded one token a step gives the
     logits of the model as loaded (later steps read the cache rows earlier ones wrote); steps of several tokens
     keep the layer scan. The kernel's rows go into the cache by ``dispatch.store_rows``: its reference, or the
-    Triton store (``latent_write.store_rows``) in interpret mode."""
+    Triton store (``latent_write.store_rows``) in interpret mode. With ``dispatch.STEP_KERNEL_DENSE_ATTENTION`` the
+    dense layer's attention half runs as its own kernel too (``attention_chain_reference`` in its place, over the
+    dense layer's cache layer after the stack's), its row stored with the stack's."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -263,6 +266,14 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     monkeypatch.setattr(DeepseekForCausalLM, "_why_not_step_kernel", lambda self, *shapes: None)
     monkeypatch.setattr(decode_step_attention, "attention_supports", lambda *a: None)
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
+    dense_calls = []
+
+    def dense_chain(*args, cache_layer, profile_dir=None):
+        dense_calls.append((args[0].shape, args[5].norm.shape, cache_layer))
+        return decode_step_attention.attention_chain_reference(*args, cache_layer=cache_layer)
+
+    monkeypatch.setattr(decode_step_attention, "attention_chain", dense_chain)
+    monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
     stores, store_rows = [], dispatch.store_rows
 
     def store(c_kv, k_pe, rows, slot, backend):
@@ -277,7 +288,13 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     monkeypatch.setattr(dispatch, "STEP_KERNEL_TRACE", "/tmp/step_kernel_trace")
     assert model.step_kernel_blocker(1, PagedKVCache.zeros(config, 4, 4, jnp.float32), 4) == (
         "the stack's rope columns, router parts and f32 norms are not prepared (prepare_step_kernel)")
+    if dense_attention:
+        assert model.dense_attention_blocker() == (
+            "the dense layer's rope columns and f32 norms are not prepared (prepare_step_kernel)")
     assert model.prepare_step_kernel() is None and not model.moe_layers.attn.interleave
+    assert not model.dense_layers.attn.interleave and model.dense_layers.attn_norm.weight_f32[...].dtype == jnp.float32
+    assert model.dense_attention_blocker() == (None if dense_attention else
+                                               "dispatch.STEP_KERNEL_DENSE_ATTENTION is off")
     assert model.prepare_step_kernel() is None  # idempotent: permuted once
     parts, router = model.moe_layers.mlp.router_parts[...], model.moe_layers.mlp.router[...]
     assert parts.shape == (router.shape[0], 2, *router.shape[1:]) and parts.dtype == jnp.bfloat16
@@ -295,5 +312,49 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     # run in a process changes JAX's tracing context)
     assert calls in ([(config.hidden_size,)], [(config.hidden_size,)] * (1 if rows_backend == "reference" else 2))
     assert set(traces) == {"/tmp/step_kernel_trace"}
-    assert set(stores) == {((config.num_moe_layers, config.kv_lora_rank + config.qk_rope_head_dim), "reference")}
+    layers = config.num_hidden_layers if dense_attention else config.num_moe_layers  # the rows stored in one launch
+    assert set(stores) == {((layers, config.kv_lora_rank + config.qk_rope_head_dim), "reference")}
+    assert set(dense_calls) == ({((config.hidden_size,), (1, config.hidden_size), config.num_moe_layers)}
+                                if dense_attention else set())
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dense_attention", [False, True])
+def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, dense_attention):
+    """V2-Lite's one-token paged forward, weights readied (prepare_step_kernel, traced abstractly), lowered for an
+    abstract H200: the MoE stack as the step kernel, the dense layer's MLP by the expert launch, and its attention
+    half either as one more persistent kernel (dispatch.STEP_KERNEL_DENSE_ATTENTION) whose row joins the stack's
+    in one Triton store, or as the six Triton launches (norm + q / kv_a, the latent's write, decode, combine, W_UV,
+    o_proj) before the store. The glue at the real shapes with the real kernels, no GPU needed."""
+    from dsjax.config import ModelConfig
+    from dsjax.model import dispatch
+    from dsjax.model.transformer import DeepseekForCausalLM
+    from pallas_kernels import (common, decode_step_attention, decode_step_mgpu, decode_step_moe, mla_decode_mgpu,
+                                moe_decode_mgpu)
+
+    for module in (decode_step_attention, decode_step_moe, decode_step_mgpu, moe_decode_mgpu, mla_decode_mgpu):
+        monkeypatch.setattr(module, "why_not_hopper", lambda: None)
+    monkeypatch.setattr(dispatch, "STEP_KERNEL", True)
+    monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
+    config = ModelConfig.preset("deepseek-v2-lite")
+
+    def ready():
+        model = DeepseekForCausalLM(config, dtype="bfloat16", kernel_backend="pallas", rngs=nnx.Rngs(0))
+        assert model.prepare_step_kernel() is None
+        return model
+
+    graphdef, state = nnx.split(nnx.eval_shape(ready))
+    shape, bf16, i32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.int32
+    cache = PagedKVCache(shape((27, 64, 64, 512), bf16), shape((27, 64, 64, 64), bf16))
+    batch = PagedBatch(shape((1,), i32), shape((1,), i32), shape((1,), i32), shape((1, 32), i32))
+    blockers = []
+
+    def forward(state, tokens, cache, batch):
+        model = nnx.merge(graphdef, state)
+        blockers.append((model.step_kernel_blocker(1, cache, 32), model.dense_attention_blocker()))
+        return model.forward_paged(tokens, cache, batch)
+
+    hlo = common.lower_for_h200(forward, state, shape((1,), i32), cache, batch)
+    assert blockers == [(None, None if dense_attention else "dispatch.STEP_KERNEL_DENSE_ATTENTION is off")]
+    assert hlo.count("custom_call @mosaic_gpu") == (3 if dense_attention else 2)
+    assert hlo.count("__gpu$xla.gpu.triton") == (1 if dense_attention else 7)

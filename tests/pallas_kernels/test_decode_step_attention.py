@@ -88,9 +88,17 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
         hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches,
                              *weights)
         assert hlo.count("custom_call @mosaic_gpu") == 1
-    with pytest.raises(ValueError, match=r"expected x \[D=2048\] and caches \[L=2, N, bs, ...\]"):
+    with pytest.raises(ValueError, match=r"expected x \[D=2048\] and caches \[L', N, bs, ...\] holding layers"):
         jax.eval_shape(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32),
                        shape((3, 16, 64, 512), bf16), caches[1], *weights)
+    # a stack after others in the caches (the engine's dense layer): its layers at cache_layer on
+    three = shape((3, 16, 64, 512), bf16), shape((3, 16, 64, 64), bf16)
+    at = lambda cache_layer: lambda x, pos, table, c_kv, k_pe, *w: step.attention_chain(
+        x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec, cache_layer=cache_layer)
+    hlo = lower_for_h200(at(1), shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *three, *weights)
+    assert hlo.count("custom_call @mosaic_gpu") == 1
+    with pytest.raises(ValueError, match="cache_layer=2; expected .* holding layers cache_layer .. cache_layer \\+ 1"):
+        jax.eval_shape(at(2), shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *three, *weights)
     monkeypatch.setattr(step, "why_not_hopper", lambda: None)
     dims = (128, 64, 512, 128)
     supports = lambda **kw: step.attention_supports(**{**dict(hidden=2048, num_heads=16, dims=dims, block_size=64,
@@ -125,3 +133,9 @@ def test_attention_chain_reference_chains_the_layers():
         np.testing.assert_array_equal(np.asarray(kv[layer, :512]), np.asarray(c_l[0, 6]))  # page 0, slot 6
         np.testing.assert_array_equal(np.asarray(kv[layer, 512:]), np.asarray(k_l[0, 6]))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    # the same chain as layers 1 and 2 of caches of 3 (cache layer 0 another stack's, never read)
+    other = lambda a: jnp.concatenate([jnp.full_like(a[:1], jnp.nan), a])
+    out_at, kv_at = step.attention_chain_reference(x, position, table, other(c_kv), other(k_pe), weights, spec,
+                                                   cache_layer=1)
+    np.testing.assert_array_equal(np.asarray(kv_at), np.asarray(kv))
+    np.testing.assert_array_equal(np.asarray(out_at, np.float32), np.asarray(out, np.float32))
