@@ -13,11 +13,11 @@ and replicated, so every process of a multi-host run reads them.
 
 A step is two programs: the forward (per bucket: tokens -> cache writes and the sampled rows'
 logits) and the sampler (per bucket and the batch's sampling features: top-k/top-p filtering,
-logprobs, decided on the host). Nothing in either waits on the host. Without a mesh both take the step's
+logprobs, decided on the host), traced from ``StepPrograms`` (dsjax/engine/step_programs.py). Nothing in either waits on the host. Without a mesh both take the step's
 inputs as one int32 vector (``StepLayout.pack``), sent to the device in one transfer.
 
 Multi-step chunks (``num_scheduler_steps``, no mesh): a decode-only step may run as up to that many forward +
-sample steps in one program (``_forward_steps``), each step's samples the next one's tokens, one cache slot a
+sample steps in one program (``StepPrograms.forward_steps``), each step's samples the next one's tokens, one cache slot a
 step and row (none past a row's own count of steps); the host launches and reads once a chunk.
 
 Async scheduling: dispatch() returns as soon as the step is queued; fetch() reads its sampled tokens.
@@ -43,13 +43,13 @@ from tqdm.auto import tqdm
 
 from dsjax.config import EngineConfig
 from dsjax.engine.buckets import Buckets
-from dsjax.engine.sampler import SampleResult, SamplingArrays, sample
+from dsjax.engine.sampler import SampleResult
 from dsjax.engine.scheduler import SchedulerOutput
 from dsjax.engine.sequence import Sequence
 from dsjax.engine.step_inputs import RowSampling, StepInputs, StepLayout
+from dsjax.engine.step_programs import StepPrograms
 from dsjax.model.dispatch import compiler_options
 from dsjax.model.paged import PagedKVCache
-from dsjax.parallel.collectives import gather_batch
 from dsjax.parallel.mesh import num_batch_shards
 from dsjax.parallel.sharding import CACHE_SPEC, batch_spec, checks_vma, param_specs
 
@@ -125,14 +125,16 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         self.progress = progress
         self.compiler_options = compiler_options(model.kernel_backend)
-        forward = self._forward
+        self._packs = self.mesh is None  # the step's inputs as one vector (StepLayout.pack)
+        self.programs = StepPrograms(self.graphdef, self._state_treedef, self.layout, config, self.eos_token_ids,
+                                     self.num_shards, self._packs, lambda: self.buckets.sizes)
+        forward = self.programs.forward
         if self.mesh is not None:
             specs = jax.tree.leaves(param_specs(self.state), is_leaf=lambda x: isinstance(x, P))  # as the leaves
             forward = jax.shard_map(forward, mesh=self.mesh, out_specs=(CACHE_SPEC, batch_spec(2)),
                                     in_specs=(specs, CACHE_SPEC, self.layout.specs()._replace(sampling=None), P()),
                                     check_vma=checks_vma(model.kernel_backend))
         self._jitted = jax.jit(forward, donate_argnums=(1,))
-        self._packs = self.mesh is None  # the step's inputs as one vector (StepLayout.pack)
         self._step_kernel_blocker = model.step_kernel_blocker
         self._compress = jax.jit(PagedKVCache.compress_blocks, donate_argnums=(0,))
         copy_blocks = PagedKVCache.copy_blocks
@@ -160,43 +162,18 @@ class ModelRunner:
         self.compile_all()
 
     # ----- compiled steps ------------------------------------------------------------------------
-    def _forward(self, state_leaves, cache, inputs, last_tokens):
-        """One rank's forward (all of it without a mesh): its tokens, its cache slice, the logits of its
-        rows. state_leaves: the weights' state flattened; inputs: StepInputs (no sampling), or them packed
-        (``StepLayout.pack``); last_tokens: the previous step's sampled tokens, every rank's (replicated)."""
-        if self._packs:
-            inputs = self.layout.unpack(inputs, self.buckets.sizes)
-        model, tokens = self._model_and_tokens(state_leaves, inputs, last_tokens)
-        hidden, cache = model.forward_paged(tokens, cache, inputs.batch)
-        return cache, model.compute_logits(hidden[inputs.logits_indices])
-
-    def _model_and_tokens(self, state_leaves, inputs: StepInputs, last_tokens):
-        """The model over the flat weights, and the step's tokens: a pending one (token_sources >= 0) taken from the
-        previous step's last_tokens."""
-        model = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_treedef, state_leaves))
-        sources = inputs.token_sources
-        return model, jnp.where(sources >= 0, last_tokens[jnp.maximum(sources, 0)], inputs.tokens)
-
-    def _sample(self, logits, sampling: SamplingArrays, *, filtered: bool, logprobs: bool, greedy: bool):
-        """One rank's rows sampled; -> every rank's SampleResult, its token_ids padded to last_tokens' rows (the
-        next step's last_tokens: one array, where a second output of the same values would cost a copy)."""
-        result = gather_batch(sample(logits, sampling, self.eos_token_ids, self.config.max_logprobs,
-                                     filtered=filtered, logprobs=logprobs, greedy=greedy))
-        rows = self.num_shards * self.config.max_num_seqs
-        return result._replace(token_ids=jnp.pad(result.token_ids, (0, rows - result.token_ids.shape[0])))
-
     def _sampler(self, t: int, filtered: bool, logprobs: bool, greedy: bool) -> jax.stages.Compiled:
         """The sampler of bucket t's rows, compiled on first use (the plain and the greedy ones with every
         bucket). Without a mesh it takes the step's packed vector, whose sampling fields it reads."""
         key = (t, filtered, logprobs, greedy)
         if key not in self._samplers:
-            fn = functools.partial(self._sample, filtered=filtered, logprobs=logprobs, greedy=greedy)
+            fn = functools.partial(self.programs.sample, filtered=filtered, logprobs=logprobs, greedy=greedy)
             if self.mesh is not None:
                 specs = self.layout.specs().sampling
                 fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(batch_spec(2), specs), out_specs=P())
                 sampling = self.layout.abstract(t).sampling
             else:
-                fn = functools.partial(self._sample_packed, fn)
+                fn = functools.partial(self.programs.sample_packed, fn)
                 sampling = jax.ShapeDtypeStruct((self.layout.packed_length(t),), jnp.int32)
             logits = jax.ShapeDtypeStruct((self.num_shards * self.layout.num_rows(t), self.model_config.vocab_size),
                                           jnp.float32, sharding=None if self.mesh is None else
@@ -204,55 +181,12 @@ class ModelRunner:
             self._samplers[key] = self._compile(jax.jit(fn), (logits, sampling))
         return self._samplers[key]
 
-    def _sample_packed(self, sample_fn, logits, packed):
-        return sample_fn(logits, self.layout.unpack_sampling(packed, logits.shape[0]))
-
-    def _forward_greedy(self, state_leaves, cache, packed, last_tokens):
-        """The forward and the greedy sampler as one program (no mesh; ``GREEDY_IN_FORWARD``) -> (cache,
-        SampleResult)."""
-        cache, logits = self._forward(state_leaves, cache, packed, last_tokens)
-        return cache, self._sample(logits, self.layout.unpack_sampling(packed, logits.shape[0]), filtered=False,
-                                   logprobs=False, greedy=True)
-
-    def _forward_steps(self, state_leaves, cache, packed, last_tokens, *, t: int, filtered: bool, logprobs: bool,
-                       greedy: bool):
-        """A multi-step chunk of bucket t (decodes only, no mesh): ``num_scheduler_steps`` forward + sample steps,
-        step j's samples step j + 1's tokens. packed: ``StepLayout.pack``'s vector, then each row's count of
-        steps (a row past its count writes no cache slot and repeats its last position). -> (cache, SampleResult
-        with a steps axis after the rows', the next step's last_tokens: each row's sample of its last step)."""
-        s, bs = self.layout.num_rows(t), self.config.block_size
-        packed, row_steps = packed[:-s], packed[-s:]
-        inputs, sampling = self.layout.unpack(packed, self.buckets.sizes), self.layout.unpack_sampling(packed, s)
-        model, tokens = self._model_and_tokens(state_leaves, inputs, last_tokens)
-        batch, rows = inputs.batch, inputs.batch.seq_ids  # token i decodes row rows[i]
-        pad_slot = self.layout.padding_slot
-        live = batch.slot_mapping != pad_slot  # a scheduled token, not the bucket's padding
-
-        def step(carry, j):
-            cache, tokens = carry
-            active = live & (j < row_steps[rows])
-            positions = batch.positions + jnp.where(live, jnp.minimum(j, jnp.maximum(row_steps[rows] - 1, 0)), 0)
-            slots = batch.block_tables[rows, positions // bs] * bs + positions % bs
-            stepped = batch._replace(positions=positions, slot_mapping=jnp.where(active, slots, pad_slot))
-            hidden, cache = model.forward_paged(tokens, cache, stepped)
-            logits = model.compute_logits(hidden[inputs.logits_indices])
-            result = self._sample(logits, sampling._replace(counters=sampling.counters + j), filtered=filtered,
-                                  logprobs=logprobs, greedy=greedy)
-            return (cache, result.token_ids[rows]), result
-
-        steps = self.config.num_scheduler_steps
-        (cache, _), results = jax.lax.scan(step, (cache, tokens), jnp.arange(steps, dtype=jnp.int32))
-        every_row = jnp.arange(results.token_ids.shape[1])
-        last_step = jnp.maximum(jnp.pad(row_steps, (0, every_row.shape[0] - s)) - 1, 0)
-        last = results.token_ids[last_step, every_row]
-        return cache, jax.tree.map(lambda a: jnp.moveaxis(a, 0, 1), results), last
-
     def _chunk_program(self, t: int, filtered: bool, logprobs: bool, greedy: bool) -> jax.stages.Compiled:
         """Bucket t's multi-step chunk program for those sampling features, compiled on first use (the greedy
         one of every decode bucket with the rest, ``compile_all``)."""
         key = (t, filtered, logprobs, greedy)
         if key not in self._chunks:
-            fn = functools.partial(self._forward_steps, t=t, filtered=filtered, logprobs=logprobs, greedy=greedy)
+            fn = functools.partial(self.programs.forward_steps, t=t, filtered=filtered, logprobs=logprobs, greedy=greedy)
             packed = jax.ShapeDtypeStruct((self.layout.packed_length(t) + self.layout.num_rows(t),), jnp.int32)
             args = (self._state_leaves, self.cache, packed, self._last_tokens_shape())
             options = self.compiler_options if CHUNK_GRAPHS else self._compiler_options(t)
@@ -293,7 +227,7 @@ class ModelRunner:
             args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
             self._compiled[t] = self._compile(self._jitted, args, self._compiler_options(t))
             if GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
-                greedy = jax.jit(self._forward_greedy, donate_argnums=(1,))
+                greedy = jax.jit(self.programs.forward_greedy, donate_argnums=(1,))
                 self._greedy_forwards[t] = self._compile(greedy, args, self._compiler_options(t))
             if self.config.num_scheduler_steps > 1 and self._packs and t <= self.buckets.pick(self.config.max_num_seqs):
                 self._chunk_program(t, filtered=False, logprobs=False, greedy=True)
@@ -368,7 +302,7 @@ class ModelRunner:
     def launch(self, t: int, inputs: StepInputs, row_steps: np.ndarray | None = None) -> SampleResult:
         """Queues the forward of bucket t and its sampler on host inputs (from prepare); updates the
         cache and last_tokens, and returns the device result. row_steps: a multi-step chunk's count of
-        steps for each of the bucket's rows (``_forward_steps``); its result has a steps axis after the rows'."""
+        steps for each of the bucket's rows (``StepPrograms.forward_steps``); its result has a steps axis after the rows'."""
         compiled = self._compiled.get(t)
         if compiled is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
@@ -401,7 +335,7 @@ class ModelRunner:
             else:
                 self.cache, logits = compiled(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
                 result = sampler(logits, sampling)
-            self.last_tokens = result.token_ids  # padded to every row of last_tokens (_sample)
+            self.last_tokens = result.token_ids  # padded to every row of last_tokens (StepPrograms.sample)
         except Exception:
             self._recover_cache()
             raise
