@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|dense-attention|knobs-curve|xla-flags|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|knobs-curve|xla-flags|transfer-wait|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -270,16 +270,21 @@ case $part in
         --variant "graphs on: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
         --out "$OUT/step_ab_sampler_b${b}_h200.json" 2>&1 | grep -E "^\||^round|Error"
     done ;;
-  dense-attention)  # session 49's dense-layer attention kernel (dispatch.STEP_KERNEL_DENSE_ATTENTION, built off: the
-                   # dense layer's attention half as one attention_chain launch over its cache layer, in place of
-                   # six Triton launches and the adds between): its GPU tests (the kernel at cache_layer 1, the
-                   # model's one-token steps through both kernels), then the batch-1 compiled step as built and with
-                   # it, 3 rounds in turns (~5 minutes)
-    timeout 240 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "cache_layer or through_the_step_kernel" 2>&1 | tee "$OUT/gpu_tests_dense_attention.log" | tail -3
-    timeout 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 3 --variant built --variant "dense attention: dsjax.model.dispatch.STEP_KERNEL_DENSE_ATTENTION=True" \
-      --out "$OUT/step_ab_dense_attention_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  step-knobs-tests)  # session 49's two built-off knobs, their GPU tests (~4 minutes): the dense layer's attention
+                    # half as one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION)
+                    # and the final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM): the chain at
+                    # cache_layer 1, the whole layers' kernel with the final norm, the model's one-token steps
+    timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "cache_layer or test_moe_layer_chain_gpu or through_the_step_kernel" 2>&1 \
+      | tee "$OUT/gpu_tests_step_knobs.log" | tail -3 ;;
+  step-knobs-ab)  # after step-knobs-tests: the batch-1 compiled step as built, with each of session 49's knobs and
+                 # with both, 2 rounds in turns (~5 minutes)
+    d=dsjax.model.dispatch
+    timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 2 --variant built --variant "dense attention: $d.STEP_KERNEL_DENSE_ATTENTION=True" \
+      --variant "final norm: $d.STEP_KERNEL_FINAL_NORM=True" \
+      --variant "both: $d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True" \
+      --out "$OUT/step_ab_step_knobs_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
   knobs-curve)  # after sampler-ab: the engine at batch 1 and 2 (96 timed tokens, one process each) as built, with the
                # one-pass sampler, with the step kernel's bucket as a CUDA graph, and with both (~6 minutes; the knobs
                # in $2 as NAME=MODULE.ATTR=VALUE,... lists, default those three)

@@ -28,12 +28,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import why_not_hopper
+from pallas_kernels.common import rms_norm, why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
-                                             _unit_store, _zero_rows, num_sms, proxy_fence, stores_done,
+                                             _strided, _unit_store, _zero_rows, num_sms, proxy_fence, stores_done,
                                              token_tiles)
 
 
@@ -269,7 +269,7 @@ class RouterSpec(NamedTuple):
 
 def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
               units: int, router: RouterSpec | None, publishes: bool, splits: int, attention: int = 0,
-              front: dict | None = None):
+              front: dict | None = None, final_eps: float | None = None):
     # plan_ref i32[C * U * 5] (``expert_plan``); ``publishes``: whole gate / up units publish h (some CTA takes
     # their down rows); ``splits``: tiles num_ctas and on are cut into this many K ranges (the split plan).
     # Without a router: ids_ref i32[L * k], weights_ref f32[L * k];
@@ -286,11 +286,16 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # ``front`` (with ``attention``: the whole layer, ``moe_layer_chain``): the attention phases first
     # (``decode_step_attention.attention_phases``, its constants), their AttentionRefs' 11 inputs after wo_ref in
     # place of attn_ref, their 7 outputs after mid_ref; o_proj reads their v_ctx.
+    # ``final_eps`` (with a router): the last input gf_ref f32[D / 64, 64] is a final RMSNorm's weights, and the
+    # last output normed_ref bf16[D / 64, 64] is x_L normed by it (CTA 0, after the last layer).
     if router:
-        num_in = 10 + ((1 + 11) if front else 2 if attention else 0)
-        num_out = 5 + (8 if front else 1 if attention else 0)
+        final = final_eps is not None
+        num_in = 10 + ((1 + 11) if front else 2 if attention else 0) + final
+        num_out = 5 + (8 if front else 1 if attention else 0) + final
         (plan_ref, x_ref, wg_ref, wu_ref, wd_ref, sg_ref, su_ref, sd_ref, g_ref, wr_ref, *attention_in) = refs[:num_in]
         (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + num_out]
+        if final:
+            gf_ref, normed_ref = attention_in.pop(), attention_out.pop()
         (ring, xin_smem, tiles_union, h_union, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
          xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
          *front_smem) = refs[num_in + num_out:]
@@ -530,6 +535,21 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             def _():
                 weights_out[layer, k] = score * scale
 
+    @jax.named_scope("final_norm")
+    def final_norm():
+        """x_L (the last layer's rows, complete since the last barrier) rounded to bf16 as the model's residual
+        stream is, then RMSNorm'd with gf_ref's weights as the model's (x * 1 / rms rounded to bf16, times g,
+        rounded) into normed_ref: the model's final norm, two launches fewer after the kernel."""
+        plgpu.copy_gmem_to_smem(out_ref.at[num_layers - 1], xin_smem, xin_bar.at[0])
+        plgpu.copy_gmem_to_smem(gf_ref, g_smem, g_bar.at[0])  # the last layer's norm weights are used by now
+        plgpu.barrier_wait(xin_bar.at[0])
+        plgpu.barrier_wait(g_bar.at[0])
+        flat = _strided((rows, HALF), 2)
+        x = plgpu.load(xin_smem, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
+        inv_rms = lax.rsqrt(jnp.sum(x * x) / hidden + final_eps)
+        g = plgpu.load(g_smem, layout=flat)
+        normed_ref[...] = ((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(normed_ref.dtype)
+
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
         if router:
@@ -725,6 +745,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             return count
 
         lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
+        if router and final_eps is not None:
+            pl.when(c == 0)(final_norm)
 
         def reset(u, _):  # every reader of this CTA's tiles has passed the last barrier: take its signals back
             kind, tile, first, end, _ = unit(u)
@@ -799,15 +821,16 @@ def moe_layer_tail_chain(x, attn, o_proj, norm, router, spec: RouterSpec, top_k:
 
 
 def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_spec, norm, router, spec: RouterSpec,
-                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None):
+                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None, final_norm=None):
     """Whole decoder layers at one token, L of them in one persistent kernel: x_mid = x_l + attention_l(x_l) over
     the paged context, then x_{l+1} = x_mid + experts(RMSNorm_l(x_mid)). The attention's phases are
     ``decode_step_attention.attention_phases`` (position, block_table, c_kv / k_pe [L, N, bs, ...] with the
     tokens before it, ``attention`` the stacked AttentionWeights, rope columns permuted, ``attention_spec``);
     o_proj (``attention.o_proj``) and the MoE half are ``moe_layer_tail_chain``'s; the rest as
     ``moe_block_chain`` -> (x_L, ids, weights, kv [L, 576]: each layer's new latent and rope key, for the
-    caller to write into the cache). Shapes must pass ``moe_supports(..., router=True, attention=H * 128)``
-    and ``attention_supports``."""
+    caller to write into the cache). ``final_norm`` (weights [D], eps): x_L comes back RMSNorm'd by it (the
+    model's final norm, done by CTA 0 after the last layer). Shapes must pass ``moe_supports(..., router=True,
+    attention=H * 128)`` and ``attention_supports``."""
     num_layers, hidden = norm.shape
     o_proj = attention.o_proj.reshape(num_layers, -1, hidden)
     if attention.norm.shape != (num_layers, hidden):
@@ -815,7 +838,7 @@ def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_s
                          f"D={hidden}]")
     front = attention_operands(position, block_table, c_kv, k_pe, attention, attention_spec)
     return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir, (None, o_proj),
-                       front)
+                       front, final_norm)
 
 
 def router_parts(router):
@@ -830,7 +853,8 @@ def router_parts(router):
     return jnp.stack(parts, axis=1)
 
 
-def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, profile_dir, attention=(), front=None):
+def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, profile_dir, attention=(), front=None,
+                final_norm=None):
     num_layers, hidden = norm.shape
     if router.ndim == 3:  # the weights themselves: their parts, each call
         router = router_parts(router)
@@ -842,7 +866,7 @@ def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, p
     rows = hidden // HALF
     out, (ids, weights), _, front_out = _moe_call(
         x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF), router), spec, top_k, routed,
-        shared, profile_dir, attention, front)
+        shared, profile_dir, attention, front, final_norm)
     if front:  # the new cache rows a layer (the attention phases' fourth output)
         return out, ids[:, :top_k], weights[:, :top_k], front_out[3].reshape(num_layers, -1)
     return out, ids[:, :top_k], weights[:, :top_k]
@@ -864,12 +888,14 @@ def _fetches_h(plan: np.ndarray, gate_boxes: int) -> bool:
     return False
 
 
-def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir, attention=(), front=None):
+def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir, attention=(), front=None,
+              final_norm=None):
     """moe_chain / moe_block_chain / moe_layer_tail_chain / moe_layer_chain's kernel: ``extra`` the routing (ids,
     weights flattened) or, with ``router``, the norm's rows and the router's weights; ``attention`` (with a
     router): each layer's attention output attn [L, A] (None with ``front``) and o_proj [L, A, D] for an o_proj
     phase first; ``front``: ``attention_operands``' (inputs, output types, constants) for the attention phases
-    before it. -> (x_L, the routing or None, x_mid's rows or None, the attention phases' outputs or None)."""
+    before it; ``final_norm`` (weights [D], eps; with a router): x_L comes back normed by it. -> (x_L, the routing
+    or None, x_mid's rows or None, the attention phases' outputs or None)."""
     w_gate, w_up, w_down = routed
     num_experts, hidden, inter = w_gate.shape[1:]
     num_layers = w_gate.shape[0]
@@ -878,6 +904,9 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         raise ValueError(f"moe_chain: x {x.shape}, w_gate {w_gate.shape}; expected x [D={hidden}]")
     if EXPERT_PLAN not in PLANS:
         raise ValueError(f"EXPERT_PLAN={EXPERT_PLAN!r}; accepted: {', '.join(PLANS)}")
+    if final_norm is not None and (router is None or final_norm[0].shape != (hidden,)):
+        raise ValueError(f"moe_chain: final_norm weights {final_norm[0].shape} without a router or not [D={hidden}]; "
+                         "accepted: the in-kernel router's chains with the final norm's weights [D]")
     if router is not None and extra[1].shape[-1] != HALF:
         raise ValueError(f"moe_block_chain: {extra[1].shape[-1]} experts; the in-kernel router takes {HALF}")
     routed_tiles = inter // HALF
@@ -891,7 +920,8 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
     kernel = functools.partial(_moe_body, num_layers=num_layers, top_k=top_k, num_experts=num_experts,
                                routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1],
                                router=router, publishes=_fetches_h(plan, 2 * (hidden // STEP)), splits=splits,
-                               attention=attention_dim, front=front[2] if front else None)
+                               attention=attention_dim, front=front[2] if front else None,
+                               final_eps=None if final_norm is None else float(final_norm[1]))
     f32 = jnp.float32
     out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),
                 jax.ShapeDtypeStruct((num_layers, num_tiles, max(splits, 1), 2, HALF), f32)]
@@ -908,6 +938,9 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         attn, o_proj = attention
         inputs += (attn.astype(f32).reshape(num_layers, attention_dim // HALF, HALF), o_proj)
         out_type.append(jax.ShapeDtypeStruct((num_layers, rows, HALF), f32))  # x_mid's rows
+    if final_norm is not None:  # the final norm's weights in, x_L normed out (last of each)
+        inputs += (final_norm[0].astype(f32).reshape(rows, HALF),)
+        out_type.append(jax.ShapeDtypeStruct((rows, HALF), x.dtype))
     outs = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
@@ -925,9 +958,9 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
             approx_math=True, **({"profile_space": 256 if front else 384, "profile_dir": profile_dir,
                                   "profile_bounds_check": True} if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)
-    result = outs[0][-1].reshape(hidden).astype(x.dtype)
+    result = outs[0][-1].reshape(hidden).astype(x.dtype) if final_norm is None else outs[-1].reshape(hidden)
     return (result, (outs[3], outs[4]) if router is not None else None, outs[5] if attention else None,
-            outs[6:] if front else None)
+            outs[6:6 + len(front[1])] if front else None)
 
 
 def moe_chain_reference(x, weights, ids, w_gate, w_up, w_down, shared):
@@ -944,7 +977,6 @@ def moe_block_chain_reference(x, norm, router, spec: RouterSpec, top_k: int, w_g
     """The same chain in jnp: the model's RMSNorm, the router's f32 products (at full f32 precision; the router
     [L, D, E], or its ``router_parts``), ``route_reference`` (softmax, greedy), ``moe_decode_reference`` with the
     residual -> (x_L, ids, weights)."""
-    from pallas_kernels.common import rms_norm
     from pallas_kernels.moe_decode import moe_decode_reference
     from pallas_kernels.moe_routing import RoutingSpec, route_reference
 
@@ -980,9 +1012,10 @@ def moe_layer_tail_chain_reference(x, attn, o_proj, norm, router, spec: RouterSp
 
 
 def moe_layer_chain_reference(x, position, block_table, c_kv, k_pe, attention, attention_spec, norm, router,
-                              spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared):
+                              spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared, final_norm=None):
     """The same layers in jnp: ``attention_half_reference`` (the model's attention, the cache written), then
-    ``moe_block_chain_reference``'s layer -> (x_L, ids, weights, kv [L, 576])."""
+    ``moe_block_chain_reference``'s layer -> (x_L, ids, weights, kv [L, 576]), x_L RMSNorm'd by ``final_norm``
+    (weights [D], eps) when given."""
     all_ids, all_weights, rows = [], [], []
     for layer in range(norm.shape[0]):
         one = lambda a: a[layer:layer + 1]
@@ -992,4 +1025,6 @@ def moe_layer_chain_reference(x, position, block_table, c_kv, k_pe, attention, a
                                                     one(w_down), tuple(one(w) for w in shared))
         all_ids.append(ids[0])
         all_weights.append(weights[0])
+    if final_norm is not None:
+        x = rms_norm(x, final_norm[0].astype(x.dtype), final_norm[1])
     return x, jnp.stack(all_ids), jnp.stack(all_weights), jnp.stack(rows)

@@ -216,8 +216,13 @@ STEP_KERNEL_TRACE: str | None = None
 # (norm + q / kv_a, the latent's write, decode + combine, W_UV, o_proj and the residual's adds: 24.9 µs of work and
 # ~2.4 µs at each launch's boundary in decode_profile.md round 34), its new cache row stored with the stack's in one
 # launch. Models with one dense layer (V2-Lite, V2). Built and CPU-tested (the kernel's jnp reference in its place);
-# off until the H200 has timed it (``run_h200.sh sampler-ab``). Read at trace time.
+# off until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``step-knobs-ab``). Read at trace time.
 STEP_KERNEL_DENSE_ATTENTION = False
+# With the step kernel, the model's final RMSNorm runs in the kernel's tail (CTA 0 after the last layer,
+# ``moe_layer_chain(final_norm=...)``) instead of as XLA's reduce and scale after it: two launches fewer
+# (input_reduce_fusion + loop_multiply_fusion, 3.2 µs of work and their boundaries in decode_profile.md round 34).
+# Built and CPU-tested, off until the H200 has timed it (``run_h200.sh step-knobs-ab``). Read at trace time.
+STEP_KERNEL_FINAL_NORM = False
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):

@@ -187,13 +187,12 @@ class DeepseekForCausalLM(nnx.Module):
             # the MoE stack first in the cache's layer axis, the dense layers after it (see _scan_layers)
             carry = _scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers))
             x, cache = _scan_layers(self.moe_layers, carry, 0, step(self.moe_layers))
-        elif self.dense_attention_blocker() is None:
+            return self.norm(x), cache
+        if self.dense_attention_blocker() is None:
             x, dense_rows = self._dense_layer_step(x, cache, batch)
-            x, cache = self._moe_stack_step(x, cache, batch, dense_rows)
-        else:
-            x, cache = self._moe_stack_step(
-                *_scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers)), batch)
-        return self.norm(x), cache
+            return self._moe_stack_step(x, cache, batch, dense_rows)
+        return self._moe_stack_step(
+            *_scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers)), batch)
 
     def prepare_step_kernel(self) -> str | None:
         """Readies the MoE stack for the batch-1 step kernel (``decode_step_moe.moe_layer_chain``) where it
@@ -204,8 +203,9 @@ class DeepseekForCausalLM(nnx.Module):
         kernel would otherwise derive in every step is derived once here, as ``StepKernelCache`` variables:
         the router's bf16 parts (``decode_step_moe.router_parts``, ``moe_layers.mlp.router_parts``; 17.1 µs a
         step, decode_profile.md round 27) and the f32 weights of the stack's three RMSNorms (``weight_f32``
-        beside each norm's weight; 7.8 µs a step, round 29). Call it again after changing the weights. ->
-        None once ready, else why not. Idempotent."""
+        beside each norm's weight; 7.8 µs a step, round 29). The dense layers' attention is readied the same way
+        (``dense_attention_blocker``), and the final norm's f32 weights too (``dispatch.STEP_KERNEL_FINAL_NORM``).
+        Call it again after changing the weights. -> None once ready, else why not. Idempotent."""
         if why_not := self._why_not_step_kernel():
             return why_not
         moe = self.moe_layers.mlp
@@ -220,6 +220,7 @@ class DeepseekForCausalLM(nnx.Module):
                 attn.interleave = False
             for norm in (stack.attn_norm, attn.kv_a_norm, stack.mlp_norm):
                 norm.weight_f32 = StepKernelCache(jnp.asarray(norm.weight[...], jnp.float32))
+        self.norm.weight_f32 = StepKernelCache(jnp.asarray(self.norm.weight[...], jnp.float32))  # the final norm's
         return None
 
     def _why_not_step_kernel(self, block_size: int = 64, capacity: int = 64) -> str | None:
@@ -251,7 +252,7 @@ class DeepseekForCausalLM(nnx.Module):
         if why_not := self._why_not_step_kernel(cache.block_size, table_width * cache.block_size):
             return why_not
         if (self.moe_layers.attn.interleave or not hasattr(self.moe_layers.mlp, "router_parts")
-                or not hasattr(self.moe_layers.mlp_norm, "weight_f32")):
+                or not hasattr(self.moe_layers.mlp_norm, "weight_f32") or not hasattr(self.norm, "weight_f32")):
             return "the stack's rope columns, router parts and f32 norms are not prepared (prepare_step_kernel)"
         if num_tokens != 1:
             return f"{num_tokens} tokens in the step (the kernel takes one)"
@@ -295,9 +296,10 @@ class DeepseekForCausalLM(nnx.Module):
         return _scan_layers(stack, h[None], self.config.num_moe_layers, mlp), row
 
     def _moe_stack_step(self, x, cache: PagedKVCache, batch: PagedBatch, dense_rows=None):
-        """The MoE stack of a one-token step as one persistent kernel: x [1, D] -> (x after the stack, the
-        cache with every MoE layer's new latent and rope key at the token's slot, and ``dense_rows`` [Ld, 576]
-        at the dense layers' after them when given, all in one store)."""
+        """The MoE stack of a one-token step as one persistent kernel: x [1, D] -> (x after the stack, final-normed
+        (by the kernel's tail with ``dispatch.STEP_KERNEL_FINAL_NORM``), the cache with every MoE layer's new
+        latent and rope key at the token's slot, and ``dense_rows`` [Ld, 576] at the dense layers' after them
+        when given, all in one store)."""
         stack, c = self.moe_layers, self.config
         moe = stack.mlp
         shared = (moe.shared.w_gate[...], moe.shared.w_up[...], moe.shared.w_down[...])
@@ -306,11 +308,13 @@ class DeepseekForCausalLM(nnx.Module):
             *self._attention_weights(stack), stack.mlp_norm.weight_f32[...], moe.router_parts[...],
             decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
             c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared,
-            profile_dir=dispatch.STEP_KERNEL_TRACE)
+            profile_dir=dispatch.STEP_KERNEL_TRACE,
+            final_norm=(self.norm.weight_f32[...], self.norm.eps) if dispatch.STEP_KERNEL_FINAL_NORM else None)
         if dense_rows is not None:  # the cache's layers in order: the MoE stack's, then the dense layers'
             kv = jnp.concatenate([kv, dense_rows.astype(kv.dtype)])
         c_kv, k_pe = dispatch.store_rows(cache.c_kv, cache.k_pe, kv, batch.slot_mapping[0], self.kernel_backend)
-        return out[None], cache._replace(c_kv=c_kv, k_pe=k_pe)
+        hidden = out[None] if dispatch.STEP_KERNEL_FINAL_NORM else self.norm(out[None])
+        return hidden, cache._replace(c_kv=c_kv, k_pe=k_pe)
 
     def compute_logits(self, hidden):
         """hidden [..., D] (final-normed) -> f32[..., vocab] (the whole vocabulary on every tensor rank)."""

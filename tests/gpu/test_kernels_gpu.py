@@ -761,13 +761,20 @@ def test_moe_layer_chain_gpu(position):
     np.testing.assert_array_equal(np.asarray(ids[0])[mine], np.asarray(want_ids[0])[theirs])
     np.testing.assert_allclose(np.asarray(weights[0])[mine], np.asarray(want_weights[0])[theirs], rtol=2e-2)
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 3e-2
+    # the model's final norm in the kernel's tail (CTA 0 after the last layer), against the reference's
+    g = jnp.asarray(1 + np.random.default_rng(7).random(2048) / 4, jnp.float32)
+    final = lambda fn: jax.jit(lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, g: fn(
+        x, pos, table, c_kv, k_pe, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared,
+        final_norm=(g, 1e-6)))(x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, g)
+    normed, want_normed = final(moe_layer_chain)[0], final(moe_layer_chain_reference)[0]
+    assert normed.dtype == jnp.bfloat16 and _rel(normed, want_normed) < 3e-2
 
 
 def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     """A random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers): a 70-token prompt prefilled, then
     three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL), with the dense
-    layer's attention half as a kernel too or not (dispatch.STEP_KERNEL_DENSE_ATTENTION), give the logits of the
-    launches a layer."""
+    layer's attention half as a kernel too or not (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the final norm in the
+    kernel's tail or not (dispatch.STEP_KERNEL_FINAL_NORM), give the logits of the launches a layer."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -787,9 +794,10 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     monkeypatch.setattr(decode_step_attention, "attention_chain",
                         lambda *a, **k: dense_calls.append(k["cache_layer"]) or dense_chain(*a, **k))
     logits = {}
-    for on, dense in ((False, False), (True, False), (True, True)):
+    for on, dense in ((False, False), (True, False), (True, True)):  # the last with the final norm in the kernel
         monkeypatch.setattr(dispatch, "STEP_KERNEL", on)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense)
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", dense)
         model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
         assert model.prepare_step_kernel() is None
         logits[on, dense] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8,

@@ -229,9 +229,10 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
     assert head_gemvs * (2 if folded else 1) == head_gemvs_unfolded > 0
 
 
-@pytest.mark.parametrize("rows_backend, dense_attention", [("reference", False), ("interpret", False),
-                                                           ("reference", True)])
-def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backend, dense_attention):
+@pytest.mark.parametrize("rows_backend, dense_attention, final_norm", [("reference", False, False),
+                                                                       ("interpret", False, False),
+                                                                       ("reference", True, True)])
+def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backend, dense_attention, final_norm):
     """The batch-1 step kernel's wiring (DeepseekForCausalLM.prepare_step_kernel, step_kernel_blocker,
     _moe_stack_step) on the CPU: with the kernel's jnp reference in its place (moe_layer_chain_reference, the
     model's attention and MoE half a layer; the kernel itself is checked against it on the GPU) and its shape
@@ -240,7 +241,8 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     keep the layer scan. The kernel's rows go into the cache by ``dispatch.store_rows``: its reference, or the
     Triton store (``latent_write.store_rows``) in interpret mode. With ``dispatch.STEP_KERNEL_DENSE_ATTENTION`` the
     dense layer's attention half runs as its own kernel too (``attention_chain_reference`` in its place, over the
-    dense layer's cache layer after the stack's), its row stored with the stack's."""
+    dense layer's cache layer after the stack's), its row stored with the stack's; with
+    ``dispatch.STEP_KERNEL_FINAL_NORM`` the kernel returns x_L final-normed."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -256,12 +258,13 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     chunks = [(0, 7)] + [(i, i + 1) for i in range(7, 11)]
     want = _paged_logits(model, tokens, chunks)
     assert "kernel_backend='reference'" in model.prepare_step_kernel()
-    calls, traces = [], []
+    calls, traces, finals = [], [], []
 
-    def chain(*args, profile_dir=None):
+    def chain(*args, profile_dir=None, final_norm=None):
         calls.append(args[0].shape)
         traces.append(profile_dir)  # dispatch.STEP_KERNEL_TRACE, passed through
-        return decode_step_moe.moe_layer_chain_reference(*args)
+        finals.append(None if final_norm is None else (str(final_norm[0].dtype), final_norm[1]))
+        return decode_step_moe.moe_layer_chain_reference(*args, final_norm=final_norm)
 
     monkeypatch.setattr(DeepseekForCausalLM, "_why_not_step_kernel", lambda self, *shapes: None)
     monkeypatch.setattr(decode_step_attention, "attention_supports", lambda *a: None)
@@ -274,6 +277,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
 
     monkeypatch.setattr(decode_step_attention, "attention_chain", dense_chain)
     monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
+    monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", final_norm)
     stores, store_rows = [], dispatch.store_rows
 
     def store(c_kv, k_pe, rows, slot, backend):
@@ -312,6 +316,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     # run in a process changes JAX's tracing context)
     assert calls in ([(config.hidden_size,)], [(config.hidden_size,)] * (1 if rows_backend == "reference" else 2))
     assert set(traces) == {"/tmp/step_kernel_trace"}
+    assert set(finals) == ({("float32", config.rms_norm_eps)} if final_norm else {None})
     layers = config.num_hidden_layers if dense_attention else config.num_moe_layers  # the rows stored in one launch
     assert set(stores) == {((layers, config.kv_lora_rank + config.qk_rope_head_dim), "reference")}
     assert set(dense_calls) == ({((config.hidden_size,), (1, config.hidden_size), config.num_moe_layers)}
@@ -321,11 +326,14 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
 
 @pytest.mark.parametrize("dense_attention", [False, True])
 def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, dense_attention):
+    final_norm = dense_attention  # both knobs off (as built) or both on
     """V2-Lite's one-token paged forward, weights readied (prepare_step_kernel, traced abstractly), lowered for an
     abstract H200: the MoE stack as the step kernel, the dense layer's MLP by the expert launch, and its attention
     half either as one more persistent kernel (dispatch.STEP_KERNEL_DENSE_ATTENTION) whose row joins the stack's
     in one Triton store, or as the six Triton launches (norm + q / kv_a, the latent's write, decode, combine, W_UV,
-    o_proj) before the store. The glue at the real shapes with the real kernels, no GPU needed."""
+    o_proj) before the store; the final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM) or after it
+    (the program's second RMSNorm, beside the dense MLP's). The glue at the real shapes with the real kernels, no
+    GPU needed."""
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
@@ -336,6 +344,7 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
         monkeypatch.setattr(module, "why_not_hopper", lambda: None)
     monkeypatch.setattr(dispatch, "STEP_KERNEL", True)
     monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
+    monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", final_norm)
     config = ModelConfig.preset("deepseek-v2-lite")
 
     def ready():
@@ -358,3 +367,4 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     assert blockers == [(None, None if dense_attention else "dispatch.STEP_KERNEL_DENSE_ATTENTION is off")]
     assert hlo.count("custom_call @mosaic_gpu") == (3 if dense_attention else 2)
     assert hlo.count("__gpu$xla.gpu.triton") == (1 if dense_attention else 7)
+    assert hlo.count("stablehlo.rsqrt") == (1 if final_norm else 2)

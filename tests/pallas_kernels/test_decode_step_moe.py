@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import decode_step_moe as kernel
-from pallas_kernels.common import lower_for_h200
+from pallas_kernels.common import lower_for_h200, rms_norm
 
 
 def _moe_shapes(layers: int, experts: int = 64):
@@ -234,6 +234,15 @@ def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
     operands = (x, shape((), jnp.int32), shape((8,), jnp.int32), *caches, norm, router, *attention, *routed, *shared)
     assert lower_for_h200(call, *operands).count("custom_call @mosaic_gpu") == 1
     assert kernel._moe_smem_bytes(hidden, True, 3, heads) <= 227 * 1024
+    if query_tma:  # with the model's final norm after the last layer (CTA 0): x_L comes back normed, as bf16 [D]
+        final = lambda *a: kernel.moe_layer_chain(*a[:5], AttentionWeights(*a[7:14]), spec, a[5], a[6],
+                                                  kernel.RouterSpec(1e-6), 6, *a[14:17], a[17:20],
+                                                  final_norm=(a[20], 1e-6))
+        hlo = lower_for_h200(final, *operands, shape((hidden,), jnp.float32))
+        assert hlo.count("custom_call @mosaic_gpu") == 1
+        assert jax.eval_shape(final, *operands, shape((hidden,), jnp.float32))[0] == shape((hidden,), bf16)
+        with pytest.raises(ValueError, match=r"final_norm weights \(2000,\) .* not \[D=2048\]"):
+            jax.eval_shape(final, *operands, shape((2000,), jnp.float32))
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
@@ -267,6 +276,10 @@ def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
                                                              tuple(map(one, shared)))
         np.testing.assert_array_equal(np.asarray(ids[layer]), np.asarray(want_ids[0]))
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(want, np.float32))
+    g = jnp.asarray(1 + rng.random(hidden) / 4, jnp.bfloat16)  # the model's final norm after the last layer
+    normed, *_ = kernel.moe_layer_chain_reference(x, 5, table, c_kv, k_pe, attention, spec, norm, router, moe_spec, 2,
+                                                  *routed, shared, final_norm=(g.astype(jnp.float32), 1e-6))
+    np.testing.assert_array_equal(np.asarray(normed, np.float32), np.asarray(rms_norm(want, g, 1e-6), np.float32))
 
 
 @pytest.mark.parametrize("top_k", [1, 6, 8])
