@@ -37,8 +37,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
-                                             _unit_boxes, _unit_store, _unit_sums, _zero_rows, num_sms, proxy_fence,
-                                             token_tiles)
+                                             _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out, num_sms,
+                                             proxy_fence, token_tiles)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -502,13 +502,20 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     return zero, loads, compute
 
 
-def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
-                    wuv_ref, wo_ref, out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, ring, xin_smem,
-                    g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, g_bar, rope_bar,
-                    lat_bar, *, num_layers: int, num_heads: int, states: int, num_ctas: int, **constants):
+def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_ctas: int, out_eps: float | None = None,
+                    **constants):
     # ``attention_phases``' refs (AttentionRefs) in order, x_ref f32[D / 64, 64] and wo_ref bf16[L, H * 128, D]
     # among them, out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units) first of
-    # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual.
+    # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual. ``out_eps``:
+    # one more input last, an RMSNorm's weights gout_ref f32[D / 64, 64], and one more output last, normed_ref
+    # bf16[D / 64, 64]: x_L normed by it (CTA 0, after the last layer; the next sublayer's norm).
+    normed = out_eps is not None
+    num_in, num_out = 13 + normed, 8 + normed
+    (pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref, wuv_ref, wo_ref,
+     *gout_ref) = refs[:num_in]
+    out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, *normed_ref = refs[num_in:num_in + num_out]
+    (ring, xin_smem, g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, g_bar, rope_bar,
+     lat_bar) = refs[num_in + num_out:]
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
@@ -570,6 +577,9 @@ def _attention_body(pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, k
             return count + o_boxes
 
         lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
+        if normed:
+            pl.when(c == 0)(jax.named_scope("out_norm")(
+                lambda: norm_rows_out(out_ref.at[num_layers - 1], gout_ref[0], normed_ref[0], out_eps)))
         _release(sem, c, num_ctas, barrier_count(num_layers - 1, PHASES))
 
     pl.when(lax.axis_index("wg") == 0)(compute)
@@ -604,14 +614,15 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
 
 
 def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                    profile_dir: str | None = None, cache_layer: int = 0):
+                    profile_dir: str | None = None, cache_layer: int = 0, out_norm=None):
     """L layers' attention halves at one token in one persistent kernel: x_{l+1} = x_l + layer l's attention of
     x_l over its paged context (``attention_half_reference``'s, up to the residual stream's rounding). x [D]
     bf16 at ``position`` (a scalar) of the sequence whose pages are block_table i32[W]; layer l's cache, layer
     ``cache_layer`` + l of c_kv [L', N, bs, 512] / k_pe [L', N, bs, 64], holds the tokens before it (the engine's
     dense layers sit after the MoE stack in its caches); ``weights`` stacked over layers, rope
     columns permuted (``permute_rope_columns``) -> (x_L [D] bf16, kv [L, 576] bf16: each layer's new latent and
-    rope key, which the caller writes into the cache at the token's slot).
+    rope key, which the caller writes into the cache at the token's slot), and with ``out_norm`` (weights [D],
+    eps) x_L RMSNorm'd by it third (the next sublayer's input, normed by CTA 0 after the last layer).
 
     A producer warpgroup streams each CTA's boxes of every phase through the ring; a grid barrier ends each of
     five phases a layer (``docs/decode_step_kernel.md``):
@@ -637,8 +648,13 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     f32, bf16 = jnp.float32, jnp.bfloat16
     rows = hidden // HALF
     inputs, out_types, constants = attention_operands(position, block_table, c_kv, k_pe, weights, spec, cache_layer)
-    kernel = functools.partial(_attention_body, num_layers=num_layers, num_ctas=num_ctas, **constants)
+    if out_norm is not None and out_norm[0].shape != (hidden,):
+        raise ValueError(f"attention_chain: out_norm weights {out_norm[0].shape}; expected [D={hidden}]")
+    kernel = functools.partial(_attention_body, num_layers=num_layers, num_ctas=num_ctas,
+                               out_eps=None if out_norm is None else float(out_norm[1]), **constants)
     out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), *out_types)  # x_mid's rows a layer first
+    if out_norm is not None:
+        out_type += (jax.ShapeDtypeStruct((rows, HALF), x.dtype),)
     scratch = [
         plgpu.SMEM((RING, 2, HALF, HALF), bf16, transforms=_TILING),  # the ring of boxes
         plgpu.SMEM((rows, HALF), f32),  # the layer's input rows
@@ -679,8 +695,10 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
             # the trace's buffer is shared memory: 128 entries a warpgroup fit beside the kernel's (~3 layers)
             approx_math=True, **({"profile_space": 128, "profile_dir": profile_dir} if profile_dir else {})),
     )(*inputs[:3], x.astype(f32).reshape(rows, HALF), *inputs[3:],
-      weights.o_proj.reshape(num_layers, num_heads * V_DIM, hidden))
-    return outs[0][-1].reshape(hidden).astype(x.dtype), outs[4].reshape(num_layers, LATENT + ROPE)
+      weights.o_proj.reshape(num_layers, num_heads * V_DIM, hidden),
+      *(() if out_norm is None else (out_norm[0].astype(f32).reshape(rows, HALF),)))
+    result = outs[0][-1].reshape(hidden).astype(x.dtype), outs[4].reshape(num_layers, LATENT + ROPE)
+    return result if out_norm is None else (*result, outs[-1].reshape(hidden))
 
 
 def attention_layer_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
@@ -697,11 +715,13 @@ def attention_layer_reference(x, position, block_table, c_kv, k_pe, weights: Att
 
 
 def attention_chain_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                              cache_layer: int = 0):
+                              cache_layer: int = 0, out_norm=None):
     """The same chain with ``attention_half_reference`` a layer -> (x_L, kv [L, 576]: the rows each layer wrote
-    into its cache)."""
+    into its cache), and with ``out_norm`` (weights [D], eps) x_L normed by it third."""
     rows = []
     for layer in range(weights.norm.shape[0]):
         x, row = attention_layer_reference(x, position, block_table, c_kv, k_pe, weights, spec, layer, cache_layer)
         rows.append(row)
+    if out_norm is not None:
+        return x, jnp.stack(rows), rms_norm(x, out_norm[0].astype(x.dtype), out_norm[1])
     return x, jnp.stack(rows)

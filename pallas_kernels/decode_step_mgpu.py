@@ -162,16 +162,33 @@ def _build_tiles(rows_smem, flat_smem):
     _store_tiles(plgpu.load(rows_smem, layout=_strided(rows_smem.shape, 2)), flat_smem)
 
 
+def _normed(x, g, depth: int, eps: float):
+    """The model's RMSNorm of the rows x (f32 holding bf16 values, one ``WG_STRIDED`` array of ``depth``
+    elements) with weights g (f32, the same layout): x * 1 / rms rounded to bf16, times g (f32; the caller
+    rounds it as it stores)."""
+    inv_rms = lax.rsqrt(jnp.sum(x * x) / depth + eps)
+    return (x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g
+
+
 def _norm_tiles(xin_smem, g_smem, flat_smem, eps: float):
     """RMSNorm of the rows xin_smem f32[n, 64] (bf16 values) with weights g_smem f32[n, 64], as the model's
     (x * 1 / rms rounded to bf16, times g, rounded), as the token's tiles (``_store_tiles``): the rows as one
     ``WG_STRIDED`` array (elementwise work on 64-wide chunks in the reduced WGMMA layout is slow)."""
     rows = xin_smem.shape[0]
     flat = _strided((rows, HALF), 2)
-    x = plgpu.load(xin_smem, layout=flat)
-    inv_rms = lax.rsqrt(jnp.sum(x * x) / (rows * HALF) + eps)
-    g = plgpu.load(g_smem, layout=flat)
-    _store_tiles(((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g), flat_smem)
+    _store_tiles(_normed(plgpu.load(xin_smem, layout=flat), plgpu.load(g_smem, layout=flat), rows * HALF, eps),
+                 flat_smem)
+
+
+def norm_rows_out(source, weights, out_ref, eps: float):
+    """RMSNorm of the rows ``source`` f32[n, 64] in global memory (other CTAs' sums, complete since the last grid
+    barrier: read by the warpgroup's own loads, as ``_load_rows`` does) with ``weights`` f32[n, 64], as the
+    model's: the rows rounded to bf16 (the residual stream), x * 1 / rms rounded to bf16, times g, into out_ref
+    (bf16 rows [n, 64] in global memory). One CTA's work after a kernel's last layer: a norm that would otherwise
+    be two launches after the kernel."""
+    flat = _strided(tuple(source.shape), 4)
+    x = plgpu.load(source, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
+    out_ref[...] = _normed(x, plgpu.load(weights, layout=flat), math.prod(source.shape), eps).astype(out_ref.dtype)
 
 
 def stores_done():

@@ -33,8 +33,8 @@ from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratc
                                                   attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
-                                             _strided, _unit_store, _zero_rows, num_sms, proxy_fence, stores_done,
-                                             token_tiles)
+                                             _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
+                                             stores_done, token_tiles)
 
 
 def moe_supports(hidden: int, inter: int, shared_inter: int, num_layers: int, dtype, *, router: bool = False,
@@ -535,21 +535,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             def _():
                 weights_out[layer, k] = score * scale
 
-    @jax.named_scope("final_norm")
-    def final_norm():
-        """x_L (the last layer's rows, complete since the last barrier) rounded to bf16 as the model's residual
-        stream is, then RMSNorm'd with gf_ref's weights as the model's (x * 1 / rms rounded to bf16, times g,
-        rounded) into normed_ref: the model's final norm, two launches fewer after the kernel."""
-        plgpu.copy_gmem_to_smem(out_ref.at[num_layers - 1], xin_smem, xin_bar.at[0])
-        plgpu.copy_gmem_to_smem(gf_ref, g_smem, g_bar.at[0])  # the last layer's norm weights are used by now
-        plgpu.barrier_wait(xin_bar.at[0])
-        plgpu.barrier_wait(g_bar.at[0])
-        flat = _strided((rows, HALF), 2)
-        x = plgpu.load(xin_smem, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
-        inv_rms = lax.rsqrt(jnp.sum(x * x) / hidden + final_eps)
-        g = plgpu.load(g_smem, layout=flat)
-        normed_ref[...] = ((x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g).astype(normed_ref.dtype)
-
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
         if router:
@@ -745,8 +730,9 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             return count
 
         lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
-        if router and final_eps is not None:
-            pl.when(c == 0)(final_norm)
+        if router and final_eps is not None:  # x_L final-normed (the model's final norm)
+            pl.when(c == 0)(jax.named_scope("final_norm")(
+                lambda: norm_rows_out(out_ref.at[num_layers - 1], gf_ref, normed_ref, final_eps)))
 
         def reset(u, _):  # every reader of this CTA's tiles has passed the last barrier: take its signals back
             kind, tile, first, end, _ = unit(u)

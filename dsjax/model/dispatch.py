@@ -117,12 +117,14 @@ def dense_mlp_mgpu_takes(x, w_gate, backend: str) -> bool:
     return DENSE_MLP_MGPU and backend == "pallas" and _expert_launch_takes(x, w_gate, 0)
 
 
-def dense_mlp_decode(x, norm, eps: float, w_gate, w_up, w_down, layer, residual=None):
+def dense_mlp_decode(x, norm, eps: float, w_gate, w_up, w_down, layer, residual=None, normed=None):
     """x [1, D] raw (before the layer's RMSNorm, every layer's weights ``norm`` [L, D]) through layer ``layer`` of
     the dense MLP stacks w_gate / w_up [L, D, I], w_down [L, I, D] by the expert launch, the MLP as expert 0 of a
-    one-expert stack (a free reshape), plus ``residual`` in f32 before the rounding -> [1, D]."""
+    one-expert stack (a free reshape), plus ``residual`` in f32 before the rounding -> [1, D]. ``normed``: x's
+    RMSNorm already made (by the kernel before, ``attention_chain(out_norm=...)``), in place of the norm here."""
     one = lambda w: w[:, None]  # [L, 1, ...]
-    return moe_decode_mgpu.moe_decode_mgpu(rms_norm(x, norm[layer], eps), jnp.ones((1, 1), jnp.float32),
+    normed = rms_norm(x, norm[layer], eps) if normed is None else normed
+    return moe_decode_mgpu.moe_decode_mgpu(normed, jnp.ones((1, 1), jnp.float32),
                                            jnp.zeros((1, 1), jnp.int32), one(w_gate), one(w_up), one(w_down),
                                            layer, residual=residual)
 
@@ -215,7 +217,9 @@ STEP_KERNEL_TRACE: str | None = None
 # (``decode_step_attention.attention_chain``, one layer, its cache after the MoE stack's) in place of its ~7 launches
 # (norm + q / kv_a, the latent's write, decode + combine, W_UV, o_proj and the residual's adds: 24.9 µs of work and
 # ~2.4 µs at each launch's boundary in decode_profile.md round 34), its new cache row stored with the stack's in one
-# launch. Models with one dense layer (V2-Lite, V2). Built and CPU-tested (the kernel's jnp reference in its place);
+# launch; the kernel's CTA 0 also norms its output for the MLP (``attention_chain(out_norm=...)``), which the expert
+# launch then takes (two launches fewer). Models with one dense layer (V2-Lite, V2). Built and CPU-tested (the
+# kernel's jnp reference in its place);
 # off until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``step-knobs-ab``). Read at trace time.
 STEP_KERNEL_DENSE_ATTENTION = False
 # With the step kernel, the model's final RMSNorm runs in the kernel's tail (CTA 0 after the last layer,

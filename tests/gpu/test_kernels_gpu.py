@@ -724,7 +724,8 @@ def test_attention_chain_gpu(position, merge_group, monkeypatch):
 @pytest.mark.parametrize("position", [0, 200])
 def test_attention_chain_reads_its_cache_layer_gpu(position):
     """One attention half whose cache is layer 1 of two (``cache_layer``, as the engine's dense layer after the MoE
-    stack; cache layer 0 holds other values) against the reference on the same layer."""
+    stack; cache layer 0 holds other values), its output also normed for the next sublayer (``out_norm``), against
+    the reference on the same layer."""
     import jax
 
     from benchmarks.megakernel_probe import attention_inputs
@@ -732,10 +733,13 @@ def test_attention_chain_reads_its_cache_layer_gpu(position):
 
     x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
     last = AttentionWeights(*(w[1:] for w in weights))
-    run = lambda fn: jax.jit(lambda *a, w: fn(*a, w, spec, cache_layer=1))(x, pos, table, c_kv, k_pe, w=last)
-    got, kv = run(attention_chain)
-    want, want_kv = run(attention_chain_reference)
+    g = jnp.asarray(1 + np.random.default_rng(8).random(2048) / 4, jnp.float32)  # the MLP's norm after it
+    run = lambda fn: jax.jit(lambda *a, w: fn(*a, w, spec, cache_layer=1, out_norm=(g, 1e-6)))(
+        x, pos, table, c_kv, k_pe, w=last)
+    got, kv, normed = run(attention_chain)
+    want, want_kv, want_normed = run(attention_chain_reference)
     assert kv.shape == (1, 576) and _rel(kv, want_kv) < 1e-2 and _rel(got, want) < 2e-2
+    assert normed.dtype == jnp.bfloat16 and _rel(normed, want_normed) < 2e-2
 
 
 @pytest.mark.parametrize("position", [0, 200])

@@ -271,11 +271,19 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
     dense_calls = []
 
-    def dense_chain(*args, cache_layer, profile_dir=None):
-        dense_calls.append((args[0].shape, args[5].norm.shape, cache_layer))
-        return decode_step_attention.attention_chain_reference(*args, cache_layer=cache_layer)
+    def dense_chain(*args, cache_layer, out_norm, profile_dir=None):
+        dense_calls.append((args[0].shape, args[5].norm.shape, cache_layer, out_norm[0].shape))
+        return decode_step_attention.attention_chain_reference(*args, cache_layer=cache_layer, out_norm=out_norm)
 
     monkeypatch.setattr(decode_step_attention, "attention_chain", dense_chain)
+    # the dense MLP of a one-token step by the expert launch (its reference here) on the chain's normed output
+    from pallas_kernels import moe_decode, moe_decode_mgpu
+
+    mlp_calls, dense_mlp_decode = [], dispatch.dense_mlp_decode
+    monkeypatch.setattr(dispatch, "dense_mlp_mgpu_takes", lambda x, w_gate, backend: x.shape[0] == 1)
+    monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", moe_decode.moe_decode_reference)
+    monkeypatch.setattr(dispatch, "dense_mlp_decode", lambda *a, normed=None, **k: mlp_calls.append(
+        normed is not None) or dense_mlp_decode(*a, normed=normed, **k))
     monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
     monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", final_norm)
     stores, store_rows = [], dispatch.store_rows
@@ -319,8 +327,9 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     assert set(finals) == ({("float32", config.rms_norm_eps)} if final_norm else {None})
     layers = config.num_hidden_layers if dense_attention else config.num_moe_layers  # the rows stored in one launch
     assert set(stores) == {((layers, config.kv_lora_rank + config.qk_rope_head_dim), "reference")}
-    assert set(dense_calls) == ({((config.hidden_size,), (1, config.hidden_size), config.num_moe_layers)}
-                                if dense_attention else set())
+    assert set(dense_calls) == ({((config.hidden_size,), (1, config.hidden_size), config.num_moe_layers,
+                                  (config.hidden_size,))} if dense_attention else set())
+    assert set(mlp_calls) == ({True} if dense_attention else set())  # on the chain's normed output
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -331,9 +340,9 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     abstract H200: the MoE stack as the step kernel, the dense layer's MLP by the expert launch, and its attention
     half either as one more persistent kernel (dispatch.STEP_KERNEL_DENSE_ATTENTION) whose row joins the stack's
     in one Triton store, or as the six Triton launches (norm + q / kv_a, the latent's write, decode, combine, W_UV,
-    o_proj) before the store; the final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM) or after it
-    (the program's second RMSNorm, beside the dense MLP's). The glue at the real shapes with the real kernels, no
-    GPU needed."""
+    o_proj) before the store. With both of session 49's knobs the dense MLP's norm comes from the attention kernel's
+    tail and the final norm from the step kernel's (dispatch.STEP_KERNEL_FINAL_NORM): no RMSNorm is left outside
+    the kernels, where as built two are. The glue at the real shapes with the real kernels, no GPU needed."""
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
@@ -367,4 +376,4 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     assert blockers == [(None, None if dense_attention else "dispatch.STEP_KERNEL_DENSE_ATTENTION is off")]
     assert hlo.count("custom_call @mosaic_gpu") == (3 if dense_attention else 2)
     assert hlo.count("__gpu$xla.gpu.triton") == (1 if dense_attention else 7)
-    assert hlo.count("stablehlo.rsqrt") == (1 if final_norm else 2)
+    assert hlo.count("stablehlo.rsqrt") == (0 if final_norm else 2)

@@ -15,7 +15,7 @@ from dsjax.model import PagedBatch, PagedKVCache
 from dsjax.model.mla import MLAttention
 from dsjax.model.norms import RMSNorm
 from pallas_kernels import decode_step_attention as step
-from pallas_kernels.common import rotate
+from pallas_kernels.common import rms_norm, rotate
 
 
 @pytest.mark.parametrize("interleave", [True, False])
@@ -97,6 +97,15 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
         x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec, cache_layer=cache_layer)
     hlo = lower_for_h200(at(1), shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *three, *weights)
     assert hlo.count("custom_call @mosaic_gpu") == 1
+    # with the next sublayer's RMSNorm of x_L made by CTA 0 after the last layer (out_norm)
+    normed = lambda x, pos, table, c_kv, k_pe, g, *w: step.attention_chain(
+        x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec, cache_layer=1, out_norm=(g, 1e-6))
+    args = (shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *three,
+            shape((hidden,), jnp.float32), *weights)
+    assert lower_for_h200(normed, *args).count("custom_call @mosaic_gpu") == 1
+    assert [o.shape for o in jax.eval_shape(normed, *args)] == [(hidden,), (layers, 576), (hidden,)]
+    with pytest.raises(ValueError, match=r"out_norm weights \(64,\); expected \[D=2048\]"):
+        jax.eval_shape(normed, *args[:5], shape((64,), jnp.float32), *weights)
     with pytest.raises(ValueError, match="cache_layer=2; expected .* holding layers cache_layer .. cache_layer \\+ 1"):
         jax.eval_shape(at(2), shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *three, *weights)
     monkeypatch.setattr(step, "why_not_hopper", lambda: None)
@@ -139,3 +148,7 @@ def test_attention_chain_reference_chains_the_layers():
                                                    cache_layer=1)
     np.testing.assert_array_equal(np.asarray(kv_at), np.asarray(kv))
     np.testing.assert_array_equal(np.asarray(out_at, np.float32), np.asarray(out, np.float32))
+    g = jnp.asarray(1 + rng.random(hidden) / 4, jnp.bfloat16)  # x_L normed for the next sublayer
+    *_, normed = step.attention_chain_reference(x, position, table, c_kv, k_pe, weights, spec,
+                                                out_norm=(g.astype(jnp.float32), 1e-6))
+    np.testing.assert_array_equal(np.asarray(normed, np.float32), np.asarray(rms_norm(out, g, 1e-6), np.float32))
