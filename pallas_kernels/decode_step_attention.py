@@ -507,10 +507,10 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
     # ``attention_phases``' refs (AttentionRefs) in order, x_ref f32[D / 64, 64] and wo_ref bf16[L, H * 128, D]
     # among them, out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units) first of
     # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual. ``out_eps``:
-    # one more input last, an RMSNorm's weights gout_ref f32[D / 64, 64], and one more output last, normed_ref
-    # bf16[D / 64, 64]: x_L normed by it (CTA 0, after the last layer; the next sublayer's norm).
+    # one more input last, an RMSNorm's weights gout_ref f32[D / 64, 64], and two more outputs last, bf16[D / 64,
+    # 64] each: x_L normed by it, and x_L rounded (CTA 0, after the last layer; the next sublayer's inputs).
     normed = out_eps is not None
-    num_in, num_out = 13 + normed, 8 + normed
+    num_in, num_out = 13 + normed, 8 + 2 * normed
     (pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref, wuv_ref, wo_ref,
      *gout_ref) = refs[:num_in]
     out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, *normed_ref = refs[num_in:num_in + num_out]
@@ -579,7 +579,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
         lax.fori_loop(0, num_layers, layer_body, jnp.int32(0))
         if normed:
             pl.when(c == 0)(jax.named_scope("out_norm")(
-                lambda: norm_rows_out(out_ref.at[num_layers - 1], gout_ref[0], normed_ref[0], out_eps)))
+                lambda: norm_rows_out(out_ref.at[num_layers - 1], gout_ref[0], normed_ref[0], out_eps, normed_ref[1])))
         _release(sem, c, num_ctas, barrier_count(num_layers - 1, PHASES))
 
     pl.when(lax.axis_index("wg") == 0)(compute)
@@ -653,8 +653,8 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     kernel = functools.partial(_attention_body, num_layers=num_layers, num_ctas=num_ctas,
                                out_eps=None if out_norm is None else float(out_norm[1]), **constants)
     out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), *out_types)  # x_mid's rows a layer first
-    if out_norm is not None:
-        out_type += (jax.ShapeDtypeStruct((rows, HALF), x.dtype),)
+    if out_norm is not None:  # x_L normed, and x_L rounded (the kernel's, in place of a conversion after it)
+        out_type += (jax.ShapeDtypeStruct((rows, HALF), x.dtype), jax.ShapeDtypeStruct((rows, HALF), x.dtype))
     scratch = [
         plgpu.SMEM((RING, 2, HALF, HALF), bf16, transforms=_TILING),  # the ring of boxes
         plgpu.SMEM((rows, HALF), f32),  # the layer's input rows
@@ -697,8 +697,10 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     )(*inputs[:3], x.astype(f32).reshape(rows, HALF), *inputs[3:],
       weights.o_proj.reshape(num_layers, num_heads * V_DIM, hidden),
       *(() if out_norm is None else (out_norm[0].astype(f32).reshape(rows, HALF),)))
-    result = outs[0][-1].reshape(hidden).astype(x.dtype), outs[4].reshape(num_layers, LATENT + ROPE)
-    return result if out_norm is None else (*result, outs[-1].reshape(hidden))
+    kv = outs[4].reshape(num_layers, LATENT + ROPE)
+    if out_norm is None:
+        return outs[0][-1].reshape(hidden).astype(x.dtype), kv
+    return outs[-1].reshape(hidden), kv, outs[-2].reshape(hidden)
 
 
 def attention_layer_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,

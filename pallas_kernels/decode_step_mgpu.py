@@ -180,14 +180,16 @@ def _norm_tiles(xin_smem, g_smem, flat_smem, eps: float):
                  flat_smem)
 
 
-def norm_rows_out(source, weights, out_ref, eps: float):
+def norm_rows_out(source, weights, out_ref, eps: float, rounded_ref=None):
     """RMSNorm of the rows ``source`` f32[n, 64] in global memory (other CTAs' sums, complete since the last grid
     barrier: read by the warpgroup's own loads, as ``_load_rows`` does) with ``weights`` f32[n, 64], as the
-    model's: the rows rounded to bf16 (the residual stream), x * 1 / rms rounded to bf16, times g, into out_ref
-    (bf16 rows [n, 64] in global memory). One CTA's work after a kernel's last layer: a norm that would otherwise
-    be two launches after the kernel."""
+    model's: the rows rounded to bf16 (the residual stream; also into ``rounded_ref`` when given), x * 1 / rms
+    rounded to bf16, times g, into out_ref (bf16 rows [n, 64] in global memory). One CTA's work after a kernel's
+    last layer: a norm (and a rounding) that would otherwise be launches after the kernel."""
     flat = _strided(tuple(source.shape), 4)
     x = plgpu.load(source, layout=flat).astype(jnp.bfloat16).astype(jnp.float32)
+    if rounded_ref is not None:
+        rounded_ref[...] = x.astype(rounded_ref.dtype)
     out_ref[...] = _normed(x, plgpu.load(weights, layout=flat), math.prod(source.shape), eps).astype(out_ref.dtype)
 
 

@@ -231,50 +231,57 @@ def write_latents_reference(c_kv, k_pe, kv, slots, positions, layer, norm, norm_
     return pools + (q_nope, q_pe.astype(dtype))
 
 
-def _rows_kernel(slot_ref, rows_ref, c_in, k_in, c_ref, k_ref, *, latent_dim, rope_dim, block_size, num_slots):
-    # slot i32[1]; rows [L, C + R]; c_in / k_in: the same buffers as the outputs c_ref [L', N, bs, C] and
-    # k_ref [L', N, bs, R]; program l stores layer l's row
-    del c_in, k_in
+def _rows_kernel(slot_ref, *refs, latent_dim, rope_dim, block_size, num_slots, counts):
+    # slot i32[1]; the row arrays [L_i, C + R] of consecutive layers (``counts``: their L_i); c_in / k_in: the same
+    # buffers as the outputs c_ref [L', N, bs, C] and k_ref [L', N, bs, R]; program l stores layer l's row
+    *row_refs, _, _, c_ref, k_ref = refs
     layer, slot = pl.program_id(0), slot_ref[0]
-
-    @pl.when((slot >= 0) & (slot < num_slots))  # padding points past the pool
-    def _():
-        block, offset = slot // block_size, slot % block_size
-        for start, width, pool in ((0, latent_dim, c_ref), (latent_dim, rope_dim, k_ref)):
-            cols = jnp.arange(pl.next_power_of_2(width))
-            ok = cols < width
-            row = plgpu.load(rows_ref.at[layer, start + cols], mask=ok, other=0)
-            plgpu.store(pool.at[layer, block, offset, cols], row.astype(pool.dtype), mask=ok)
+    block, offset = slot // block_size, slot % block_size
+    first = 0
+    for rows_ref, count in zip(row_refs, counts):
+        @pl.when((slot >= 0) & (slot < num_slots) & (layer >= first) & (layer < first + count))  # padding: past the pool
+        def _(rows_ref=rows_ref, first=first):
+            for start, width, pool in ((0, latent_dim, c_ref), (latent_dim, rope_dim, k_ref)):
+                cols = jnp.arange(pl.next_power_of_2(width))
+                ok = cols < width
+                row = plgpu.load(rows_ref.at[layer - first, start + cols], mask=ok, other=0)
+                plgpu.store(pool.at[layer, block, offset, cols], row.astype(pool.dtype), mask=ok)
+        first += count
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnums=(0, 1))
 def store_rows(c_kv, k_pe, rows, slot, *, interpret: bool = False):
     """c_kv [L', N, bs, C], k_pe [L', N, bs, R] (donated: updated in place) <- rows [L, C + R] (L <= L')
     at one token's ``slot`` (block * bs + offset) of layers 0..L-1: the latent (already normed) and the
-    rope key (already rotated) of each layer, as the step kernel returns them. A slot outside the pools
-    (padding) stores nothing. One launch, a program a layer, in place of XLA's bounds-checked scatter
-    (a read of the old rows, a select and an update per pool). -> (c_kv, k_pe)."""
+    rope key (already rotated) of each layer, as the step kernel returns them. ``rows`` may be a tuple of such
+    arrays, the layers of each after the one before's (kernels' rows stored together, no concatenation). A slot
+    outside the pools (padding) stores nothing. One launch, a program a layer, in place of XLA's bounds-checked
+    scatter (a read of the old rows, a select and an update per pool). -> (c_kv, k_pe)."""
     latent_dim, rope_dim = c_kv.shape[-1], k_pe.shape[-1]
-    if (k_pe.shape[:3] != c_kv.shape[:3] or rows.ndim != 2 or rows.shape[0] > c_kv.shape[0]
-            or rows.shape[1] != latent_dim + rope_dim):
-        raise ValueError(f"store_rows: c_kv {c_kv.shape}, k_pe {k_pe.shape}, rows {rows.shape} do not match; "
-                         f"expected [L', N, bs, C], [L', N, bs, R] and [L <= L', C + R]")
+    parts = tuple(rows) if isinstance(rows, (tuple, list)) else (rows,)
+    num_layers = sum(part.shape[0] for part in parts)
+    if (k_pe.shape[:3] != c_kv.shape[:3] or num_layers > c_kv.shape[0]
+            or any(part.ndim != 2 or part.shape[1] != latent_dim + rope_dim for part in parts)):
+        raise ValueError(f"store_rows: c_kv {c_kv.shape}, k_pe {k_pe.shape}, rows {[p.shape for p in parts]} do not "
+                         f"match; expected [L', N, bs, C], [L', N, bs, R] and rows [L_i, C + R], sum of L_i <= L'")
     num_blocks, block_size = c_kv.shape[1:3]
     kernel = functools.partial(_rows_kernel, latent_dim=latent_dim, rope_dim=rope_dim, block_size=block_size,
-                               num_slots=num_blocks * block_size)
+                               num_slots=num_blocks * block_size, counts=tuple(part.shape[0] for part in parts))
     return tuple(pl.pallas_call(
         kernel,
-        grid=(rows.shape[0],),
+        grid=(num_layers,),
         out_shape=[jax.ShapeDtypeStruct(c_kv.shape, c_kv.dtype), jax.ShapeDtypeStruct(k_pe.shape, k_pe.dtype)],
-        input_output_aliases={2: 0, 3: 1},
+        input_output_aliases={1 + len(parts): 0, 2 + len(parts): 1},
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret,
         name="store_rows",
-    )(jnp.asarray(slot, jnp.int32).reshape(1), rows, c_kv, k_pe))
+    )(jnp.asarray(slot, jnp.int32).reshape(1), *parts, c_kv, k_pe))
 
 
 def store_rows_reference(c_kv, k_pe, rows, slot):
     """``store_rows`` in plain jnp (a scatter that drops a slot outside the pools)."""
+    if isinstance(rows, (tuple, list)):
+        rows = jnp.concatenate([part.astype(rows[0].dtype) for part in rows])
     latent_dim, block_size = c_kv.shape[-1], c_kv.shape[2]
     num_slots = c_kv.shape[1] * block_size
     slot = jnp.where((slot >= 0) & (slot < num_slots), slot, num_slots)  # negative: dropped, not wrapped

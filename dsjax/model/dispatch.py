@@ -296,8 +296,9 @@ def write_latents(c_kv, k_pe, kv, slots, positions, layer, norm, norm_index, bac
 
 
 def store_rows(c_kv, k_pe, rows, slot, backend: str):
-    """rows [L, C + R] (each layer's normed latent and rotated rope key) into the unquantized pools c_kv
-    [L', N, bs, C] / k_pe [L', N, bs, R] at ``slot`` of layers 0..L-1, a slot outside the pools dropped;
+    """rows [L, C + R] (each layer's normed latent and rotated rope key; or a tuple of such arrays, consecutive
+    layers) into the unquantized pools c_kv [L', N, bs, C] / k_pe [L', N, bs, R] at ``slot`` of layers 0..L-1, a
+    slot outside the pools dropped;
     see ``pallas_kernels.latent_write.store_rows``: one launch in place of XLA's bounds-checked scatter (its ~6
     small fusions), the batch-1 compiled step 1.7583 ms against 1.7640 (H200, in turns; decode_profile.md round
     31). -> (c_kv, k_pe)."""

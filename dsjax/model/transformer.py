@@ -316,9 +316,8 @@ class DeepseekForCausalLM(nnx.Module):
             c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared,
             profile_dir=dispatch.STEP_KERNEL_TRACE,
             final_norm=(self.norm.weight_f32[...], self.norm.eps) if dispatch.STEP_KERNEL_FINAL_NORM else None)
-        if dense_rows is not None:  # the cache's layers in order: the MoE stack's, then the dense layers'
-            kv = jnp.concatenate([kv, dense_rows.astype(kv.dtype)])
-        c_kv, k_pe = dispatch.store_rows(cache.c_kv, cache.k_pe, kv, batch.slot_mapping[0], self.kernel_backend)
+        rows = kv if dense_rows is None else (kv, dense_rows)  # the cache's layers in order: the stack's, the dense
+        c_kv, k_pe = dispatch.store_rows(cache.c_kv, cache.k_pe, rows, batch.slot_mapping[0], self.kernel_backend)
         hidden = out[None] if dispatch.STEP_KERNEL_FINAL_NORM else self.norm(out[None])
         return hidden, cache._replace(c_kv=c_kv, k_pe=k_pe)
 

@@ -289,7 +289,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     stores, store_rows = [], dispatch.store_rows
 
     def store(c_kv, k_pe, rows, slot, backend):
-        stores.append((rows.shape, backend))
+        stores.append((tuple(part.shape for part in (rows if isinstance(rows, tuple) else (rows,))), backend))
         return store_rows(c_kv, k_pe, rows, slot, rows_backend)
 
     monkeypatch.setattr(dispatch, "store_rows", store)
@@ -325,8 +325,9 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     assert calls in ([(config.hidden_size,)], [(config.hidden_size,)] * (1 if rows_backend == "reference" else 2))
     assert set(traces) == {"/tmp/step_kernel_trace"}
     assert set(finals) == ({("float32", config.rms_norm_eps)} if final_norm else {None})
-    layers = config.num_hidden_layers if dense_attention else config.num_moe_layers  # the rows stored in one launch
-    assert set(stores) == {((layers, config.kv_lora_rank + config.qk_rope_head_dim), "reference")}
+    width = config.kv_lora_rank + config.qk_rope_head_dim  # the stack's rows and the dense layer's, in one launch
+    parts = ((config.num_moe_layers, width), (1, width)) if dense_attention else ((config.num_moe_layers, width),)
+    assert set(stores) == {(parts, "reference")}
     assert set(dense_calls) == ({((config.hidden_size,), (1, config.hidden_size), config.num_moe_layers,
                                   (config.hidden_size,))} if dense_attention else set())
     assert set(mlp_calls) == ({True} if dense_attention else set())  # on the chain's normed output

@@ -1,6 +1,8 @@
 """The fused latent write (interpret mode) against its reference: kv_a_norm and rope (both pair layouts)
 applied, rows stored at their slots of one layer's pools, padding slots dropped, the rest untouched."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -165,12 +167,18 @@ def test_store_rows_writes_each_layer_at_the_slot_only(dtype):
         for pool, ref, exp in zip(got, want, expected):
             np.testing.assert_array_equal(np.asarray(pool, np.float32), exp)
             np.testing.assert_array_equal(np.asarray(ref, np.float32), exp)
+        # the same rows as two kernels' parts (layer 0's, then layer 1's): stored as one array's
+        split = (rows[:1], rows[1:])
+        for store in (functools.partial(latent_write.store_rows, interpret=True), latent_write.store_rows_reference):
+            got = store(*_pools(np.random.default_rng(1), dtype), split, jnp.int32(slot))
+            for pool, exp in zip(got, expected):
+                np.testing.assert_array_equal(np.asarray(pool, np.float32), exp)
 
 
 def test_store_rows_refuses_rows_that_do_not_fit():
     c_kv, k_pe = _pools(np.random.default_rng(0), jnp.float32)
-    for rows in (jnp.zeros((2, 95)), jnp.zeros((4, 96))):
-        with pytest.raises(ValueError, match=r"expected \[L', N, bs, C\], \[L', N, bs, R\] and \[L <= L', C \+ R\]"):
+    for rows in (jnp.zeros((2, 95)), jnp.zeros((4, 96)), (jnp.zeros((2, 96)), jnp.zeros((2, 96)))):
+        with pytest.raises(ValueError, match=r"expected \[L', N, bs, C\], \[L', N, bs, R\] and rows \[L_i, C \+ R\]"):
             latent_write.store_rows(c_kv, k_pe, rows, jnp.int32(0), interpret=True)
 
 
@@ -180,4 +188,10 @@ def test_store_rows_lowers_to_triton_for_h200_in_place():
     hlo = lower_for_h200(latent_write.store_rows, shape((27, 2048, 64, 512), bf16), shape((27, 2048, 64, 64), bf16),
                          shape((26, 576), bf16), shape((), jnp.int32))
     assert hlo.count("__gpu$xla.gpu.triton") == 1
+    assert hlo.count("stablehlo.output_operand_alias<output_tuple_indices") == 2
+    # the step kernel's 26 rows and the dense layer's attention kernel's one, stored by the same launch
+    both = lambda c_kv, k_pe, moe, dense, slot: latent_write.store_rows(c_kv, k_pe, (moe, dense), slot)
+    hlo = lower_for_h200(both, shape((27, 2048, 64, 512), bf16), shape((27, 2048, 64, 64), bf16),
+                         shape((26, 576), bf16), shape((1, 576), bf16), shape((), jnp.int32))
+    assert hlo.count("__gpu$xla.gpu.triton") == 1 and "concatenate" not in hlo
     assert hlo.count("stablehlo.output_operand_alias<output_tuple_indices") == 2
