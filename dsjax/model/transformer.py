@@ -302,10 +302,10 @@ class DeepseekForCausalLM(nnx.Module):
         return _scan_layers(stack, h, self.config.num_moe_layers, mlp), row
 
     def _moe_stack_step(self, x, cache: PagedKVCache, batch: PagedBatch, dense_rows=None):
-        """The MoE stack of a one-token step as one persistent kernel: x [1, D] -> (x after the stack, final-normed
-        (by the kernel's tail with ``dispatch.STEP_KERNEL_FINAL_NORM``), the cache with every MoE layer's new
-        latent and rope key at the token's slot, and ``dense_rows`` [Ld, 576] at the dense layers' after them
-        when given, all in one store)."""
+        """The MoE stack of a one-token step as one persistent kernel: x [1, D] -> (the hidden state after the stack,
+        final-normed (in the kernel's tail with ``dispatch.STEP_KERNEL_FINAL_NORM``), and the cache with every MoE
+        layer's new latent and rope key at the token's slot, ``dense_rows`` [Ld, 576] at the dense layers' after
+        them when given, all in one store)."""
         stack, c = self.moe_layers, self.config
         moe = stack.mlp
         shared = (moe.shared.w_gate[...], moe.shared.w_up[...], moe.shared.w_down[...])
