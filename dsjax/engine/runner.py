@@ -87,7 +87,7 @@ class StepResult:
 
     token_ids: np.ndarray  # i32[num_seqs] (chunk: [num_seqs, steps])
     logprobs: np.ndarray  # f32[num_seqs]
-    top_ids: np.ndarray  # i32[num_seqs, K]
+    top_ids: np.ndarray  # i32[num_seqs, K] (K = 0 when no row asked for top log-probabilities)
     top_logprobs: np.ndarray  # f32[num_seqs, K]
 
 
@@ -354,8 +354,11 @@ class ModelRunner:
             self.step_sizes.append(handle.num_batched_tokens)
             self._maybe_requantize()
         row_of = handle.row_of
-        return StepResult(result.token_ids[row_of], result.logprobs[row_of], result.top_ids[row_of],
-                          result.top_logprobs[row_of])
+        token_ids = result.token_ids[row_of]
+        if result.top_ids is None:  # no row asked for top log-probabilities: the program made none
+            return StepResult(token_ids, result.logprobs[row_of], np.zeros((*token_ids.shape, 0), np.int32),
+                              np.zeros((*token_ids.shape, 0), np.float32))
+        return StepResult(token_ids, result.logprobs[row_of], result.top_ids[row_of], result.top_logprobs[row_of])
 
     def compress(self, pairs: list[tuple[int, int]]) -> None:
         """Copies full-precision blocks into compressed ones (quantizing), (src, dst) global ids, before

@@ -26,8 +26,10 @@ class SamplingArrays(NamedTuple):
 class SampleResult(NamedTuple):
     token_ids: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S] log-probability of the drawn token under the model's distribution
-    top_ids: jax.Array  # i32[S, K] (K = 0 when no row asked for top log-probabilities)
-    top_logprobs: jax.Array  # f32[S, K]
+    # i32[S, K] / f32[S, K], or None when no row asked for top log-probabilities: the program then has no such
+    # outputs (an empty constant output is copied into its buffer on every call, a device copy a step)
+    top_ids: jax.Array | None
+    top_logprobs: jax.Array | None
 
 
 def _filtered_sample(logits, arrays: SamplingArrays, keys):
@@ -94,7 +96,7 @@ def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_t
 
     filtered / logprobs / greedy (static, decided on the host from the batch's settings): whether any row
     uses top-k / top-p (the sorted path; rows that filter nothing draw as without it), whether any wants
-    top log-probabilities (else top_ids / top_logprobs are empty, [S, 0]), and whether every row is greedy
+    top log-probabilities (else top_ids / top_logprobs are None), and whether every row is greedy
     (temperature 0: no keys, no draw over the vocabulary; the same result). Static, not lax.cond: a
     conditional makes the GPU runtime read its predicate back, blocking the host mid-step."""
     if eos_token_ids:
@@ -116,9 +118,7 @@ def sample(logits, arrays: SamplingArrays, eos_token_ids: tuple[int, ...], num_t
         chosen = -log_sum
     else:
         chosen = (jnp.take_along_axis(logits, token_ids[:, None], axis=-1)[:, 0] - top) - log_sum
-    if logprobs:
-        top_logprobs, top_ids = jax.lax.top_k((logits - top[:, None]) - log_sum[:, None], num_top_logprobs)
-    else:  # none asked: [S, 0], no device work (*_like: the logits' varying mesh axes inside a shard_map)
-        top_logprobs = jnp.zeros_like(logits[:, :0])
-        top_ids = jnp.zeros_like(logits[:, :0], jnp.int32)
+    if not logprobs:
+        return SampleResult(token_ids, chosen, None, None)
+    top_logprobs, top_ids = jax.lax.top_k((logits - top[:, None]) - log_sum[:, None], num_top_logprobs)
     return SampleResult(token_ids, chosen, top_ids.astype(jnp.int32), top_logprobs)
