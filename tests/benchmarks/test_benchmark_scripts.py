@@ -527,3 +527,14 @@ def test_step_profile_set_applies_knobs_before_the_engine(monkeypatch):
     assert seen.value.args == (True,)
     with pytest.raises(SystemExit):
         step_profile.main(["--preset", "tiny", "--set", "no_dot=1"])
+
+
+def test_run_h200_lists_exactly_its_targets():
+    """benchmarks/run_h200.sh's usage line names every target its case statement has, and no other."""
+    import pathlib
+    import re
+
+    script = (pathlib.Path(__file__).parents[2] / "benchmarks" / "run_h200.sh").read_text()
+    usage = re.search(r"^# ([a-z0-9|-]+)\)\.$", script, re.M).group(1).split("|")
+    cases = re.findall(r"^  ([a-z0-9-]+)\)", script, re.M)
+    assert len(usage) == len(set(usage)) and sorted(usage) == sorted(cases)
