@@ -295,10 +295,10 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         def _():  # the context's chunk c: 64 tokens of a page, the latents' 8 halves and the rope keys
             token = c * CHUNK
             page, t0 = r.table[lax.div(token, block_size)], lax.rem(token, block_size)
+            at = cache_layer + layer
             lax.fori_loop(0, 4, lambda b, _: issue(count + b, lambda h: [
-                (r.ckv.at[cache_layer + layer, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)]),
-                          None)
-            issue(count + 4, lambda h: [(r.kpe.at[cache_layer + layer, page, pl.ds(t0, CHUNK)], True)])
+                (r.ckv.at[at, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)]), None)
+            issue(count + 4, lambda h: [(r.kpe.at[at, page, pl.ds(t0, CHUNK)], True)])
 
         @pl.when(c == nch)
         def _():  # the new token's rows, once phase 2 has written them
@@ -641,9 +641,9 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     num_heads = weights.q_proj.shape[2]
     if (x.shape != (hidden,) or not 0 <= cache_layer <= c_kv.shape[0] - num_layers
             or k_pe.shape[:3] != c_kv.shape[:3]):
-        raise ValueError(f"attention_chain: x {x.shape}, c_kv {c_kv.shape}, k_pe {k_pe.shape}, cache_layer={cache_layer}; "
-                         f"expected x [D={hidden}] and caches [L', N, bs, ...] holding layers cache_layer .. "
-                         f"cache_layer + {num_layers - 1}")
+        raise ValueError(f"attention_chain: x {x.shape}, c_kv {c_kv.shape}, k_pe {k_pe.shape}, "
+                         f"cache_layer={cache_layer}; expected x [D={hidden}] and caches [L', N, bs, ...] holding "
+                         f"layers cache_layer .. cache_layer + {num_layers - 1}")
     num_ctas = num_sms()
     f32, bf16 = jnp.float32, jnp.bfloat16
     rows = hidden // HALF

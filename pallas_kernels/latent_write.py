@@ -239,7 +239,8 @@ def _rows_kernel(slot_ref, *refs, latent_dim, rope_dim, block_size, num_slots, c
     block, offset = slot // block_size, slot % block_size
     first = 0
     for rows_ref, count in zip(row_refs, counts):
-        @pl.when((slot >= 0) & (slot < num_slots) & (layer >= first) & (layer < first + count))  # padding: past the pool
+        # a padding slot points past the pool: nothing stored
+        @pl.when((slot >= 0) & (slot < num_slots) & (layer >= first) & (layer < first + count))
         def _(rows_ref=rows_ref, first=first):
             for start, width, pool in ((0, latent_dim, c_ref), (latent_dim, rope_dim, k_ref)):
                 cols = jnp.arange(pl.next_power_of_2(width))

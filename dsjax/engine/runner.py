@@ -13,12 +13,13 @@ and replicated, so every process of a multi-host run reads them.
 
 A step is two programs: the forward (per bucket: tokens -> cache writes and the sampled rows'
 logits) and the sampler (per bucket and the batch's sampling features: top-k/top-p filtering,
-logprobs, decided on the host), traced from ``StepPrograms`` (dsjax/engine/step_programs.py). Nothing in either waits on the host. Without a mesh both take the step's
-inputs as one int32 vector (``StepLayout.pack``), sent to the device in one transfer.
+logprobs, decided on the host), traced from ``StepPrograms`` (dsjax/engine/step_programs.py).
+Nothing in either waits on the host. Without a mesh both take the step's inputs as one int32 vector
+(``StepLayout.pack``), sent to the device in one transfer.
 
 Multi-step chunks (``num_scheduler_steps``, no mesh): a decode-only step may run as up to that many forward +
-sample steps in one program (``StepPrograms.forward_steps``), each step's samples the next one's tokens, one cache slot a
-step and row (none past a row's own count of steps); the host launches and reads once a chunk.
+sample steps in one program (``StepPrograms.forward_steps``), each step's samples the next one's tokens, one
+cache slot a step and row (none past a row's own count of steps); the host launches and reads once a chunk.
 
 Async scheduling: dispatch() returns as soon as the step is queued; fetch() reads its sampled tokens.
 Each step also returns its tokens as a device array of max_num_seqs rows per rank (``last_tokens``),
@@ -186,7 +187,8 @@ class ModelRunner:
         one of every decode bucket with the rest, ``compile_all``)."""
         key = (t, filtered, logprobs, greedy)
         if key not in self._chunks:
-            fn = functools.partial(self.programs.forward_steps, t=t, filtered=filtered, logprobs=logprobs, greedy=greedy)
+            fn = functools.partial(self.programs.forward_steps, t=t, filtered=filtered, logprobs=logprobs,
+                                   greedy=greedy)
             packed = jax.ShapeDtypeStruct((self.layout.packed_length(t) + self.layout.num_rows(t),), jnp.int32)
             args = (self._state_leaves, self.cache, packed, self._last_tokens_shape())
             options = self.compiler_options if CHUNK_GRAPHS else self._compiler_options(t)
@@ -302,7 +304,8 @@ class ModelRunner:
     def launch(self, t: int, inputs: StepInputs, row_steps: np.ndarray | None = None) -> SampleResult:
         """Queues the forward of bucket t and its sampler on host inputs (from prepare); updates the
         cache and last_tokens, and returns the device result. row_steps: a multi-step chunk's count of
-        steps for each of the bucket's rows (``StepPrograms.forward_steps``); its result has a steps axis after the rows'."""
+        steps for each of the bucket's rows (``StepPrograms.forward_steps``); its result has a steps axis after the
+        rows'."""
         compiled = self._compiled.get(t)
         if compiled is None:  # only after buckets change; compile_all normally covers every size
             self.compile_all()
