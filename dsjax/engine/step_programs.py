@@ -77,7 +77,7 @@ class StepPrograms:
         with a steps axis after the rows', the next step's last_tokens: each row's sample of its last step)."""
         s, bs = self.layout.num_rows(t), self.config.block_size
         packed, row_steps = packed[:-s], packed[-s:]
-        inputs, sampling = self.layout.unpack(packed, self.bucket_sizes()), self.layout.unpack_sampling(packed, s)
+        inputs, sampling = self.layout.unpack(packed, (t,)), self.layout.unpack_sampling(packed, s)
         model, tokens = self.model_and_tokens(state_leaves, inputs, last_tokens)
         batch, rows = inputs.batch, inputs.batch.seq_ids  # token i decodes row rows[i]
         pad_slot = self.layout.padding_slot
