@@ -70,6 +70,23 @@ def hlo_lines(*hlo_texts: str) -> dict[str, str]:
     return {name: " | ".join(found) for name, found in lines.items()}
 
 
+_COPY = re.compile(r"^(\S+)\s+(?:copy|copy-start)\((?:[^%)]*)%([\w.\-]+)")
+
+
+def device_copies(hlo_text: str) -> list[dict]:
+    """The copies in a program's optimized HLO (what a GPU profile shows as MemcpyD2D) and what each copies from:
+    [{"name", "shape", "source", "source_line"}]. A constant's copy means an output or an in-place operand (a
+    Mosaic GPU kernel's zero-initialized semaphores, an empty output array) takes a fresh buffer every call."""
+    lines, copies, fused = hlo_lines(hlo_text), [], False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation's header
+            fused = line.lstrip("%").startswith(("fused", "wrapped"))  # a fusion's body: part of one kernel
+        elif not fused and (instruction := _HLO_INSTRUCTION.match(line)) and (found := _COPY.match(instruction[2])):
+            copies.append({"name": instruction[1], "shape": found[1], "source": found[2],
+                           "source_line": lines.get(found[2], "")[:200]})
+    return copies
+
+
 def _trace_events(trace_file: str) -> tuple[list[dict], dict]:
     """A perfetto trace's events and its processes' names (pid -> name)."""
     with gzip.open(trace_file) as f:
@@ -198,6 +215,8 @@ def main(argv=None):
             if op["hlo"]:
                 print(f"{'':30}{op['hlo'][:240]}")
         print(f"the step's optimized HLO: {args.trace_dir}/step_hlo.txt")
+    for copy in profile["copies"]:
+        print(f"  device copy {copy['name']} {copy['shape']} <- {copy['source']}: {copy['source_line'][:160]}")
     print_timeline(profile["timeline"], profile["host"])
 
 
@@ -386,6 +405,7 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
     with open(os.path.join(trace_dir, "step_hlo.txt"), "w") as f:
         f.write("\n\n".join(texts))
     described = hlo_lines(*texts)
+    copies = device_copies(texts[0])  # the program a step launches first: the greedy forward where there is one
     ops = [{"name": name, "us_per_step": us / steps, "count_per_step": count / steps,
             "hlo": described.get(name, "")[:400]}
            for name, us, count in (top_ops(trace, limit) if trace else [])]
@@ -393,7 +413,7 @@ def profile_compiled_step(engine, trace_dir: str, *, steps: int = 3, repeats: in
             # host time inside each launch() of the back-to-back loop (its share of device_ms)
             "launch_call_ms": launch_ms,
             "busy_ms_per_gpu": [us / steps / 1e3 for us in busy_us(trace)] if trace else None,
-            "trace": trace, "ops": ops, "timeline": device_timeline(trace) if trace else [],
+            "trace": trace, "ops": ops, "copies": copies, "timeline": device_timeline(trace) if trace else [],
             "host": host_spans(trace, min_us=20.0, max_depth=6) if trace else []}
 
 

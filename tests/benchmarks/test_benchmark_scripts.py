@@ -465,6 +465,25 @@ def test_step_profile_names_what_each_device_op_computes(tmp_path):
     assert "HloModule" in hlo and hlo.count("HloModule") >= 2  # the forward and its sampler
 
 
+def test_step_profile_finds_a_programs_device_copies_and_their_sources():
+    """A program that returns a constant copies it into a fresh output buffer every call (a GPU profile's
+    MemcpyD2D): ``device_copies`` finds that copy in XLA's optimized HLO and names its source; a copy inside a
+    fusion's body is part of that fusion's kernel and is not listed."""
+    from benchmarks import step_profile
+
+    program = jax.jit(lambda x: (x + 1, jnp.zeros((1, 0), jnp.int32)))
+    copies = step_profile.device_copies(program.lower(jnp.ones(3)).compile().as_text())
+    assert [(c["shape"], c["source_line"].split(" ")[1]) for c in copies] == [("s32[1,0]{1,0}", "constant({")]
+    fused = ("HloModule m\n\n%fused_computation (p: f32[2]) -> f32[2] {\n  %p = f32[2]{0} parameter(0)\n"
+             "  ROOT %copy.1 = f32[2]{0} copy(%p)\n}\n\nENTRY %main (a: f32[2]) -> f32[2] {\n"
+             "  %a = f32[2]{0} parameter(0)\n  ROOT %f = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation\n}\n")
+    assert step_profile.device_copies(fused) == []
+    unfused = fused.replace("ROOT %f = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation",
+                            "ROOT %copy.2 = f32[2]{0} copy(f32[2]{0} %a)")
+    assert step_profile.device_copies(unfused) == [
+        {"name": "copy.2", "shape": "f32[2]{0}", "source": "a", "source_line": "f32[2]{0} parameter(0)"}]
+
+
 def test_route_linear_probe_counts_choices_that_differ_from_the_models():
     """Routing from the router's linear parts chooses what an f32 path with the norm chooses (a positive scale
     keeps the top-k), and both differ from the model's bf16-rounded path on a small share of tokens."""
