@@ -117,13 +117,11 @@ def dense_mlp_mgpu_takes(x, w_gate, backend: str) -> bool:
     return DENSE_MLP_MGPU and backend == "pallas" and _expert_launch_takes(x, w_gate, 0)
 
 
-def dense_mlp_decode(x, norm, eps: float, w_gate, w_up, w_down, layer, residual=None, normed=None):
-    """x [1, D] raw (before the layer's RMSNorm, every layer's weights ``norm`` [L, D]) through layer ``layer`` of
-    the dense MLP stacks w_gate / w_up [L, D, I], w_down [L, I, D] by the expert launch, the MLP as expert 0 of a
-    one-expert stack (a free reshape), plus ``residual`` in f32 before the rounding -> [1, D]. ``normed``: x's
-    RMSNorm already made (by the kernel before, ``attention_chain(out_norm=...)``), in place of the norm here."""
+def dense_mlp_decode(normed, w_gate, w_up, w_down, layer, residual=None):
+    """``normed`` [1, D] (a token after the layer's RMSNorm) through layer ``layer`` of the dense MLP stacks w_gate /
+    w_up [L, D, I], w_down [L, I, D] by the expert launch, the MLP as expert 0 of a one-expert stack (a free
+    reshape), plus ``residual`` in f32 before the rounding -> [1, D]."""
     one = lambda w: w[:, None]  # [L, 1, ...]
-    normed = rms_norm(x, norm[layer], eps) if normed is None else normed
     return moe_decode_mgpu.moe_decode_mgpu(normed, jnp.ones((1, 1), jnp.float32),
                                            jnp.zeros((1, 1), jnp.int32), one(w_gate), one(w_up), one(w_down),
                                            layer, residual=residual)

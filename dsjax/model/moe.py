@@ -7,6 +7,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.model import dispatch
+from dsjax.model.norms import rms_norm
 from dsjax.model.params import param
 from dsjax.parallel.collectives import axis_size
 from dsjax.parallel.expert import ExpertDispatch
@@ -39,8 +40,8 @@ class MLP(nnx.Module):
         ``dispatch.dense_mlp_mgpu_takes``."""
         w_gate, w_up, w_down = stack.mlp
         if dispatch.dense_mlp_mgpu_takes(x, w_gate, backend):
-            return dispatch.dense_mlp_decode(x, stack.mlp_norm, eps, w_gate, w_up, w_down, stack.index,
-                                             residual=x if add_residual else None)
+            return dispatch.dense_mlp_decode(rms_norm(x, stack.mlp_norm[stack.index], eps), w_gate, w_up, w_down,
+                                             stack.index, residual=x if add_residual else None)
         gate, up, normed = dispatch.stacked_matmuls(x, (w_gate, w_up), stack.index, backend, norm=(stack.mlp_norm, eps))
         out = dispatch.stacked_swiglu_down(gate, up, w_down, stack.index, backend, normed.dtype)
         return x + out if add_residual else out

@@ -296,8 +296,7 @@ class DeepseekForCausalLM(nnx.Module):
             out_norm=(mlp_norm.weight_f32[...][0], mlp_norm.eps))
         h = h[None]
         if dispatch.dense_mlp_mgpu_takes(h, w_gate, backend):
-            return dispatch.dense_mlp_decode(h, mlp_norm.weight[...], mlp_norm.eps, w_gate, w_up, w_down, 0,
-                                             residual=h, normed=normed[None]), row
+            return dispatch.dense_mlp_decode(normed[None], w_gate, w_up, w_down, 0, residual=h), row
         mlp = lambda layer, h, _, index: layer.mlp_paged(h, backend=backend, stacked=self._stacked(stack, index))
         return _scan_layers(stack, h, self.config.num_moe_layers, mlp), row
 

@@ -282,8 +282,8 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     mlp_calls, dense_mlp_decode = [], dispatch.dense_mlp_decode
     monkeypatch.setattr(dispatch, "dense_mlp_mgpu_takes", lambda x, w_gate, backend: x.shape[0] == 1)
     monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", moe_decode.moe_decode_reference)
-    monkeypatch.setattr(dispatch, "dense_mlp_decode", lambda *a, normed=None, **k: mlp_calls.append(
-        normed is not None) or dense_mlp_decode(*a, normed=normed, **k))
+    monkeypatch.setattr(dispatch, "dense_mlp_decode", lambda normed, *a, **k: mlp_calls.append(
+        normed.shape) or dense_mlp_decode(normed, *a, **k))
     monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
     monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", final_norm)
     stores, store_rows = [], dispatch.store_rows
@@ -330,7 +330,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     assert set(stores) == {(parts, "reference")}
     assert set(dense_calls) == ({((config.hidden_size,), (1, config.hidden_size), config.num_moe_layers,
                                   (config.hidden_size,))} if dense_attention else set())
-    assert set(mlp_calls) == ({True} if dense_attention else set())  # on the chain's normed output
+    assert set(mlp_calls) == ({(1, config.hidden_size)} if dense_attention else set())  # the chain's normed output
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
