@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -285,6 +285,15 @@ case $part in
       --variant "final norm: $d.STEP_KERNEL_FINAL_NORM=True" \
       --variant "both: $d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True" \
       --out "$OUT/step_ab_step_knobs_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  round35-ab)  # after step-knobs-tests (and sampler-ab's tests): the batch-1 compiled step as built, with session 49's
+              # two kernel knobs, then also the one-pass sampler, then also the step kernel's bucket as a CUDA graph:
+              # every knob queued for round 35 in one process, 2 rounds in turns (~5 minutes)
+    d=dsjax.model.dispatch; kernels="$d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True"
+    timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 2 --variant built --variant "kernel knobs: $kernels" \
+      --variant "+ one pass: $kernels dsjax.engine.sampler.ONE_PASS=True" \
+      --variant "+ graphs: $kernels dsjax.engine.sampler.ONE_PASS=True dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
+      --out "$OUT/step_ab_round35_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
   knobs-curve)  # after sampler-ab: the engine at batch 1 and 2 (96 timed tokens, one process each) as built, with the
                # one-pass sampler, with the step kernel's bucket as a CUDA graph, and with both (~6 minutes; the knobs
                # in $2 as NAME=MODULE.ATTR=VALUE,... lists, default those three)
