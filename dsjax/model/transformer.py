@@ -285,18 +285,19 @@ class DeepseekForCausalLM(nnx.Module):
     def _dense_layer_step(self, x, cache: PagedKVCache, batch: PagedBatch):
         """The dense layer of a one-token step: its attention half as one persistent kernel
         (``decode_step_attention.attention_chain`` over its cache layer, after the MoE stack's) that also norms its
-        output for the MLP, then the MLP by the expert launch (``dispatch.dense_mlp_decode``; where that does not
-        take it, as the layer scan runs it). x [1, D] -> (x after the layer, its new cache row [1, 576], which the
-        caller stores with the MoE stack's)."""
+        output for the MLP where the expert launch takes the MLP (``dispatch.dense_mlp_decode``; elsewhere the
+        layer scan runs the MLP). x [1, D] -> (x after the layer, its new cache row [1, 576], which the caller
+        stores with the MoE stack's)."""
         stack, backend, mlp_norm = self.dense_layers, self.kernel_backend, self.dense_layers.mlp_norm
         w_gate, w_up, w_down = stack.mlp.w_gate[...], stack.mlp.w_up[...], stack.mlp.w_down[...]
-        h, row, normed = decode_step_attention.attention_chain(
+        expert_launch = dispatch.dense_mlp_mgpu_takes(x, w_gate, backend)  # the layer's output has x's shape
+        h, row, *normed = decode_step_attention.attention_chain(
             x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe,
             *self._attention_weights(stack), cache_layer=self.config.num_moe_layers,
-            out_norm=(mlp_norm.weight_f32[...][0], mlp_norm.eps))
+            out_norm=(mlp_norm.weight_f32[...][0], mlp_norm.eps) if expert_launch else None)
         h = h[None]
-        if dispatch.dense_mlp_mgpu_takes(h, w_gate, backend):
-            return dispatch.dense_mlp_decode(normed[None], w_gate, w_up, w_down, 0, residual=h), row
+        if expert_launch:  # the kernel's tail normed h for it
+            return dispatch.dense_mlp_decode(normed[0][None], w_gate, w_up, w_down, 0, residual=h), row
         mlp = lambda layer, h, _, index: layer.mlp_paged(h, backend=backend, stacked=self._stacked(stack, index))
         return _scan_layers(stack, h, self.config.num_moe_layers, mlp), row
 

@@ -476,7 +476,8 @@ def test_step_profile_finds_a_programs_device_copies_and_their_sources():
     assert [(c["shape"], c["source_line"].split(" ")[1]) for c in copies] == [("s32[1,0]{1,0}", "constant({")]
     fused = ("HloModule m\n\n%fused_computation (p: f32[2]) -> f32[2] {\n  %p = f32[2]{0} parameter(0)\n"
              "  ROOT %copy.1 = f32[2]{0} copy(%p)\n}\n\nENTRY %main (a: f32[2]) -> f32[2] {\n"
-             "  %a = f32[2]{0} parameter(0)\n  ROOT %f = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation\n}\n")
+             "  %a = f32[2]{0} parameter(0)\n"
+             "  ROOT %f = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation\n}\n")
     assert step_profile.device_copies(fused) == []
     unfused = fused.replace("ROOT %f = f32[2]{0} fusion(%a), kind=kLoop, calls=%fused_computation",
                             "ROOT %copy.2 = f32[2]{0} copy(f32[2]{0} %a)")
