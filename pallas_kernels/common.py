@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import jax
@@ -59,6 +60,24 @@ def scale_rows(x, weight, scale):
 def cos_sin(freqs, cos_sin_scale: float):
     """cos and sin of the rope angles ``freqs``, scaled by ``cos_sin_scale`` (YaRN)."""
     return jnp.cos(freqs) * cos_sin_scale, jnp.sin(freqs) * cos_sin_scale
+
+
+# 2 pi as three f32 parts whose sum is within 2e-13 of it (Cody and Waite's reduction): the first two keep 8
+# significant bits, so k times either is exact for k < 2^16; the third is 2 pi's rest, rounded
+TWO_PI_PARTS = (6.28125, 0.0019302368, 5.0703634e-06)
+REDUCED_ANGLES_BELOW = 2 ** 16 * 6.28125  # where k times the first two parts stops being exact
+
+
+def reduced_cos_sin(angles, cos_sin_scale: float):
+    """``cos_sin`` of f32 angles in [0, ``REDUCED_ANGLES_BELOW``) taken to [-pi, pi] first: k = round(angle / 2 pi),
+    angle - k * each part of ``TWO_PI_PARTS`` in turn (within ~3e-7 of the f32 angle's true remainder). A kernel
+    compiled with approximate math (``cos.approx`` / ``sin.approx``, accurate to ~1e-6 on [-pi, pi] only) then
+    gives the rope's cos and sin of any position it takes; the engine computes them exactly (``cos_sin``)."""
+    k = jnp.round(angles * (1 / (2 * math.pi)))
+    rest = angles
+    for part in TWO_PI_PARTS:
+        rest = rest - k * part
+    return cos_sin(rest, cos_sin_scale)
 
 
 def rotate_by(x1, x2, cos, sin):

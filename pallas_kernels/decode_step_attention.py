@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cos_sin, rms_norm, rotate_by, why_not_hopper
+from pallas_kernels.common import cos_sin, reduced_cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
                                              _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out, num_sms,
@@ -132,6 +132,13 @@ MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 # against 62.6 / 65.47 (round 28, ``layer_chain_compact_h200.json``), and the engine's batch-1 compiled step
 # 1.741 ms against 1.820 (round 29, ``step_ab_query_tma_b1_h200.json``). Read at trace time.
 QUERY_TMA = True
+# Phase 2's rope CTA computes the rope's cos and sin itself from the position and the inverse frequencies (its
+# ``cs`` input f32[32, 32], the frequencies down each row; ``reduced_cos_sin``: angles taken to [-pi, pi] first,
+# since the kernel's approximate cos / sin are accurate there only), instead of reading the [2, 32, 32] table the
+# caller computed: one XLA launch a step fewer (round 34's ``loop_broadcast_fusion``, ~1.3 µs plus its
+# boundary). Its reduction holds (~3e-7) for angles below 411k, positions at frequencies up to 1; the kernel takes
+# contexts up to (its CTAs - 1) x 64 tokens (``attention_supports``). Off until timed. Read at trace time.
+ROPE_IN_KERNEL = False
 PHASES = 5  # grid barriers a layer
 
 
@@ -166,7 +173,8 @@ def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int
 
 class AttentionRefs(NamedTuple):
     """The attention phases' global memory (``attention_phases``). Inputs: pos i32[1] (the token's position),
-    table i32[W] (its pages), cs f32[2, 32, 32] (rope's cos and sin, a copy a row), g f32[L, D / 64, 64] (the
+    table i32[W] (its pages), cs f32[2, 32, 32] (rope's cos and sin, a copy a row; with ``ROPE_IN_KERNEL`` its
+    inverse frequencies f32[32, 32], a copy a row), g f32[L, D / 64, 64] (the
     attention norm), wq bf16[L, D, H * 192] (q_proj, rope columns permuted), wkv bf16[L, D, 576] (kv_a, the
     same), knorm f32[L, 8, 64], wuk bf16[L, 512, H, 128], ckv bf16[L, N, bs, 512], kpe bf16[L, N, bs, 64], wuv
     bf16[L, 512, H, 128]. Outputs the phases write: qkv f32[L, 64, 64] (phase 1's sums: q's column tiles 0 ..
@@ -232,7 +240,7 @@ class AttentionScratch(NamedTuple):
 
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
-                     block_size: int, barrier_count, cache_layer: int = 0):
+                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0):
     """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
     semaphore and layer loop the caller owns -> (zero, loads, compute):
 
@@ -363,12 +371,16 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                                                                   sm.rope_bar.at[0])
             lax.fori_loop(0, num_heads, rope_row, None)
             plgpu.copy_gmem_to_smem(r.qkv.at[layer, q_tiles + 8], sm.rope.at[num_heads], sm.rope_bar.at[0])
-            plgpu.copy_gmem_to_smem(r.cs, sm.cs, sm.rope_bar.at[0])
+            plgpu.copy_gmem_to_smem(r.cs, sm.cs.at[0] if ROPE_IN_KERNEL else sm.cs, sm.rope_bar.at[0])
             plgpu.barrier_wait(sm.rope_bar.at[0])
             halves = plgpu.Layout.WG_STRIDED((32, ROPE // 2), vec_size=2)
             lo, hi = (plgpu.load(sm.rope.at[:, pl.ds(i * 32, 32)], layout=halves).astype(bf16).astype(f32)
                       for i in range(2))
-            cos, sin = (plgpu.load(sm.cs.at[i], layout=halves) for i in range(2))
+            if ROPE_IN_KERNEL:  # the angles as the caller's rope_cos_sin has them (f32 position x frequency)
+                angles = plgpu.load(sm.cs.at[0], layout=halves) * position.astype(f32)
+                cos, sin = reduced_cos_sin(angles, cos_sin_scale)
+            else:
+                cos, sin = (plgpu.load(sm.cs.at[i], layout=halves) for i in range(2))
             sm.rope16.at[:, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
             sm.rope16.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
             plgpu.commit_smem()
@@ -595,8 +607,11 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
     block_size = c_kv.shape[2]
     states = pl.cdiv(block_table.shape[0] * block_size, CHUNK) + 1
     f32, bf16 = jnp.float32, jnp.bfloat16
-    cos, sin = rope_cos_sin(position, spec.inv_freq, spec.cos_sin_scale)
-    cs = jnp.broadcast_to(jnp.stack([cos, sin])[:, None, :], (2, 32, ROPE // 2)).astype(f32)
+    if ROPE_IN_KERNEL:  # the frequencies, a constant of the program
+        cs = jnp.asarray(np.broadcast_to(np.asarray(spec.inv_freq, np.float32), (32, ROPE // 2)))
+    else:
+        cos, sin = rope_cos_sin(position, spec.inv_freq, spec.cos_sin_scale)
+        cs = jnp.broadcast_to(jnp.stack([cos, sin])[:, None, :], (2, 32, ROPE // 2)).astype(f32)
     inputs = (jnp.asarray(position, jnp.int32).reshape(1), block_table.astype(jnp.int32), cs,
               weights.norm.astype(f32).reshape(num_layers, hidden // HALF, HALF),
               weights.q_proj.reshape(num_layers, hidden, -1), weights.kv_a,
@@ -609,7 +624,8 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
                  jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
                  jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
     constants = dict(num_heads=num_heads, states=states, scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps,
-                     kv_eps=spec.kv_eps, block_size=block_size, cache_layer=cache_layer)
+                     kv_eps=spec.kv_eps, block_size=block_size, cos_sin_scale=spec.cos_sin_scale,
+                     cache_layer=cache_layer)
     return inputs, out_types, constants
 
 

@@ -700,11 +700,14 @@ def test_moe_layer_tail_chain_gpu(plan, monkeypatch):
     assert got.shape == (2048,) and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("position, merge_group", [(0, 8), (63, 8), (200, 8), (511, 8), (511, 4), (200, 2), (200, 16), (511, 32)])
-def test_attention_chain_gpu(position, merge_group, monkeypatch):
+@pytest.mark.parametrize("position, merge_group, rope_in_kernel", [
+    (0, 8, False), (63, 8, False), (200, 8, False), (511, 8, False), (511, 4, False), (200, 2, False), (200, 16, False),
+    (511, 32, False), (0, 8, True), (200, 8, True), (511, 8, True)])
+def test_attention_chain_gpu(position, merge_group, rope_in_kernel, monkeypatch):
     """Two V2-Lite attention halves at one token in one persistent kernel (norm, q / kv_a, W_UK, rope, the paged
     context in 64-token chunks plus the new token, the states merged ``MERGE_GROUP`` at a time, W_UV, o_proj,
-    the residual) against the reference chain: each layer's new cache row, and the output."""
+    the residual) against the reference chain: each layer's new cache row, and the output. ``ROPE_IN_KERNEL``: the
+    rope CTA computes cos and sin from the position itself."""
     import jax
 
     from benchmarks.megakernel_probe import attention_inputs
@@ -712,6 +715,7 @@ def test_attention_chain_gpu(position, merge_group, monkeypatch):
     from pallas_kernels.decode_step_attention import attention_chain, attention_chain_reference, attention_supports
 
     monkeypatch.setattr(decode_step_attention, "MERGE_GROUP", merge_group)
+    monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", rope_in_kernel)
 
     x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
     assert attention_supports(2048, 16, (128, 64, 512, 128), 64, 512, jnp.bfloat16, 2) is None
@@ -778,7 +782,8 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     """A random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers): a 70-token prompt prefilled, then
     three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL), with the dense
     layer's attention half as a kernel too or not (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the final norm in the
-    kernel's tail or not (dispatch.STEP_KERNEL_FINAL_NORM), give the logits of the launches a layer."""
+    kernel's tail or not (dispatch.STEP_KERNEL_FINAL_NORM), then also the rope's cos and sin computed in both kernels
+    (decode_step_attention.ROPE_IN_KERNEL), give the logits of the launches a layer."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -798,17 +803,19 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     monkeypatch.setattr(decode_step_attention, "attention_chain",
                         lambda *a, **k: dense_calls.append(k["cache_layer"]) or dense_chain(*a, **k))
     logits = {}
-    for on, dense in ((False, False), (True, False), (True, True)):  # the last with the final norm in the kernel
+    # the third with the final norm in the kernel too, the fourth with the rope's cos and sin in both kernels too
+    for on, dense, rope in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         monkeypatch.setattr(dispatch, "STEP_KERNEL", on)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", dense)
+        monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", rope)
         model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
         assert model.prepare_step_kernel() is None
-        logits[on, dense] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8,
-                                          cache_dtype=jnp.bfloat16)
+        logits[on, dense, rope] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8,
+                                                cache_dtype=jnp.bfloat16)
     assert calls and set(dense_calls) == {config.num_moe_layers}  # the one-token steps took the kernels
-    for on in ((True, False), (True, True)):
-        assert _rel(logits[on][-3:], logits[False, False][-3:]) < 3e-2
+    for on in ((True, False, False), (True, True, False), (True, True, True)):
+        assert _rel(logits[on][-3:], logits[False, False, False][-3:]) < 3e-2
 
 
 def test_engine_greedy_steps_in_one_program_gpu(monkeypatch):

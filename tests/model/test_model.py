@@ -343,7 +343,8 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     in one Triton store, or as the six Triton launches (norm + q / kv_a, the latent's write, decode, combine, W_UV,
     o_proj) before the store. With both of session 49's knobs the dense MLP's norm comes from the attention kernel's
     tail and the final norm from the step kernel's (dispatch.STEP_KERNEL_FINAL_NORM): no RMSNorm is left outside
-    the kernels, where as built two are. The glue at the real shapes with the real kernels, no GPU needed."""
+    the kernels, where as built two are; with decode_step_attention.ROPE_IN_KERNEL too, no cos / sin either. The
+    glue at the real shapes with the real kernels, no GPU needed."""
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
@@ -378,3 +379,9 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     assert hlo.count("custom_call @mosaic_gpu") == (3 if dense_attention else 2)
     assert hlo.count("__gpu$xla.gpu.triton") == (1 if dense_attention else 7)
     assert hlo.count("stablehlo.rsqrt") == (0 if final_norm else 2)
+    assert "stablehlo.cosine" in hlo  # the kernels' cos / sin table (CSE'd by XLA), or the Triton launches' rope
+    if dense_attention:  # both attention kernels computing cos and sin themselves: no rope outside the kernels
+        monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", True)
+        hlo = common.lower_for_h200(forward, state, shape((1,), i32), cache, batch)
+        assert hlo.count("custom_call @mosaic_gpu") == 3
+        assert "stablehlo.cosine" not in hlo and "stablehlo.sine" not in hlo

@@ -34,6 +34,30 @@ def test_permuted_rope_columns_rotate_as_contiguous_halves(interleave):
         step.rope_order(15, interleave)
 
 
+def test_reduced_cos_sin_is_cos_sin_at_every_position_the_rope_takes():
+    """The in-kernel rope's cos and sin (``ROPE_IN_KERNEL``): angles taken to [-pi, pi] by a three-part 2 pi before
+    cos / sin, which the kernel computes approximately (accurate on that range only), against float64 cos / sin of
+    the same f32 angles, over V2-Lite's YaRN frequencies at positions up to the reduction's bound; and the
+    parts' k-multiples exact (8 significant bits each)."""
+    from pallas_kernels.common import REDUCED_ANGLES_BELOW, TWO_PI_PARTS, reduced_cos_sin
+
+    config = ModelConfig.preset("deepseek-v2-lite")
+    attn = nnx.eval_shape(lambda: MLAttention(config, jnp.bfloat16, nnx.Rngs(0)))
+    inv_freq = np.asarray(attn.inv_freq, np.float32)
+    parts = [np.float64(np.float32(part)) for part in TWO_PI_PARTS]  # as the f32 products take them
+    assert inv_freq.max() <= 1 and abs(sum(parts) - 2 * np.pi) < 1e-12
+    for part in TWO_PI_PARTS[:2]:
+        assert np.float32(part).view(np.uint32) & 0xFFFF == 0  # at most 8 significant bits: k * part exact
+    positions = np.concatenate([np.arange(0, 9000), np.arange(9000, int(REDUCED_ANGLES_BELOW), 97)]).astype(np.float32)
+    angles = positions[:, None] * inv_freq[None, :]  # f32, as the kernel and rope_cos_sin form them
+    cos, sin = jax.jit(lambda a: reduced_cos_sin(a, 0.75))(angles)
+    exact = angles.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(cos, np.float64), 0.75 * np.cos(exact), rtol=0, atol=3e-7)
+    np.testing.assert_allclose(np.asarray(sin, np.float64), 0.75 * np.sin(exact), rtol=0, atol=3e-7)
+    far = np.float32(4 * REDUCED_ANGLES_BELOW)  # past the bound k * part is rounded: the error grows
+    assert abs(float(reduced_cos_sin(jnp.float32(far), 1.0)[0]) - np.cos(np.float64(far))) > 3e-7
+
+
 @pytest.mark.parametrize("interleave", [True, False])
 def test_attention_half_reference_is_the_models_attention(interleave):
     """A V2-Lite-shaped layer (plain q_proj, YaRN rope) at 4 heads: the reference on permuted weights gives the
@@ -88,6 +112,11 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
         hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches,
                              *weights)
         assert hlo.count("custom_call @mosaic_gpu") == 1
+        assert hlo.count("stablehlo.cosine") == 1  # the caller's cos / sin table
+    monkeypatch.setattr(step, "ROPE_IN_KERNEL", True)  # the rope CTA computes them: no cos / sin outside
+    hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches, *weights)
+    assert hlo.count("custom_call @mosaic_gpu") == 1 and "stablehlo.cosine" not in hlo and "stablehlo.sine" not in hlo
+    monkeypatch.setattr(step, "ROPE_IN_KERNEL", False)
     with pytest.raises(ValueError, match=r"expected x \[D=2048\] and caches \[L', N, bs, ...\] holding layers"):
         jax.eval_shape(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32),
                        shape((3, 16, 64, 512), bf16), caches[1], *weights)
