@@ -630,7 +630,7 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
 
 
 def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                    profile_dir: str | None = None, cache_layer: int = 0, out_norm=None):
+                    profile_dir: str | None = None, cache_layer: int = 0, out_norm=None, residual_dtype=None):
     """L layers' attention halves at one token in one persistent kernel: x_{l+1} = x_l + layer l's attention of
     x_l over its paged context (``attention_half_reference``'s, up to the residual stream's rounding). x [D]
     bf16 at ``position`` (a scalar) of the sequence whose pages are block_table i32[W]; layer l's cache, layer
@@ -638,7 +638,8 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     dense layers sit after the MoE stack in its caches); ``weights`` stacked over layers, rope
     columns permuted (``permute_rope_columns``) -> (x_L [D] bf16, kv [L, 576] bf16: each layer's new latent and
     rope key, which the caller writes into the cache at the token's slot), and with ``out_norm`` (weights [D],
-    eps) x_L RMSNorm'd by it third (the next sublayer's input, normed by CTA 0 after the last layer).
+    eps) x_L RMSNorm'd by it third (the next sublayer's input, normed by CTA 0 after the last layer); x_L then
+    comes in ``residual_dtype`` when given (f32: its bf16 values, for a launch that adds into it in place).
 
     A producer warpgroup streams each CTA's boxes of every phase through the ring; a grid barrier ends each of
     five phases a layer (``docs/decode_step_kernel.md``):
@@ -669,8 +670,11 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     kernel = functools.partial(_attention_body, num_layers=num_layers, num_ctas=num_ctas,
                                out_eps=None if out_norm is None else float(out_norm[1]), **constants)
     out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), *out_types)  # x_mid's rows a layer first
+    if residual_dtype is not None and out_norm is None:
+        raise ValueError("attention_chain: residual_dtype comes with out_norm (CTA 0's tail writes both)")
     if out_norm is not None:  # x_L normed, and x_L rounded (the kernel's, in place of a conversion after it)
-        out_type += (jax.ShapeDtypeStruct((rows, HALF), x.dtype), jax.ShapeDtypeStruct((rows, HALF), x.dtype))
+        out_type += (jax.ShapeDtypeStruct((rows, HALF), x.dtype),
+                     jax.ShapeDtypeStruct((rows, HALF), residual_dtype or x.dtype))
     scratch = [
         plgpu.SMEM((RING, 2, HALF, HALF), bf16, transforms=_TILING),  # the ring of boxes
         plgpu.SMEM((rows, HALF), f32),  # the layer's input rows
@@ -733,13 +737,14 @@ def attention_layer_reference(x, position, block_table, c_kv, k_pe, weights: Att
 
 
 def attention_chain_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                              cache_layer: int = 0, out_norm=None):
+                              cache_layer: int = 0, out_norm=None, residual_dtype=None):
     """The same chain with ``attention_half_reference`` a layer -> (x_L, kv [L, 576]: the rows each layer wrote
-    into its cache), and with ``out_norm`` (weights [D], eps) x_L normed by it third."""
+    into its cache), and with ``out_norm`` (weights [D], eps) x_L normed by it third, x_L in ``residual_dtype``."""
     rows = []
     for layer in range(weights.norm.shape[0]):
         x, row = attention_layer_reference(x, position, block_table, c_kv, k_pe, weights, spec, layer, cache_layer)
         rows.append(row)
     if out_norm is not None:
-        return x, jnp.stack(rows), rms_norm(x, out_norm[0].astype(x.dtype), out_norm[1])
+        return (x.astype(residual_dtype or x.dtype), jnp.stack(rows),
+                rms_norm(x, out_norm[0].astype(x.dtype), out_norm[1]))
     return x, jnp.stack(rows)

@@ -815,7 +815,9 @@ def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_s
     o_proj (``attention.o_proj``) and the MoE half are ``moe_layer_tail_chain``'s; the rest as
     ``moe_block_chain`` -> (x_L, ids, weights, kv [L, 576]: each layer's new latent and rope key, for the
     caller to write into the cache). ``final_norm`` (weights [D], eps): x_L comes back RMSNorm'd by it (the
-    model's final norm, done by CTA 0 after the last layer). Shapes must pass ``moe_supports(..., router=True,
+    model's final norm, done by CTA 0 after the last layer). x [D] comes in the weights' dtype, or in f32 as a
+    launch's unrounded sum, which the kernel rounds to the weights' dtype as it reads it (the residual stream's
+    rounding; ``dispatch.DENSE_MLP_IN_PLACE``). Shapes must pass ``moe_supports(..., router=True,
     attention=H * 128)`` and ``attention_supports``."""
     num_layers, hidden = norm.shape
     o_proj = attention.o_proj.reshape(num_layers, -1, hidden)
@@ -883,6 +885,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
     before it; ``final_norm`` (weights [D], eps; with a router): x_L comes back normed by it. -> (x_L, the routing
     or None, x_mid's rows or None, the attention phases' outputs or None)."""
     w_gate, w_up, w_down = routed
+    dtype = w_gate.dtype  # the model's (x may come in f32: see moe_layer_chain)
     num_experts, hidden, inter = w_gate.shape[1:]
     num_layers = w_gate.shape[0]
     shared_inter = shared[0].shape[-1]
@@ -926,11 +929,11 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
         out_type.append(jax.ShapeDtypeStruct((num_layers, rows, HALF), f32))  # x_mid's rows
     if final_norm is not None:  # the final norm's weights in, x_L normed out (last of each)
         inputs += (final_norm[0].astype(f32).reshape(rows, HALF),)
-        out_type.append(jax.ShapeDtypeStruct((rows, HALF), x.dtype))
+        out_type.append(jax.ShapeDtypeStruct((rows, HALF), dtype))
     outs = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
-        scratch_types=_moe_scratch(hidden, x.dtype, router is not None, splits,
+        scratch_types=_moe_scratch(hidden, dtype, router is not None, splits,
                                    front[2]["num_heads"] if front else 0),
         grid=(num_ctas,),
         grid_names=("c",),
@@ -944,7 +947,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
             approx_math=True, **({"profile_space": 256 if front else 384, "profile_dir": profile_dir,
                                   "profile_bounds_check": True} if profile_dir else {})),
     )(jnp.asarray(plan.reshape(-1)), *inputs)
-    result = outs[0][-1].reshape(hidden).astype(x.dtype) if final_norm is None else outs[-1].reshape(hidden)
+    result = outs[0][-1].reshape(hidden).astype(dtype) if final_norm is None else outs[-1].reshape(hidden)
     return (result, (outs[3], outs[4]) if router is not None else None, outs[5] if attention else None,
             outs[6:6 + len(front[1])] if front else None)
 
@@ -1001,7 +1004,8 @@ def moe_layer_chain_reference(x, position, block_table, c_kv, k_pe, attention, a
                               spec: RouterSpec, top_k: int, w_gate, w_up, w_down, shared, final_norm=None):
     """The same layers in jnp: ``attention_half_reference`` (the model's attention, the cache written), then
     ``moe_block_chain_reference``'s layer -> (x_L, ids, weights, kv [L, 576]), x_L RMSNorm'd by ``final_norm``
-    (weights [D], eps) when given."""
+    (weights [D], eps) when given. An f32 x is rounded to the weights' dtype first, as the kernel reads it."""
+    x = x.astype(w_gate.dtype)
     all_ids, all_weights, rows = [], [], []
     for layer in range(norm.shape[0]):
         one = lambda a: a[layer:layer + 1]

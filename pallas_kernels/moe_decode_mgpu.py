@@ -30,7 +30,8 @@ phase (gate / up into down included):
 Shared memory (``RING`` x 16 KiB, the token's row and tiles, the partial row: 108 KiB at 4 slots at
 V2-Lite's hidden size) stays under half an SM, so two CTAs share an SM, as the Triton launch's programs
 do, and the 176 CTAs of V2-Lite's layer all run at once. The residual, when given, is added where XLA
-sums the partial rows.
+sums the partial rows, or (``in_place``) the CTAs add their partial rows into it by TMA, so no launch follows
+the kernel (the batch-1 step's dense MLP, ``dispatch.DENSE_MLP_IN_PLACE``).
 
 Measured on the H200 (``benchmarks/moe_mgpu_probe.py``, 2026-12-02, decode_profile.md rounds 19-20):
 V2-Lite's layer 35.05-35.09 µs (3.95 TB/s; ``moe_mgpu_transposed_h200.json``) against 36.2 with the
@@ -107,8 +108,10 @@ def _smem_bytes(hidden: int) -> int:
 
 
 def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k: int, num_experts: int,
-          routed_tiles: int, shared: bool):
-    # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; out f32[P, D / HALF, HALF]; then the
+          routed_tiles: int, shared: bool, in_place: bool):
+    # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; out f32[P, D / HALF, HALF] (each program's
+    # partial row), or with ``in_place`` the residual's rows f32[D / HALF, HALF] (an input aliased in place, no
+    # outputs), which every program adds its partial row into by TMA; then the
     # scratch: x [D / HALF, HALF], the ring [RING, 2, HALF, HALF], the token's tiles [D / HALF * 8, HALF]
     # (whose first rows later hold h), the partial row f32[D / HALF, HALF], barriers (x, the ring's slots)
     *refs, out_ref, scratch = refs
@@ -236,7 +239,10 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
 
     lax.fori_loop(0, down_steps, down, ())
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(row_smem, out_ref.at[program])
+    if in_place:
+        plgpu.copy_smem_to_gmem(row_smem, out_ref, reduction_op="add")
+    else:
+        plgpu.copy_smem_to_gmem(row_smem, out_ref.at[program])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -244,27 +250,33 @@ _PROFILE_EVENTS = 512  # a CTA's trace words with profile_dir (an event is 2; 16
 
 
 def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None,
-                    profile_dir: str | None = None):
+                    profile_dir: str | None = None, in_place: bool = False):
     """x [1, D] bf16, weights f32[1, k], ids i32[1, k] (E marks an empty slot), every layer's routed
     experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index, optionally the
     shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) and a ``residual`` [1, D] added in f32 where
     the partial rows are summed -> [1, D]: as ``moe_decode`` at one token. Shapes must pass ``supports``.
+    ``in_place`` (with a residual, best f32: it is the kernel's accumulator): each program adds its partial row
+    into the residual's rows by TMA (a jax Ref the kernel aliases), no sum after the kernel -> the f32 sum [1, D],
+    unrounded (a caller that reads it as bf16 rounds it: the step kernel does as it reads its input).
     ``profile_dir``: a folder where Mosaic GPU writes a per-CTA trace of the kernel's named scopes."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     shared_inter = 0 if shared is None else shared[0].shape[-1]
-    if x.shape != (1, hidden) or num_tokens != 1 or (residual is not None and residual.shape != x.shape):
+    if x.shape != (1, hidden) or num_tokens != 1 or (residual is not None and residual.shape != x.shape) \
+            or (in_place and residual is None):
         raise ValueError(f"moe_decode_mgpu: x {x.shape}, ids {ids.shape}, residual "
-                         f"{None if residual is None else residual.shape}; expected x and residual [1, D={hidden}], "
-                         "ids [1, k]")
+                         f"{None if residual is None else residual.shape}, in_place={in_place}; expected x and "
+                         f"residual [1, D={hidden}] (a residual with in_place=True), ids [1, k]")
     routed_tiles, shared_tiles = inter // BLOCK_I, shared_inter // BLOCK_I
     programs = top_k * routed_tiles + shared_tiles
     scratch = _scratch(hidden, x.dtype)
     kernel = functools.partial(_body, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
-                               shared=shared is not None)
+                               shared=shared is not None, in_place=in_place)
+    rows = hidden // HALF
+    total = jax.new_ref(residual.astype(jnp.float32).reshape(rows, HALF)) if in_place else None
     partials = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((programs, hidden // HALF, HALF), jnp.float32),
+        out_type=() if in_place else jax.ShapeDtypeStruct((programs, rows, HALF), jnp.float32),
         scratch_types=[scratch],
         grid=(programs,),
         grid_names=("p",),
@@ -272,7 +284,9 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
             approx_math=True,
             **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
     )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
-      weights.reshape(-1).astype(jnp.float32), x.reshape(hidden // HALF, HALF), w_gate, w_up, w_down,
-      *(shared or ()))
+      weights.reshape(-1).astype(jnp.float32), x.reshape(rows, HALF), w_gate, w_up, w_down,
+      *(shared or ()), *(() if total is None else (total,)))
+    if in_place:
+        return total[...].reshape(1, hidden)
     out = partials.reshape(programs, hidden).sum(axis=0, keepdims=True)
     return (out if residual is None else out + residual.astype(jnp.float32)).astype(x.dtype)

@@ -117,14 +117,15 @@ def dense_mlp_mgpu_takes(x, w_gate, backend: str) -> bool:
     return DENSE_MLP_MGPU and backend == "pallas" and _expert_launch_takes(x, w_gate, 0)
 
 
-def dense_mlp_decode(normed, w_gate, w_up, w_down, layer, residual=None):
+def dense_mlp_decode(normed, w_gate, w_up, w_down, layer, residual=None, in_place: bool = False):
     """``normed`` [1, D] (a token after the layer's RMSNorm) through layer ``layer`` of the dense MLP stacks w_gate /
     w_up [L, D, I], w_down [L, I, D] by the expert launch, the MLP as expert 0 of a one-expert stack (a free
-    reshape), plus ``residual`` in f32 before the rounding -> [1, D]."""
+    reshape), plus ``residual`` in f32 before the rounding -> [1, D]; with ``in_place`` the launch adds into the
+    residual itself and the sum comes back in f32, unrounded (``moe_decode_mgpu(in_place=True)``)."""
     one = lambda w: w[:, None]  # [L, 1, ...]
     return moe_decode_mgpu.moe_decode_mgpu(normed, jnp.ones((1, 1), jnp.float32),
                                            jnp.zeros((1, 1), jnp.int32), one(w_gate), one(w_up), one(w_down),
-                                           layer, residual=residual)
+                                           layer, residual=residual, in_place=in_place)
 
 
 def stacked_swiglu_down(gate, up, w_down, layer, backend: str, dtype):
@@ -225,6 +226,13 @@ STEP_KERNEL_DENSE_ATTENTION = False
 # (input_reduce_fusion + loop_multiply_fusion, 3.2 µs of work and their boundaries in decode_profile.md round 34).
 # Built and CPU-tested, off until the H200 has timed it (``run_h200.sh step-knobs-ab``). Read at trace time.
 STEP_KERNEL_FINAL_NORM = False
+# With STEP_KERNEL_DENSE_ATTENTION and the dense MLP by the expert launch: the attention kernel's CTA 0 writes its
+# output rounded to bf16 in f32, the expert launch's CTAs add their partial rows into that buffer by TMA
+# (``moe_decode_mgpu(in_place=True)``), and the step kernel takes the unrounded f32 sum (it rounds what it reads):
+# no XLA reduce of the 171 partial rows, residual add and conversions between the launches (round 34's
+# input_reduce_fusion / loop_add_fusion / loop_convert_fusion around layer 0's MLP). Built and CPU-tested, off
+# until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``round35-ab``). Read at trace time.
+DENSE_MLP_IN_PLACE = False
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):

@@ -287,17 +287,21 @@ class DeepseekForCausalLM(nnx.Module):
         (``decode_step_attention.attention_chain`` over its cache layer, after the MoE stack's) that also norms its
         output for the MLP where the expert launch takes the MLP (``dispatch.dense_mlp_decode``; elsewhere the
         layer scan runs the MLP). x [1, D] -> (x after the layer, its new cache row [1, 576], which the caller
-        stores with the MoE stack's)."""
+        stores with the MoE stack's); x in f32, unrounded, where the expert launch adds into the attention's output
+        in place (``dispatch.DENSE_MLP_IN_PLACE``: the step kernel rounds it as it reads it)."""
         stack, backend, mlp_norm = self.dense_layers, self.kernel_backend, self.dense_layers.mlp_norm
         w_gate, w_up, w_down = stack.mlp.w_gate[...], stack.mlp.w_up[...], stack.mlp.w_down[...]
         expert_launch = dispatch.dense_mlp_mgpu_takes(x, w_gate, backend)  # the layer's output has x's shape
+        in_place = expert_launch and dispatch.DENSE_MLP_IN_PLACE  # the launch adds into h (f32), x comes back f32
         h, row, *normed = decode_step_attention.attention_chain(
             x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe,
             *self._attention_weights(stack), cache_layer=self.config.num_moe_layers,
-            out_norm=(mlp_norm.weight_f32[...][0], mlp_norm.eps) if expert_launch else None)
+            out_norm=(mlp_norm.weight_f32[...][0], mlp_norm.eps) if expert_launch else None,
+            residual_dtype=jnp.float32 if in_place else None)
         h = h[None]
         if expert_launch:  # the kernel's tail normed h for it
-            return dispatch.dense_mlp_decode(normed[0][None], w_gate, w_up, w_down, 0, residual=h), row
+            return dispatch.dense_mlp_decode(normed[0][None], w_gate, w_up, w_down, 0, residual=h,
+                                             in_place=in_place), row
         mlp = lambda layer, h, _, index: layer.mlp_paged(h, backend=backend, stacked=self._stacked(stack, index))
         return _scan_layers(stack, h, self.config.num_moe_layers, mlp), row
 

@@ -468,6 +468,11 @@ def test_moe_decode_mgpu_gpu(empty_slot):
     residual = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)  # added where the partials are summed
     with_residual = moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared, residual)
     assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
+    # in_place: every CTA adds its partial row into the residual by TMA; the f32 sum comes back unrounded
+    in_place = jax.jit(lambda r: moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared, r, in_place=True))(
+        residual.astype(jnp.float32))
+    assert in_place.dtype == jnp.float32 and _rel(in_place, want + residual.astype(jnp.float32)) < 2e-2
+    assert _rel(in_place.astype(jnp.bfloat16), with_residual) < 1e-2
 
 
 def test_dense_mlp_through_the_expert_launch_gpu(monkeypatch):
@@ -744,6 +749,11 @@ def test_attention_chain_reads_its_cache_layer_gpu(position):
     want, want_kv, want_normed = run(attention_chain_reference)
     assert kv.shape == (1, 576) and _rel(kv, want_kv) < 1e-2 and _rel(got, want) < 2e-2
     assert normed.dtype == jnp.bfloat16 and _rel(normed, want_normed) < 2e-2
+    # x_L in f32 (dispatch.DENSE_MLP_IN_PLACE's accumulator): its bf16 values
+    got32 = jax.jit(lambda *a, w: attention_chain(*a, w, spec, cache_layer=1, out_norm=(g, 1e-6),
+                                                  residual_dtype=jnp.float32))(x, pos, table, c_kv, k_pe, w=last)[0]
+    assert got32.dtype == jnp.float32 and _rel(got32, want) < 2e-2
+    np.testing.assert_array_equal(np.asarray(got32), np.asarray(got32.astype(jnp.bfloat16).astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("position", [0, 200])
@@ -783,7 +793,8 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL), with the dense
     layer's attention half as a kernel too or not (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the final norm in the
     kernel's tail or not (dispatch.STEP_KERNEL_FINAL_NORM), then also the rope's cos and sin computed in both kernels
-    (decode_step_attention.ROPE_IN_KERNEL), give the logits of the launches a layer."""
+    (decode_step_attention.ROPE_IN_KERNEL) and the dense MLP's expert launch adding into the attention kernel's f32
+    output in place (dispatch.DENSE_MLP_IN_PLACE), give the logits of the launches a layer."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -803,12 +814,13 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     monkeypatch.setattr(decode_step_attention, "attention_chain",
                         lambda *a, **k: dense_calls.append(k["cache_layer"]) or dense_chain(*a, **k))
     logits = {}
-    # the third with the final norm in the kernel too, the fourth with the rope's cos and sin in both kernels too
+    # the third with the final norm in the kernel too, the fourth with the rope in both kernels and the in-place MLP
     for on, dense, rope in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         monkeypatch.setattr(dispatch, "STEP_KERNEL", on)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", dense)
         monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", rope)
+        monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", rope)
         model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
         assert model.prepare_step_kernel() is None
         logits[on, dense, rope] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8,

@@ -179,8 +179,9 @@ def test_dense_mlp_through_the_expert_launch_is_the_layers_mlp(add_residual, mon
     want = mlp.decode(x, stack, 1e-6, "reference", add_residual=add_residual)
     calls = []
 
-    def launch(*args, residual=None):
+    def launch(*args, residual=None, in_place):
         calls.append(args)
+        assert not in_place  # the layer scan's MLP sums its partial rows after the launch
         return moe_decode_reference(*args, None, residual)
 
     monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", False)
@@ -229,10 +230,11 @@ def test_few_token_steps_fold_w_uk_into_the_latent_write(num_tokens, folded, mon
     assert head_gemvs * (2 if folded else 1) == head_gemvs_unfolded > 0
 
 
-@pytest.mark.parametrize("rows_backend, dense_attention, final_norm", [("reference", False, False),
-                                                                       ("interpret", False, False),
-                                                                       ("reference", True, True)])
-def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backend, dense_attention, final_norm):
+@pytest.mark.parametrize("rows_backend, dense_attention, final_norm, in_place", [
+    ("reference", False, False, False), ("interpret", False, False, False), ("reference", True, True, False),
+    ("reference", True, True, True)])
+def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backend, dense_attention, final_norm,
+                                                         in_place):
     """The batch-1 step kernel's wiring (DeepseekForCausalLM.prepare_step_kernel, step_kernel_blocker,
     _moe_stack_step) on the CPU: with the kernel's jnp reference in its place (moe_layer_chain_reference, the
     model's attention and MoE half a layer; the kernel itself is checked against it on the GPU) and its shape
@@ -242,7 +244,9 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     Triton store (``latent_write.store_rows``) in interpret mode. With ``dispatch.STEP_KERNEL_DENSE_ATTENTION`` the
     dense layer's attention half runs as its own kernel too (``attention_chain_reference`` in its place, over the
     dense layer's cache layer after the stack's), its row stored with the stack's; with
-    ``dispatch.STEP_KERNEL_FINAL_NORM`` the kernel returns x_L final-normed."""
+    ``dispatch.STEP_KERNEL_FINAL_NORM`` the kernel returns x_L final-normed; with ``dispatch.DENSE_MLP_IN_PLACE`` the
+    attention kernel's output comes in f32, the expert launch adds into it in place and hands the step kernel the
+    f32 sum."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -271,9 +275,10 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
     dense_calls = []
 
-    def dense_chain(*args, cache_layer, out_norm, profile_dir=None):
-        dense_calls.append((args[0].shape, args[5].norm.shape, cache_layer, out_norm[0].shape))
-        return decode_step_attention.attention_chain_reference(*args, cache_layer=cache_layer, out_norm=out_norm)
+    def dense_chain(*args, cache_layer, out_norm, residual_dtype, profile_dir=None):
+        dense_calls.append((args[0].shape, args[5].norm.shape, cache_layer, out_norm[0].shape, residual_dtype))
+        return decode_step_attention.attention_chain_reference(*args, cache_layer=cache_layer, out_norm=out_norm,
+                                                               residual_dtype=residual_dtype)
 
     monkeypatch.setattr(decode_step_attention, "attention_chain", dense_chain)
     # the dense MLP of a one-token step by the expert launch (its reference here) on the chain's normed output
@@ -281,7 +286,15 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
 
     mlp_calls, dense_mlp_decode = [], dispatch.dense_mlp_decode
     monkeypatch.setattr(dispatch, "dense_mlp_mgpu_takes", lambda x, w_gate, backend: x.shape[0] == 1)
-    monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", moe_decode.moe_decode_reference)
+    launches = []
+
+    def expert_launch(*args, in_place, **kwargs):  # in place: the f32 sum, unrounded
+        launches.append(("in place", str(kwargs["residual"].dtype)) if in_place else "summed after")
+        out = moe_decode.moe_decode_reference(*args, **kwargs)
+        return out.astype(jnp.float32) if in_place else out
+
+    monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", expert_launch)
+    monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", in_place)
     monkeypatch.setattr(dispatch, "dense_mlp_decode", lambda normed, *a, **k: mlp_calls.append(
         normed.shape) or dense_mlp_decode(normed, *a, **k))
     monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
@@ -329,8 +342,10 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     parts = ((config.num_moe_layers, width), (1, width)) if dense_attention else ((config.num_moe_layers, width),)
     assert set(stores) == {(parts, "reference")}
     assert set(dense_calls) == ({((config.hidden_size,), (1, config.hidden_size), config.num_moe_layers,
-                                  (config.hidden_size,))} if dense_attention else set())
+                                  (config.hidden_size,), jnp.float32 if in_place else None)}
+                                if dense_attention else set())
     assert set(mlp_calls) == ({(1, config.hidden_size)} if dense_attention else set())  # the chain's normed output
+    assert set(launches) == ({("in place", "float32")} if in_place else {"summed after"} if dense_attention else set())
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -343,8 +358,9 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     in one Triton store, or as the six Triton launches (norm + q / kv_a, the latent's write, decode, combine, W_UV,
     o_proj) before the store. With both of session 49's knobs the dense MLP's norm comes from the attention kernel's
     tail and the final norm from the step kernel's (dispatch.STEP_KERNEL_FINAL_NORM): no RMSNorm is left outside
-    the kernels, where as built two are; with decode_step_attention.ROPE_IN_KERNEL too, no cos / sin either. The
-    glue at the real shapes with the real kernels, no GPU needed."""
+    the kernels, where as built two are; with decode_step_attention.ROPE_IN_KERNEL and dispatch.DENSE_MLP_IN_PLACE
+    too, no cos / sin and no sum of the expert launch's partial rows either. The glue at the real shapes with the
+    real kernels, no GPU needed."""
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
@@ -380,8 +396,13 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     assert hlo.count("__gpu$xla.gpu.triton") == (1 if dense_attention else 7)
     assert hlo.count("stablehlo.rsqrt") == (0 if final_norm else 2)
     assert "stablehlo.cosine" in hlo  # the kernels' cos / sin table (CSE'd by XLA), or the Triton launches' rope
-    if dense_attention:  # both attention kernels computing cos and sin themselves: no rope outside the kernels
+    if dense_attention:
+        assert hlo.count("applies stablehlo.add") == 1  # the expert launch's partial rows summed after it
+        # both attention kernels computing cos and sin themselves: no rope outside the kernels; the expert launch
+        # adding into the attention kernel's f32 output in place: no sum, residual add or conversion between them
         monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", True)
+        monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", True)
         hlo = common.lower_for_h200(forward, state, shape((1,), i32), cache, batch)
         assert hlo.count("custom_call @mosaic_gpu") == 3
         assert "stablehlo.cosine" not in hlo and "stablehlo.sine" not in hlo
+        assert "applies stablehlo.add" not in hlo and "tensor<1x2048xf32>) -> tensor<1x2048xbf16>" not in hlo

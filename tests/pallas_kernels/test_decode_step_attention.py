@@ -133,6 +133,16 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
             shape((hidden,), jnp.float32), *weights)
     assert lower_for_h200(normed, *args).count("custom_call @mosaic_gpu") == 1
     assert [o.shape for o in jax.eval_shape(normed, *args)] == [(hidden,), (layers, 576), (hidden,)]
+    # x_L in f32 (its bf16 values) for a launch that adds into it in place (dispatch.DENSE_MLP_IN_PLACE)
+    in_f32 = lambda x, pos, table, c_kv, k_pe, g, *w: step.attention_chain(
+        x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec, cache_layer=1, out_norm=(g, 1e-6),
+        residual_dtype=jnp.float32)
+    assert lower_for_h200(in_f32, *args).count("custom_call @mosaic_gpu") == 1
+    assert [o.dtype for o in jax.eval_shape(in_f32, *args)] == [jnp.float32, bf16, bf16]
+    with pytest.raises(ValueError, match="residual_dtype comes with out_norm"):
+        jax.eval_shape(lambda x, pos, table, c_kv, k_pe, *w: step.attention_chain(
+            x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec, residual_dtype=jnp.float32),
+            *args[:5], *weights)
     with pytest.raises(ValueError, match=r"out_norm weights \(64,\); expected \[D=2048\]"):
         jax.eval_shape(normed, *args[:5], shape((64,), jnp.float32), *weights)
     with pytest.raises(ValueError, match="cache_layer=2; expected .* holding layers cache_layer .. cache_layer \\+ 1"):

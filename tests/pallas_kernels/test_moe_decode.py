@@ -85,7 +85,8 @@ def test_moe_decode_lowers_to_triton_for_h200():
 
 def test_moe_decode_mgpu_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     """The TMA-fed Mosaic GPU launch (pallas_kernels/moe_decode_mgpu.py) lowers at V2-Lite's one-token layer
-    with and without the shared experts, and with a residual (layouts, wgmma operands, shared memory);
+    with and without the shared experts, and with a residual (layouts, wgmma operands, shared memory), summed
+    after the kernel or added into in place (``in_place``: the residual aliased, no reduction after it);
     numerics in tests/gpu.
     supports() names what it does not take."""
     from pallas_kernels import moe_decode_mgpu as kernel
@@ -96,10 +97,18 @@ def test_moe_decode_mgpu_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     args = (shape((1, 2048), bf16), shape((1, 6), jnp.float32), shape((1, 6), jnp.int32), *routed, shape((), jnp.int32))
     for extra in ((shared,), (), (shared, shape((1, 2048), bf16))):  # (shared experts), (a residual)
         hlo = lower_for_h200(kernel.moe_decode_mgpu, *args, *extra)
-        assert hlo.count("custom_call @mosaic_gpu") == 1
+        assert hlo.count("custom_call @mosaic_gpu") == 1 and hlo.count("applies stablehlo.add") == 1
+    in_place = lambda *a: kernel.moe_decode_mgpu(*a, in_place=True)
+    hlo = lower_for_h200(in_place, *args, shared, shape((1, 2048), jnp.float32))
+    assert hlo.count("custom_call @mosaic_gpu") == 1 and "applies stablehlo.add" not in hlo
+    assert "output_operand_alias" in hlo  # the residual, added into where it lies
+    out = jax.eval_shape(in_place, *args, shared, shape((1, 2048), jnp.float32))
+    assert (out.shape, out.dtype) == ((1, 2048), jnp.float32)  # unrounded
     with pytest.raises(ValueError, match="expected x"):
         jax.eval_shape(kernel.moe_decode_mgpu, shape((2, 2048), bf16), shape((2, 6), jnp.float32),
                        shape((2, 6), jnp.int32), *routed, shape((), jnp.int32))
+    with pytest.raises(ValueError, match=r"in_place=True; expected .* \(a residual with in_place=True\)"):
+        jax.eval_shape(in_place, *args, shared)
     monkeypatch.setattr(kernel, "why_not_hopper", lambda: None)
     assert kernel.supports(2048, 1408, 2816, 1, bf16) is None
     assert "2 tokens" in kernel.supports(2048, 1408, 2816, 2, bf16)
