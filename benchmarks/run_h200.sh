@@ -273,10 +273,11 @@ case $part in
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /
-                    # sin in the attention kernels (decode_step_attention.ROPE_IN_KERNEL) and the dense MLP's expert
-                    # launch adding into the residual in place (dispatch.DENSE_MLP_IN_PLACE): the chain at
-                    # cache_layer 1 (x_L in f32 too), the chain with the rope in it, the expert launch in place, the
-                    # whole layers' kernel with the final norm, the model's one-token steps with each
+                    # sin in the attention kernels (decode_step_attention.ROPE_IN_KERNEL), the dense MLP's expert
+                    # launch adding into the residual in place (dispatch.DENSE_MLP_IN_PLACE) and the embedding row
+                    # read by the dense attention kernel (dispatch.STEP_KERNEL_EMBEDDING): the chain at cache_layer 1
+                    # (x_L in f32 too, the token's row from the table too), the chain with the rope in it, the expert
+                    # launch in place, the whole layers' kernel with the final norm, the model's one-token steps
     timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "cache_layer or test_moe_layer_chain_gpu or through_the_step_kernel or (attention_chain_gpu and True) or test_moe_decode_mgpu_gpu" 2>&1 \
       | tee "$OUT/gpu_tests_step_knobs.log" | tail -3 ;;
@@ -289,13 +290,15 @@ case $part in
       --variant "both: $d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True" \
       --out "$OUT/step_ab_step_knobs_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
   round35-ab)  # after step-knobs-tests (and sampler-ab's tests): the batch-1 compiled step as built, with session 49's
-              # two kernel knobs, then also session 51's two (the rope in the kernels, the dense MLP in place), then
+              # two kernel knobs, then also session 51's three (the rope in the kernels, the dense MLP in place, the
+              # embedding row read by the dense attention kernel), then
               # also the one-pass sampler, then also the step kernel's bucket as a CUDA graph: every knob queued for
               # round 35 in one process, 2 rounds in turns (~6 minutes)
     d=dsjax.model.dispatch; kernels="$d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True"
     glue="$kernels pallas_kernels.decode_step_attention.ROPE_IN_KERNEL=True $d.DENSE_MLP_IN_PLACE=True"
+    glue="$glue $d.STEP_KERNEL_EMBEDDING=True"
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 2 --variant built --variant "kernel knobs: $kernels" --variant "+ rope, MLP in place: $glue" \
+      --rounds 2 --variant built --variant "kernel knobs: $kernels" --variant "+ rope, MLP, embedding: $glue" \
       --variant "+ one pass: $glue dsjax.engine.sampler.ONE_PASS=True" \
       --variant "+ graphs: $glue dsjax.engine.sampler.ONE_PASS=True dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
       --out "$OUT/step_ab_round35_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;

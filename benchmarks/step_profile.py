@@ -75,8 +75,9 @@ _COPY = re.compile(r"^(\S+)\s+(?:copy|copy-start)\((?:[^%)]*)%([\w.\-]+)")
 
 def device_copies(hlo_text: str) -> list[dict]:
     """The copies in a program's optimized HLO (what a GPU profile shows as MemcpyD2D) and what each copies from:
-    [{"name", "shape", "source", "source_line"}]. A constant's copy means an output or an in-place operand (a
-    Mosaic GPU kernel's zero-initialized semaphores, an empty output array) takes a fresh buffer every call."""
+    [{"name", "shape", "source", "source_line"}]. A constant's copy means an output (an empty array, a constant
+    returned) or an in-place operand takes a fresh buffer every call. (A Mosaic GPU kernel's zero-initialized
+    semaphores are a broadcast, which XLA does not fold into a constant: a loop fusion, not a copy.)"""
     lines, copies, fused = hlo_lines(hlo_text), [], False
     for line in hlo_text.splitlines():
         if line and not line[0].isspace() and line.rstrip().endswith("{"):  # a computation's header

@@ -37,8 +37,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import cos_sin, reduced_cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
-                                             _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out, num_sms,
-                                             proxy_fence, token_tiles)
+                                             _strided, _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out,
+                                             num_sms, proxy_fence, token_tiles)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -515,16 +515,19 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
 
 
 def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_ctas: int, out_eps: float | None = None,
-                    **constants):
+                    embedding: bool = False, **constants):
     # ``attention_phases``' refs (AttentionRefs) in order, x_ref f32[D / 64, 64] and wo_ref bf16[L, H * 128, D]
     # among them, out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units) first of
     # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual. ``out_eps``:
     # one more input last, an RMSNorm's weights gout_ref f32[D / 64, 64], and two more outputs last, bf16[D / 64,
     # 64] each: x_L normed by it, and x_L rounded (CTA 0, after the last layer; the next sublayer's inputs).
+    # ``embedding``: x_ref is the embedding table bf16[V, D / 64, 64] and one more input last, token_ref i32[1],
+    # the token whose row is x (every CTA reads it from the table).
     normed = out_eps is not None
-    num_in, num_out = 13 + normed, 8 + 2 * normed
+    num_in, num_out = 13 + normed + embedding, 8 + 2 * normed
     (pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref, wuv_ref, wo_ref,
      *gout_ref) = refs[:num_in]
+    token_ref = gout_ref.pop() if embedding else None
     out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, *normed_ref = refs[num_in:num_in + num_out]
     (ring, xin_smem, g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, g_bar, rope_bar,
      lat_bar) = refs[num_in + num_out:]
@@ -562,10 +565,21 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
         _load_rows(source, xin_smem)
         _round_rows(xin_smem)
 
+    def read_embedding():
+        """The token's row of the embedding table into xin_smem (f32), as the model's lookup (``jnp.take``): a
+        negative id counts from the end, an id outside the table gives NaN."""
+        vocab = x_ref.shape[0]
+        token = token_ref[0]
+        token = jnp.where(token < 0, token + vocab, token)
+        inside = (token >= 0) & (token < vocab)
+        row = plgpu.load(x_ref.at[jnp.clip(token, 0, vocab - 1)], layout=_strided((rows, HALF), 4))
+        xin_smem[...] = row.astype(jnp.float32) + jnp.where(inside, 0.0, jnp.nan)
+        plgpu.commit_smem()
+
     def compute():
         _zero_rows(zero_smem, out_ref, c, num_ctas)
         zero()
-        read_rows(x_ref)
+        read_embedding() if embedding else read_rows(x_ref)
         _arrive_and_wait(sem, num_ctas, 1)
         zeros8 = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
 
@@ -607,8 +621,8 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
     block_size = c_kv.shape[2]
     states = pl.cdiv(block_table.shape[0] * block_size, CHUNK) + 1
     f32, bf16 = jnp.float32, jnp.bfloat16
-    if ROPE_IN_KERNEL:  # the frequencies, a constant of the program
-        cs = jnp.asarray(np.broadcast_to(np.asarray(spec.inv_freq, np.float32), (32, ROPE // 2)))
+    if ROPE_IN_KERNEL:  # the frequencies, a constant of the program: whole rows (a broadcast would be a launch)
+        cs = jnp.asarray(np.tile(np.asarray(spec.inv_freq, np.float32), (32, 1)))
     else:
         cos, sin = rope_cos_sin(position, spec.inv_freq, spec.cos_sin_scale)
         cs = jnp.broadcast_to(jnp.stack([cos, sin])[:, None, :], (2, 32, ROPE // 2)).astype(f32)
@@ -630,7 +644,8 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
 
 
 def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                    profile_dir: str | None = None, cache_layer: int = 0, out_norm=None, residual_dtype=None):
+                    profile_dir: str | None = None, cache_layer: int = 0, out_norm=None, residual_dtype=None,
+                    embedding=None):
     """L layers' attention halves at one token in one persistent kernel: x_{l+1} = x_l + layer l's attention of
     x_l over its paged context (``attention_half_reference``'s, up to the residual stream's rounding). x [D]
     bf16 at ``position`` (a scalar) of the sequence whose pages are block_table i32[W]; layer l's cache, layer
@@ -639,7 +654,9 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     columns permuted (``permute_rope_columns``) -> (x_L [D] bf16, kv [L, 576] bf16: each layer's new latent and
     rope key, which the caller writes into the cache at the token's slot), and with ``out_norm`` (weights [D],
     eps) x_L RMSNorm'd by it third (the next sublayer's input, normed by CTA 0 after the last layer); x_L then
-    comes in ``residual_dtype`` when given (f32: its bf16 values, for a launch that adds into it in place).
+    comes in ``residual_dtype`` when given (f32: its bf16 values, for a launch that adds into it in place). With
+    ``embedding`` (the table [V, D]), x is a token id (an i32 scalar) and the kernel reads its row from the table
+    (the model's lookup, one launch fewer before it).
 
     A producer warpgroup streams each CTA's boxes of every phase through the ring; a grid barrier ends each of
     five phases a layer (``docs/decode_step_kernel.md``):
@@ -656,6 +673,11 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     Shapes must pass ``attention_supports``."""
     num_layers, hidden = weights.norm.shape
     num_heads = weights.q_proj.shape[2]
+    if embedding is not None:
+        if embedding.ndim != 2 or embedding.shape[1] != hidden or jnp.size(x) != 1 or x.dtype != jnp.int32:
+            raise ValueError(f"attention_chain: embedding {embedding.shape}, x {x.dtype}{list(x.shape)}; expected the "
+                             f"table [V, D={hidden}] and x a token id (int32, one)")
+        token, x = x, jax.ShapeDtypeStruct((hidden,), embedding.dtype)  # x: the row's type, for the checks below
     if (x.shape != (hidden,) or not 0 <= cache_layer <= c_kv.shape[0] - num_layers
             or k_pe.shape[:3] != c_kv.shape[:3]):
         raise ValueError(f"attention_chain: x {x.shape}, c_kv {c_kv.shape}, k_pe {k_pe.shape}, "
@@ -668,7 +690,8 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     if out_norm is not None and out_norm[0].shape != (hidden,):
         raise ValueError(f"attention_chain: out_norm weights {out_norm[0].shape}; expected [D={hidden}]")
     kernel = functools.partial(_attention_body, num_layers=num_layers, num_ctas=num_ctas,
-                               out_eps=None if out_norm is None else float(out_norm[1]), **constants)
+                               out_eps=None if out_norm is None else float(out_norm[1]),
+                               embedding=embedding is not None, **constants)
     out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), *out_types)  # x_mid's rows a layer first
     if residual_dtype is not None and out_norm is None:
         raise ValueError("attention_chain: residual_dtype comes with out_norm (CTA 0's tail writes both)")
@@ -714,9 +737,10 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
         compiler_params=plgpu.CompilerParams(
             # the trace's buffer is shared memory: 128 entries a warpgroup fit beside the kernel's (~3 layers)
             approx_math=True, **({"profile_space": 128, "profile_dir": profile_dir} if profile_dir else {})),
-    )(*inputs[:3], x.astype(f32).reshape(rows, HALF), *inputs[3:],
-      weights.o_proj.reshape(num_layers, num_heads * V_DIM, hidden),
-      *(() if out_norm is None else (out_norm[0].astype(f32).reshape(rows, HALF),)))
+    )(*inputs[:3], x.astype(f32).reshape(rows, HALF) if embedding is None else embedding.reshape(-1, rows, HALF),
+      *inputs[3:], weights.o_proj.reshape(num_layers, num_heads * V_DIM, hidden),
+      *(() if out_norm is None else (out_norm[0].astype(f32).reshape(rows, HALF),)),
+      *(() if embedding is None else (token.reshape(1),)))
     kv = outs[4].reshape(num_layers, LATENT + ROPE)
     if out_norm is None:
         return outs[0][-1].reshape(hidden).astype(x.dtype), kv
@@ -737,9 +761,12 @@ def attention_layer_reference(x, position, block_table, c_kv, k_pe, weights: Att
 
 
 def attention_chain_reference(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
-                              cache_layer: int = 0, out_norm=None, residual_dtype=None):
+                              cache_layer: int = 0, out_norm=None, residual_dtype=None, embedding=None):
     """The same chain with ``attention_half_reference`` a layer -> (x_L, kv [L, 576]: the rows each layer wrote
-    into its cache), and with ``out_norm`` (weights [D], eps) x_L normed by it third, x_L in ``residual_dtype``."""
+    into its cache), and with ``out_norm`` (weights [D], eps) x_L normed by it third, x_L in ``residual_dtype``;
+    with ``embedding``, x is a token id and its row of the table (``jnp.take``) the chain's input."""
+    if embedding is not None:
+        x = jnp.take(embedding, jnp.reshape(x, ()), axis=0)
     rows = []
     for layer in range(weights.norm.shape[0]):
         x, row = attention_layer_reference(x, position, block_table, c_kv, k_pe, weights, spec, layer, cache_layer)

@@ -233,6 +233,11 @@ STEP_KERNEL_FINAL_NORM = False
 # input_reduce_fusion / loop_add_fusion / loop_convert_fusion around layer 0's MLP). Built and CPU-tested, off
 # until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``round35-ab``). Read at trace time.
 DENSE_MLP_IN_PLACE = False
+# With STEP_KERNEL_DENSE_ATTENTION: the dense attention kernel reads the token's row of the embedding table itself
+# (``attention_chain(embedding=...)``; every CTA, from L2) instead of taking the row XLA gathered before it (round
+# 34's loop_select_fusion, the lookup with its bounds check: 1.4 µs plus its boundary). Built and CPU-tested, off
+# until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``round35-ab``). Read at trace time.
+STEP_KERNEL_EMBEDDING = False
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):

@@ -188,8 +188,8 @@ class DeepseekForCausalLM(nnx.Module):
             carry = _scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers))
             x, cache = _scan_layers(self.moe_layers, carry, 0, step(self.moe_layers))
             return self.norm(x), cache
-        if self.dense_attention_blocker() is None:
-            x, dense_rows = self._dense_layer_step(x, cache, batch)
+        if self.dense_attention_blocker() is None:  # (x unused where the kernel reads the token's row itself)
+            x, dense_rows = self._dense_layer_step(x, cache, batch, tokens)
             return self._moe_stack_step(x, cache, batch, dense_rows)
         return self._moe_stack_step(
             *_scan_layers(self.dense_layers, (x, cache), self.config.num_moe_layers, step(self.dense_layers)), batch)
@@ -282,22 +282,25 @@ class DeepseekForCausalLM(nnx.Module):
                                                    attn.inv_freq, attn.cos_sin_scale)
         return weights, spec
 
-    def _dense_layer_step(self, x, cache: PagedKVCache, batch: PagedBatch):
+    def _dense_layer_step(self, x, cache: PagedKVCache, batch: PagedBatch, tokens):
         """The dense layer of a one-token step: its attention half as one persistent kernel
         (``decode_step_attention.attention_chain`` over its cache layer, after the MoE stack's) that also norms its
         output for the MLP where the expert launch takes the MLP (``dispatch.dense_mlp_decode``; elsewhere the
         layer scan runs the MLP). x [1, D] -> (x after the layer, its new cache row [1, 576], which the caller
         stores with the MoE stack's); x in f32, unrounded, where the expert launch adds into the attention's output
-        in place (``dispatch.DENSE_MLP_IN_PLACE``: the step kernel rounds it as it reads it)."""
+        in place (``dispatch.DENSE_MLP_IN_PLACE``: the step kernel rounds it as it reads it). With
+        ``dispatch.STEP_KERNEL_EMBEDDING`` the kernel reads the token's (``tokens`` [1]) embedding row itself and x,
+        the row looked up before, goes unused (XLA drops its lookup)."""
         stack, backend, mlp_norm = self.dense_layers, self.kernel_backend, self.dense_layers.mlp_norm
         w_gate, w_up, w_down = stack.mlp.w_gate[...], stack.mlp.w_up[...], stack.mlp.w_down[...]
         expert_launch = dispatch.dense_mlp_mgpu_takes(x, w_gate, backend)  # the layer's output has x's shape
         in_place = expert_launch and dispatch.DENSE_MLP_IN_PLACE  # the launch adds into h (f32), x comes back f32
+        embedding = self.embed[...] if dispatch.STEP_KERNEL_EMBEDDING else None
         h, row, *normed = decode_step_attention.attention_chain(
-            x[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]], cache.c_kv, cache.k_pe,
-            *self._attention_weights(stack), cache_layer=self.config.num_moe_layers,
+            x[0] if embedding is None else tokens[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]],
+            cache.c_kv, cache.k_pe, *self._attention_weights(stack), cache_layer=self.config.num_moe_layers,
             out_norm=(mlp_norm.weight_f32[...][0], mlp_norm.eps) if expert_launch else None,
-            residual_dtype=jnp.float32 if in_place else None)
+            residual_dtype=jnp.float32 if in_place else None, embedding=embedding)
         h = h[None]
         if expert_launch:  # the kernel's tail normed h for it
             return dispatch.dense_mlp_decode(normed[0][None], w_gate, w_up, w_down, 0, residual=h,

@@ -754,6 +754,14 @@ def test_attention_chain_reads_its_cache_layer_gpu(position):
                                                   residual_dtype=jnp.float32))(x, pos, table, c_kv, k_pe, w=last)[0]
     assert got32.dtype == jnp.float32 and _rel(got32, want) < 2e-2
     np.testing.assert_array_equal(np.asarray(got32), np.asarray(got32.astype(jnp.bfloat16).astype(jnp.float32)))
+    # the token's row read from the embedding table by the kernel (dispatch.STEP_KERNEL_EMBEDDING): x as token 5's
+    # row gives x's outputs; an id past the table NaN, as the model's lookup
+    embedding = jnp.asarray(np.random.default_rng(9).standard_normal((1000, 2048)), jnp.bfloat16).at[5].set(x)
+    by_id = jax.jit(lambda token, *a, w: attention_chain(token, *a, w, spec, cache_layer=1, out_norm=(g, 1e-6),
+                                                         embedding=embedding))
+    got_id, kv_id, normed_id = by_id(jnp.int32(5), pos, table, c_kv, k_pe, w=last)
+    assert _rel(got_id, want) < 2e-2 and _rel(kv_id, want_kv) < 1e-2 and _rel(normed_id, want_normed) < 2e-2
+    assert np.isnan(np.asarray(by_id(jnp.int32(1000), pos, table, c_kv, k_pe, w=last)[0], np.float32)).all()
 
 
 @pytest.mark.parametrize("position", [0, 200])
@@ -793,8 +801,9 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL), with the dense
     layer's attention half as a kernel too or not (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the final norm in the
     kernel's tail or not (dispatch.STEP_KERNEL_FINAL_NORM), then also the rope's cos and sin computed in both kernels
-    (decode_step_attention.ROPE_IN_KERNEL) and the dense MLP's expert launch adding into the attention kernel's f32
-    output in place (dispatch.DENSE_MLP_IN_PLACE), give the logits of the launches a layer."""
+    (decode_step_attention.ROPE_IN_KERNEL), the dense MLP's expert launch adding into the attention kernel's f32
+    output in place (dispatch.DENSE_MLP_IN_PLACE) and the token's embedding row read by the attention kernel
+    (dispatch.STEP_KERNEL_EMBEDDING), give the logits of the launches a layer."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -814,13 +823,14 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     monkeypatch.setattr(decode_step_attention, "attention_chain",
                         lambda *a, **k: dense_calls.append(k["cache_layer"]) or dense_chain(*a, **k))
     logits = {}
-    # the third with the final norm in the kernel too, the fourth with the rope in both kernels and the in-place MLP
+    # the third with the final norm in the kernel too, the fourth with session 51's three (rope, MLP, embedding)
     for on, dense, rope in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         monkeypatch.setattr(dispatch, "STEP_KERNEL", on)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", dense)
         monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", rope)
         monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", rope)
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_EMBEDDING", rope)
         model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
         assert model.prepare_step_kernel() is None
         logits[on, dense, rope] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8,

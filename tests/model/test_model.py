@@ -246,7 +246,8 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     dense layer's cache layer after the stack's), its row stored with the stack's; with
     ``dispatch.STEP_KERNEL_FINAL_NORM`` the kernel returns x_L final-normed; with ``dispatch.DENSE_MLP_IN_PLACE`` the
     attention kernel's output comes in f32, the expert launch adds into it in place and hands the step kernel the
-    f32 sum."""
+    f32 sum; with ``dispatch.STEP_KERNEL_EMBEDDING`` (the same case) the attention kernel takes the token's id and
+    the embedding table."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -275,10 +276,11 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
     dense_calls = []
 
-    def dense_chain(*args, cache_layer, out_norm, residual_dtype, profile_dir=None):
-        dense_calls.append((args[0].shape, args[5].norm.shape, cache_layer, out_norm[0].shape, residual_dtype))
+    def dense_chain(*args, cache_layer, out_norm, residual_dtype, embedding, profile_dir=None):
+        dense_calls.append((args[0].shape, args[5].norm.shape, cache_layer, out_norm[0].shape, residual_dtype,
+                            None if embedding is None else (str(args[0].dtype), embedding.shape)))
         return decode_step_attention.attention_chain_reference(*args, cache_layer=cache_layer, out_norm=out_norm,
-                                                               residual_dtype=residual_dtype)
+                                                               residual_dtype=residual_dtype, embedding=embedding)
 
     monkeypatch.setattr(decode_step_attention, "attention_chain", dense_chain)
     # the dense MLP of a one-token step by the expert launch (its reference here) on the chain's normed output
@@ -295,6 +297,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
 
     monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", expert_launch)
     monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", in_place)
+    monkeypatch.setattr(dispatch, "STEP_KERNEL_EMBEDDING", in_place)  # the kernel reading the token's row too
     monkeypatch.setattr(dispatch, "dense_mlp_decode", lambda normed, *a, **k: mlp_calls.append(
         normed.shape) or dense_mlp_decode(normed, *a, **k))
     monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
@@ -341,9 +344,10 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     width = config.kv_lora_rank + config.qk_rope_head_dim  # the stack's rows and the dense layer's, in one launch
     parts = ((config.num_moe_layers, width), (1, width)) if dense_attention else ((config.num_moe_layers, width),)
     assert set(stores) == {(parts, "reference")}
-    assert set(dense_calls) == ({((config.hidden_size,), (1, config.hidden_size), config.num_moe_layers,
-                                  (config.hidden_size,), jnp.float32 if in_place else None)}
-                                if dense_attention else set())
+    embedded = ("int32", (config.vocab_size, config.hidden_size))  # the token's id and the table, with in_place
+    assert set(dense_calls) == ({(() if in_place else (config.hidden_size,), (1, config.hidden_size),
+                                  config.num_moe_layers, (config.hidden_size,), jnp.float32 if in_place else None,
+                                  embedded if in_place else None)} if dense_attention else set())
     assert set(mlp_calls) == ({(1, config.hidden_size)} if dense_attention else set())  # the chain's normed output
     assert set(launches) == ({("in place", "float32")} if in_place else {"summed after"} if dense_attention else set())
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
@@ -358,9 +362,9 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     in one Triton store, or as the six Triton launches (norm + q / kv_a, the latent's write, decode, combine, W_UV,
     o_proj) before the store. With both of session 49's knobs the dense MLP's norm comes from the attention kernel's
     tail and the final norm from the step kernel's (dispatch.STEP_KERNEL_FINAL_NORM): no RMSNorm is left outside
-    the kernels, where as built two are; with decode_step_attention.ROPE_IN_KERNEL and dispatch.DENSE_MLP_IN_PLACE
-    too, no cos / sin and no sum of the expert launch's partial rows either. The glue at the real shapes with the
-    real kernels, no GPU needed."""
+    the kernels, where as built two are; with decode_step_attention.ROPE_IN_KERNEL, dispatch.DENSE_MLP_IN_PLACE and
+    dispatch.STEP_KERNEL_EMBEDDING too, no cos / sin, no sum of the expert launch's partial rows and no embedding
+    lookup either. The glue at the real shapes with the real kernels, no GPU needed."""
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
@@ -402,7 +406,13 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
         # adding into the attention kernel's f32 output in place: no sum, residual add or conversion between them
         monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", True)
         monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", True)
+        assert "stablehlo.gather" in hlo  # the token's embedding row, looked up before the kernels
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_EMBEDDING", True)
         hlo = common.lower_for_h200(forward, state, shape((1,), i32), cache, batch)
         assert hlo.count("custom_call @mosaic_gpu") == 3
         assert "stablehlo.cosine" not in hlo and "stablehlo.sine" not in hlo
         assert "applies stablehlo.add" not in hlo and "tensor<1x2048xf32>) -> tensor<1x2048xbf16>" not in hlo
+        assert "stablehlo.gather" not in hlo and "stablehlo.convert" not in hlo  # the row read by the kernel
+        # the rope's frequencies a whole constant (XLA folds no broadcast: it would be a launch a step)
+        assert not [line for line in hlo.splitlines()
+                    if "= stablehlo.broadcast_in_dim" in line and line.endswith("-> tensor<32x32xf32>")]

@@ -139,6 +139,18 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
         residual_dtype=jnp.float32)
     assert lower_for_h200(in_f32, *args).count("custom_call @mosaic_gpu") == 1
     assert [o.dtype for o in jax.eval_shape(in_f32, *args)] == [jnp.float32, bf16, bf16]
+    # the token's row read from the embedding table by the kernel (dispatch.STEP_KERNEL_EMBEDDING)
+    embedded = lambda token, pos, table, c_kv, k_pe, g, embedding, *w: step.attention_chain(
+        token, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec, cache_layer=1, out_norm=(g, 1e-6),
+        residual_dtype=jnp.float32, embedding=embedding)
+    token_args = (shape((), jnp.int32), *args[1:6], shape((102400, hidden), bf16), *weights)
+    hlo = lower_for_h200(embedded, *token_args)
+    assert hlo.count("custom_call @mosaic_gpu") == 1 and "gather" not in hlo
+    assert [o.shape for o in jax.eval_shape(embedded, *token_args)] == [(hidden,), (layers, 576), (hidden,)]
+    with pytest.raises(ValueError, match=r"embedding \(102400, 1024\), x int32\[\]; expected the table \[V, D=2048\]"):
+        jax.eval_shape(embedded, *token_args[:6], shape((102400, 1024), bf16), *weights)
+    with pytest.raises(ValueError, match=r"x bfloat16\[2048\]; expected .* x a token id"):
+        jax.eval_shape(embedded, *args[:6], shape((102400, hidden), bf16), *weights)
     with pytest.raises(ValueError, match="residual_dtype comes with out_norm"):
         jax.eval_shape(lambda x, pos, table, c_kv, k_pe, *w: step.attention_chain(
             x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec, residual_dtype=jnp.float32),
@@ -174,6 +186,14 @@ def test_attention_chain_reference_chains_the_layers():
     k_pe = jnp.asarray(rng.standard_normal((layers, 4, bs, 64)), jnp.bfloat16)
     x, table, position = jnp.asarray(rng.standard_normal(hidden), jnp.bfloat16), jnp.asarray([2, 0], jnp.int32), 70
     out, kv = step.attention_chain_reference(x, position, table, c_kv, k_pe, weights, spec)
+    embedding = jnp.asarray(rng.standard_normal((10, hidden)), jnp.bfloat16).at[3].set(x)  # x as token 3's row
+    for token in (3, -7):  # a negative id counts from the end, as jnp.take
+        got, got_kv = step.attention_chain_reference(jnp.int32(token), position, table, c_kv, k_pe, weights, spec,
+                                                     embedding=embedding)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(out, np.float32))
+        np.testing.assert_array_equal(np.asarray(got_kv, np.float32), np.asarray(kv, np.float32))
+    assert np.isnan(np.asarray(step.attention_chain_reference(jnp.int32(10), position, table, c_kv, k_pe, weights,
+                                                              spec, embedding=embedding)[0], np.float32)).all()
     want = x
     for layer in range(layers):
         want, c_l, k_l = step.attention_half_reference(want, position, table, c_kv[layer], k_pe[layer],
