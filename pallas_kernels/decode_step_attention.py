@@ -519,8 +519,9 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
     # ``attention_phases``' refs (AttentionRefs) in order, x_ref f32[D / 64, 64] and wo_ref bf16[L, H * 128, D]
     # among them, out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units) first of
     # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual. ``out_eps``:
-    # one more input last, an RMSNorm's weights gout_ref f32[D / 64, 64], and two more outputs last, bf16[D / 64,
-    # 64] each: x_L normed by it, and x_L rounded (CTA 0, after the last layer; the next sublayer's inputs).
+    # one more input last, an RMSNorm's weights gout_ref f32[D / 64, 64], and two more outputs last, [D / 64, 64]
+    # each: x_L normed by it (bf16), and x_L rounded to bf16 (in bf16, or f32 for a launch that adds into it in
+    # place) (CTA 0, after the last layer; the next sublayer's inputs).
     # ``embedding``: x_ref is the embedding table bf16[V, D / 64, 64] and one more input last, token_ref i32[1],
     # the token whose row is x (every CTA reads it from the table).
     normed = out_eps is not None
