@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -275,9 +275,10 @@ case $part in
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /
                     # sin in the attention kernels (decode_step_attention.ROPE_IN_KERNEL), the dense MLP's expert
                     # launch adding into the residual in place (dispatch.DENSE_MLP_IN_PLACE) and the embedding row
-                    # read by the dense attention kernel (dispatch.STEP_KERNEL_EMBEDDING): the chain at cache_layer 1
-                    # (x_L in f32 too, the token's row from the table too), the chain with the rope in it, the expert
-                    # launch in place, the whole layers' kernel with the final norm, the model's one-token steps
+                    # read by the dense attention kernel (dispatch.STEP_KERNEL_EMBEDDING), the three kernels as
+                    # dependent launches (dispatch.STEP_KERNEL_PDL): the chain at cache_layer 1 (x_L in f32 too, the
+                    # token's row from the table too), the chain with the rope in it, the expert launch in place (and
+                    # PDL), the whole layers' kernel with the final norm, the model's one-token steps
     timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
       -k "cache_layer or test_moe_layer_chain_gpu or through_the_step_kernel or (attention_chain_gpu and True) or test_moe_decode_mgpu_gpu" 2>&1 \
       | tee "$OUT/gpu_tests_step_knobs.log" | tail -3 ;;
@@ -289,19 +290,28 @@ case $part in
       --variant "final norm: $d.STEP_KERNEL_FINAL_NORM=True" \
       --variant "both: $d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True" \
       --out "$OUT/step_ab_step_knobs_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  round35-ab)  # after step-knobs-tests (and sampler-ab's tests): the batch-1 compiled step as built, with session 49's
-              # two kernel knobs, then also session 51's three (the rope in the kernels, the dense MLP in place, the
-              # embedding row read by the dense attention kernel), then
-              # also the one-pass sampler, then also the step kernel's bucket as a CUDA graph: every knob queued for
-              # round 35 in one process, 2 rounds in turns (~6 minutes)
+  round35-ab)  # after step-knobs-tests (and sampler-ab's tests): the batch-1 compiled step as built, with every built-off
+              # kernel knob (session 49's dense attention kernel and final norm; session 51's rope in the kernels, the
+              # dense MLP in place, the embedding row read by the kernel), then also the three kernels as dependent
+              # launches (PDL), then also the one-pass sampler; 2 rounds in turns (each variant compiles the bucket's
+              # two programs, ~55 s, every round: ~8.5 minutes; each round's line prints as it comes)
     d=dsjax.model.dispatch; kernels="$d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True"
-    glue="$kernels pallas_kernels.decode_step_attention.ROPE_IN_KERNEL=True $d.DENSE_MLP_IN_PLACE=True"
-    glue="$glue $d.STEP_KERNEL_EMBEDDING=True"
+    kernels="$kernels pallas_kernels.decode_step_attention.ROPE_IN_KERNEL=True $d.DENSE_MLP_IN_PLACE=True"
+    kernels="$kernels $d.STEP_KERNEL_EMBEDDING=True"
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 2 --variant built --variant "kernel knobs: $kernels" --variant "+ rope, MLP, embedding: $glue" \
-      --variant "+ one pass: $glue dsjax.engine.sampler.ONE_PASS=True" \
-      --variant "+ graphs: $glue dsjax.engine.sampler.ONE_PASS=True dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
+      --rounds 2 --variant built --variant "kernel knobs: $kernels" --variant "+ PDL: $kernels $d.STEP_KERNEL_PDL=True" \
+      --variant "+ one pass: $kernels $d.STEP_KERNEL_PDL=True dsjax.engine.sampler.ONE_PASS=True" \
       --out "$OUT/step_ab_round35_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  round35-graphs)  # after round35-ab: with every kernel knob and the one-pass sampler, the step kernel's bucket as a
+                   # CUDA graph (runner.STEP_KERNEL_GRAPHS) against dependent launches (PDL, which measured nothing
+                   # inside XLA's graphs), 2 rounds in turns (~6 minutes)
+    d=dsjax.model.dispatch; kernels="$d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True"
+    kernels="$kernels pallas_kernels.decode_step_attention.ROPE_IN_KERNEL=True $d.DENSE_MLP_IN_PLACE=True"
+    kernels="$kernels $d.STEP_KERNEL_EMBEDDING=True dsjax.engine.sampler.ONE_PASS=True"
+    timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 2 --variant "knobs: $kernels" --variant "+ PDL: $kernels $d.STEP_KERNEL_PDL=True" \
+      --variant "+ graphs: $kernels dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
+      --out "$OUT/step_ab_round35_graphs_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
   knobs-curve)  # after sampler-ab: the engine at batch 1 and 2 (96 timed tokens, one process each) as built, with the
                # one-pass sampler, with the step kernel's bucket as a CUDA graph, and with both (~6 minutes; the knobs
                # in $2 as NAME=MODULE.ATTR=VALUE,... lists, default those three)

@@ -515,7 +515,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
 
 
 def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_ctas: int, out_eps: float | None = None,
-                    embedding: bool = False, **constants):
+                    embedding: bool = False, launch_dependents: bool = False, **constants):
     # ``attention_phases``' refs (AttentionRefs) in order, x_ref f32[D / 64, 64] and wo_ref bf16[L, H * 128, D]
     # among them, out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units) first of
     # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual. ``out_eps``:
@@ -524,6 +524,10 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
     # place) (CTA 0, after the last layer; the next sublayer's inputs).
     # ``embedding``: x_ref is the embedding table bf16[V, D / 64, 64] and one more input last, token_ref i32[1],
     # the token whose row is x (every CTA reads it from the table).
+    # ``launch_dependents``: a launch after it that waits programmatically (``griddepcontrol.wait``) may be set up
+    # from the start (the kernel itself is launched as usual).
+    if launch_dependents:
+        plgpu.griddepcontrol_launch_dependents()
     normed = out_eps is not None
     num_in, num_out = 13 + normed + embedding, 8 + 2 * normed
     (pos_ref, table_ref, cs_ref, x_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref, wuv_ref, wo_ref,
@@ -646,7 +650,7 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
 
 def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeights, spec: AttentionSpec,
                     profile_dir: str | None = None, cache_layer: int = 0, out_norm=None, residual_dtype=None,
-                    embedding=None):
+                    embedding=None, launch_dependents: bool = False):
     """L layers' attention halves at one token in one persistent kernel: x_{l+1} = x_l + layer l's attention of
     x_l over its paged context (``attention_half_reference``'s, up to the residual stream's rounding). x [D]
     bf16 at ``position`` (a scalar) of the sequence whose pages are block_table i32[W]; layer l's cache, layer
@@ -657,7 +661,8 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     eps) x_L RMSNorm'd by it third (the next sublayer's input, normed by CTA 0 after the last layer); x_L then
     comes in ``residual_dtype`` when given (f32: its bf16 values, for a launch that adds into it in place). With
     ``embedding`` (the table [V, D]), x is a token id (an i32 scalar) and the kernel reads its row from the table
-    (the model's lookup, one launch fewer before it).
+    (the model's lookup, one launch fewer before it). ``launch_dependents``: a programmatic dependent launched
+    after it (``dispatch.STEP_KERNEL_PDL``'s expert launch) may be set up from its start.
 
     A producer warpgroup streams each CTA's boxes of every phase through the ring; a grid barrier ends each of
     five phases a layer (``docs/decode_step_kernel.md``):
@@ -692,7 +697,7 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
         raise ValueError(f"attention_chain: out_norm weights {out_norm[0].shape}; expected [D={hidden}]")
     kernel = functools.partial(_attention_body, num_layers=num_layers, num_ctas=num_ctas,
                                out_eps=None if out_norm is None else float(out_norm[1]),
-                               embedding=embedding is not None, **constants)
+                               embedding=embedding is not None, launch_dependents=launch_dependents, **constants)
     out_type = (jax.ShapeDtypeStruct((num_layers, rows, HALF), f32), *out_types)  # x_mid's rows a layer first
     if residual_dtype is not None and out_norm is None:
         raise ValueError("attention_chain: residual_dtype comes with out_norm (CTA 0's tail writes both)")

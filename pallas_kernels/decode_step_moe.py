@@ -269,7 +269,7 @@ class RouterSpec(NamedTuple):
 
 def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles: int, num_tiles: int, num_ctas: int,
               units: int, router: RouterSpec | None, publishes: bool, splits: int, attention: int = 0,
-              front: dict | None = None, final_eps: float | None = None):
+              front: dict | None = None, final_eps: float | None = None, pdl: bool = False):
     # plan_ref i32[C * U * 5] (``expert_plan``); ``publishes``: whole gate / up units publish h (some CTA takes
     # their down rows); ``splits``: tiles num_ctas and on are cut into this many K ranges (the split plan).
     # Without a router: ids_ref i32[L * k], weights_ref f32[L * k];
@@ -288,6 +288,11 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # place of attn_ref, their 7 outputs after mid_ref; o_proj reads their v_ctx.
     # ``final_eps`` (with a router): the last input gf_ref f32[D / 64, 64] is a final RMSNorm's weights, and the
     # last output normed_ref bf16[D / 64, 64] is x_L normed by it (CTA 0, after the last layer).
+    # ``pdl``: launched as a programmatic dependent of the launch before it, every thread waits for that launch's
+    # completion (and its writes) before anything else: the CTAs' launch and set-up overlap its tail, nothing more
+    # (no read or write of global memory before the wait, so no buffer XLA hands on between the two is touched).
+    if pdl:
+        plgpu.griddepcontrol_wait()
     if router:
         final = final_eps is not None
         num_in = 10 + ((1 + 11) if front else 2 if attention else 0) + final
@@ -807,7 +812,8 @@ def moe_layer_tail_chain(x, attn, o_proj, norm, router, spec: RouterSpec, top_k:
 
 
 def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_spec, norm, router, spec: RouterSpec,
-                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None, final_norm=None):
+                    top_k: int, w_gate, w_up, w_down, shared, profile_dir: str | None = None, final_norm=None,
+                    pdl: bool = False):
     """Whole decoder layers at one token, L of them in one persistent kernel: x_mid = x_l + attention_l(x_l) over
     the paged context, then x_{l+1} = x_mid + experts(RMSNorm_l(x_mid)). The attention's phases are
     ``decode_step_attention.attention_phases`` (position, block_table, c_kv / k_pe [L, N, bs, ...] with the
@@ -817,8 +823,10 @@ def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_s
     caller to write into the cache). ``final_norm`` (weights [D], eps): x_L comes back RMSNorm'd by it (the
     model's final norm, done by CTA 0 after the last layer). x [D] comes in the weights' dtype, or in f32 as a
     launch's unrounded sum, which the kernel rounds to the weights' dtype as it reads it (the residual stream's
-    rounding; ``dispatch.DENSE_MLP_IN_PLACE``). Shapes must pass ``moe_supports(..., router=True,
-    attention=H * 128)`` and ``attention_supports``."""
+    rounding; ``dispatch.DENSE_MLP_IN_PLACE``). ``pdl``: the kernel is launched as a programmatic dependent of
+    the launch before it (``griddepcontrol.wait`` first thing, so its CTAs may be set up while that launch
+    finishes; ``dispatch.STEP_KERNEL_PDL``). Shapes must pass ``moe_supports(..., router=True, attention=H *
+    128)`` and ``attention_supports``."""
     num_layers, hidden = norm.shape
     o_proj = attention.o_proj.reshape(num_layers, -1, hidden)
     if attention.norm.shape != (num_layers, hidden):
@@ -826,7 +834,7 @@ def moe_layer_chain(x, position, block_table, c_kv, k_pe, attention, attention_s
                          f"D={hidden}]")
     front = attention_operands(position, block_table, c_kv, k_pe, attention, attention_spec)
     return _block_call(x, norm, router, spec, top_k, (w_gate, w_up, w_down), shared, profile_dir, (None, o_proj),
-                       front, final_norm)
+                       front, final_norm, pdl)
 
 
 def router_parts(router):
@@ -842,7 +850,7 @@ def router_parts(router):
 
 
 def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, profile_dir, attention=(), front=None,
-                final_norm=None):
+                final_norm=None, pdl: bool = False):
     num_layers, hidden = norm.shape
     if router.ndim == 3:  # the weights themselves: their parts, each call
         router = router_parts(router)
@@ -854,7 +862,7 @@ def _block_call(x, norm, router, spec: RouterSpec, top_k: int, routed, shared, p
     rows = hidden // HALF
     out, (ids, weights), _, front_out = _moe_call(
         x, (norm.astype(jnp.float32).reshape(num_layers, rows, HALF), router), spec, top_k, routed,
-        shared, profile_dir, attention, front, final_norm)
+        shared, profile_dir, attention, front, final_norm, pdl)
     if front:  # the new cache rows a layer (the attention phases' fourth output)
         return out, ids[:, :top_k], weights[:, :top_k], front_out[3].reshape(num_layers, -1)
     return out, ids[:, :top_k], weights[:, :top_k]
@@ -877,7 +885,7 @@ def _fetches_h(plan: np.ndarray, gate_boxes: int) -> bool:
 
 
 def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, profile_dir, attention=(), front=None,
-              final_norm=None):
+              final_norm=None, pdl: bool = False):
     """moe_chain / moe_block_chain / moe_layer_tail_chain / moe_layer_chain's kernel: ``extra`` the routing (ids,
     weights flattened) or, with ``router``, the norm's rows and the router's weights; ``attention`` (with a
     router): each layer's attention output attn [L, A] (None with ``front``) and o_proj [L, A, D] for an o_proj
@@ -910,7 +918,7 @@ def _moe_call(x, extra, router: RouterSpec | None, top_k: int, routed, shared, p
                                routed_tiles=routed_tiles, num_tiles=num_tiles, num_ctas=num_ctas, units=plan.shape[1],
                                router=router, publishes=_fetches_h(plan, 2 * (hidden // STEP)), splits=splits,
                                attention=attention_dim, front=front[2] if front else None,
-                               final_eps=None if final_norm is None else float(final_norm[1]))
+                               final_eps=None if final_norm is None else float(final_norm[1]), pdl=pdl)
     f32 = jnp.float32
     out_type = [jax.ShapeDtypeStruct((num_layers, rows, HALF), f32),
                 jax.ShapeDtypeStruct((num_layers, num_tiles, max(splits, 1), 2, HALF), f32)]

@@ -108,7 +108,7 @@ def _smem_bytes(hidden: int) -> int:
 
 
 def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs, top_k: int, num_experts: int,
-          routed_tiles: int, shared: bool, in_place: bool):
+          routed_tiles: int, shared: bool, in_place: bool, pdl: bool):
     # refs: (shared gate, up [L, D, S], down [L, S, D]) when shared; out f32[P, D / HALF, HALF] (each program's
     # partial row), or with ``in_place`` the residual's rows f32[D / HALF, HALF] (an input aliased in place, no
     # outputs), which every program adds its partial row into by TMA; then the
@@ -167,9 +167,16 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
         def _():
             issue(n + RING, slot)
 
-    plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
-    for n in range(min(RING, boxes)):
-        issue(jnp.int32(n), n)
+    if pdl:  # the next launch may be set up now; the first boxes load while the launch before this one finishes
+        plgpu.griddepcontrol_launch_dependents()
+        for n in range(min(RING, boxes)):
+            issue(jnp.int32(n), n)
+        plgpu.griddepcontrol_wait()  # the launch before complete, its writes (x, the residual) visible
+        plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
+    else:
+        plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
+        for n in range(min(RING, boxes)):
+            issue(jnp.int32(n), n)
     plgpu.barrier_wait(x_bar.at[0])
     row_of = plgpu.broadcasted_iota(jnp.int32, (ROWS, HALF), 0, layout=plgpu.Layout.WGMMA)
     first_row = row_of == 0
@@ -250,7 +257,7 @@ _PROFILE_EVENTS = 512  # a CTA's trace words with profile_dir (an event is 2; 16
 
 
 def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None,
-                    profile_dir: str | None = None, in_place: bool = False):
+                    profile_dir: str | None = None, in_place: bool = False, pdl: bool = False):
     """x [1, D] bf16, weights f32[1, k], ids i32[1, k] (E marks an empty slot), every layer's routed
     experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index, optionally the
     shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) and a ``residual`` [1, D] added in f32 where
@@ -258,6 +265,10 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
     ``in_place`` (with a residual, best f32: it is the kernel's accumulator): each program adds its partial row
     into the residual's rows by TMA (a jax Ref the kernel aliases), no sum after the kernel -> the f32 sum [1, D],
     unrounded (a caller that reads it as bf16 rounds it: the step kernel does as it reads its input).
+    ``pdl``: launched as a programmatic dependent of the launch before it, whose CTAs may then overlap this one's
+    first weight boxes (``griddepcontrol.wait`` before x is read); it lets the launch after it be set up early too.
+    The routing (ids, weights, layer) is read before the wait, so it must not come from the launch before (the
+    dense MLP's: constants; ``dispatch.STEP_KERNEL_PDL``).
     ``profile_dir``: a folder where Mosaic GPU writes a per-CTA trace of the kernel's named scopes."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
@@ -271,7 +282,7 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
     programs = top_k * routed_tiles + shared_tiles
     scratch = _scratch(hidden, x.dtype)
     kernel = functools.partial(_body, top_k=top_k, num_experts=num_experts, routed_tiles=routed_tiles,
-                               shared=shared is not None, in_place=in_place)
+                               shared=shared is not None, in_place=in_place, pdl=pdl)
     rows = hidden // HALF
     total = jax.new_ref(residual.astype(jnp.float32).reshape(rows, HALF)) if in_place else None
     partials = plgpu.kernel(

@@ -117,15 +117,16 @@ def dense_mlp_mgpu_takes(x, w_gate, backend: str) -> bool:
     return DENSE_MLP_MGPU and backend == "pallas" and _expert_launch_takes(x, w_gate, 0)
 
 
-def dense_mlp_decode(normed, w_gate, w_up, w_down, layer, residual=None, in_place: bool = False):
+def dense_mlp_decode(normed, w_gate, w_up, w_down, layer, residual=None, in_place: bool = False, pdl: bool = False):
     """``normed`` [1, D] (a token after the layer's RMSNorm) through layer ``layer`` of the dense MLP stacks w_gate /
     w_up [L, D, I], w_down [L, I, D] by the expert launch, the MLP as expert 0 of a one-expert stack (a free
     reshape), plus ``residual`` in f32 before the rounding -> [1, D]; with ``in_place`` the launch adds into the
-    residual itself and the sum comes back in f32, unrounded (``moe_decode_mgpu(in_place=True)``)."""
+    residual itself and the sum comes back in f32, unrounded (``moe_decode_mgpu(in_place=True)``); with ``pdl`` it
+    is launched as a programmatic dependent of the launch before it (its routing is constants here)."""
     one = lambda w: w[:, None]  # [L, 1, ...]
     return moe_decode_mgpu.moe_decode_mgpu(normed, jnp.ones((1, 1), jnp.float32),
                                            jnp.zeros((1, 1), jnp.int32), one(w_gate), one(w_up), one(w_down),
-                                           layer, residual=residual, in_place=in_place)
+                                           layer, residual=residual, in_place=in_place, pdl=pdl)
 
 
 def stacked_swiglu_down(gate, up, w_down, layer, backend: str, dtype):
@@ -238,6 +239,15 @@ DENSE_MLP_IN_PLACE = False
 # 34's loop_select_fusion, the lookup with its bounds check: 1.4 µs plus its boundary). Built and CPU-tested, off
 # until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``round35-ab``). Read at trace time.
 STEP_KERNEL_EMBEDDING = False
+# With STEP_KERNEL_DENSE_ATTENTION, its kernel, the dense MLP's expert launch and the step kernel run as programmatic
+# dependent launches (PDL): the attention kernel lets the expert launch be set up at once
+# (``griddepcontrol.launch_dependents``), the expert launch loads its first weight boxes and lets the step kernel be
+# set up before it waits for the attention kernel's writes (``griddepcontrol.wait``), and the step kernel waits
+# first thing. The step kernel's bucket runs without CUDA graphs (runner.STEP_KERNEL_GRAPHS off), where PDL
+# measured 9.0 -> 4.4 µs a 2 MB kernel in a chain (decode_profile.md, "Programmatic dependent launch": inside XLA's
+# graphs it changed nothing). Built and CPU-tested, off until the H200 has timed it (``run_h200.sh
+# step-knobs-tests``, then ``round35-ab``). Read at trace time.
+STEP_KERNEL_PDL = False
 
 
 def moe_decode(x, weights, ids, experts, shared, layer, backend: str, residual=None):

@@ -300,11 +300,12 @@ class DeepseekForCausalLM(nnx.Module):
             x[0] if embedding is None else tokens[0], batch.positions[0], batch.block_tables[batch.seq_ids[0]],
             cache.c_kv, cache.k_pe, *self._attention_weights(stack), cache_layer=self.config.num_moe_layers,
             out_norm=(mlp_norm.weight_f32[...][0], mlp_norm.eps) if expert_launch else None,
-            residual_dtype=jnp.float32 if in_place else None, embedding=embedding)
+            residual_dtype=jnp.float32 if in_place else None, embedding=embedding,
+            launch_dependents=expert_launch and dispatch.STEP_KERNEL_PDL)
         h = h[None]
         if expert_launch:  # the kernel's tail normed h for it
             return dispatch.dense_mlp_decode(normed[0][None], w_gate, w_up, w_down, 0, residual=h,
-                                             in_place=in_place), row
+                                             in_place=in_place, pdl=dispatch.STEP_KERNEL_PDL), row
         mlp = lambda layer, h, _, index: layer.mlp_paged(h, backend=backend, stacked=self._stacked(stack, index))
         return _scan_layers(stack, h, self.config.num_moe_layers, mlp), row
 
@@ -322,7 +323,8 @@ class DeepseekForCausalLM(nnx.Module):
             decode_step_moe.RouterSpec(stack.mlp_norm.eps, c.norm_topk_prob, c.routed_scaling_factor),
             c.num_experts_per_tok, moe.w_gate[...], moe.w_up[...], moe.w_down[...], shared,
             profile_dir=dispatch.STEP_KERNEL_TRACE,
-            final_norm=(self.norm.weight_f32[...], self.norm.eps) if dispatch.STEP_KERNEL_FINAL_NORM else None)
+            final_norm=(self.norm.weight_f32[...], self.norm.eps) if dispatch.STEP_KERNEL_FINAL_NORM else None,
+            pdl=dispatch.STEP_KERNEL_PDL)
         rows = kv if dense_rows is None else (kv, dense_rows)  # the cache's layers in order: the stack's, the dense
         c_kv, k_pe = dispatch.store_rows(cache.c_kv, cache.k_pe, rows, batch.slot_mapping[0], self.kernel_backend)
         hidden = out[None] if dispatch.STEP_KERNEL_FINAL_NORM else self.norm(out[None])

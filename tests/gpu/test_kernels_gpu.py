@@ -469,10 +469,11 @@ def test_moe_decode_mgpu_gpu(empty_slot):
     with_residual = moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared, residual)
     assert _rel(with_residual, want + residual.astype(jnp.float32)) < 2e-2
     # in_place: every CTA adds its partial row into the residual by TMA; the f32 sum comes back unrounded
-    in_place = jax.jit(lambda r: moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared, r, in_place=True))(
-        residual.astype(jnp.float32))
-    assert in_place.dtype == jnp.float32 and _rel(in_place, want + residual.astype(jnp.float32)) < 2e-2
-    assert _rel(in_place.astype(jnp.bfloat16), with_residual) < 1e-2
+    for pdl in (False, True):  # and launched as a programmatic dependent of the launch before it
+        in_place = jax.jit(lambda r: moe_decode_mgpu(x, weights, ids, *experts, jnp.int32(1), shared, r,
+                                                     in_place=True, pdl=pdl))(residual.astype(jnp.float32))
+        assert in_place.dtype == jnp.float32 and _rel(in_place, want + residual.astype(jnp.float32)) < 2e-2
+        assert _rel(in_place.astype(jnp.bfloat16), with_residual) < 1e-2
 
 
 def test_dense_mlp_through_the_expert_launch_gpu(monkeypatch):
@@ -803,7 +804,8 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     kernel's tail or not (dispatch.STEP_KERNEL_FINAL_NORM), then also the rope's cos and sin computed in both kernels
     (decode_step_attention.ROPE_IN_KERNEL), the dense MLP's expert launch adding into the attention kernel's f32
     output in place (dispatch.DENSE_MLP_IN_PLACE) and the token's embedding row read by the attention kernel
-    (dispatch.STEP_KERNEL_EMBEDDING), give the logits of the launches a layer."""
+    (dispatch.STEP_KERNEL_EMBEDDING), the three kernels launched as programmatic dependents (dispatch.STEP_KERNEL_PDL),
+    give the logits of the launches a layer."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -823,7 +825,7 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     monkeypatch.setattr(decode_step_attention, "attention_chain",
                         lambda *a, **k: dense_calls.append(k["cache_layer"]) or dense_chain(*a, **k))
     logits = {}
-    # the third with the final norm in the kernel too, the fourth with session 51's three (rope, MLP, embedding)
+    # the third with the final norm in the kernel too, the fourth with session 51's four (rope, MLP, embedding, PDL)
     for on, dense, rope in ((False, False, False), (True, False, False), (True, True, False), (True, True, True)):
         monkeypatch.setattr(dispatch, "STEP_KERNEL", on)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense)
@@ -831,6 +833,7 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
         monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", rope)
         monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", rope)
         monkeypatch.setattr(dispatch, "STEP_KERNEL_EMBEDDING", rope)
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_PDL", rope)
         model = random_model(config, dtype="bfloat16", kernel_backend="pallas", seed=1)
         assert model.prepare_step_kernel() is None
         logits[on, dense, rope] = _paged_logits(model, tokens, chunks, block_size=64, num_blocks=8,

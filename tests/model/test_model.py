@@ -179,9 +179,9 @@ def test_dense_mlp_through_the_expert_launch_is_the_layers_mlp(add_residual, mon
     want = mlp.decode(x, stack, 1e-6, "reference", add_residual=add_residual)
     calls = []
 
-    def launch(*args, residual=None, in_place):
+    def launch(*args, residual=None, in_place, pdl):
         calls.append(args)
-        assert not in_place  # the layer scan's MLP sums its partial rows after the launch
+        assert not in_place and not pdl  # the layer scan's MLP: its partial rows summed after it, launched as usual
         return moe_decode_reference(*args, None, residual)
 
     monkeypatch.setattr(dispatch, "DENSE_MLP_MGPU", False)
@@ -247,7 +247,8 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     ``dispatch.STEP_KERNEL_FINAL_NORM`` the kernel returns x_L final-normed; with ``dispatch.DENSE_MLP_IN_PLACE`` the
     attention kernel's output comes in f32, the expert launch adds into it in place and hands the step kernel the
     f32 sum; with ``dispatch.STEP_KERNEL_EMBEDDING`` (the same case) the attention kernel takes the token's id and
-    the embedding table."""
+    the embedding table; with ``dispatch.STEP_KERNEL_PDL`` (the same case) the three kernels are told to run as
+    programmatic dependent launches."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -263,10 +264,11 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     chunks = [(0, 7)] + [(i, i + 1) for i in range(7, 11)]
     want = _paged_logits(model, tokens, chunks)
     assert "kernel_backend='reference'" in model.prepare_step_kernel()
-    calls, traces, finals = [], [], []
+    calls, traces, finals, pdls = [], [], [], []
 
-    def chain(*args, profile_dir=None, final_norm=None):
+    def chain(*args, profile_dir=None, final_norm=None, pdl):
         calls.append(args[0].shape)
+        pdls.append(("step kernel", pdl))
         traces.append(profile_dir)  # dispatch.STEP_KERNEL_TRACE, passed through
         finals.append(None if final_norm is None else (str(final_norm[0].dtype), final_norm[1]))
         return decode_step_moe.moe_layer_chain_reference(*args, final_norm=final_norm)
@@ -276,7 +278,8 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     monkeypatch.setattr(decode_step_moe, "moe_layer_chain", chain)
     dense_calls = []
 
-    def dense_chain(*args, cache_layer, out_norm, residual_dtype, embedding, profile_dir=None):
+    def dense_chain(*args, cache_layer, out_norm, residual_dtype, embedding, launch_dependents, profile_dir=None):
+        pdls.append(("attention", launch_dependents))
         dense_calls.append((args[0].shape, args[5].norm.shape, cache_layer, out_norm[0].shape, residual_dtype,
                             None if embedding is None else (str(args[0].dtype), embedding.shape)))
         return decode_step_attention.attention_chain_reference(*args, cache_layer=cache_layer, out_norm=out_norm,
@@ -290,7 +293,8 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     monkeypatch.setattr(dispatch, "dense_mlp_mgpu_takes", lambda x, w_gate, backend: x.shape[0] == 1)
     launches = []
 
-    def expert_launch(*args, in_place, **kwargs):  # in place: the f32 sum, unrounded
+    def expert_launch(*args, in_place, pdl, **kwargs):  # in place: the f32 sum, unrounded
+        pdls.append(("expert launch", pdl))
         launches.append(("in place", str(kwargs["residual"].dtype)) if in_place else "summed after")
         out = moe_decode.moe_decode_reference(*args, **kwargs)
         return out.astype(jnp.float32) if in_place else out
@@ -298,6 +302,7 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     monkeypatch.setattr(moe_decode_mgpu, "moe_decode_mgpu", expert_launch)
     monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", in_place)
     monkeypatch.setattr(dispatch, "STEP_KERNEL_EMBEDDING", in_place)  # the kernel reading the token's row too
+    monkeypatch.setattr(dispatch, "STEP_KERNEL_PDL", in_place)  # and the three kernels as dependent launches
     monkeypatch.setattr(dispatch, "dense_mlp_decode", lambda normed, *a, **k: mlp_calls.append(
         normed.shape) or dense_mlp_decode(normed, *a, **k))
     monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
@@ -350,6 +355,8 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
                                   embedded if in_place else None)} if dense_attention else set())
     assert set(mlp_calls) == ({(1, config.hidden_size)} if dense_attention else set())  # the chain's normed output
     assert set(launches) == ({("in place", "float32")} if in_place else {"summed after"} if dense_attention else set())
+    assert set(pdls) == {(kernel, in_place) for kernel in ("step kernel",) + (
+        ("attention", "expert launch") if dense_attention else ())}
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -364,7 +371,8 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     tail and the final norm from the step kernel's (dispatch.STEP_KERNEL_FINAL_NORM): no RMSNorm is left outside
     the kernels, where as built two are; with decode_step_attention.ROPE_IN_KERNEL, dispatch.DENSE_MLP_IN_PLACE and
     dispatch.STEP_KERNEL_EMBEDDING too, no cos / sin, no sum of the expert launch's partial rows and no embedding
-    lookup either. The glue at the real shapes with the real kernels, no GPU needed."""
+    lookup either; with dispatch.STEP_KERNEL_PDL, the expert launch and the step kernel launched as programmatic
+    dependents. The glue at the real shapes with the real kernels, no GPU needed."""
     from dsjax.config import ModelConfig
     from dsjax.model import dispatch
     from dsjax.model.transformer import DeepseekForCausalLM
@@ -413,6 +421,10 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
         assert "stablehlo.cosine" not in hlo and "stablehlo.sine" not in hlo
         assert "applies stablehlo.add" not in hlo and "tensor<1x2048xf32>) -> tensor<1x2048xbf16>" not in hlo
         assert "stablehlo.gather" not in hlo and "stablehlo.convert" not in hlo  # the row read by the kernel
+        assert "griddepcontrol" not in hlo
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_PDL", True)  # the expert launch and the step kernel wait, PDL
+        hlo = common.lower_for_h200(forward, state, shape((1,), i32), cache, batch)
+        assert hlo.count("uses_pdl") == 2 and hlo.count("custom_call @mosaic_gpu") == 3
         # the rope's frequencies a whole constant (XLA folds no broadcast: it would be a launch a step)
         assert not [line for line in hlo.splitlines()
                     if "= stablehlo.broadcast_in_dim" in line and line.endswith("-> tensor<32x32xf32>")]

@@ -140,12 +140,17 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     assert lower_for_h200(in_f32, *args).count("custom_call @mosaic_gpu") == 1
     assert [o.dtype for o in jax.eval_shape(in_f32, *args)] == [jnp.float32, bf16, bf16]
     # the token's row read from the embedding table by the kernel (dispatch.STEP_KERNEL_EMBEDDING)
-    embedded = lambda token, pos, table, c_kv, k_pe, g, embedding, *w: step.attention_chain(
+    embedded = lambda token, pos, table, c_kv, k_pe, g, embedding, *w, **kw: step.attention_chain(
         token, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec, cache_layer=1, out_norm=(g, 1e-6),
-        residual_dtype=jnp.float32, embedding=embedding)
+        residual_dtype=jnp.float32, embedding=embedding, **kw)
     token_args = (shape((), jnp.int32), *args[1:6], shape((102400, hidden), bf16), *weights)
     hlo = lower_for_h200(embedded, *token_args)
     assert hlo.count("custom_call @mosaic_gpu") == 1 and "gather" not in hlo
+    assert "griddepcontrol" not in hlo
+    # letting a programmatic dependent after it be set up from its start (dispatch.STEP_KERNEL_PDL); itself launched
+    # as usual (no wait, so no PDL launch attribute)
+    hlo = lower_for_h200(lambda *a: embedded(*a, launch_dependents=True), *token_args)
+    assert "griddepcontrol.launch_dependents" in hlo and "griddepcontrol.wait" not in hlo and "uses_pdl" not in hlo
     assert [o.shape for o in jax.eval_shape(embedded, *token_args)] == [(hidden,), (layers, 576), (hidden,)]
     with pytest.raises(ValueError, match=r"embedding \(102400, 1024\), x int32\[\]; expected the table \[V, D=2048\]"):
         jax.eval_shape(embedded, *token_args[:6], shape((102400, 1024), bf16), *weights)

@@ -104,6 +104,12 @@ def test_moe_decode_mgpu_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     assert "output_operand_alias" in hlo  # the residual, added into where it lies
     out = jax.eval_shape(in_place, *args, shared, shape((1, 2048), jnp.float32))
     assert (out.shape, out.dtype) == ((1, 2048), jnp.float32)  # unrounded
+    assert "uses_pdl" not in hlo and "griddepcontrol" not in hlo
+    # launched as a programmatic dependent (dispatch.STEP_KERNEL_PDL): it waits, and lets the next launch be set up
+    dependent = lambda *a: kernel.moe_decode_mgpu(*a, in_place=True, pdl=True)
+    hlo = lower_for_h200(dependent, *args, shared, shape((1, 2048), jnp.float32))
+    assert hlo.count("uses_pdl") == 1
+    assert "griddepcontrol.wait" in hlo and "griddepcontrol.launch_dependents" in hlo
     with pytest.raises(ValueError, match="expected x"):
         jax.eval_shape(kernel.moe_decode_mgpu, shape((2, 2048), bf16), shape((2, 6), jnp.float32),
                        shape((2, 6), jnp.int32), *routed, shape((), jnp.int32))
