@@ -293,14 +293,13 @@ case $part in
   round35-ab)  # after step-knobs-tests (and sampler-ab's tests): the batch-1 compiled step as built, with every built-off
               # kernel knob (session 49's dense attention kernel and final norm; session 51's rope in the kernels, the
               # dense MLP in place, the embedding row read by the kernel), then also the three kernels as dependent
-              # launches (PDL), then also the one-pass sampler; 2 rounds in turns (each variant compiles the bucket's
-              # two programs, ~55 s, every round: ~8.5 minutes; each round's line prints as it comes)
+              # launches (PDL); 2 rounds in turns (each variant compiles the bucket's two programs, ~55 s, every
+              # round: ~7 minutes with the engine's start; each variant's line prints as it comes)
     d=dsjax.model.dispatch; kernels="$d.STEP_KERNEL_DENSE_ATTENTION=True $d.STEP_KERNEL_FINAL_NORM=True"
     kernels="$kernels pallas_kernels.decode_step_attention.ROPE_IN_KERNEL=True $d.DENSE_MLP_IN_PLACE=True"
     kernels="$kernels $d.STEP_KERNEL_EMBEDDING=True"
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 2 --variant built --variant "kernel knobs: $kernels" --variant "+ PDL: $kernels $d.STEP_KERNEL_PDL=True" \
-      --variant "+ one pass: $kernels $d.STEP_KERNEL_PDL=True dsjax.engine.sampler.ONE_PASS=True" \
       --out "$OUT/step_ab_round35_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
   round35-graphs)  # after round35-ab: with every kernel knob and the one-pass sampler, the step kernel's bucket as a
                    # CUDA graph (runner.STEP_KERNEL_GRAPHS) against dependent launches (PDL, which measured nothing
