@@ -137,8 +137,9 @@ QUERY_TMA = True
 # since the kernel's approximate cos / sin are accurate there only), instead of reading the [2, 32, 32] table the
 # caller computed: one XLA launch a step fewer (round 34's ``loop_broadcast_fusion``, ~1.3 µs plus its
 # boundary). Its reduction holds (~3e-7) for angles below 411k, positions at frequencies up to 1; the kernel takes
-# contexts up to (its CTAs - 1) x 64 tokens (``attention_supports``). Off until timed. Read at trace time.
-ROPE_IN_KERNEL = False
+# contexts up to (its CTAs - 1) x 64 tokens (``attention_supports``). Timed with dispatch's kernel knobs (round
+# 35: their batch-1 step 1.7034 ms against 1.7342). Read at trace time.
+ROPE_IN_KERNEL = True
 PHASES = 5  # grid barriers a layer
 
 

@@ -218,35 +218,35 @@ STEP_KERNEL_TRACE: str | None = None
 # (norm + q / kv_a, the latent's write, decode + combine, W_UV, o_proj and the residual's adds: 24.9 µs of work and
 # ~2.4 µs at each launch's boundary in decode_profile.md round 34), its new cache row stored with the stack's in one
 # launch; the kernel's CTA 0 also norms its output for the MLP (``attention_chain(out_norm=...)``), which the expert
-# launch then takes (two launches fewer). Models with one dense layer (V2-Lite, V2). Built and CPU-tested (the
-# kernel's jnp reference in its place);
-# off until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``step-knobs-ab``). Read at trace time.
-STEP_KERNEL_DENSE_ATTENTION = False
+# launch then takes (two launches fewer). Models with one dense layer (V2-Lite, V2). With the four knobs below it
+# the batch-1 compiled step took 1.7034 ms against 1.7342 (decode_profile.md round 35, step_ab_round35_b1_h200.json;
+# its GPU tests pass). Read at trace time.
+STEP_KERNEL_DENSE_ATTENTION = True
 # With the step kernel, the model's final RMSNorm runs in the kernel's tail (CTA 0 after the last layer,
 # ``moe_layer_chain(final_norm=...)``) instead of as XLA's reduce and scale after it: two launches fewer
 # (input_reduce_fusion + loop_multiply_fusion, 3.2 µs of work and their boundaries in decode_profile.md round 34).
-# Built and CPU-tested, off until the H200 has timed it (``run_h200.sh step-knobs-ab``). Read at trace time.
-STEP_KERNEL_FINAL_NORM = False
+# Timed with the other kernel knobs (round 35). Read at trace time.
+STEP_KERNEL_FINAL_NORM = True
 # With STEP_KERNEL_DENSE_ATTENTION and the dense MLP by the expert launch: the attention kernel's CTA 0 writes its
 # output rounded to bf16 in f32, the expert launch's CTAs add their partial rows into that buffer by TMA
 # (``moe_decode_mgpu(in_place=True)``), and the step kernel takes the unrounded f32 sum (it rounds what it reads):
 # no XLA reduce of the 171 partial rows, residual add and conversions between the launches (round 34's
-# input_reduce_fusion / loop_add_fusion / loop_convert_fusion around layer 0's MLP). Built and CPU-tested, off
-# until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``round35-ab``). Read at trace time.
-DENSE_MLP_IN_PLACE = False
+# input_reduce_fusion / loop_add_fusion / loop_convert_fusion around layer 0's MLP). Timed with the other kernel
+# knobs (round 35). Read at trace time.
+DENSE_MLP_IN_PLACE = True
 # With STEP_KERNEL_DENSE_ATTENTION: the dense attention kernel reads the token's row of the embedding table itself
 # (``attention_chain(embedding=...)``; every CTA, from L2) instead of taking the row XLA gathered before it (round
-# 34's loop_select_fusion, the lookup with its bounds check: 1.4 µs plus its boundary). Built and CPU-tested, off
-# until the H200 has timed it (``run_h200.sh step-knobs-tests``, then ``round35-ab``). Read at trace time.
-STEP_KERNEL_EMBEDDING = False
+# 34's loop_select_fusion, the lookup with its bounds check: 1.4 µs plus its boundary). Timed with the other
+# kernel knobs (round 35). Read at trace time.
+STEP_KERNEL_EMBEDDING = True
 # With STEP_KERNEL_DENSE_ATTENTION, its kernel, the dense MLP's expert launch and the step kernel run as programmatic
 # dependent launches (PDL): the attention kernel lets the expert launch be set up at once
 # (``griddepcontrol.launch_dependents``), the expert launch loads its first weight boxes and lets the step kernel be
 # set up before it waits for the attention kernel's writes (``griddepcontrol.wait``), and the step kernel waits
 # first thing. The step kernel's bucket runs without CUDA graphs (runner.STEP_KERNEL_GRAPHS off), where PDL
 # measured 9.0 -> 4.4 µs a 2 MB kernel in a chain (decode_profile.md, "Programmatic dependent launch": inside XLA's
-# graphs it changed nothing). Built and CPU-tested, off until the H200 has timed it (``run_h200.sh
-# step-knobs-tests``, then ``round35-ab``). Read at trace time.
+# graphs it changed nothing). Built and CPU-tested (its GPU tests pass), but the batch-1 compiled step took 1.7186
+# ms with it against 1.7034 without (round 35, one round): off. Read at trace time.
 STEP_KERNEL_PDL = False
 
 

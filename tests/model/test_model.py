@@ -360,16 +360,16 @@ def test_one_token_steps_run_the_moe_stack_as_one_kernel(monkeypatch, rows_backe
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("dense_attention", [False, True])
-def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, dense_attention):
-    final_norm = dense_attention  # both knobs off (as built) or both on
+@pytest.mark.parametrize("knobs", ["off", "session 49", "built"])
+def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, knobs):
     """V2-Lite's one-token paged forward, weights readied (prepare_step_kernel, traced abstractly), lowered for an
     abstract H200: the MoE stack as the step kernel, the dense layer's MLP by the expert launch, and its attention
     half either as one more persistent kernel (dispatch.STEP_KERNEL_DENSE_ATTENTION) whose row joins the stack's
     in one Triton store, or as the six Triton launches (norm + q / kv_a, the latent's write, decode, combine, W_UV,
-    o_proj) before the store. With both of session 49's knobs the dense MLP's norm comes from the attention kernel's
-    tail and the final norm from the step kernel's (dispatch.STEP_KERNEL_FINAL_NORM): no RMSNorm is left outside
-    the kernels, where as built two are; with decode_step_attention.ROPE_IN_KERNEL, dispatch.DENSE_MLP_IN_PLACE and
+    o_proj) before the store ("off": the path of models the dense kernel does not take). With session 49's two
+    knobs the dense MLP's norm comes from the attention kernel's tail and the final norm from the step kernel's
+    (dispatch.STEP_KERNEL_FINAL_NORM): no RMSNorm is left outside the kernels, where without them two are. As
+    built, with decode_step_attention.ROPE_IN_KERNEL, dispatch.DENSE_MLP_IN_PLACE and
     dispatch.STEP_KERNEL_EMBEDDING too, no cos / sin, no sum of the expert launch's partial rows and no embedding
     lookup either; with dispatch.STEP_KERNEL_PDL, the expert launch and the step kernel launched as programmatic
     dependents. The glue at the real shapes with the real kernels, no GPU needed."""
@@ -382,8 +382,13 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
     for module in (decode_step_attention, decode_step_moe, decode_step_mgpu, moe_decode_mgpu, mla_decode_mgpu):
         monkeypatch.setattr(module, "why_not_hopper", lambda: None)
     monkeypatch.setattr(dispatch, "STEP_KERNEL", True)
-    monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
-    monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", final_norm)
+    if knobs != "built":  # as built every one is on
+        dense_attention = knobs == "session 49"
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_DENSE_ATTENTION", dense_attention)
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_FINAL_NORM", dense_attention)
+        monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", False)
+        monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", False)
+        monkeypatch.setattr(dispatch, "STEP_KERNEL_EMBEDDING", False)
     config = ModelConfig.preset("deepseek-v2-lite")
 
     def ready():
@@ -403,25 +408,22 @@ def test_one_token_forward_lowers_for_hopper_with_the_step_kernels(monkeypatch, 
         return model.forward_paged(tokens, cache, batch)
 
     hlo = common.lower_for_h200(forward, state, shape((1,), i32), cache, batch)
-    assert blockers == [(None, None if dense_attention else "dispatch.STEP_KERNEL_DENSE_ATTENTION is off")]
-    assert hlo.count("custom_call @mosaic_gpu") == (3 if dense_attention else 2)
-    assert hlo.count("__gpu$xla.gpu.triton") == (1 if dense_attention else 7)
-    assert hlo.count("stablehlo.rsqrt") == (0 if final_norm else 2)
-    assert "stablehlo.cosine" in hlo  # the kernels' cos / sin table (CSE'd by XLA), or the Triton launches' rope
-    if dense_attention:
+    assert blockers == [(None, "dispatch.STEP_KERNEL_DENSE_ATTENTION is off" if knobs == "off" else None)]
+    assert hlo.count("custom_call @mosaic_gpu") == (2 if knobs == "off" else 3)
+    assert hlo.count("__gpu$xla.gpu.triton") == (7 if knobs == "off" else 1)
+    assert hlo.count("stablehlo.rsqrt") == (2 if knobs == "off" else 0)
+    assert "griddepcontrol" not in hlo
+    if knobs != "built":
+        assert "stablehlo.cosine" in hlo  # the kernels' cos / sin table (CSE'd by XLA), or the Triton launches' rope
+        assert "stablehlo.gather" in hlo  # the token's embedding row, looked up before the kernels
+    if knobs == "session 49":
         assert hlo.count("applies stablehlo.add") == 1  # the expert launch's partial rows summed after it
+    if knobs == "built":
         # both attention kernels computing cos and sin themselves: no rope outside the kernels; the expert launch
         # adding into the attention kernel's f32 output in place: no sum, residual add or conversion between them
-        monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", True)
-        monkeypatch.setattr(dispatch, "DENSE_MLP_IN_PLACE", True)
-        assert "stablehlo.gather" in hlo  # the token's embedding row, looked up before the kernels
-        monkeypatch.setattr(dispatch, "STEP_KERNEL_EMBEDDING", True)
-        hlo = common.lower_for_h200(forward, state, shape((1,), i32), cache, batch)
-        assert hlo.count("custom_call @mosaic_gpu") == 3
         assert "stablehlo.cosine" not in hlo and "stablehlo.sine" not in hlo
         assert "applies stablehlo.add" not in hlo and "tensor<1x2048xf32>) -> tensor<1x2048xbf16>" not in hlo
         assert "stablehlo.gather" not in hlo and "stablehlo.convert" not in hlo  # the row read by the kernel
-        assert "griddepcontrol" not in hlo
         monkeypatch.setattr(dispatch, "STEP_KERNEL_PDL", True)  # the expert launch and the step kernel wait, PDL
         hlo = common.lower_for_h200(forward, state, shape((1,), i32), cache, batch)
         assert hlo.count("uses_pdl") == 2 and hlo.count("custom_call @mosaic_gpu") == 3

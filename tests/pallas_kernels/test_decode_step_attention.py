@@ -107,16 +107,16 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     spec = step.AttentionSpec(1e-6, 1e-6, 0.07, tuple([1.0] * 32), 1.0)
     call = lambda x, pos, table, c_kv, k_pe, *w: step.attention_chain(x, pos, table, c_kv, k_pe, step.AttentionWeights(*w), spec)
     caches = shape((layers, 16, 64, 512), bf16), shape((layers, 16, 64, 64), bf16)
+    monkeypatch.setattr(step, "ROPE_IN_KERNEL", False)
     for query_tma in (False, True):  # the query windows by the warpgroup's loads, or by TMA (QUERY_TMA)
         monkeypatch.setattr(step, "QUERY_TMA", query_tma)
         hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches,
                              *weights)
         assert hlo.count("custom_call @mosaic_gpu") == 1
         assert hlo.count("stablehlo.cosine") == 1  # the caller's cos / sin table
-    monkeypatch.setattr(step, "ROPE_IN_KERNEL", True)  # the rope CTA computes them: no cos / sin outside
+    monkeypatch.setattr(step, "ROPE_IN_KERNEL", True)  # as built the rope CTA computes them: no cos / sin outside
     hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches, *weights)
     assert hlo.count("custom_call @mosaic_gpu") == 1 and "stablehlo.cosine" not in hlo and "stablehlo.sine" not in hlo
-    monkeypatch.setattr(step, "ROPE_IN_KERNEL", False)
     with pytest.raises(ValueError, match=r"expected x \[D=2048\] and caches \[L', N, bs, ...\] holding layers"):
         jax.eval_shape(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32),
                        shape((3, 16, 64, 512), bf16), caches[1], *weights)
