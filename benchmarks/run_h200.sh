@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -324,6 +324,14 @@ for s in filter(None, '$sets'.split(',')):
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 2 --prompts 128 --steps 96 \
         --out-dir "$OUT" --tag "h200_b1b2_$name" | grep "decode-curve b"
     done ;;
+  round36)  # the five kernel knobs on as built (session 52): the engine at batch 1 and 2 (96 timed tokens, one process
+            # each) as built, with the one-pass sampler, and with it and the step kernel's bucket as a CUDA graph; then
+            # the GPU tests of the as-built step (the whole layers' kernel at both positions, the model's one-token
+            # steps through the kernels, the greedy program, the samplers) (~9 minutes)
+    bash "$0" knobs-curve "built one_pass=dsjax.engine.sampler.ONE_PASS=True both=dsjax.engine.sampler.ONE_PASS=True,dsjax.engine.runner.STEP_KERNEL_GRAPHS=True"
+    timeout 200 python -m pytest tests/gpu tests/engine/test_llm.py -q -p no:cacheprovider -rf \
+      -k "test_moe_layer_chain_gpu or through_the_step_kernel or greedy_steps_in_one_program or sampler" 2>&1 \
+      | tee "$OUT/gpu_tests_round36.log" | tail -3 ;;
   xla-flags)  # round 34: outside the step kernel a batch-1 step is ~24 small launches (norms as a reduce and a scale,
              # split-K sums, residual adds; ~60 µs at their boundaries): does one of XLA's experimental fusion passes
              # make fewer of them? The compiled step in one process a setting (the compiled step alone moves ~3 µs

@@ -805,7 +805,7 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     (decode_step_attention.ROPE_IN_KERNEL), the dense MLP's expert launch adding into the attention kernel's f32
     output in place (dispatch.DENSE_MLP_IN_PLACE) and the token's embedding row read by the attention kernel
     (dispatch.STEP_KERNEL_EMBEDDING), the three kernels launched as programmatic dependents (dispatch.STEP_KERNEL_PDL),
-    give the logits of the launches a layer."""
+    give the logits of the launches a layer. As built every knob but PDL is on (session 52)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
