@@ -220,7 +220,8 @@ STEP_KERNEL_TRACE: str | None = None
 # launch; the kernel's CTA 0 also norms its output for the MLP (``attention_chain(out_norm=...)``), which the expert
 # launch then takes (two launches fewer). Models with one dense layer (V2-Lite, V2). With the four knobs below it
 # the batch-1 compiled step took 1.7034 ms against 1.7342 (decode_profile.md round 35, step_ab_round35_b1_h200.json;
-# its GPU tests pass). Read at trace time.
+# its GPU tests pass); the engine's batch-1 token rate stayed within one process's swing of round 34's (586 tok/s,
+# round 36), its device work ~17 µs a step less in 16 ops instead of 26. Read at trace time.
 STEP_KERNEL_DENSE_ATTENTION = True
 # With the step kernel, the model's final RMSNorm runs in the kernel's tail (CTA 0 after the last layer,
 # ``moe_layer_chain(final_norm=...)``) instead of as XLA's reduce and scale after it: two launches fewer
