@@ -329,6 +329,7 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
             # the GPU tests of the as-built step (the whole layers' kernel at both positions, the model's one-token
             # steps through the kernels, the greedy program, the samplers) (~9 minutes)
     bash "$0" knobs-curve "built one_pass=dsjax.engine.sampler.ONE_PASS=True both=dsjax.engine.sampler.ONE_PASS=True,dsjax.engine.runner.STEP_KERNEL_GRAPHS=True"
+    rm -f "$OUT"/*.png "$OUT"/e2e_summary_*.md  # the device tool brings back 8 files a call: the JSONs and the log
     timeout 200 python -m pytest tests/gpu tests/engine/test_llm.py -q -p no:cacheprovider -rf \
       -k "test_moe_layer_chain_gpu or through_the_step_kernel or greedy_steps_in_one_program or sampler" 2>&1 \
       | tee "$OUT/gpu_tests_round36.log" | tail -3 ;;
