@@ -169,14 +169,13 @@ def _body(layer_ref, ids_ref, weights_ref, x_ref, wg_ref, wu_ref, wd_ref, *refs,
 
     if pdl:  # the next launch may be set up now; the first boxes load while the launch before this one finishes
         plgpu.griddepcontrol_launch_dependents()
-        for n in range(min(RING, boxes)):
-            issue(jnp.int32(n), n)
-        plgpu.griddepcontrol_wait()  # the launch before complete, its writes (x, the residual) visible
-        plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
     else:
         plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
-        for n in range(min(RING, boxes)):
-            issue(jnp.int32(n), n)
+    for n in range(min(RING, boxes)):
+        issue(jnp.int32(n), n)
+    if pdl:
+        plgpu.griddepcontrol_wait()  # the launch before complete, its writes (x, the residual) visible
+        plgpu.copy_gmem_to_smem(x_ref, x_smem, x_bar.at[0])
     plgpu.barrier_wait(x_bar.at[0])
     row_of = plgpu.broadcasted_iota(jnp.int32, (ROWS, HALF), 0, layout=plgpu.Layout.WGMMA)
     first_row = row_of == 0
