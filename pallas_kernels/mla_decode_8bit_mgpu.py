@@ -85,6 +85,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_interpret
 from pallas_kernels.common import why_not_hopper
 from pallas_kernels.mla_decode_mgpu import load_slabs
 
@@ -156,6 +157,7 @@ def _column_reduce(op: str, x, scratch):
     scratch area of the whole kernel, which two compute warpgroups reducing at once would share."""
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()),
                        return_type=plgpu.ShapeDtypeStruct((x.shape[1],), x.dtype, layout=plgpu.Layout.WGMMA.reduce(0)))
+    @mgpu_interpret.stand_in(lambda x, _: (jnp.max if op == "max" else jnp.sum)(x, axis=0))
     def reduce(_, x, scratch):
         return x.reduce(op, 0, scratch=scratch)
     return reduce(x, scratch)
@@ -326,7 +328,8 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
                          dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
-                         defer_sum: bool = DEFER_SUM, profile_dir: str | None = None):
+                         defer_sum: bool = DEFER_SUM, profile_dir: str | None = None,
+                         interpret: bool = False):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
@@ -338,7 +341,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
     tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
     ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
-    (a Perfetto JSON)."""
+    (a Perfetto JSON); ``interpret``: run on the CPU (``mgpu_interpret``)."""
     if dequantize is None:
         dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name]
     num_tokens, num_heads, latent_dim = q_latent.shape
@@ -412,6 +415,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
             **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
+        interpret=mgpu_interpret.params() if interpret else False,
     )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
       c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
       k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM),

@@ -48,6 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_interpret
 from pallas_kernels.common import why_not_hopper
 
 BLOCK_H = 64  # heads per CTA: one wgmma M tile
@@ -318,7 +319,7 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
     l f32[T, splits, H], acc f32[T, splits, H, 512]) for ``combine_splits``. ``tokens_per_split`` is a
     multiple of 64. An 8-bit c_kv (int8 | float8_e4m3fn) comes with ``c_kv_scale`` f32[N, bs, 1]. Shapes
     must pass ``supports``. ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the
-    kernel's named scopes (a Perfetto JSON)."""
+    kernel's named scopes (a Perfetto JSON). ``interpret``: run on the CPU (``mgpu_interpret``)."""
     num_tokens, num_heads, latent_dim = q_latent.shape
     num_pages, block_size = c_kv.shape[:2]
     slabs_per_page = block_size // BLOCK_K
@@ -374,7 +375,7 @@ def mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, 
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
             **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
-        interpret=interpret,
+        interpret=mgpu_interpret.params() if interpret else False,
     )(block_tables.reshape(-1), seq_ids, lengths, q_latent.astype(dot_dtype), q_pe.astype(bf16),
       c_kv.reshape(num_pages * slabs_per_page, BLOCK_K, latent_dim),
       k_pe.reshape(num_pages * slabs_per_page, BLOCK_K, ROPE_DIM),

@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_interpret
 from pallas_kernels.common import why_not_hopper
 
 BLOCK_Q = 64  # query rows per compute warpgroup (one wgmma M tile); a CTA owns 2 x BLOCK_Q
@@ -171,10 +172,12 @@ def _kernel(qn_ref, qp_ref, kn_ref, kp_ref, v_ref, o_ref, smem, bars, *, block_k
             load_v(i, slot)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages"))
-def mla_prefill_mgpu(q_nope, q_pe, k_nope, k_pe, v, scale: float, *, block_kv: int = BLOCK_KV, stages: int = STAGES):
+@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "stages", "interpret"))
+def mla_prefill_mgpu(q_nope, q_pe, k_nope, k_pe, v, scale: float, *, block_kv: int = BLOCK_KV, stages: int = STAGES,
+                     interpret: bool = False):
     """q_nope [B, T, H, Dn], q_pe [B, T, H, R], k_nope [B, T, H, Dn], k_pe [B, T, R], v [B, T, H, Dv]
-    -> [B, T, H, Dv] in v.dtype, causal. Shapes must pass ``supports``."""
+    -> [B, T, H, Dv] in v.dtype, causal. Shapes must pass ``supports``. ``interpret``: run on the CPU
+    (``mgpu_interpret``)."""
     batch, seq_len, num_heads, nope_dim = q_nope.shape
     rope_dim, value_dim = q_pe.shape[-1], v.shape[-1]
     dtype = v.dtype
@@ -204,4 +207,5 @@ def mla_prefill_mgpu(q_nope, q_pe, k_nope, k_pe, v, scale: float, *, block_kv: i
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mgpu_interpret.params() if interpret else False,
     )(q_nope.astype(dtype), q_pe.astype(dtype), k_nope.astype(dtype), k_pe.astype(dtype), v)

@@ -53,6 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import mgpu_interpret
 from pallas_kernels.common import why_not_hopper
 
 BLOCK_I = 64  # intermediate columns a CTA owns (the gate / up products' N)
@@ -256,7 +257,8 @@ _PROFILE_EVENTS = 512  # a CTA's trace words with profile_dir (an event is 2; 16
 
 
 def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, residual=None,
-                    profile_dir: str | None = None, in_place: bool = False, pdl: bool = False):
+                    profile_dir: str | None = None, in_place: bool = False, pdl: bool = False,
+                    interpret: bool = False):
     """x [1, D] bf16, weights f32[1, k], ids i32[1, k] (E marks an empty slot), every layer's routed
     experts w_gate / w_up [L, E, D, I] and w_down [L, E, I, D], a (traced) layer index, optionally the
     shared experts (w_gate, w_up [L, D, S], w_down [L, S, D]) and a ``residual`` [1, D] added in f32 where
@@ -268,7 +270,8 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
     first weight boxes (``griddepcontrol.wait`` before x is read); it lets the launch after it be set up early too.
     The routing (ids, weights, layer) is read before the wait, so it must not come from the launch before (the
     dense MLP's: constants; ``dispatch.STEP_KERNEL_PDL``).
-    ``profile_dir``: a folder where Mosaic GPU writes a per-CTA trace of the kernel's named scopes."""
+    ``profile_dir``: a folder where Mosaic GPU writes a per-CTA trace of the kernel's named scopes.
+    ``interpret``: run on the CPU (``mgpu_interpret``)."""
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w_gate.shape[1:]
     shared_inter = 0 if shared is None else shared[0].shape[-1]
@@ -293,6 +296,7 @@ def moe_decode_mgpu(x, weights, ids, w_gate, w_up, w_down, layer, shared=None, r
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
             **({"profile_space": _PROFILE_EVENTS, "profile_dir": profile_dir} if profile_dir else {})),
+        interpret=mgpu_interpret.params() if interpret else False,
     )(jnp.asarray(layer, jnp.int32).reshape(1), ids.reshape(-1).astype(jnp.int32),
       weights.reshape(-1).astype(jnp.float32), x.reshape(rows, HALF), w_gate, w_up, w_down,
       *(shared or ()), *(() if total is None else (total,)))

@@ -159,7 +159,7 @@ def test_mla_decode_lowers_to_triton_for_h200():
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_mosaic_decode_lowers_for_hopper(num_splits):
     """The Mosaic GPU kernel's Pallas lowering (layouts, wgmma operands, shared-memory budget) runs
-    without a GPU; its numerics are checked on the GPU (tests/gpu)."""
+    without a GPU; numerics in interpret mode (below) and on the GPU (tests/gpu)."""
     from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
 
     tokens, heads, width = 4, 128, 16
@@ -176,7 +176,7 @@ def test_mosaic_decode_lowers_for_hopper(num_splits):
 def test_mosaic_decode_lowers_for_hopper_8bit_many_heads(kind, num_splits):
     """The many-head Mosaic kernel over an 8-bit cache (the memory warpgroup loading 8-bit rows from HBM
     into registers and converting them into the 16-bit ring, the scales' ring, q_pe read into registers)
-    lowers and fits shared memory; numerics in tests/gpu."""
+    lowers and fits shared memory; numerics in interpret mode (below) and in tests/gpu."""
     from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
 
     args = _8bit_args(kind, heads=128)
@@ -227,7 +227,7 @@ def _8bit_args(kind, heads=16, tokens=4, width=16):
 def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs, defer_sum):
     """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
     transposed, the score parts' exchange, the column softmax, the deferred denominators, shared memory)
-    runs without a GPU; numerics in tests/gpu."""
+    runs without a GPU; numerics in interpret mode (below) and in tests/gpu."""
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
     fn = lambda *a: mla_decode_8bit_mgpu(*a, 0.07, num_splits=num_splits, compute_wgs=compute_wgs,
@@ -274,3 +274,64 @@ def test_mosaic_decode_refuses_what_it_cannot_run():
         mla_decode(*args, impl="mosaic")
     with pytest.raises(ValueError, match="accepted: auto, triton, mosaic"):
         mla_decode(*args, impl="cuda")
+
+
+def _interpreted_case(rng, heads, kind):
+    """Two queries (contexts of 130 tokens over 3 shuffled 64-token pages, and of 1 token) at V2/V3's
+    latent and rope widths -> kernel inputs (an 8-bit cache with its per-token scales) and the reference."""
+    from pallas_kernels.kv_quant import quantize_latent
+
+    c_kv, k_pe = make_cache(rng, 8, 64, 512, 64, jnp.bfloat16)
+    tables = shuffled_tables(rng, 2, 3, 8)
+    q_latent = jnp.asarray(rng.standard_normal((2, heads, 512)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((2, heads, 64)), jnp.bfloat16)
+    seq_ids, lengths = jnp.arange(2, dtype=jnp.int32), jnp.asarray([130, 1], jnp.int32)
+    scale = None
+    if kind is not None:
+        c_kv, scale = quantize_latent(c_kv * 3.0, kind, 1)
+    f32 = lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+    want = mla_paged_reference(f32(q_latent), f32(q_pe), f32(c_kv), f32(k_pe), tables, seq_ids, lengths - 1, 0.1,
+                               scale)
+    return (q_latent, q_pe, c_kv, k_pe, tables, seq_ids, lengths), scale, want
+
+
+def _relative_error(got, want):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all()
+    return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("kind", [None, "int8", "fp8"])
+def test_mosaic_decode_interpreted_matches_reference(kind):
+    """mla_decode_mgpu run on the CPU by the GPU interpret mode (``pallas_kernels.mgpu_interpret``: the
+    warpgroups as threads, TMA, barriers and wgmma simulated) over a bf16, int8 and fp8 cache, with one
+    split and with partials merged by combine_splits."""
+    from pallas_kernels.mla_decode import combine_splits
+    from pallas_kernels.mla_decode_mgpu import mla_decode_mgpu
+
+    args, c_kv_scale, want = _interpreted_case(np.random.default_rng(31), 64, kind)
+    for splits in (1, 3):
+        out = mla_decode_mgpu(*args, 0.1, num_splits=splits, tokens_per_split=192 // splits, c_kv_scale=c_kv_scale,
+                              interpret=True)
+        if splits > 1:
+            out = combine_splits(*out, jnp.float32, splits_axis=1, interpret=True)
+        assert _relative_error(out, want) < 1e-2, splits
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_mosaic_8bit_decode_interpreted_matches_reference(kind):
+    """mla_decode_8bit_mgpu in the GPU interpret mode: 1, 2 and 4 compute warpgroups (each converting its
+    share of the latent columns, the score parts exchanged), the scale on the scores or on the converted
+    rows, the denominators summed after the loop or every step, one split and partials."""
+    from pallas_kernels.mla_decode import combine_splits
+    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
+
+    (q_latent, q_pe, c_kv, k_pe, *rest), c_kv_scale, want = _interpreted_case(np.random.default_rng(32), 16, kind)
+    for dequantize, compute_wgs, defer_sum, splits in [(False, 2, True, 1), (False, 2, True, 2), (True, 1, True, 1),
+                                                       (False, 4, True, 1), (False, 2, False, 1)]:
+        out = mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, *rest, 0.1, num_splits=splits,
+                                   dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum, interpret=True)
+        if splits > 1:
+            m, l, acc = out
+            out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1, interpret=True).swapaxes(1, 2)
+        assert _relative_error(out.swapaxes(1, 2), want) < 1e-2, (dequantize, compute_wgs, defer_sum, splits)

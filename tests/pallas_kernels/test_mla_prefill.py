@@ -51,7 +51,7 @@ def test_mla_prefill_lowers_to_triton_for_h200():
 @pytest.mark.parametrize("block_kv, stages", [(64, 2), (128, 2)])
 def test_mosaic_prefill_lowers_for_hopper(block_kv, stages):
     """The Mosaic GPU kernel's Pallas lowering (layouts, wgmma operands, the barrier protocol's shapes,
-    shared-memory budget) runs without a GPU; its numerics are checked on the GPU (tests/gpu)."""
+    shared-memory budget) runs without a GPU; numerics in interpret mode (below) and on the GPU (tests/gpu)."""
     from pallas_kernels.mla_prefill_mgpu import mla_prefill_mgpu
 
     shape = jax.ShapeDtypeStruct
@@ -70,3 +70,18 @@ def test_mosaic_prefill_refuses_what_it_cannot_run():
         mla_prefill(*args, 0.1, impl="mosaic")
     with pytest.raises(ValueError, match="accepted: auto, triton, mosaic"):
         mla_prefill(*args, 0.1, impl="fast")
+
+
+@pytest.mark.parametrize("block_kv", [64, 128])
+def test_mosaic_prefill_interpreted_matches_reference(block_kv):
+    """mla_prefill_mgpu run on the CPU by the GPU interpret mode (``pallas_kernels.mgpu_interpret``): two
+    compute warpgroups ping-ponging over two 128-row query tiles, causal, two heads."""
+    from pallas_kernels.mla_prefill_mgpu import mla_prefill_mgpu
+
+    rng = np.random.default_rng(block_kv)
+    b, t, h = 1, 256, 2
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+    args = (normal(b, t, h, 128), normal(b, t, h, 64), normal(b, t, h, 128), normal(b, t, 64), normal(b, t, h, 128))
+    got = np.asarray(mla_prefill_mgpu(*args, 0.07, block_kv=block_kv, interpret=True), np.float32)
+    want = np.asarray(mla_prefill_reference(*(a.astype(jnp.float32) for a in args), 0.07))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2

@@ -87,7 +87,7 @@ def test_moe_decode_mgpu_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     """The TMA-fed Mosaic GPU launch (pallas_kernels/moe_decode_mgpu.py) lowers at V2-Lite's one-token layer
     with and without the shared experts, and with a residual (layouts, wgmma operands, shared memory), summed
     after the kernel or added into in place (``in_place``: the residual aliased, no reduction after it);
-    numerics in tests/gpu.
+    numerics in interpret mode (below) and in tests/gpu.
     supports() names what it does not take."""
     from pallas_kernels import moe_decode_mgpu as kernel
 
@@ -124,3 +124,34 @@ def test_moe_decode_mgpu_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
     assert "hidden size 2176 is not a multiple of 512" in kernel.supports(2176, 1408, 2816, 1, bf16)
     assert "needs 246016 bytes of shared memory" in kernel.supports(8192, 2048, 0, 1, bf16)
     assert kernel.supports(7168, 2048, 2048, 1, bf16) is None  # V3's layer: 218 KiB, one CTA an SM
+
+
+def test_moe_decode_mgpu_interpreted_matches_reference():
+    """moe_decode_mgpu run on the CPU by the GPU interpret mode (``pallas_kernels.mgpu_interpret``), at a
+    small layer (D 512, 4 experts of 64 columns, top-2, 128 shared columns, layer 1 of 2): the routed and
+    shared experts, an empty slot (id E), a residual added where the partials are summed, and in place
+    (each CTA's partial row added into the residual by TMA), also as a programmatic dependent launch."""
+    from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
+
+    rng = np.random.default_rng(5)
+    normal = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.1, jnp.bfloat16)
+    layers, experts, hidden, inter, shared_inter = 2, 4, 512, 64, 128
+    x, residual = normal(1, hidden) * 10, normal(1, hidden) * 10
+    weights = jnp.asarray(rng.random((1, 2)), jnp.float32)
+    routed = (normal(layers, experts, hidden, inter), normal(layers, experts, hidden, inter),
+              normal(layers, experts, inter, hidden))
+    shared = (normal(layers, hidden, shared_inter), normal(layers, hidden, shared_inter),
+              normal(layers, shared_inter, hidden))
+    f32 = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
+    rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float32) - b) / np.linalg.norm(b)
+    for ids in ([[3, 1]], [[2, experts]]):
+        ids = jnp.asarray(ids, jnp.int32)
+        want = np.asarray(moe_decode_reference(x.astype(jnp.float32), weights, ids, *f32(routed), 1, f32(shared)))
+        assert rel(moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, interpret=True), want) < 1e-2
+    with_residual = want + np.asarray(residual, np.float32)
+    got = moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, residual, interpret=True)
+    assert got.dtype == jnp.bfloat16 and rel(got, with_residual) < 1e-2
+    for pdl in (False, True):
+        got = moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, residual.astype(jnp.float32),
+                              in_place=True, pdl=pdl, interpret=True)
+        assert got.dtype == jnp.float32 and rel(got, with_residual) < 1e-2
