@@ -36,10 +36,20 @@ _SUPPORTED_JAX = "0.11."
 
 
 def params(**kwargs) -> plgpu.InterpretGPUParams:
-    """The ``interpret=`` value for ``plgpu.kernel`` on a CPU (kwargs go to ``InterpretGPUParams``, e.g.
-    ``detect_races=True``)."""
+    """The ``interpret=`` value for ``plgpu.kernel`` on a CPU (kwargs go to ``InterpretGPUParams``), race
+    detection on unless ``detect_races=False``: ``races_found()`` reads its verdict after the kernel."""
     _install()
-    return plgpu.InterpretGPUParams(**kwargs)
+    return plgpu.InterpretGPUParams(**{"detect_races": True, **kwargs})
+
+
+def races_found() -> bool:
+    """Whether the last kernel interpreted with race detection had two threads (warpgroups, TMA) touch the
+    same bytes of shared or global memory, one of them writing, with no barrier ordering them. Loads,
+    stores and TMA copies are checked; wgmma's operand reads are not (jax's interpret mode does not clock
+    them), nor are the add-stores run here."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    return gpu_callbacks.get_races().races_found
 
 
 def stand_in(fn):

@@ -130,7 +130,9 @@ def test_moe_decode_mgpu_interpreted_matches_reference():
     """moe_decode_mgpu run on the CPU by the GPU interpret mode (``pallas_kernels.mgpu_interpret``), at a
     small layer (D 512, 4 experts of 64 columns, top-2, 128 shared columns, layer 1 of 2): the routed and
     shared experts, an empty slot (id E), a residual added where the partials are summed, and in place
-    (each CTA's partial row added into the residual by TMA), also as a programmatic dependent launch."""
+    (each CTA's partial row added into the residual by TMA), also as a programmatic dependent launch; no
+    data race."""
+    from pallas_kernels import mgpu_interpret
     from pallas_kernels.moe_decode_mgpu import moe_decode_mgpu
 
     rng = np.random.default_rng(5)
@@ -148,6 +150,7 @@ def test_moe_decode_mgpu_interpreted_matches_reference():
         ids = jnp.asarray(ids, jnp.int32)
         want = np.asarray(moe_decode_reference(x.astype(jnp.float32), weights, ids, *f32(routed), 1, f32(shared)))
         assert rel(moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, interpret=True), want) < 1e-2
+        assert not mgpu_interpret.races_found()
     with_residual = want + np.asarray(residual, np.float32)
     got = moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, residual, interpret=True)
     assert got.dtype == jnp.bfloat16 and rel(got, with_residual) < 1e-2
@@ -155,3 +158,4 @@ def test_moe_decode_mgpu_interpreted_matches_reference():
         got = moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, residual.astype(jnp.float32),
                               in_place=True, pdl=pdl, interpret=True)
         assert got.dtype == jnp.float32 and rel(got, with_residual) < 1e-2
+        assert not mgpu_interpret.races_found()
