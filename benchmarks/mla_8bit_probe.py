@@ -83,6 +83,11 @@ def errors(compute_wgs):
 # warpgroups (the default) and one, 2 splits:
 DENOMINATOR_VARIANTS = [dict(compute_wgs=wgs, num_splits=2, defer_sum=defer_sum) for wgs in (2, 1)
                         for defer_sum in (False, True)]
+# The memory warpgroup's proxy fence before each ring slot's reload (RELEASE_FENCE), as built and with it,
+# in turns (calls vary ~5%: only same-call pairs count); one split (each query's 4k context reloads every
+# slot 30 times) and two:
+FENCE_VARIANTS = [dict(num_splits=splits, release_fence=fence) for splits in (2, 1) for _ in range(2)
+                  for fence in (False, True)]
 
 
 def timings(inputs, variants):
@@ -169,6 +174,8 @@ def main():
         return trace_default(inputs, out)
     if "--timings" in sys.argv[1:]:  # the scale-placement and denominator variants alone
         return timings(inputs, DENOMINATOR_VARIANTS)
+    if "--release-fence" in sys.argv[1:]:
+        return timings(inputs, FENCE_VARIANTS)
     errors([2, 1, 4])
     # the rows dequantized beside them (four warpgroups and the chunk / splits sweep: sessions 21-23,
     # docs/kv_memory.md)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -417,6 +417,10 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
     timeout 300 python -m benchmarks.kvquant --decode-sweep --out "$OUT/kvquant_decode_sweep_h200" | grep -v WARNING | tail -30 ;;
   mla8)       # the 8-bit Mosaic GPU decode kernel: per-variant errors, variant timings, its own trace (~3 minutes)
     timeout 420 python -m benchmarks.mla_8bit_probe 2>&1 | grep -v Warning | grep -v "^  " | tee "$OUT/mla8_probe.txt" | tail -80 ;;
+  mla8-fence) # the 8-bit kernel's proxy fence before each ring reload (mla_decode_8bit_mgpu.RELEASE_FENCE, found by
+              # the interpret mode's race detection, session 53): its GPU test, then built / fenced in turns (~2 min)
+    timeout 200 python -m pytest -q -x tests/gpu/test_kernels_gpu.py -k "test_mla_decode_8bit_mosaic_gpu" 2>&1 | tail -3
+    timeout 200 python -m benchmarks.mla_8bit_probe --release-fence 2>&1 | grep -v Warning | tee "$OUT/mla8_fence.txt" | tail -20 ;;
   wgmma)      # one wgmma's cost by N (few-head decode's heads): 1-2 warpgroups an SM, A in smem / registers (a minute)
     timeout 200 python -m benchmarks.wgmma_probe --out "$OUT/wgmma_probe_h200.json" 2>&1 | grep -v Warning | tail -24 ;;
   mla8-many)  # the many-head Mosaic decode kernel over bf16 / int8 / fp8 caches, traces of bf16 and int8 (a minute)

@@ -119,6 +119,13 @@ AUTO_DTYPES = ("int8", "float8_e4m3fn")
 # `python -m benchmarks.mla_8bit_probe --timings`): two compute warpgroups int8 99.6 -> 94.2 us, fp8
 # 95.5 -> 90.4; one warpgroup int8 151.4 -> 146.8, fp8 146.5 -> 141.0.
 DEFER_SUM = True
+# The compute warpgroups read the 8-bit rows and scales with plain loads (the generic proxy) and release a
+# slot by an mbarrier; the memory warpgroup's TMA (the async proxy) then reloads it. The GPU interpret
+# mode's race detection (tests/pallas_kernels, session 53) flags that reload unless the memory warpgroup
+# issues a proxy fence after its wait (load_slabs' release_fence), as the PTX memory model's proxy rules
+# ask; CUTLASS-style pipelines go without one. Off as built (the GPU tests and timings so far are without
+# it) until `bash benchmarks/run_h200.sh mla8-fence` has timed it.
+RELEASE_FENCE = False
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -174,7 +181,8 @@ def _smem(shape, dtype):
 
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
-            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool):
+            stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool,
+            release_fence: bool):
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -322,14 +330,14 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
         rings = [(c8_ref, sm["c8"], sm["ckv_bars"]), (ks_ref, ks_smem, sm["ks_bars"]),
                  (kpe_ref, sm["kpe"], sm["kpe_bars"])]
         load_slabs(tables_ref, seq_id * table_width, start, num_steps, slabs_per_page, sm["consumed_bars"], rings,
-                   stages=stages, block_k=BLOCK_K)
+                   stages=stages, block_k=BLOCK_K, release_fence=release_fence)
 
 
 def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale: float, *,
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
                          dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
-                         defer_sum: bool = DEFER_SUM, profile_dir: str | None = None,
-                         interpret: bool = False):
+                         defer_sum: bool = DEFER_SUM, release_fence: bool = RELEASE_FENCE,
+                         profile_dir: str | None = None, interpret: bool = False):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
@@ -340,7 +348,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
     tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
-    ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
+    ``release_fence``: a proxy fence before each ring slot's reload (``RELEASE_FENCE``); ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
     (a Perfetto JSON); ``interpret``: run on the CPU (``mgpu_interpret``)."""
     if dequantize is None:
         dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name]
@@ -402,7 +410,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         sm["kbf"], sm["out"] = sm.pop("union")
         _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
                 scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum)
+                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum, release_fence=release_fence)
 
     return plgpu.kernel(
         kernel,

@@ -257,11 +257,14 @@ def slab_index(tables_ref, entry_base, token, slabs_per_page: int, block_k: int)
 
 
 def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, consumed_bars, rings, *,
-               stages: int = STAGES, block_k: int = BLOCK_K):
+               stages: int = STAGES, block_k: int = BLOCK_K, release_fence: bool = False):
     """A memory warpgroup's loop: walks a query's block-table row (at flat offset ``table_row``) from key
     ``start`` and TMA-loads each of its ``num_steps`` slabs of ``block_k`` tokens into slot
     step % stages of every ring, (gmem [pages * slabs_per_page, block_k, ...], smem ring, barriers),
-    waiting for a slot's ``consumed_bars`` before reusing it."""
+    waiting for a slot's ``consumed_bars`` before reusing it. ``release_fence``: a proxy fence
+    (``commit_smem``) after that wait, ordering the consumers' plain loads of the slot (the generic proxy)
+    before the TMA (the async proxy) that overwrites it; consumers that read the ring only by wgmma (itself
+    the async proxy) need none."""
     def load(i):
         slot = lax.rem(i, jnp.int32(stages))
         slab = slab_index(tables_ref, table_row, start + i * block_k, slabs_per_page, block_k)
@@ -274,6 +277,8 @@ def load_slabs(tables_ref, table_row, start, num_steps, slabs_per_page: int, con
     @pl.loop(stages, jnp.maximum(num_steps, stages))
     def _(i):
         plgpu.barrier_wait(consumed_bars.at[lax.rem(i, jnp.int32(stages))])
+        if release_fence:
+            plgpu.commit_smem()
         load(i)
 
 

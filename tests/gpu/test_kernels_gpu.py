@@ -123,20 +123,21 @@ def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, co
     """The few-head 8-bit Mosaic kernel with each count of compute warpgroups against the reference: both
     places for the scale, with one split and (the default scale placement) with split partials; the
     denominators summed after the loop (the default) and, with the default scale placement and two
-    warpgroups, every step."""
+    warpgroups, every step; and with the release fence (``RELEASE_FENCE``)."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    variants = [(d, w, True) for d, w in itertools.product((False, True), compute_wgs)] + [(False, 2, False)]
-    for dequantize, wgs, defer_sum in variants:
+    variants = [(d, w, True, False) for d, w in itertools.product((False, True), compute_wgs)]
+    variants += [(False, 2, False, False), (False, 2, True, True)]
+    for dequantize, wgs, defer_sum, fence in variants:
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
                                        lengths, 0.1, num_splits=splits, dequantize=dequantize, compute_wgs=wgs,
-                                       defer_sum=defer_sum)
+                                       defer_sum=defer_sum, release_fence=fence)
             if splits > 1:
                 m, l, acc = out
                 out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
-            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, splits, defer_sum)
+            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, splits, defer_sum, fence)
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
