@@ -363,14 +363,15 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
     table_width = block_tables.shape[1]
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not supported; accepted: {', '.join(IMPLS)}")
-    if interpret:
+    if interpret and impl != "mosaic":  # "auto" in interpret mode: the Triton kernel
         why_not = "interpret mode"
     elif pools:
         why_not = "two pools"
     elif quantized and q_latent.dtype != jnp.bfloat16:
         why_not = f"{jnp.dtype(q_latent.dtype).name} queries (its dots take bf16)"
     else:
-        why_not = mosaic_why_not(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype, num_groups)
+        why_not = mosaic_why_not(num_heads, latent_dim, rope_dim, block_size, c_kv.dtype, num_groups,
+                                 interpret=interpret)
     if impl == "mosaic" and why_not:
         raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
     # "auto" takes a Mosaic kernel where it runs and beats the Triton one: bf16 caches, 8-bit ones with
@@ -384,9 +385,9 @@ def _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, s
         lengths = lengths + length_offset
         if few_head_8bit:
             return _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
-                                              lengths, scale, num_splits=num_splits)
+                                              lengths, scale, num_splits=num_splits, interpret=interpret)
         return _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
-                                     num_splits=num_splits, c_kv_scale=c_kv_scale)
+                                     num_splits=num_splits, c_kv_scale=c_kv_scale, interpret=interpret)
     if (dot_dtype is None and jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not pools
             and q_latent.dtype == jnp.bfloat16):
         dot_dtype = "float16"  # see the module docstring
@@ -479,17 +480,16 @@ def _few_head_8bit(num_heads: int, cache_dtype) -> bool:
 
 
 def mosaic_why_not(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, cache_dtype,
-                    num_groups: int = 1) -> str | None:
+                    num_groups: int = 1, interpret: bool = False) -> str | None:
     """None when a Mosaic GPU kernel runs a one-pool cache of these shapes (``mla_decode_mgpu`` for bf16
     caches and heads a multiple of 64, ``mla_decode_8bit_mgpu`` for 8-bit caches with fewer heads), else
-    why not."""
-    if _few_head_8bit(num_heads, cache_dtype):
-        return mla_decode_8bit_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, cache_dtype, num_groups)
-    return mla_decode_mgpu.supports(num_heads, latent_dim, rope_dim, block_size, cache_dtype, num_groups)
+    why not; ``interpret``: in interpret mode (any machine)."""
+    kernel = mla_decode_8bit_mgpu if _few_head_8bit(num_heads, cache_dtype) else mla_decode_mgpu
+    return kernel.supports(num_heads, latent_dim, rope_dim, block_size, cache_dtype, num_groups, interpret=interpret)
 
 
 def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale, *, num_splits,
-                          c_kv_scale=None):
+                          c_kv_scale=None, interpret=False):
     """The Mosaic GPU kernel (Hopper, H a multiple of 64; a bf16 or an 8-bit cache) with its splits and
     their merge."""
     batch, num_heads = q_latent.shape[:2]
@@ -500,14 +500,14 @@ def _mla_attention_mosaic(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, len
     tokens_per_split = pl.cdiv(pl.cdiv(max_context, num_splits), block) * block
     out = mla_decode_mgpu.mla_decode_mgpu(q_latent, q_pe, c_kv, k_pe, block_tables, seq_ids, lengths, scale,
                                           num_splits=num_splits, tokens_per_split=tokens_per_split,
-                                          c_kv_scale=c_kv_scale)
+                                          c_kv_scale=c_kv_scale, interpret=interpret)
     if num_splits == 1:
         return out.astype(q_latent.dtype)
-    return combine_splits(*out, q_latent.dtype, splits_axis=1)
+    return combine_splits(*out, q_latent.dtype, splits_axis=1, interpret=interpret)
 
 
 def _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids, lengths, scale, *,
-                               num_splits):
+                               num_splits, interpret=False):
     """The Mosaic GPU kernel over an 8-bit cache (Hopper, a scale a token, few heads): it writes O^T
     (tokens on wgmma's M side), so its output and partials are transposed back here."""
     batch, num_heads = q_latent.shape[:2]
@@ -520,11 +520,11 @@ def _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tab
         while batch * num_splits * 2 <= NUM_SMS and num_splits * 2 <= pl.cdiv(max_context, block):
             num_splits *= 2
     out = mla_decode_8bit_mgpu.mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, seq_ids,
-                                                    lengths, scale, num_splits=num_splits)
+                                                    lengths, scale, num_splits=num_splits, interpret=interpret)
     if num_splits == 1:
         return out.swapaxes(1, 2).astype(q_latent.dtype)
     m, l, acc = out
-    return combine_splits(m, l, acc.swapaxes(2, 3), q_latent.dtype, splits_axis=1)
+    return combine_splits(m, l, acc.swapaxes(2, 3), q_latent.dtype, splits_axis=1, interpret=interpret)
 
 
 def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None = None, interpret: bool = False):

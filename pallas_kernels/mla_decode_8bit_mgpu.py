@@ -130,9 +130,11 @@ _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
 
-def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype, num_groups: int) -> str | None:
-    """None when this kernel takes these shapes, else why not (the caller falls back to Triton)."""
-    if why_not := why_not_hopper():
+def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype, num_groups: int, *,
+             interpret: bool = False) -> str | None:
+    """None when this kernel takes these shapes, else why not (the caller falls back to Triton).
+    ``interpret``: the shapes only (interpret mode needs no Hopper GPU)."""
+    if not interpret and (why_not := why_not_hopper()):
         return why_not
     if jnp.dtype(dtype) not in [jnp.dtype(d) for d in CACHE_DTYPES]:
         return f"cache dtype {jnp.dtype(dtype).name} is not int8 or float8_e4m3fn"

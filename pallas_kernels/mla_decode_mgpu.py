@@ -68,10 +68,12 @@ _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
 
-def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype, num_groups: int = 1) -> str | None:
+def supports(num_heads: int, latent_dim: int, rope_dim: int, block_size: int, dtype, num_groups: int = 1, *,
+             interpret: bool = False) -> str | None:
     """None when the Mosaic kernel takes these shapes, else why not (the caller falls back). An 8-bit
-    cache (``CACHE_DTYPES``) comes with one scale a token (``num_groups`` 1)."""
-    if why_not := why_not_hopper():
+    cache (``CACHE_DTYPES``) comes with one scale a token (``num_groups`` 1). ``interpret``: the shapes
+    only (interpret mode needs no Hopper GPU)."""
+    if not interpret and (why_not := why_not_hopper()):
         return why_not
     if num_heads % BLOCK_H:
         return f"num_heads={num_heads} is not a multiple of {BLOCK_H}"

@@ -125,12 +125,12 @@ def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, scale, *, block_q=None, block_k=N
     rope_dim, value_dim = q_pe.shape[-1], v.shape[-1]
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not supported; accepted: {', '.join(IMPLS)}")
-    why_not = "interpret mode" if interpret else \
-        mla_prefill_mgpu.supports(seq_len, nope_dim, rope_dim, value_dim, v.dtype)
+    why_not = "interpret mode" if interpret and impl != "mosaic" else \
+        mla_prefill_mgpu.supports(seq_len, nope_dim, rope_dim, value_dim, v.dtype, interpret=interpret)
     if impl == "mosaic" and why_not:
         raise ValueError(f"impl='mosaic' cannot run here: {why_not}")
     if impl == "mosaic" or (impl == "auto" and not why_not and not (block_q or block_k)):
-        return mla_prefill_mgpu.mla_prefill_mgpu(q_nope, q_pe, k_nope, k_pe, v, scale)
+        return mla_prefill_mgpu.mla_prefill_mgpu(q_nope, q_pe, k_nope, k_pe, v, scale, interpret=interpret)
     blocks = PREFILL_BLOCKS[min(jnp.dtype(q_nope.dtype).itemsize, 4)]
     short = max(16, pl.next_power_of_2(seq_len))  # 16: the smallest tensor-core tile
     block_q = block_q or min(blocks.block_q, short)

@@ -39,9 +39,11 @@ BLOCK_KV, STAGES = 128, 2
 _LOG2E = math.log2(math.e)
 
 
-def supports(seq_len: int, nope_dim: int, rope_dim: int, value_dim: int, dtype, block_kv: int = BLOCK_KV) -> str | None:
-    """None when the Mosaic kernel takes these shapes, else why not (the caller falls back)."""
-    if why_not := why_not_hopper():
+def supports(seq_len: int, nope_dim: int, rope_dim: int, value_dim: int, dtype, block_kv: int = BLOCK_KV, *,
+             interpret: bool = False) -> str | None:
+    """None when the Mosaic kernel takes these shapes, else why not (the caller falls back).
+    ``interpret``: the shapes only (interpret mode needs no Hopper GPU)."""
+    if not interpret and (why_not := why_not_hopper()):
         return why_not
     if seq_len % (COMPUTE_WGS * BLOCK_Q) or seq_len % block_kv:
         return f"seq_len={seq_len} is not a multiple of {max(COMPUTE_WGS * BLOCK_Q, block_kv)}"

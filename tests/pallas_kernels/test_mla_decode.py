@@ -345,3 +345,33 @@ def test_mosaic_8bit_decode_interpreted_matches_reference(kind):
             m, l, acc = out
             out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1, interpret=True).swapaxes(1, 2)
         assert _relative_error(out.swapaxes(1, 2), want) < 1e-2, (dequantize, compute_wgs, defer_sum, splits)
+
+
+@pytest.mark.parametrize("kind, heads", [(None, 64), ("int8", 16)])
+def test_mla_paged_mosaic_interpreted(kind, heads):
+    """mla_paged with impl="mosaic" in interpret mode: the Mosaic kernels behind the wrapper (the page ids
+    offset to layer 1's pages, lengths from positions, the default splits and their merge; 8-bit caches
+    with few heads through mla_decode_8bit_mgpu, its output transposed back): several queries of one
+    sequence at different positions and a padding query (-1: zeros), against the reference."""
+    from pallas_kernels.kv_quant import quantize_latent
+
+    rng = np.random.default_rng(heads)
+    pages = 6
+    c_kv, k_pe = make_cache(rng, 2 * pages, 64, 512, 64, jnp.bfloat16)  # two layers' pages
+    c_kv_scale = None
+    if kind is not None:
+        c_kv, c_kv_scale = quantize_latent(c_kv * 3.0, kind, 1)
+    tables = shuffled_tables(rng, 2, 3, pages)
+    seq_ids = jnp.asarray([0, 0, 1, 0], jnp.int32)
+    positions = jnp.asarray([150, 3, 64, -1], jnp.int32)
+    q_latent = jnp.asarray(rng.standard_normal((4, heads, 512)), jnp.bfloat16)
+    q_pe = jnp.asarray(rng.standard_normal((4, heads, 64)), jnp.bfloat16)
+    got = mla_paged(q_latent, q_pe, c_kv, k_pe, tables, seq_ids, positions, 0.1, c_kv_scale=c_kv_scale,
+                    layer=jnp.int32(1), layer_pages=pages, impl="mosaic", interpret=True)
+    f32 = lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+    layer_1 = slice(pages, 2 * pages)
+    want = mla_paged_reference(f32(q_latent), f32(q_pe), f32(c_kv[layer_1]), f32(k_pe[layer_1]), tables, seq_ids,
+                               positions, 0.1, None if c_kv_scale is None else c_kv_scale[layer_1])
+    assert got.shape == (4, heads, 512) and got.dtype == jnp.bfloat16
+    assert not np.asarray(got[3], np.float32).any()  # padding: zeros
+    assert _relative_error(got[:3], want[:3]) < 1e-2

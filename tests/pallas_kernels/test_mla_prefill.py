@@ -75,15 +75,19 @@ def test_mosaic_prefill_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("block_kv", [64, 128])
 def test_mosaic_prefill_interpreted_matches_reference(block_kv):
     """mla_prefill_mgpu run on the CPU by the GPU interpret mode (``pallas_kernels.mgpu_interpret``): two
-    compute warpgroups ping-ponging over two 128-row query tiles, causal, two heads; no data race."""
+    compute warpgroups ping-ponging over two 128-row query tiles, causal, two heads; no data race. The
+    default key blocks (128) through mla_prefill(impl="mosaic")."""
     from pallas_kernels import mgpu_interpret
-    from pallas_kernels.mla_prefill_mgpu import mla_prefill_mgpu
+    from pallas_kernels.mla_prefill_mgpu import BLOCK_KV, mla_prefill_mgpu
 
     rng = np.random.default_rng(block_kv)
     b, t, h = 1, 256, 2
     normal = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
     args = (normal(b, t, h, 128), normal(b, t, h, 64), normal(b, t, h, 128), normal(b, t, 64), normal(b, t, h, 128))
-    got = np.asarray(mla_prefill_mgpu(*args, 0.07, block_kv=block_kv, interpret=True), np.float32)
+    if block_kv == BLOCK_KV:
+        got = np.asarray(mla_prefill(*args, 0.07, impl="mosaic", interpret=True), np.float32)
+    else:
+        got = np.asarray(mla_prefill_mgpu(*args, 0.07, block_kv=block_kv, interpret=True), np.float32)
     assert not mgpu_interpret.races_found()
     want = np.asarray(mla_prefill_reference(*(a.astype(jnp.float32) for a in args), 0.07))
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
