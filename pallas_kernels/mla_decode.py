@@ -581,7 +581,8 @@ def mla_decode(q_latent, q_pe, c_kv, k_pe, block_tables, lengths, scale, *, c_kv
     lengths i32[B] (the new token's key included; 0 gives zeros) -> [B, H, C] in q_latent.dtype.
     ``scale`` is a Python float. An 8-bit c_kv (int8 / float8_e4m3fn) comes with c_kv_scale
     f32[N, bs, G]. Unset tuning arguments come from ``DECODE_BLOCKS`` and ``default_num_splits``;
-    num_splits must be a power of two.
+    num_splits must be a power of two. ``interpret``: on the CPU, the Triton kernel, or with
+    impl="mosaic" the Mosaic one (``mgpu_interpret``).
     """
     batch = q_latent.shape[0]
     return _mla_attention(q_latent, q_pe, c_kv, k_pe, block_tables,
