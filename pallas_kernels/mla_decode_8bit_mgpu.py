@@ -350,8 +350,9 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
     tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
-    ``release_fence``: a proxy fence before each ring slot's reload (``RELEASE_FENCE``); ``profile_dir``: a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes
-    (a Perfetto JSON); ``interpret``: run on the CPU (``mgpu_interpret``)."""
+    ``release_fence``: a proxy fence before each ring slot's reload (``RELEASE_FENCE``); ``profile_dir``:
+    a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes (a Perfetto JSON);
+    ``interpret``: run on the CPU (``mgpu_interpret``)."""
     if dequantize is None:
         dequantize = DEQUANTIZE[jnp.dtype(c_kv.dtype).name]
     num_tokens, num_heads, latent_dim = q_latent.shape
