@@ -222,8 +222,8 @@ def _8bit_args(kind, heads=16, tokens=4, width=16):
 
 
 @pytest.mark.parametrize("kind, num_splits, compute_wgs, defer_sum, release_fence", [
-    ("int8", 1, 2, False, False), ("fp8", 4, 2, False, False), ("int8", 4, 4, False, False), ("fp8", 1, 1, False, False),
-    ("int8", 2, 2, True, False), ("fp8", 1, 1, True, False), ("int8", 1, 2, True, True)])
+    ("int8", 1, 2, False, False), ("fp8", 4, 2, False, False), ("int8", 4, 4, False, False),
+    ("fp8", 1, 1, False, False), ("int8", 2, 2, True, False), ("fp8", 1, 1, True, False), ("int8", 1, 2, True, True)])
 def test_mosaic_8bit_decode_lowers_for_hopper(kind, num_splits, compute_wgs, defer_sum, release_fence):
     """The 8-bit Mosaic GPU kernel's lowering (the upcast layouts, wgmma with A in registers and A read
     transposed, the score parts' exchange, the column softmax, the deferred denominators, the release fence,
