@@ -83,8 +83,8 @@ def errors(compute_wgs):
 # warpgroups (the default) and one, 2 splits:
 DENOMINATOR_VARIANTS = [dict(compute_wgs=wgs, num_splits=2, defer_sum=defer_sum) for wgs in (2, 1)
                         for defer_sum in (False, True)]
-# The memory warpgroup's proxy fence before each ring slot's reload (RELEASE_FENCE), as built and with it,
-# in turns (calls vary ~5%: only same-call pairs count); one split (each query's 4k context reloads every
+# The memory warpgroup's proxy fence before each ring slot's reload (RELEASE_FENCE, on as built), without
+# and with it, in turns (calls vary ~5%: only same-call pairs count); one split (each query's 4k context reloads every
 # slot 30 times) and two:
 FENCE_VARIANTS = [dict(num_splits=splits, release_fence=fence) for splits in (2, 1) for _ in range(2)
                   for fence in (False, True)]

@@ -417,8 +417,8 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
     timeout 300 python -m benchmarks.kvquant --decode-sweep --out "$OUT/kvquant_decode_sweep_h200" | grep -v WARNING | tail -30 ;;
   mla8)       # the 8-bit Mosaic GPU decode kernel: per-variant errors, variant timings, its own trace (~3 minutes)
     timeout 420 python -m benchmarks.mla_8bit_probe 2>&1 | grep -v Warning | grep -v "^  " | tee "$OUT/mla8_probe.txt" | tail -80 ;;
-  mla8-fence) # the 8-bit kernel's proxy fence before each ring reload (mla_decode_8bit_mgpu.RELEASE_FENCE, found by
-              # the interpret mode's race detection, session 53): its GPU test, then built / fenced in turns (~2 min)
+  mla8-fence) # the 8-bit kernel's proxy fence before each ring reload (mla_decode_8bit_mgpu.RELEASE_FENCE, on since
+              # session 53, found by the interpret mode's race detection): its GPU test, then unfenced / fenced in turns
     timeout 200 python -m pytest -q -x tests/gpu/test_kernels_gpu.py -k "test_mla_decode_8bit_mosaic_gpu" 2>&1 | tail -3
     timeout 200 python -m benchmarks.mla_8bit_probe --release-fence 2>&1 | grep -v Warning | tee "$OUT/mla8_fence.txt" | tail -20 ;;
   wgmma)      # one wgmma's cost by N (few-head decode's heads): 1-2 warpgroups an SM, A in smem / registers (a minute)

@@ -123,12 +123,12 @@ def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, co
     """The few-head 8-bit Mosaic kernel with each count of compute warpgroups against the reference: both
     places for the scale, with one split and (the default scale placement) with split partials; the
     denominators summed after the loop (the default) and, with the default scale placement and two
-    warpgroups, every step; and with the release fence (``RELEASE_FENCE``)."""
+    warpgroups, every step; with the release fence (as built) and, once, without."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    variants = [(d, w, True, False) for d, w in itertools.product((False, True), compute_wgs)]
-    variants += [(False, 2, False, False), (False, 2, True, True)]
+    variants = [(d, w, True, True) for d, w in itertools.product((False, True), compute_wgs)]
+    variants += [(False, 2, False, True), (False, 2, True, False)]
     for dequantize, wgs, defer_sum, fence in variants:
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),

@@ -325,9 +325,9 @@ def test_mosaic_8bit_decode_interpreted_matches_reference(kind):
     """mla_decode_8bit_mgpu in the GPU interpret mode: 1, 2 and 4 compute warpgroups (each converting its
     share of the latent columns, the score parts exchanged), the scale on the scores or on the converted
     rows, the denominators summed after the loop or every step, one split and partials (3 steps over 2 ring
-    slots: a slot is reloaded). With the release fence (``RELEASE_FENCE``) no data race; without it the
-    race detection flags the reload of a slot the compute warpgroups read by plain loads, which shows that
-    it watches the ring (the no-race checks are not vacuous)."""
+    slots: a slot is reloaded). With the release fence (``RELEASE_FENCE``, as built) no data race; without
+    it the race detection flags the reload of a slot the compute warpgroups read by plain loads, which
+    shows that it watches the ring (the no-race checks are not vacuous)."""
     from pallas_kernels import mgpu_interpret
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
