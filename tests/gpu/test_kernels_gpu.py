@@ -10,13 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.pallas_kernels.kernel_utils import relative_error as _rel
+
 pytestmark = pytest.mark.gpu
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    assert np.isfinite(a).all()
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _paged(rng, batch, heads, lengths, block_size=64, latent=512, rope=64, dtype=jnp.bfloat16):

@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.mla_decode import (default_num_splits, mla_decode, mla_decode_reference, mla_paged,
                                        mla_paged_reference, split_range)
-from tests.pallas_kernels.kernel_utils import lower_for_h200
+from tests.pallas_kernels.kernel_utils import lower_for_h200, relative_error
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -295,12 +295,6 @@ def _interpreted_case(rng, heads, kind):
     return (q_latent, q_pe, c_kv, k_pe, tables, seq_ids, lengths), scale, want
 
 
-def _relative_error(got, want):
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    assert np.isfinite(got).all()
-    return np.linalg.norm(got - want) / np.linalg.norm(want)
-
-
 @pytest.mark.parametrize("kind", [None, "int8", "fp8"])
 def test_mosaic_decode_interpreted_matches_reference(kind):
     """mla_decode_mgpu run on the CPU by the GPU interpret mode (``pallas_kernels.mgpu_interpret``: the
@@ -317,7 +311,7 @@ def test_mosaic_decode_interpreted_matches_reference(kind):
         assert not mgpu_interpret.races_found()
         if splits > 1:
             out = combine_splits(*out, jnp.float32, splits_axis=1, interpret=True)
-        assert _relative_error(out, want) < 1e-2, splits
+        assert relative_error(out, want) < 1e-2, splits
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -344,7 +338,7 @@ def test_mosaic_8bit_decode_interpreted_matches_reference(kind):
         if splits > 1:
             m, l, acc = out
             out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1, interpret=True).swapaxes(1, 2)
-        assert _relative_error(out.swapaxes(1, 2), want) < 1e-2, (dequantize, compute_wgs, defer_sum, splits)
+        assert relative_error(out.swapaxes(1, 2), want) < 1e-2, (dequantize, compute_wgs, defer_sum, splits)
 
 
 @pytest.mark.parametrize("kind, heads", [(None, 64), ("int8", 16)])
@@ -374,4 +368,4 @@ def test_mla_paged_mosaic_interpreted(kind, heads):
                                positions, 0.1, None if c_kv_scale is None else c_kv_scale[layer_1])
     assert got.shape == (4, heads, 512) and got.dtype == jnp.bfloat16
     assert not np.asarray(got[3], np.float32).any()  # padding: zeros
-    assert _relative_error(got[:3], want[:3]) < 1e-2
+    assert relative_error(got[:3], want[:3]) < 1e-2

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.moe_decode import MAX_TOKENS, DecodeTiles, moe_decode, moe_decode_reference
-from tests.pallas_kernels.kernel_utils import lower_for_h200
+from tests.pallas_kernels.kernel_utils import lower_for_h200, relative_error
 
 TILES = DecodeTiles(block_i=16, block_k=16, block_d=32, num_warps=4, num_stages=2)
 
@@ -145,17 +145,17 @@ def test_moe_decode_mgpu_interpreted_matches_reference():
     shared = (normal(layers, hidden, shared_inter), normal(layers, hidden, shared_inter),
               normal(layers, shared_inter, hidden))
     f32 = lambda ws: tuple(w.astype(jnp.float32) for w in ws)
-    rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float32) - b) / np.linalg.norm(b)
     for ids in ([[3, 1]], [[2, experts]]):
         ids = jnp.asarray(ids, jnp.int32)
         want = np.asarray(moe_decode_reference(x.astype(jnp.float32), weights, ids, *f32(routed), 1, f32(shared)))
-        assert rel(moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, interpret=True), want) < 1e-2
+        got = moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, interpret=True)
+        assert relative_error(got, want) < 1e-2
         assert not mgpu_interpret.races_found()
     with_residual = want + np.asarray(residual, np.float32)
     got = moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, residual, interpret=True)
-    assert got.dtype == jnp.bfloat16 and rel(got, with_residual) < 1e-2
+    assert got.dtype == jnp.bfloat16 and relative_error(got, with_residual) < 1e-2
     for pdl in (False, True):
         got = moe_decode_mgpu(x, weights, ids, *routed, jnp.int32(1), shared, residual.astype(jnp.float32),
                               in_place=True, pdl=pdl, interpret=True)
-        assert got.dtype == jnp.float32 and rel(got, with_residual) < 1e-2
+        assert got.dtype == jnp.float32 and relative_error(got, with_residual) < 1e-2
         assert not mgpu_interpret.races_found()
