@@ -728,6 +728,31 @@ def test_attention_chain_gpu(position, merge_group, rope_in_kernel, monkeypatch)
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("position, spread, lean", [
+    (0, True, True), (200, True, False), (200, False, True), (200, True, True), (511, True, True)])
+def test_attention_chain_phase2_knobs_gpu(position, spread, lean, monkeypatch):
+    """Phase 2 with its rope spread over the W_UK units (``ROPE_SPREAD``) and / or the latent CTA's warpgroup loads
+    and one strided store (``LATENT_LEAN``): the reference chain's rows and output, and the as-built kernel's
+    attention (the output less the input) and rows to within the TMA adds' summation order, so that a row read
+    from or written to the wrong place shows."""
+    import jax
+
+    from benchmarks.megakernel_probe import attention_inputs
+    from pallas_kernels import decode_step_attention
+    from pallas_kernels.decode_step_attention import attention_chain, attention_chain_reference
+
+    x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
+    run = lambda: jax.jit(lambda *a, w: attention_chain(*a, w, spec))(x, pos, table, c_kv, k_pe, w=weights)
+    built, built_kv = run()
+    monkeypatch.setattr(decode_step_attention, "ROPE_SPREAD", spread)
+    monkeypatch.setattr(decode_step_attention, "LATENT_LEAN", lean)
+    got, kv = run()
+    want, want_kv = jax.jit(lambda *a, w: attention_chain_reference(*a, w, spec))(x, pos, table, c_kv, k_pe, w=weights)
+    assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
+    x32 = jnp.asarray(x, jnp.float32)
+    assert _rel(kv, built_kv) < 2e-3 and _rel(got.astype(jnp.float32) - x32, built.astype(jnp.float32) - x32) < 1e-2
+
+
 @pytest.mark.parametrize("position", [0, 200])
 def test_attention_chain_reads_its_cache_layer_gpu(position):
     """One attention half whose cache is layer 1 of two (``cache_layer``, as the engine's dense layer after the MoE
@@ -762,14 +787,19 @@ def test_attention_chain_reads_its_cache_layer_gpu(position):
     assert np.isnan(np.asarray(by_id(jnp.int32(1000), pos, table, c_kv, k_pe, w=last)[0], np.float32)).all()
 
 
-@pytest.mark.parametrize("position", [0, 200])
-def test_moe_layer_chain_gpu(position):
+@pytest.mark.parametrize("position, phase2_knobs", [(0, False), (200, False), (200, True)])
+def test_moe_layer_chain_gpu(position, phase2_knobs, monkeypatch):
     """Two whole V2-Lite layers at one token in one persistent kernel (the attention phases, o_proj, the MoE
-    half) against the reference layers: each layer's new cache row, layer 0's routing, the output."""
+    half) against the reference layers: each layer's new cache row, layer 0's routing, the output. ``phase2_knobs``:
+    with the attention's phase 2 spread (``decode_step_attention.ROPE_SPREAD`` and ``LATENT_LEAN``)."""
     import jax
 
     from benchmarks.megakernel_probe import layer_inputs
+    from pallas_kernels import decode_step_attention
     from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
+
+    monkeypatch.setattr(decode_step_attention, "ROPE_SPREAD", phase2_knobs)
+    monkeypatch.setattr(decode_step_attention, "LATENT_LEAN", phase2_knobs)
 
     x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, position)
     # the weights as arguments: closed over, their 2.3 GB are constants that take the compile minutes
