@@ -152,6 +152,13 @@ ROPE_SPREAD = False
 # warpgroup's loads (no mbarrier), and its 8 rows into the new token's chunks by one strided TMA store instead of
 # eight. In the same traces its latent scope takes 2.3-2.6 µs, the next CTA behind the rope CTA. Read at trace time.
 LATENT_LEAN = False
+# Phase 3's new-token CTA, lighter (built off until timed): its 9 chunk boxes are the new token's row and zeros, and
+# it can load them only after phase 2's barrier, from L2, where the context's chunks were loaded ahead: as built 80
+# KB (whole [64, 64] boxes), with ``NEW_TOKEN_TILE`` each box's first [8, 64] tile (row 0 the token, 9 KB in all).
+# The slot's other rows keep the previous box's values, finite (weights, cache rows), and the softmax gives them
+# P = 0, as it does a context chunk's rows past the context; a slot not used before in the launch (uninitialized
+# shared memory, which may hold NaN) gets the whole box. Read at trace time.
+NEW_TOKEN_TILE = False
 PHASES = 5  # grid barriers a layer
 
 
@@ -325,8 +332,17 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         def _():  # the new token's rows, once phase 2 has written them
             plgpu.semaphore_wait(sem, num_ctas * barrier_count(layer, 2), decrement=False, memory_scope="gpu")
             proxy_fence()
-            lax.fori_loop(0, 4, lambda b, _: issue(count + b, lambda h: [(r.kvnew.at[2 * b + h], True)]), None)
-            issue(count + 4, lambda h: [(r.kvnew.at[8], True)])
+            def box(b, chunk):  # box b of the 5: chunk(h) is its half h, a [64, 64] chunk of the new token
+                if not NEW_TOKEN_TILE:
+                    return issue(count + b, lambda h: [(chunk(h), True)])
+                # the first tile only, where the slot held a box before (finite values below the tile); a slot's
+                # first use (layer 0's boxes before position RING) takes the whole box
+                tile = lambda h: [(chunk(h).at[pl.ds(0, TOKEN_N)], True)]
+                pl.when(count + b >= RING)(lambda: issue(count + b, tile, rows=TOKEN_N))
+                pl.when(count + b < RING)(lambda: issue(count + b, lambda h: [(chunk(h), True)]))
+
+            lax.fori_loop(0, 4, lambda b, _: box(b, lambda h: r.kvnew.at[2 * b + h]), None)
+            box(4, lambda h: r.kvnew.at[8])
 
         count = count + p3_boxes
         pl.when(c < wuv_units)(lambda: issue(count, lambda h: [
@@ -448,9 +464,11 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 plgpu.copy_gmem_to_smem(r.qkv.at[layer, pl.ds(q_tiles, 8)], sm.lat, sm.lat_bar.at[0])
                 plgpu.copy_gmem_to_smem(r.knorm.at[layer], sm.knorm, sm.lat_bar.at[0])
                 plgpu.barrier_wait(sm.lat_bar.at[0])
-                x, g = plgpu.load(sm.lat, layout=flat), plgpu.load(sm.knorm, layout=flat)
+                x = plgpu.load(sm.lat, layout=flat)
             x = x.astype(bf16).astype(f32)
             inv_rms = lax.rsqrt(jnp.sum(x * x) / LATENT + kv_eps)
+            if not LATENT_LEAN:
+                g = plgpu.load(sm.knorm, layout=flat)
             sm.latb[...] = ((x * inv_rms).astype(bf16).astype(f32) * g).astype(bf16)
             plgpu.commit_smem()
             if LATENT_LEAN:  # row 0 of each of the new token's first 8 chunks: one strided store
