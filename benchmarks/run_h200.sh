@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|stragglers|stragglers-trace|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|stragglers-tests|stragglers-ab|stragglers-trace|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -415,19 +415,22 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
     timeout 200 python -m benchmarks.kvquant --kernels-only --out "$OUT/kvquant_kernels_h200" | grep -v WARNING | tail -16 ;;
   kvquant-sweep)  # the decode kernel over bf16 / int8 / fp8 caches: tiles x dot operand dtypes (about 2 minutes)
     timeout 300 python -m benchmarks.kvquant --decode-sweep --out "$OUT/kvquant_decode_sweep_h200" | grep -v WARNING | tail -30 ;;
-  stragglers)  # session 54's built-off knobs for the attention phases' last CTAs in round 34's traces
-               # (decode_step_attention.ROPE_SPREAD: each head's q_pe rotated by its first W_UK unit, the rope CTA left
-               # with the new key; LATENT_LEAN: the latent CTA's warpgroup loads and one strided store;
-               # NEW_TOKEN_TILE: phase 3's new token loaded as one [8, 64] tile a box): their GPU tests, then the
-               # batch-1 compiled step as built / phase 2's two / all three, 2 rounds in turns (~9 minutes)
+  stragglers-tests)  # session 54's built-off knobs for the attention phases' last CTAs in round 34's traces
+                     # (decode_step_attention.ROPE_SPREAD: each head's q_pe rotated by its first W_UK unit, the rope CTA
+                     # left with the new key; LATENT_LEAN: the latent CTA's warpgroup loads and one strided store;
+                     # NEW_TOKEN_TILE: phase 3's new token loaded as one [8, 64] tile a box): their GPU tests, the
+                     # attention chain against the reference and the as-built kernel, the whole layers' kernel
+                     # (~4 minutes)
+    timeout 500 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "straggler_knobs or test_moe_layer_chain_gpu" \
+      2>&1 | tee "$OUT/gpu_tests_stragglers.log" | tail -3 ;;
+  stragglers-ab)  # after stragglers-tests: the batch-1 compiled step as built / phase 2's two knobs / all three, 2 rounds
+                  # in turns (~7 minutes)
     a=pallas_kernels.decode_step_attention
-    timeout 170 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "straggler_knobs or test_moe_layer_chain_gpu" \
-      2>&1 | tee "$OUT/gpu_tests_stragglers.log" | tail -3
-    timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+    timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 2 --variant built --variant "phase 2: $a.ROPE_SPREAD=True $a.LATENT_LEAN=True" \
       --variant "all three: $a.ROPE_SPREAD=True $a.LATENT_LEAN=True $a.NEW_TOKEN_TILE=True" \
       --out "$OUT/step_ab_stragglers_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  stragglers-trace)  # after stragglers: the batch-1 step kernel's per-scope trace with the three knobs (~3 minutes): do
+  stragglers-trace)  # after stragglers-ab: the batch-1 step kernel's per-scope trace with the three knobs (~3 minutes): do
                      # phases 2 and 3 now end with their common CTAs?
     a=pallas_kernels.decode_step_attention
     timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
