@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|stragglers-tests|stragglers-ab|stragglers-trace|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|stragglers-tests|stragglers-ab|stragglers-each|stragglers-trace|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -430,6 +430,14 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
       --rounds 2 --variant built --variant "phase 2: $a.ROPE_SPREAD=True $a.LATENT_LEAN=True" \
       --variant "all three: $a.ROPE_SPREAD=True $a.LATENT_LEAN=True $a.NEW_TOKEN_TILE=True" \
       --out "$OUT/step_ab_stragglers_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  stragglers-each)  # round 37 measured the three together slower on an H100 (2.1716 ms against 2.1517 as built,
+                    # step_ab_stragglers_b1_h100.json): the batch-1 compiled step as built and with each knob alone,
+                    # one round (~6 minutes; round 37's two rounds agreed within 2 µs)
+    a=pallas_kernels.decode_step_attention
+    timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 1 --variant built --variant "rope spread: $a.ROPE_SPREAD=True" --variant "latent lean: $a.LATENT_LEAN=True" \
+      --variant "new token tile: $a.NEW_TOKEN_TILE=True" --out "$OUT/step_ab_stragglers_each_b1_h200.json" 2>&1 \
+      | grep -E "^\||^round|Error" ;;
   stragglers-trace)  # after stragglers-ab: the batch-1 step kernel's per-scope trace with the three knobs (~3 minutes): do
                      # phases 2 and 3 now end with their common CTAs?
     a=pallas_kernels.decode_step_attention
