@@ -128,8 +128,8 @@ def test_attention_chain_lowers_for_hopper_and_says_what_it_takes(monkeypatch):
         hlo = lower_for_h200(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32), *caches,
                              *weights)
         assert hlo.count("custom_call @mosaic_gpu") == 1 and ("stablehlo.cosine" in hlo) != values[0]
-    for name in knobs[1:]:
-        monkeypatch.setattr(step, name, False)
+    for name, value in zip(knobs, (True, False, False, False)):  # as built
+        monkeypatch.setattr(step, name, value)
     with pytest.raises(ValueError, match=r"expected x \[D=2048\] and caches \[L', N, bs, ...\] holding layers"):
         jax.eval_shape(call, shape((hidden,), bf16), shape((), jnp.int32), shape((8,), jnp.int32),
                        shape((3, 16, 64, 512), bf16), caches[1], *weights)
