@@ -378,25 +378,28 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
         return count + n1 - n0
 
-    eight = plgpu.Layout.WG_STRIDED((8, ROPE // 2), vec_size=2)  # [8 rows, a rope half]
-
     def rope_loads(layer, first):
         """``ROPE_SPREAD``: rows first .. first + 7 of the layer's sums (the row to rotate first; the others are
-        other tiles' sums, finite, and discarded), its two halves, and the angles' frequencies (or cos and sin),
-        by the warpgroup's loads: registers, nothing awaited yet."""
-        halves = tuple(plgpu.load(r.qkv.at[layer, pl.ds(first, 8), pl.ds(i * 32, 32)], layout=eight) for i in range(2))
+        other tiles' sums, finite, and discarded) -> ``store_rotated``'s arguments, by the warpgroup's loads:
+        registers, nothing awaited yet."""
+        eight = plgpu.Layout.WG_STRIDED((8, ROPE // 2), vec_size=2)  # [8 rows, a rope half]
+        lo, hi = (plgpu.load(r.qkv.at[layer, pl.ds(first, 8), pl.ds(i * 32, 32)], layout=eight) for i in range(2))
         if ROPE_IN_KERNEL:
-            return halves, (plgpu.load(r.cs.at[pl.ds(0, 8)], layout=eight),)
-        return halves, tuple(plgpu.load(r.cs.at[i, pl.ds(0, 8)], layout=eight) for i in range(2))
+            return lo, hi, (plgpu.load(r.cs.at[pl.ds(0, 8)], layout=eight),)
+        return lo, hi, tuple(plgpu.load(r.cs.at[i, pl.ds(0, 8)], layout=eight) for i in range(2))
 
-    def store_rotated(loaded):
-        """The rows ``rope_loads`` read, rotated as the rope CTA rotates them, into rope16's first 8 rows
-        (committed): its row 0 is the wanted row."""
-        (lo, hi), angles = loaded
+    def store_rotated(lo, hi, angles):
+        """f32 rows lo, hi [n, 32] (a rope slice's two halves) rounded to bf16 as the model's are, rotated by the
+        position's angles (``angles``: the frequencies with ``ROPE_IN_KERNEL``, else cos and sin, [n, 32] each),
+        into rope16's first n rows, committed."""
         lo, hi = (v.astype(bf16).astype(f32) for v in (lo, hi))
-        cos, sin = reduced_cos_sin(angles[0] * position.astype(f32), cos_sin_scale) if ROPE_IN_KERNEL else angles
-        sm.rope16.at[pl.ds(0, 8), pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
-        sm.rope16.at[pl.ds(0, 8), pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
+        if ROPE_IN_KERNEL:  # the angles as the caller's rope_cos_sin has them (f32 position x frequency)
+            cos, sin = reduced_cos_sin(angles[0] * position.astype(f32), cos_sin_scale)
+        else:
+            cos, sin = angles
+        rows = pl.ds(0, lo.shape[0])
+        sm.rope16.at[rows, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
+        sm.rope16.at[rows, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
         plgpu.commit_smem()
 
     def phase2(layer, count):
@@ -419,11 +422,11 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             if ROPE_SPREAD:
                 @pl.when(ct == 0)
                 def _():
-                    store_rotated(loaded)
+                    store_rotated(*loaded)
                     plgpu.copy_smem_to_gmem(sm.rope16.at[0], r.q.at[layer, 8 * 16 + head])
 
         def rope_key():  # ROPE_SPREAD: the new rope key alone
-            store_rotated(rope_loads(layer, q_tiles + 8))
+            store_rotated(*rope_loads(layer, q_tiles + 8))
             plgpu.copy_smem_to_gmem(sm.rope16.at[0], r.kvnew.at[8, 0])
             plgpu.copy_smem_to_gmem(sm.rope16.at[0], r.kv_out.at[layer, 8])
 
@@ -437,16 +440,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             plgpu.copy_gmem_to_smem(r.cs, sm.cs.at[0] if ROPE_IN_KERNEL else sm.cs, sm.rope_bar.at[0])
             plgpu.barrier_wait(sm.rope_bar.at[0])
             halves = plgpu.Layout.WG_STRIDED((32, ROPE // 2), vec_size=2)
-            lo, hi = (plgpu.load(sm.rope.at[:, pl.ds(i * 32, 32)], layout=halves).astype(bf16).astype(f32)
-                      for i in range(2))
-            if ROPE_IN_KERNEL:  # the angles as the caller's rope_cos_sin has them (f32 position x frequency)
-                angles = plgpu.load(sm.cs.at[0], layout=halves) * position.astype(f32)
-                cos, sin = reduced_cos_sin(angles, cos_sin_scale)
-            else:
-                cos, sin = (plgpu.load(sm.cs.at[i], layout=halves) for i in range(2))
-            sm.rope16.at[:, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
-            sm.rope16.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
-            plgpu.commit_smem()
+            lo, hi = (plgpu.load(sm.rope.at[:, pl.ds(i * 32, 32)], layout=halves) for i in range(2))
+            angles = 1 if ROPE_IN_KERNEL else 2  # the frequencies, or cos and sin
+            store_rotated(lo, hi, tuple(plgpu.load(sm.cs.at[i], layout=halves) for i in range(angles)))
             plgpu.copy_smem_to_gmem(sm.rope16.at[pl.ds(0, num_heads)], r.q.at[layer, pl.ds(8 * 16, num_heads)])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kv_out.at[layer, 8])
