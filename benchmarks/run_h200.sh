@@ -432,9 +432,12 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
       --out "$OUT/step_ab_stragglers_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
   stragglers-each)  # round 37 measured the three together slower on an H100 (2.1716 ms against 2.1517 as built,
                     # step_ab_stragglers_b1_h100.json): the batch-1 compiled step as built and with each knob alone,
-                    # one round (~6 minutes; round 37's two rounds agreed within 2 µs)
+                    # one round (~6 minutes; round 37's two rounds agreed within 2 µs), after the GPU test of
+                    # ROPE_SPREAD alone (its rows parked in shared memory since round 37, ~30 s)
+    timeout 60 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "straggler_knobs_gpu and 200-True-False-False" \
+      2>&1 | tee "$OUT/gpu_tests_stragglers_spread.log" | tail -2
     a=pallas_kernels.decode_step_attention
-    timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+    timeout 520 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 --variant built --variant "rope spread: $a.ROPE_SPREAD=True" --variant "latent lean: $a.LATENT_LEAN=True" \
       --variant "new token tile: $a.NEW_TOKEN_TILE=True" --out "$OUT/step_ab_stragglers_each_b1_h200.json" 2>&1 \
       | grep -E "^\||^round|Error" ;;

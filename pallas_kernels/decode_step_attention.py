@@ -144,9 +144,9 @@ ROPE_IN_KERNEL = True
 # rope key: 18 TMA loads on one barrier, then three stores. The step kernel's traces (round 34,
 # ``step_kernel_trace_b1_p128.txt`` / ``_p1024.txt``) have that CTA last into phase 2's barrier in most layers: its
 # rope scope 2.5-3.9 µs against a W_UK unit's 1.3-1.6. With ``ROPE_SPREAD`` each head's first W_UK unit rotates
-# that head's q_pe (its rows come with the unit's own loads, one round trip) and stores it after its absorbed
-# query; the rope CTA keeps the new key alone, read by the warpgroup's loads. The values are the as-built ones.
-# Read at trace time.
+# that head's q_pe (its rows come with the unit's own loads, one round trip, and wait in shared memory, not
+# registers, across its products) and stores it after its absorbed query; the rope CTA keeps the new key alone,
+# read by the warpgroup's loads. The values are the as-built ones. Read at trace time.
 ROPE_SPREAD = False
 # Phase 2's latent CTA, lighter (built off until timed): the new latent's 8 rows and kv_a_norm's weights by the
 # warpgroup's loads (no mbarrier), and its 8 rows into the new token's chunks by one strided TMA store instead of
@@ -378,11 +378,16 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
         return count + n1 - n0
 
+    eight = plgpu.Layout.WG_STRIDED((8, ROPE // 2), vec_size=2)  # [8 rows, a rope half]
+    # ROPE_SPREAD's W_UK units: where rope_loads' values wait (lo, hi, then the angles) while the unit's
+    # products use its first two tiles (the union's bytes 0-2K; these lie at 4-6K, 12-13K and 16-17K)
+    parked = (sm.rope.at[pl.ds(16, 8), pl.ds(0, 32)], sm.rope.at[pl.ds(16, 8), pl.ds(32, 32)],
+              *(sm.cs.at[i, pl.ds(0, 8)] for i in range(1 if ROPE_IN_KERNEL else 2)))
+
     def rope_loads(layer, first):
         """``ROPE_SPREAD``: rows first .. first + 7 of the layer's sums (the row to rotate first; the others are
         other tiles' sums, finite, and discarded) -> ``store_rotated``'s arguments, by the warpgroup's loads:
         registers, nothing awaited yet."""
-        eight = plgpu.Layout.WG_STRIDED((8, ROPE // 2), vec_size=2)  # [8 rows, a rope half]
         lo, hi = (plgpu.load(r.qkv.at[layer, pl.ds(first, 8), pl.ds(i * 32, 32)], layout=eight) for i in range(2))
         if ROPE_IN_KERNEL:
             return lo, hi, (plgpu.load(r.cs.at[pl.ds(0, 8)], layout=eight),)
@@ -409,11 +414,15 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         @pl.when(c < wuk_units)
         @jax.named_scope("w_uk")
         def _():
-            # ROPE_SPREAD: the head's q_pe rows read with the unit's own rows (one round trip); every unit reads
-            # them, the head's first rotates and stores them once its products are done (rope16 shares the
-            # tiles' bytes)
+            # ROPE_SPREAD: the head's q_pe rows and angles read with the unit's own rows (one round trip) and
+            # parked in shared memory the unit's two tiles leave free (rope rows 16-23, cs rows 0-7), so that no
+            # registers hold them across the products; the head's first unit rotates and stores them once its
+            # products are done (rope16 shares the tiles' bytes, past the unit's two)
             loaded = rope_loads(layer, 3 * head + 2) if ROPE_SPREAD else None
             _load_rows(r.qkv.at[layer, pl.ds(3 * head, 2)], sm.rows.at[pl.ds(0, 2)])
+            if ROPE_SPREAD:
+                for ref, value in zip(parked, (loaded[0], loaded[1], *loaded[2])):
+                    ref[...] = value
             _build_tiles(sm.rows.at[pl.ds(0, 2)], sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles, count, 1, zeros8(), transpose=False)
             sm.qrow[...] = sums.astype(bf16)  # the model's q_latent is bf16
@@ -422,7 +431,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             if ROPE_SPREAD:
                 @pl.when(ct == 0)
                 def _():
-                    store_rotated(*loaded)
+                    lo, hi, *angles = (plgpu.load(ref, layout=eight) for ref in parked)
+                    store_rotated(lo, hi, tuple(angles))
                     plgpu.copy_smem_to_gmem(sm.rope16.at[0], r.q.at[layer, 8 * 16 + head])
 
         def rope_key():  # ROPE_SPREAD: the new rope key alone
