@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|stragglers-tests|stragglers-ab|stragglers-each|stragglers-trace|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -261,15 +261,23 @@ case $part in
               # exponentials in one reduction of two launches, where the greedy sampler takes five of the batch-1
               # step's 26): its tests on the GPU, then the compiled step as built, with it, and with the step kernel's bucket
               # as a CUDA graph again (round 32 measured it 10 µs slower while the sampler was a second program), in
-              # turns, at the batches in $2 (default 1; ~5 minutes a batch)
+              # turns, 2 rounds, at the batches in $2 (default 1; ~8 minutes a batch: each round compiles each
+              # variant again, ~50-70 s)
     timeout 150 python -m pytest tests/engine/test_llm.py -q -p no:cacheprovider -rf -k "sampler" 2>&1 \
       | tee "$OUT/sampler_tests_gpu.log" | tail -2
     for b in ${2:-1}; do
-      timeout 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
-        --rounds 3 --variant built --variant "one pass: dsjax.engine.sampler.ONE_PASS=True" \
+      timeout 440 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch $b --num-kv-blocks 2048 \
+        --rounds 2 --variant built --variant "one pass: dsjax.engine.sampler.ONE_PASS=True" \
         --variant "graphs on: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
         --out "$OUT/step_ab_sampler_b${b}_h200.json" 2>&1 | grep -E "^\||^round|Error"
     done ;;
+  graphs-ab)  # round 38 (H100, one round before the call's time ran out): the step kernel's bucket as a CUDA graph
+             # (runner.STEP_KERNEL_GRAPHS) 2.1384 ms against 2.1511 as built. The batch-1 compiled step as built, with
+             # it, and with it and the one-pass sampler, 2 rounds in turns (~7 minutes)
+    timeout 540 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 2 --variant built --variant "graphs on: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
+      --variant "both: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True dsjax.engine.sampler.ONE_PASS=True" \
+      --out "$OUT/step_ab_graphs_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /
@@ -415,38 +423,6 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
     timeout 200 python -m benchmarks.kvquant --kernels-only --out "$OUT/kvquant_kernels_h200" | grep -v WARNING | tail -16 ;;
   kvquant-sweep)  # the decode kernel over bf16 / int8 / fp8 caches: tiles x dot operand dtypes (about 2 minutes)
     timeout 300 python -m benchmarks.kvquant --decode-sweep --out "$OUT/kvquant_decode_sweep_h200" | grep -v WARNING | tail -30 ;;
-  stragglers-tests)  # session 54's built-off knobs for the attention phases' last CTAs in round 34's traces
-                     # (decode_step_attention.ROPE_SPREAD: each head's q_pe rotated by its first W_UK unit, the rope CTA
-                     # left with the new key; LATENT_LEAN: the latent CTA's warpgroup loads and one strided store;
-                     # NEW_TOKEN_TILE: phase 3's new token loaded as one [8, 64] tile a box): their GPU tests, the
-                     # attention chain against the reference and the as-built kernel, the whole layers' kernel
-                     # (~4 minutes)
-    timeout 500 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "straggler_knobs or test_moe_layer_chain_gpu" \
-      2>&1 | tee "$OUT/gpu_tests_stragglers.log" | tail -3 ;;
-  stragglers-ab)  # after stragglers-tests: the batch-1 compiled step as built / phase 2's two knobs / all three, 2 rounds
-                  # in turns (~7 minutes)
-    a=pallas_kernels.decode_step_attention
-    timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 2 --variant built --variant "phase 2: $a.ROPE_SPREAD=True $a.LATENT_LEAN=True" \
-      --variant "all three: $a.ROPE_SPREAD=True $a.LATENT_LEAN=True $a.NEW_TOKEN_TILE=True" \
-      --out "$OUT/step_ab_stragglers_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  stragglers-each)  # round 37 measured the three together slower on an H100 (2.1716 ms against 2.1517 as built,
-                    # step_ab_stragglers_b1_h100.json): the batch-1 compiled step as built and with each knob alone,
-                    # one round (~6 minutes; round 37's two rounds agreed within 2 µs), after the GPU test of
-                    # ROPE_SPREAD alone (its rows parked in shared memory since round 37, ~30 s)
-    timeout 60 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "straggler_knobs_gpu and 200-True-False-False" \
-      2>&1 | tee "$OUT/gpu_tests_stragglers_spread.log" | tail -2
-    a=pallas_kernels.decode_step_attention
-    timeout 520 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 1 --variant built --variant "rope spread: $a.ROPE_SPREAD=True" --variant "latent lean: $a.LATENT_LEAN=True" \
-      --variant "new token tile: $a.NEW_TOKEN_TILE=True" --out "$OUT/step_ab_stragglers_each_b1_h200.json" 2>&1 \
-      | grep -E "^\||^round|Error" ;;
-  stragglers-trace)  # after stragglers-ab: the batch-1 step kernel's per-scope trace with the three knobs (~3 minutes): do
-                     # phases 2 and 3 now end with their common CTAs?
-    a=pallas_kernels.decode_step_attention
-    timeout 250 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --set "$a.ROPE_SPREAD=True $a.LATENT_LEAN=True $a.NEW_TOKEN_TILE=True" --kernel-trace "$OUT/kernel_trace" \
-      2>&1 | grep -v "^WARNING" | tail -120 | tee "$OUT/step_kernel_trace_b1_stragglers.txt" ;;
   mla8)       # the 8-bit Mosaic GPU decode kernel: per-variant errors, variant timings, its own trace (~3 minutes)
     timeout 420 python -m benchmarks.mla_8bit_probe 2>&1 | grep -v Warning | grep -v "^  " | tee "$OUT/mla8_probe.txt" | tail -80 ;;
   mla8-fence) # the 8-bit kernel's proxy fence before each ring reload (mla_decode_8bit_mgpu.RELEASE_FENCE, on since

@@ -140,25 +140,6 @@ QUERY_TMA = True
 # contexts up to (its CTAs - 1) x 64 tokens (``attention_supports``). Timed with dispatch's kernel knobs (round
 # 35: their batch-1 step 1.7034 ms against 1.7342). Read at trace time.
 ROPE_IN_KERNEL = True
-# Phase 2's rope spread out (built off until timed). As built one CTA rotates the 16 heads' q_pe rows and the new
-# rope key: 18 TMA loads on one barrier, then three stores. The step kernel's traces (round 34,
-# ``step_kernel_trace_b1_p128.txt`` / ``_p1024.txt``) have that CTA last into phase 2's barrier in most layers: its
-# rope scope 2.5-3.9 µs against a W_UK unit's 1.3-1.6. With ``ROPE_SPREAD`` each head's first W_UK unit rotates
-# that head's q_pe (its rows come with the unit's own loads, one round trip, and wait in shared memory, not
-# registers, across its products) and stores it after its absorbed query; the rope CTA keeps the new key alone,
-# read by the warpgroup's loads. The values are the as-built ones. Read at trace time.
-ROPE_SPREAD = False
-# Phase 2's latent CTA, lighter (built off until timed): the new latent's 8 rows and kv_a_norm's weights by the
-# warpgroup's loads (no mbarrier), and its 8 rows into the new token's chunks by one strided TMA store instead of
-# eight. In the same traces its latent scope takes 2.3-2.6 µs, the next CTA behind the rope CTA. Read at trace time.
-LATENT_LEAN = False
-# Phase 3's new-token CTA, lighter (built off until timed): its 9 chunk boxes are the new token's row and zeros, and
-# it can load them only after phase 2's barrier, from L2, where the context's chunks were loaded ahead: as built 80
-# KB (whole [64, 64] boxes), with ``NEW_TOKEN_TILE`` each box's first [8, 64] tile (row 0 the token, 9 KB in all).
-# The slot's other rows keep the previous box's values, finite (weights, cache rows), and the softmax gives them
-# P = 0, as it does a context chunk's rows past the context; a slot not used before in the launch (uninitialized
-# shared memory, which may hold NaN) gets the whole box. Read at trace time.
-NEW_TOKEN_TILE = False
 PHASES = 5  # grid barriers a layer
 
 
@@ -332,17 +313,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         def _():  # the new token's rows, once phase 2 has written them
             plgpu.semaphore_wait(sem, num_ctas * barrier_count(layer, 2), decrement=False, memory_scope="gpu")
             proxy_fence()
-            def box(b, chunk):  # box b of the 5: chunk(h) is its half h, a [64, 64] chunk of the new token
-                if not NEW_TOKEN_TILE:
-                    return issue(count + b, lambda h: [(chunk(h), True)])
-                # the first tile only, where the slot held a box before (finite values below the tile); a slot's
-                # first use (layer 0's boxes before position RING) takes the whole box
-                tile = lambda h: [(chunk(h).at[pl.ds(0, TOKEN_N)], True)]
-                pl.when(count + b >= RING)(lambda: issue(count + b, tile, rows=TOKEN_N))
-                pl.when(count + b < RING)(lambda: issue(count + b, lambda h: [(chunk(h), True)]))
-
-            lax.fori_loop(0, 4, lambda b, _: box(b, lambda h: r.kvnew.at[2 * b + h]), None)
-            box(4, lambda h: r.kvnew.at[8])
+            lax.fori_loop(0, 4, lambda b, _: issue(count + b, lambda h: [(r.kvnew.at[2 * b + h], True)]), None)
+            issue(count + 4, lambda h: [(r.kvnew.at[8], True)])
 
         count = count + p3_boxes
         pl.when(c < wuv_units)(lambda: issue(count, lambda h: [
@@ -378,69 +350,22 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
         return count + n1 - n0
 
-    eight = plgpu.Layout.WG_STRIDED((8, ROPE // 2), vec_size=2)  # [8 rows, a rope half]
-    # ROPE_SPREAD's W_UK units: where rope_loads' values wait (lo, hi, then the angles) while the unit's
-    # products use its first two tiles (the union's bytes 0-2K; these lie at 4-6K, 12-13K and 16-17K)
-    parked = (sm.rope.at[pl.ds(16, 8), pl.ds(0, 32)], sm.rope.at[pl.ds(16, 8), pl.ds(32, 32)],
-              *(sm.cs.at[i, pl.ds(0, 8)] for i in range(1 if ROPE_IN_KERNEL else 2)))
-
-    def rope_loads(layer, first):
-        """``ROPE_SPREAD``: rows first .. first + 7 of the layer's sums (the row to rotate first; the others are
-        other tiles' sums, finite, and discarded) -> ``store_rotated``'s arguments, by the warpgroup's loads:
-        registers, nothing awaited yet."""
-        lo, hi = (plgpu.load(r.qkv.at[layer, pl.ds(first, 8), pl.ds(i * 32, 32)], layout=eight) for i in range(2))
-        if ROPE_IN_KERNEL:
-            return lo, hi, (plgpu.load(r.cs.at[pl.ds(0, 8)], layout=eight),)
-        return lo, hi, tuple(plgpu.load(r.cs.at[i, pl.ds(0, 8)], layout=eight) for i in range(2))
-
-    def store_rotated(lo, hi, angles):
-        """f32 rows lo, hi [n, 32] (a rope slice's two halves) rounded to bf16 as the model's are, rotated by the
-        position's angles (``angles``: the frequencies with ``ROPE_IN_KERNEL``, else cos and sin, [n, 32] each),
-        into rope16's first n rows, committed."""
-        lo, hi = (v.astype(bf16).astype(f32) for v in (lo, hi))
-        if ROPE_IN_KERNEL:  # the angles as the caller's rope_cos_sin has them (f32 position x frequency)
-            cos, sin = reduced_cos_sin(angles[0] * position.astype(f32), cos_sin_scale)
-        else:
-            cos, sin = angles
-        rows = pl.ds(0, lo.shape[0])
-        sm.rope16.at[rows, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
-        sm.rope16.at[rows, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
-        plgpu.commit_smem()
-
     def phase2(layer, count):
         """The absorbed queries (q_nope x W_UK, a (head, 64 latent columns) unit a CTA); rope of q_pe and of
-        the new key (one CTA, or with ``ROPE_SPREAD`` each head's q_pe by its first unit); the new latent's norm
-        (one CTA)."""
+        the new key (one CTA); the new latent's norm (one CTA)."""
         @pl.when(c < wuk_units)
         @jax.named_scope("w_uk")
         def _():
-            # ROPE_SPREAD: the head's q_pe rows and angles read with the unit's own rows (one round trip) and
-            # parked in shared memory the unit's two tiles leave free (rope rows 16-23, cs rows 0-7), so that no
-            # registers hold them across the products; the head's first unit rotates and stores them once its
-            # products are done (rope16 shares the tiles' bytes, past the unit's two)
-            loaded = rope_loads(layer, 3 * head + 2) if ROPE_SPREAD else None
             _load_rows(r.qkv.at[layer, pl.ds(3 * head, 2)], sm.rows.at[pl.ds(0, 2)])
-            if ROPE_SPREAD:
-                for ref, value in zip(parked, (loaded[0], loaded[1], *loaded[2])):
-                    ref[...] = value
             _build_tiles(sm.rows.at[pl.ds(0, 2)], sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles, count, 1, zeros8(), transpose=False)
             sm.qrow[...] = sums.astype(bf16)  # the model's q_latent is bf16
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(sm.qrow, r.q.at[layer, ct * 16 + head])
-            if ROPE_SPREAD:
-                @pl.when(ct == 0)
-                def _():
-                    lo, hi, *angles = (plgpu.load(ref, layout=eight) for ref in parked)
-                    store_rotated(lo, hi, tuple(angles))
-                    plgpu.copy_smem_to_gmem(sm.rope16.at[0], r.q.at[layer, 8 * 16 + head])
 
-        def rope_key():  # ROPE_SPREAD: the new rope key alone
-            store_rotated(*rope_loads(layer, q_tiles + 8))
-            plgpu.copy_smem_to_gmem(sm.rope16.at[0], r.kvnew.at[8, 0])
-            plgpu.copy_smem_to_gmem(sm.rope16.at[0], r.kv_out.at[layer, 8])
-
-        def rope_all():  # rows 0 .. H - 1: q_pe of each head; row H: the new rope key (rows past it: zeros)
+        @pl.when(c == rope_cta)
+        @jax.named_scope("rope")
+        def _():  # rows 0 .. H - 1: q_pe of each head; row H: the new rope key (rows past it: zeros)
             sm.rope.at[pl.ds(16, 16)][...] = jnp.zeros((16, HALF), f32)
             plgpu.commit_smem()
             rope_row = lambda h, _=None: plgpu.copy_gmem_to_smem(r.qkv.at[layer, 3 * h + 2], sm.rope.at[h],
@@ -450,38 +375,34 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             plgpu.copy_gmem_to_smem(r.cs, sm.cs.at[0] if ROPE_IN_KERNEL else sm.cs, sm.rope_bar.at[0])
             plgpu.barrier_wait(sm.rope_bar.at[0])
             halves = plgpu.Layout.WG_STRIDED((32, ROPE // 2), vec_size=2)
-            lo, hi = (plgpu.load(sm.rope.at[:, pl.ds(i * 32, 32)], layout=halves) for i in range(2))
-            angles = 1 if ROPE_IN_KERNEL else 2  # the frequencies, or cos and sin
-            store_rotated(lo, hi, tuple(plgpu.load(sm.cs.at[i], layout=halves) for i in range(angles)))
+            lo, hi = (plgpu.load(sm.rope.at[:, pl.ds(i * 32, 32)], layout=halves).astype(bf16).astype(f32)
+                      for i in range(2))
+            if ROPE_IN_KERNEL:  # the angles as the caller's rope_cos_sin has them (f32 position x frequency)
+                angles = plgpu.load(sm.cs.at[0], layout=halves) * position.astype(f32)
+                cos, sin = reduced_cos_sin(angles, cos_sin_scale)
+            else:
+                cos, sin = (plgpu.load(sm.cs.at[i], layout=halves) for i in range(2))
+            sm.rope16.at[:, pl.ds(0, 32)][...] = (lo * cos - hi * sin).astype(bf16)
+            sm.rope16.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
+            plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(sm.rope16.at[pl.ds(0, num_heads)], r.q.at[layer, pl.ds(8 * 16, num_heads)])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kv_out.at[layer, 8])
 
-        pl.when(c == rope_cta)(jax.named_scope("rope")(rope_key if ROPE_SPREAD else rope_all))
-
         @pl.when(c == latent_cta)
         @jax.named_scope("latent")
         def _():  # kv_a_norm of the new latent (as the model's RMSNorm)
+            plgpu.copy_gmem_to_smem(r.qkv.at[layer, pl.ds(q_tiles, 8)], sm.lat, sm.lat_bar.at[0])
+            plgpu.copy_gmem_to_smem(r.knorm.at[layer], sm.knorm, sm.lat_bar.at[0])
+            plgpu.barrier_wait(sm.lat_bar.at[0])
             flat = plgpu.Layout.WG_STRIDED((8, HALF), vec_size=2)
-            if LATENT_LEAN:  # the warpgroup's loads: both issued before either is used
-                x = plgpu.load(r.qkv.at[layer, pl.ds(q_tiles, 8)], layout=flat)
-                g = plgpu.load(r.knorm.at[layer], layout=flat)
-            else:
-                plgpu.copy_gmem_to_smem(r.qkv.at[layer, pl.ds(q_tiles, 8)], sm.lat, sm.lat_bar.at[0])
-                plgpu.copy_gmem_to_smem(r.knorm.at[layer], sm.knorm, sm.lat_bar.at[0])
-                plgpu.barrier_wait(sm.lat_bar.at[0])
-                x = plgpu.load(sm.lat, layout=flat)
-            x = x.astype(bf16).astype(f32)
+            x = plgpu.load(sm.lat, layout=flat).astype(bf16).astype(f32)
             inv_rms = lax.rsqrt(jnp.sum(x * x) / LATENT + kv_eps)
-            if not LATENT_LEAN:
-                g = plgpu.load(sm.knorm, layout=flat)
+            g = plgpu.load(sm.knorm, layout=flat)
             sm.latb[...] = ((x * inv_rms).astype(bf16).astype(f32) * g).astype(bf16)
             plgpu.commit_smem()
-            if LATENT_LEAN:  # row 0 of each of the new token's first 8 chunks: one strided store
-                plgpu.copy_smem_to_gmem(sm.latb, r.kvnew.at[pl.ds(0, 8), 0])
-            else:
-                for j in range(8):
-                    plgpu.copy_smem_to_gmem(sm.latb.at[j], r.kvnew.at[j, 0])
+            for j in range(8):
+                plgpu.copy_smem_to_gmem(sm.latb.at[j], r.kvnew.at[j, 0])
             plgpu.copy_smem_to_gmem(sm.latb, r.kv_out.at[layer, pl.ds(0, 8)])
 
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 2))

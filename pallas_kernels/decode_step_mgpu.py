@@ -92,18 +92,15 @@ def proxy_fence(_):
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
-def _issue_box(ring, full, free, n, copies, rows: int | None = None):
+def _issue_box(ring, full, free, n, copies):
     """A producer's box at ring position n, once the slot is free: half h from the view of each (gmem view,
-    condition) pair of ``copies(h)`` whose condition holds (a Python True: always; at most one should). ``rows``:
-    the views are a half's first ``rows`` rows only (a multiple of 8: whole swizzle tiles), the rest of the slot
-    keeps what it held."""
+    condition) pair of ``copies(h)`` whose condition holds (a Python True: always; at most one should)."""
     slot = lax.rem(n, RING)
     pl.when(n >= RING)(lambda: plgpu.barrier_wait(free.at[slot]))
-    dest = lambda h: ring.at[slot, h] if rows is None else ring.at[slot, h, pl.ds(0, rows)]
 
     def half(h, _=None):
         for view, when in copies(h):
-            pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, dest(h), full.at[slot]))
+            pl.when(when)(lambda view=view: plgpu.copy_gmem_to_smem(view, ring.at[slot, h], full.at[slot]))
 
     lax.fori_loop(0, 2, half, None)  # a loop, not unrolled: machine code is a budget (decode_profile.md round 28)
 
