@@ -347,7 +347,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         with jax.named_scope("q_kv"):
             lax.fori_loop(0, 2, lambda i, _: column_tile(i, jnp.where(i == 0, n0, split), jnp.where(i == 0, split, n1)),
                           None)
-        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1))
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 1), "phase1")
         return count + n1 - n0
 
     def phase2(layer, count):
@@ -405,7 +405,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 plgpu.copy_smem_to_gmem(sm.latb.at[j], r.kvnew.at[j, 0])
             plgpu.copy_smem_to_gmem(sm.latb, r.kv_out.at[layer, pl.ds(0, 8)])
 
-        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 2))
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 2), "phase2")
         return count + p2_boxes
 
     def phase3(layer, count):
@@ -468,7 +468,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 for j, acc in enumerate(accs):
                     r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
 
-        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3))
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3), "phase3")
         return count + p3_boxes
 
     def phase4(layer, count):
@@ -504,7 +504,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())
             store_add(sums, r.vctx.at[layer, 2 * v_head + v_tile])
 
-        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 4))
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 4), "phase4")
         return count + p4_boxes
 
     def compute(layer, count):
@@ -601,7 +601,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
                 _unit_store(ring, full, free, tiles_smem, count, zeros8, part_smem.at[0], out_ref.at[layer, o_tile])
 
             pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
-            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5))
+            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5), "o_proj")
 
             @pl.when(layer + 1 < num_layers)
             def _():

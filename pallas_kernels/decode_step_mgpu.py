@@ -57,6 +57,13 @@ UNIT_K = 512  # K rows a CTA owns of its column tile (4 boxes at 16 KiB)
 RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12)
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# A diagnostic, never set outside benchmarks: the names of the grid barriers (``_arrive_and_wait``'s ``name``:
+# "phase1" .. "phase4" after the attention phases, "o_proj", "layer" after the MoE half) at which every CTA
+# arrives but does not wait. The kernel then reads rows before they are complete (finite values, wrong
+# results), and the step's time without a barrier bounds what gating that boundary on its producers alone could
+# save (``benchmarks.step_profile --variant``). Read at trace time.
+PROBE_NO_WAIT: tuple = ()
+BARRIER_NAMES = ("phase1", "phase2", "phase3", "phase4", "o_proj", "layer")
 
 
 def num_sms() -> int:
@@ -201,13 +208,17 @@ def stores_done():
     proxy_fence()
 
 
-def _arrive_and_wait(sem, num_ctas: int, count):
+def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None):
     """A grid barrier on the global semaphore ``sem``: this CTA's stores are out (``stores_done``), counted;
     then wait until all ``num_ctas`` have arrived ``count`` times in all, and fence the async proxy so that
-    TMA loads read what the others wrote."""
+    TMA loads read what the others wrote. ``name``: the barrier's, for ``PROBE_NO_WAIT``."""
+    if name is not None and name not in BARRIER_NAMES:
+        raise ValueError(f"grid barrier name {name!r}; accepted: {', '.join(BARRIER_NAMES)}")
     with jax.named_scope("stores_out"):
         stores_done()
         plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+    if name in PROBE_NO_WAIT:
+        return
     with jax.named_scope("barrier"):
         plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")
         proxy_fence()

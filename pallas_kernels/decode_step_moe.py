@@ -684,7 +684,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 _unit_store(ring, full, free, tiles_smem, count, zeros, part_smem, mid_ref.at[layer, o_tile])
 
             pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, mid_ref.at[layer], reduction_op="add"))
-            _arrive_and_wait(sem, num_ctas, 1 + per_layer * layer + (5 if front else 1))
+            _arrive_and_wait(sem, num_ctas, 1 + per_layer * layer + (5 if front else 1), "o_proj")
             input_tiles(mid_ref.at[layer])
             return count + o_boxes
 
@@ -727,7 +727,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             with jax.named_scope("store"):
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
-            _arrive_and_wait(sem, num_ctas, 1 + per_layer * (layer + 1))  # the kernel's first, then a phase's
+            _arrive_and_wait(sem, num_ctas, 1 + per_layer * (layer + 1), "layer")  # the kernel's first, then a phase's
 
             @pl.when(layer + 1 < num_layers)
             def _():

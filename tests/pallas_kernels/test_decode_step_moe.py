@@ -245,6 +245,26 @@ def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
             jax.eval_shape(final, *operands, shape((2000,), jnp.float32))
 
 
+def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
+    """``decode_step_mgpu.PROBE_NO_WAIT`` (a benchmark's diagnostic): every CTA still arrives at a named grid barrier
+    but no longer waits there, so the whole layers' kernel has one semaphore wait (an acquire fence) fewer a named
+    barrier, and a name the kernel does not have is refused."""
+    import re
+
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_mgpu
+
+    fn, args = kernel_call("whole")
+    waits = lambda: len(re.findall(r'"fence\.acquire\.gpu;"', lowered_modules(fn, *args)[0]))
+    built = waits()
+    monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", ("phase2",))
+    assert waits() == built - 1
+    monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", decode_step_mgpu.BARRIER_NAMES)
+    assert waits() == built - len(decode_step_mgpu.BARRIER_NAMES)
+    with pytest.raises(ValueError, match=r"grid barrier name 'phase9'; accepted: phase1, phase2, .*, layer"):
+        decode_step_mgpu._arrive_and_wait(None, 132, 1, "phase9")
+
+
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference
