@@ -212,8 +212,9 @@ def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None):
     """A grid barrier on the global semaphore ``sem``: this CTA's stores are out (``stores_done``), counted;
     then wait until all ``num_ctas`` have arrived ``count`` times in all, and fence the async proxy so that
     TMA loads read what the others wrote. ``name``: the barrier's, for ``PROBE_NO_WAIT``."""
-    if name is not None and name not in BARRIER_NAMES:
-        raise ValueError(f"grid barrier name {name!r}; accepted: {', '.join(BARRIER_NAMES)}")
+    if unknown := [n for n in (name, *PROBE_NO_WAIT) if n is not None and n not in BARRIER_NAMES]:
+        raise ValueError(f"grid barrier name {', '.join(map(repr, unknown))} (the barrier's or in PROBE_NO_WAIT); "
+                         f"accepted: {', '.join(BARRIER_NAMES)}")
     with jax.named_scope("stores_out"):
         stores_done()
         plgpu.semaphore_signal(sem, 1, memory_scope="gpu")

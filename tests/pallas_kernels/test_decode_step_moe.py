@@ -248,7 +248,7 @@ def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
 def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     """``decode_step_mgpu.PROBE_NO_WAIT`` (a benchmark's diagnostic): every CTA still arrives at a named grid barrier
     but no longer waits there, so the whole layers' kernel has one semaphore wait (an acquire fence) fewer a named
-    barrier, and a name the kernel does not have is refused."""
+    barrier, and a name the kernel does not have is refused, in the call or in the setting."""
     import re
 
     from benchmarks.code_lines import kernel_call, lowered_modules
@@ -261,8 +261,11 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     assert waits() == built - 1
     monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", decode_step_mgpu.BARRIER_NAMES)
     assert waits() == built - len(decode_step_mgpu.BARRIER_NAMES)
-    with pytest.raises(ValueError, match=r"grid barrier name 'phase9'; accepted: phase1, phase2, .*, layer"):
+    with pytest.raises(ValueError, match=r"grid barrier name 'phase9' .*; accepted: phase1, phase2, .*, layer"):
         decode_step_mgpu._arrive_and_wait(None, 132, 1, "phase9")
+    monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", ("phase2", "phase5"))  # a typo fails, not times as built
+    with pytest.raises(ValueError, match=r"grid barrier name 'phase5' \(the barrier's or in PROBE_NO_WAIT\)"):
+        waits()
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
