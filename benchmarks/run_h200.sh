@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers-attention|barriers-moe|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -278,18 +278,18 @@ case $part in
       --rounds 2 --variant built --variant "graphs on: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True" \
       --variant "both: dsjax.engine.runner.STEP_KERNEL_GRAPHS=True dsjax.engine.sampler.ONE_PASS=True" \
       --out "$OUT/step_ab_graphs_b1_h200.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  barriers-attention|barriers-moe)  # what each grid barrier of a layer holds up: the batch-1 compiled step as built and
-             # with every CTA arriving at one named barrier without waiting (decode_step_mgpu.PROBE_NO_WAIT; results
-             # wrong, timing only), one round; a variant's gain bounds what gating that boundary on its producers
-             # alone could save (docs/decode_step_kernel.md's candidate). Attention: after phases 1-4; MoE: after
-             # o_proj, after the layer, and all six (~5 minutes each)
-    m=pallas_kernels.decode_step_mgpu
-    if [ "$part" = barriers-attention ]; then names="phase1 phase2 phase3 phase4"; else names="o_proj layer"; fi
+  barriers)  # what each grid barrier of a layer holds up: the batch-1 compiled step as built and with every CTA
+             # arriving at one named barrier without waiting (decode_step_mgpu.PROBE_NO_WAIT; results wrong, timing
+             # only), one round; a variant's gain bounds what gating that boundary on its producers alone could save
+             # (docs/decode_step_kernel.md's candidate). $2: attention (after phases 1-4, the default) or moe (after
+             # o_proj, after the layer, and all six) (~5 minutes each)
+    m=pallas_kernels.decode_step_mgpu half=${2:-attention}
+    if [ "$half" = attention ]; then names="phase1 phase2 phase3 phase4"; else names="o_proj layer"; fi
     variants=(--variant built)
     for n in $names; do variants+=(--variant "no $n wait: $m.PROBE_NO_WAIT=('$n',)"); done
-    [ "$part" = barriers-moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=('phase1','phase2','phase3','phase4','o_proj','layer')")
+    [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=('phase1','phase2','phase3','phase4','o_proj','layer')")
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 1 "${variants[@]}" --out "$OUT/step_ab_${part}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /
