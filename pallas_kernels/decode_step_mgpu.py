@@ -58,10 +58,11 @@ RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # A diagnostic, never set outside benchmarks: the names of the grid barriers (``_arrive_and_wait``'s ``name``:
-# "phase1" .. "phase4" after the attention phases, "o_proj", "layer" after the MoE half) at which every CTA
-# arrives but does not wait. The kernel then reads rows before they are complete (finite values, wrong
-# results), and the step's time without a barrier bounds what gating that boundary on its producers alone could
-# save (``benchmarks.step_profile --variant``). Read at trace time.
+# "phase1" .. "phase4" after the attention phases, "o_proj" after o_proj, "layer" after the MoE half) at which
+# every CTA arrives but does not wait. The kernel then reads rows before they are complete: its results are
+# wrong (NaN possible), its work the same, except that the MoE half may route wrong values to repeated experts
+# and read fewer bytes. So the step's time without a barrier is an upper bound on what gating that boundary on
+# its producers alone could save (``benchmarks.step_profile --variant``). Read at trace time.
 PROBE_NO_WAIT: tuple = ()
 BARRIER_NAMES = ("phase1", "phase2", "phase3", "phase4", "o_proj", "layer")
 
