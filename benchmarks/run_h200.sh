@@ -284,10 +284,15 @@ case $part in
              # (docs/decode_step_kernel.md's candidate). $2: attention (after phases 1-4, the default) or moe (after
              # o_proj, after the layer, and all six) (~5 minutes each)
     m=pallas_kernels.decode_step_mgpu half=${2:-attention}
-    if [ "$half" = attention ]; then names="phase1 phase2 phase3 phase4"; else names="o_proj layer"; fi
+    case $half in
+      attention) names="phase1 phase2 phase3 phase4" ;;
+      moe) names="o_proj layer" ;;
+      *) echo "barriers: half '$half'; accepted: attention, moe" >&2; exit 2 ;;
+    esac
     variants=(--variant built)
     for n in $names; do variants+=(--variant "no $n wait: $m.PROBE_NO_WAIT=('$n',)"); done
-    [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=('phase1','phase2','phase3','phase4','o_proj','layer')")
+    all=$(python -c "from pallas_kernels.decode_step_mgpu import BARRIER_NAMES as n; print(repr(n).replace(' ', ''))")
+    [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=$all")
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
