@@ -58,8 +58,11 @@ log = logging.getLogger(__name__)
 
 # Whether a bucket whose forward runs the batch-1 step kernel keeps XLA's command buffers (CUDA graphs). That
 # forward is ~34 ops, and XLA re-records its graph on every call (the inputs, last_tokens and logits move): on the
-# H200 the step ran ~25 µs faster with graphs off (decode_profile.md round 32). Read when compiling; the other
-# buckets (hundreds of launches a step) keep their graphs.
+# H200 the step ran ~25 µs faster with graphs off (decode_profile.md round 32). Now that a greedy step is one program
+# the graph is ahead on the device, 1.6767 against 1.6834 ms in two rounds (round 39), but the engine with it ran
+# inside the swing of one process to the next (589 against 586 tok/s, round 36), and the sampled steps' two programs,
+# which round 32 timed slower with the graph, were not timed again: off. Read when compiling; the other buckets
+# (hundreds of launches a step) keep their graphs.
 STEP_KERNEL_GRAPHS = False
 # Whether a bucket whose forward runs the batch-1 step kernel also compiles that forward with the greedy sampler
 # inside, for its steps whose rows all decode greedily without log-probabilities: one program a step instead of
