@@ -140,7 +140,7 @@ RELEASE_FENCE = True
 # partial m is still the reference its l and acc are taken against, so combine_splits merges them unchanged.
 # Built off until timed (`python -m benchmarks.mla_8bit_probe --max-slack`).
 MAX_SLACK: float | None = None
-_MAX_SLACK_LIMIT = 12.0  # P (x the token's scale for fp8, f16) below 2^12 leaves room in f16's 2^16
+_MAX_SLACK_LIMIT = 12.0  # fp8's f16 P x the token's scale (amax / 448) below 2^12 x scale: 2^4 of f16's 2^16 left
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
