@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.pallas_kernels.kernel_utils import check_max_slack
 from tests.pallas_kernels.kernel_utils import relative_error as _rel
-from tests.pallas_kernels.kernel_utils import slack_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -105,16 +105,7 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
 def test_mla_decode_8bit_max_slack_gpu(kind):
     """The 8-bit kernel's ``max_slack`` compiled (its vote is PTX's bar.red.or, which interpret mode stands in
     for): kept and passed reference points (``slack_cases``), with one split and with partials."""
-    from pallas_kernels.mla_decode import combine_splits
-    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
-
-    for name, args, want in slack_cases(kind):
-        for splits in (1, 2):
-            out = mla_decode_8bit_mgpu(*args, 0.1, num_splits=splits, max_slack=8.0)
-            if splits > 1:
-                m, l, acc = out
-                out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
-            assert _rel(out.swapaxes(1, 2), want) < 1e-2, (name, splits)
+    check_max_slack(kind, interpret=False)
 
 
 def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):

@@ -1,5 +1,5 @@
 """Helpers the kernel tests share: fast CPU compiles of interpret-mode kernels, GPU lowering checks, the
-relative error of a result, the 8-bit decode kernel's softmax-slack cases."""
+relative error of a result, the 8-bit decode kernel's softmax-slack cases and their check."""
 
 from __future__ import annotations
 
@@ -22,6 +22,24 @@ def relative_error(got, want) -> float:
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.isfinite(got).all()
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def check_max_slack(kind: str, interpret: bool):
+    """mla_decode_8bit_mgpu with ``max_slack=8`` over ``slack_cases`` against the reference, with one split and
+    with partials merged by combine_splits; in interpret mode also no data race."""
+    from pallas_kernels import mgpu_interpret
+    from pallas_kernels.mla_decode import combine_splits
+    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
+
+    for name, args, want in slack_cases(kind):
+        for splits in (1, 2):
+            out = mla_decode_8bit_mgpu(*args, 0.1, num_splits=splits, max_slack=8.0, interpret=interpret)
+            assert not (interpret and mgpu_interpret.races_found()), (name, splits)
+            if splits > 1:
+                m, l, acc = out
+                out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1,
+                                     interpret=interpret).swapaxes(1, 2)
+            assert relative_error(out.swapaxes(1, 2), want) < 1e-2, (name, splits)
 
 
 def slack_cases(kind: str):

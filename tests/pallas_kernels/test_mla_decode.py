@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.mla_decode import (default_num_splits, mla_decode, mla_decode_reference, mla_paged,
                                        mla_paged_reference, split_range)
-from tests.pallas_kernels.kernel_utils import lower_for_h200, relative_error, slack_cases
+from tests.pallas_kernels.kernel_utils import check_max_slack, lower_for_h200, relative_error
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -349,18 +349,7 @@ def test_mosaic_8bit_decode_max_slack_interpreted(kind):
     column max, no rescale) and one whose scores pass it takes the max (``kernel_utils.slack_cases``: a jump
     that a kept reference would turn into inf, and later steps that keep the first step's), against the
     reference, with one split and with partials, over 3 steps (two ring slots: one reloaded)."""
-    from pallas_kernels import mgpu_interpret
-    from pallas_kernels.mla_decode import combine_splits
-    from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
-
-    for name, args, want in slack_cases(kind):
-        for splits in (1, 2):
-            out = mla_decode_8bit_mgpu(*args, 0.1, num_splits=splits, max_slack=8.0, interpret=True)
-            assert not mgpu_interpret.races_found()
-            if splits > 1:
-                m, l, acc = out
-                out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1, interpret=True).swapaxes(1, 2)
-            assert relative_error(out.swapaxes(1, 2), want) < 1e-2, (name, splits)
+    check_max_slack(kind, interpret=True)
 
 
 def test_mosaic_8bit_decode_refuses_bad_max_slack():
