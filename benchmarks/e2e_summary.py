@@ -54,7 +54,8 @@ def decode_section(p: dict) -> list[str]:
     columns = ["batch", "prompt", "step ms", "tok/s", "tok/s, compiled step alone", "roofline tok/s", "of roofline",
                "target", "met"]
     bw = p["roofline"]["bytes_per_s"] / 1e12
-    lines = [f"## Decode (steady state; roofline = bytes a step must read / {bw:.2f} TB/s)", "",
+    source = f", {p['bandwidth']['source']}" if p.get("bandwidth") else ""
+    lines = [f"## Decode (steady state; roofline = bytes a step must read / {bw:.2f} TB/s{source})", "",
              markdown_table(table, columns)]
     measured = {(r["batch"], r["prompt"]) for r in rows}
     skipped = {(s["batch"], s["prompt"]): s["reason"] for s in p.get("skipped", [])}
@@ -77,13 +78,15 @@ def hf_section(p: dict) -> list[str]:
               "transformers tok/s": f"{r['hf_tok_per_s']:,.1f}", "dsjax tok/s": f"{r['dsjax_tok_per_s']:,.1f}",
               "speedup": f"{r['speedup']:.1f}x"} for r in p["rows"]]
     hf = p["hf"]
-    lines = [head, "", markdown_table(table, list(table[0])), "",
+    lines = [head, "", markdown_table(table, list(table[0])) if table else "No batch was measured.", "",
              f"transformers {hf['transformers']}, torch {hf['torch']}, {hf['dtype']}, attention "
              f"{hf['attn_implementation']}, experts {hf['experts_implementation']}; tok/s = generated tokens / "
              f"wall time of one generate call (prefill included), for both. Weights: {hf['weights']}."]
     check = p.get("greedy_check")
     if check:
         lines.append(f"Greedy tokens equal on {check['rows_equal']}/{check['rows']} rows.")
+    for s in p.get("skipped_batches", []):
+        lines.append(f"Batch {s['batch']} skipped: {s['reason']}.")
     return lines
 
 

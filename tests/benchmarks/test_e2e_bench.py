@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 import dsjax
+from benchmarks.common import copy_bytes_per_s
 from benchmarks.e2e_decode import skip_reason
 from benchmarks.e2e_summary import summary_markdown
 from benchmarks.roofline import (H200_BYTES_PER_S, all_weight_bytes, batch_touching_fraction, decode_step_bytes,
@@ -168,13 +169,54 @@ def test_summary_marks_targets(results):
 
 def test_one_scenario_alone(tmp_path, capsys):
     """Same engine settings as the fixture's, so its compiled steps come from the compilation cache."""
-    written = bench_main(["decode-curve", *GRID, "--prompts", "8", "--out-dir", str(tmp_path)])
+    written = bench_main(["decode-curve", *GRID, "--prompts", "8", "--bandwidth", "2e12", "--out-dir", str(tmp_path)])
     assert sorted(p.name for p in written) == ["e2e_decode_curve_test.json", "e2e_decode_curve_test_latency.png",
                                                "e2e_decode_curve_test_throughput.png", "e2e_summary_test.md"]
-    rows = json.loads((tmp_path / "e2e_decode_curve_test.json").read_text())["rows"]
-    assert [(r["batch"], r["prompt"]) for r in rows] == [(1, 8), (2, 8)]
-    assert "## Mixed" not in (tmp_path / "e2e_summary_test.md").read_text()
+    payload = json.loads((tmp_path / "e2e_decode_curve_test.json").read_text())
+    assert [(r["batch"], r["prompt"]) for r in payload["rows"]] == [(1, 8), (2, 8)]
+    assert payload["bandwidth"]["source"] == "given (--bandwidth)" and payload["roofline"]["bytes_per_s"] == 2e12
+    for r in payload["rows"]:
+        assert r["roofline_step_ms"] == pytest.approx(r["bytes_per_step"] / 2e12 * 1e3)
+    summary = (tmp_path / "e2e_summary_test.md").read_text()
+    assert "## Mixed" not in summary and "/ 2.00 TB/s, given (--bandwidth))" in summary
     assert "wrote" in capsys.readouterr().out
+
+
+def test_roofline_bandwidth_on_cpu_is_the_h200_anchor(results):
+    out, _ = results
+    bandwidth = load(out, "decode_curve")["bandwidth"]
+    assert bandwidth == {"measured_copy_bytes_per_s": None, "bytes_per_s": H200_BYTES_PER_S,
+                         "source": "the H200 anchor (issue #8's measured copy rate)"}
+
+
+def test_copy_bytes_per_s_is_a_rate():
+    rate = copy_bytes_per_s(2**20, repeats=2)
+    assert 1e6 < rate < 1e14  # bytes read + written a second, on whatever device runs the tests
+    with pytest.raises(ValueError, match="size_bytes=2: accepted at least one 4-byte element"):
+        copy_bytes_per_s(2)
+
+
+def test_hf_baseline_batch_out_of_memory_is_skipped(tmp_path, monkeypatch):
+    """A batch transformers cannot fit beside the engine is recorded with its reason; the others still run."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import benchmarks.hf_baseline as hf
+
+    real = hf.hf_generate
+
+    def squeezed(model, prompts, new_tokens, pad_token_id):
+        if prompts.shape[0] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.06 GiB.\nmore")
+        return real(model, prompts, new_tokens, pad_token_id)
+
+    monkeypatch.setattr(hf, "hf_generate", squeezed)
+    bench_main(["hf-baseline", *GRID, "--out-dir", str(tmp_path)])
+    payload = json.loads((tmp_path / "e2e_hf_baseline_test.json").read_text())
+    assert [r["batch"] for r in payload["rows"]] == [1]
+    (skip,) = payload["skipped_batches"]
+    assert skip["batch"] == 2 and "Tried to allocate 2.06 GiB." in skip["reason"] and "more" not in skip["reason"]
+    assert payload["greedy_check"]["rows"] == 1 and payload["greedy_check"]["match"]
+    assert "Batch 2 skipped: transformers ran out of device memory" in (tmp_path / "e2e_summary_test.md").read_text()
 
 
 def test_decode_curve_in_multi_step_chunks(tmp_path):
