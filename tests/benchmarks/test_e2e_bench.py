@@ -206,7 +206,7 @@ def test_hf_baseline_batch_out_of_memory_is_skipped(tmp_path, monkeypatch):
 
     def squeezed(model, prompts, new_tokens, pad_token_id):
         if prompts.shape[0] == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.06 GiB.\nmore")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.06 GiB.\nsecond line")
         return real(model, prompts, new_tokens, pad_token_id)
 
     monkeypatch.setattr(hf, "hf_generate", squeezed)
@@ -214,7 +214,7 @@ def test_hf_baseline_batch_out_of_memory_is_skipped(tmp_path, monkeypatch):
     payload = json.loads((tmp_path / "e2e_hf_baseline_test.json").read_text())
     assert [r["batch"] for r in payload["rows"]] == [1]
     (skip,) = payload["skipped_batches"]
-    assert skip["batch"] == 2 and "Tried to allocate 2.06 GiB." in skip["reason"] and "more" not in skip["reason"]
+    assert skip["batch"] == 2 and "Tried to allocate 2.06 GiB." in skip["reason"] and "second line" not in skip["reason"]
     assert payload["greedy_check"]["rows"] == 1 and payload["greedy_check"]["match"]
     assert "Batch 2 skipped: transformers ran out of device memory" in (tmp_path / "e2e_summary_test.md").read_text()
 
