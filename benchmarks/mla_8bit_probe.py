@@ -10,8 +10,6 @@ an int8 cache.
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
     python -m benchmarks.mla_8bit_probe --timings           # variant timings only (a minute)
-    python -m benchmarks.mla_8bit_probe --release-fence     # the proxy fence off / on, in turns
-    python -m benchmarks.mla_8bit_probe --max-slack         # the column max every step / within 8 log2 units
 """
 import os
 import sys
@@ -90,11 +88,6 @@ DENOMINATOR_VARIANTS = [dict(compute_wgs=wgs, num_splits=2, defer_sum=defer_sum)
 # slot 30 times) and two:
 FENCE_VARIANTS = [dict(num_splits=splits, release_fence=fence) for splits in (2, 1) for _ in range(2)
                   for fence in (False, True)]
-
-# The softmax's reference point kept within 8 log2 units (MAX_SLACK, built off) and the column max every step
-# (as built), in turns, with 2 splits and one:
-SLACK_VARIANTS = [dict(num_splits=splits, max_slack=slack) for splits in (2, 1) for _ in range(2)
-                  for slack in (None, 8.0)]
 
 
 def timings(inputs, variants):
@@ -183,8 +176,6 @@ def main():
         return timings(inputs, DENOMINATOR_VARIANTS)
     if "--release-fence" in sys.argv[1:]:
         return timings(inputs, FENCE_VARIANTS)
-    if "--max-slack" in sys.argv[1:]:
-        return timings(inputs, SLACK_VARIANTS)
     errors([2, 1, 4])
     # the rows dequantized beside them (four warpgroups and the chunk / splits sweep: sessions 21-23,
     # docs/kv_memory.md)

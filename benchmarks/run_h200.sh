@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-slack|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -445,11 +445,6 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
               # session 53, found by the interpret mode's race detection): its GPU test, then unfenced / fenced in turns
     timeout 200 python -m pytest -q -x tests/gpu/test_kernels_gpu.py -k "test_mla_decode_8bit_mosaic_gpu" 2>&1 | tail -3
     timeout 200 python -m benchmarks.mla_8bit_probe --release-fence 2>&1 | grep -v Warning | tee "$OUT/mla8_fence.txt" | tail -20 ;;
-  mla8-slack) # the 8-bit kernel's softmax reference point kept within 8 log2 units (mla_decode_8bit_mgpu.MAX_SLACK,
-              # built off: a warpgroup vote in place of the column max in most steps): its GPU tests, then the column
-              # max every step / the slack, in turns, 2 splits and 1 (~3 minutes)
-    timeout 200 python -m pytest -q tests/gpu/test_kernels_gpu.py -k "max_slack" 2>&1 | tail -3
-    timeout 200 python -m benchmarks.mla_8bit_probe --max-slack 2>&1 | grep -v Warning | tee "$OUT/mla8_slack.txt" | tail -20 ;;
   wgmma)      # one wgmma's cost by N (few-head decode's heads): 1-2 warpgroups an SM, A in smem / registers (a minute)
     timeout 200 python -m benchmarks.wgmma_probe --out "$OUT/wgmma_probe_h200.json" 2>&1 | grep -v Warning | tail -24 ;;
   mla8-many)  # the many-head Mosaic decode kernel over bf16 / int8 / fp8 caches, traces of bf16 and int8 (a minute)

@@ -528,11 +528,10 @@ def _mla_attention_8bit_mosaic(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tab
 
 
 def combine_splits(m, l, acc, dtype, *, splits_axis: int, num_heads: int | None = None, interpret: bool = False):
-    """Merges flash-decoding partials: m, l f32 (log2-unit reference point, the running max or one within the
-    8-bit kernel's ``max_slack`` of it; the softmax denominator against it) and acc f32 (unnormalized output),
-    laid out [B, H, S] / [B, H, S, C] (splits_axis=2, the Triton kernel) or [B, S, H] / [B, S, H, C]
-    (splits_axis=1, the Mosaic kernel) -> [B, H, C] in ``dtype``; only the first ``num_heads`` heads (the rest
-    are padding)."""
+    """Merges flash-decoding partials: m, l f32 (log2-unit running max, softmax denominator) and acc f32
+    (unnormalized output), laid out [B, H, S] / [B, H, S, C] (splits_axis=2, the Triton kernel) or
+    [B, S, H] / [B, S, H, C] (splits_axis=1, the Mosaic kernel) -> [B, H, C] in ``dtype``; only the first
+    ``num_heads`` heads (the rest are padding)."""
     if splits_axis == 2:
         batch, _, num_splits, latent_dim = acc.shape
         row, row_block = (lambda h, c, b: (b, h, 0)), (None, None, num_splits)

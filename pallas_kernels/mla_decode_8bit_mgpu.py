@@ -83,11 +83,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic import gpu as mgpu
-from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax._src.lib.mlir import ir  # the MLIR of an inline_mgpu body (_any_above)
-from jax._src.lib.mlir.dialects import arith, vector
 
 from pallas_kernels import mgpu_interpret
 from pallas_kernels.common import why_not_hopper
@@ -133,14 +129,6 @@ DEFER_SUM = True
 # context, unfenced / fenced in turns): 2 splits int8 93.9, 89.7 / 89.0, 90.6 us, fp8 85.9, 88.9 / 88.9, 87.8
 # (within the run-to-run swing); 1 split ~1-3 us (1-2%) slower fenced.
 RELEASE_FENCE = True
-# The softmax's reference point, kept while no score passes it by more than this many log2 units (None: the
-# column max every step). A step then takes one warpgroup vote (``bar.red.or`` on the thread's "any score above
-# m + slack") in place of the cross-warp max; only a step that passes it reduces and rescales. P and the
-# denominators stay exact relative to m and at most 2^slack a term (f16 P has 2^16 of range), and a split's
-# partial m is still the reference its l and acc are taken against, so combine_splits merges them unchanged.
-# Built off until timed (`python -m benchmarks.mla_8bit_probe --max-slack`).
-MAX_SLACK: float | None = None
-_MAX_SLACK_LIMIT = 12.0  # fp8's f16 P x the token's scale (amax / 448) below 2^12 x scale: 2^4 of f16's 2^16 left
 _M_INIT = float(jnp.finfo(jnp.float32).min)
 _LOG2E = math.log2(math.e)
 
@@ -187,27 +175,6 @@ def _column_reduce(op: str, x, scratch):
     return reduce(x, scratch)
 
 
-def _any_above(x):
-    """Whether any entry of x [64, H] f32 (WGMMA layout) is above zero, the same i32 (0 / 1) in every thread
-    of the calling warpgroup: each thread's own entries, then one ``bar.red.or.pred`` on the warpgroup's
-    named barrier (the one Mosaic GPU's warpgroup barriers use) in place of a cross-warp reduction."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                       return_type=plgpu.ShapeDtypeStruct((), jnp.int32, layout=plgpu.Layout.WG_SPLAT(shape=())))
-    @mgpu_interpret.stand_in(lambda x: jnp.any(x > 0).astype(jnp.int32))
-    def vote(_, x):
-        f32, i1, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(1), ir.IntegerType.get_signless(32)
-        registers = list(x.registers.flat)
-        top = functools.reduce(arith.maximumf, registers)
-        if isinstance(top.type, ir.VectorType):
-            top = vector.reduction(f32, vector.CombiningKind.MAXIMUMF, top)
-        above = arith.cmpf(arith.CmpFPredicate.OGT, top, arith.constant(f32, 0.0))
-        anywhere = mgpu_utils.inline_ptx(f"bar.red.or.pred $0, $1, {mgpu_utils.WARPGROUP_SIZE}, $2;",
-                                         mgpu_utils.warpgroup_barrier_idx(sync=False), above, result_types=i1,
-                                         has_side_effects=True)
-        return mgpu.FragmentedArray.splat(arith.extui(i32, anywhere), (), is_signed=True)
-    return vote(x)
-
-
 def _smem(shape, dtype):
     """Shared memory in the tiled, swizzled layout TMA and wgmma read: rows of the widest swizzle
     (32, 64 or 128 bytes) that the minor dimension fills."""
@@ -220,7 +187,7 @@ def _smem(shape, dtype):
 def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_ref, ks_ref, *refs,
             table_width: int, slabs_per_page: int, scale_log2e: float, num_splits: int, num_heads: int,
             stages: int, chunk: int, dequantize: bool, compute_wgs: int, defer_sum: bool,
-            release_fence: bool, max_slack: float | None):
+            release_fence: bool):
     outs, sm = refs[:-1], refs[-1]  # sm: the shared memory and barriers, by name (see mla_decode_8bit_mgpu)
     split, t = lax.axis_index("s"), lax.axis_index("t")
     wg = lax.axis_index("wg")
@@ -307,12 +274,7 @@ def _kernel(tables_ref, seq_ids_ref, lengths_ref, q_ref, qpe_ref, c8_ref, kpe_re
                 tokens = plgpu.broadcasted_iota(jnp.int32, (BLOCK_K, num_heads), 0, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(tokens < end - (start + i * BLOCK_K), s * scale_log2e, -jnp.inf)
                 with jax.named_scope("max"):
-                    if max_slack is None:
-                        m_new = jnp.maximum(m, _column_reduce("max", s, reduce_smem))
-                    else:  # every warpgroup sees the same s and m, so all take the same branch
-                        grows = _any_above(s - lax.broadcast_in_dim(m + max_slack, s.shape, [1]))
-                        m_new = lax.cond(grows != 0, lambda: jnp.maximum(m, _column_reduce("max", s, reduce_smem)),
-                                         lambda: m)
+                    m_new = jnp.maximum(m, _column_reduce("max", s, reduce_smem))
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [1]))
                 if defer_sum:  # each thread keeps its tokens' terms: no cross-warp round in the step
@@ -380,8 +342,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
                          num_splits: int, stages: int | None = None, chunk: int = CHUNK,
                          dequantize: bool | None = None, compute_wgs: int = COMPUTE_WGS,
                          defer_sum: bool = DEFER_SUM, release_fence: bool = RELEASE_FENCE,
-                         max_slack: float | None = MAX_SLACK, profile_dir: str | None = None,
-                         interpret: bool = False):
+                         profile_dir: str | None = None, interpret: bool = False):
     """q_latent [T, H, 512], q_pe [T, H, 64] (bf16), c_kv [N, bs, 512] int8 | float8_e4m3fn, k_pe
     [N, bs, 64] bf16, c_kv_scale f32[N, bs, 1], block_tables i32[S, W], seq_ids i32[T], lengths i32[T]
     (keys 0..length-1 attended) -> with one split O^T [T, 512, H] bf16; else partials (m f32[T, splits,
@@ -392,9 +353,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     ``compute_wgs``: compute warpgroups (1, 2 or 4), each taking 512 / n latent columns of every slab;
     ``defer_sum``: the softmax denominators kept as per-token terms in registers and summed down the
     tokens once, after the loop (one cross-warp reduction a step fewer), else summed every step;
-    ``release_fence``: a proxy fence before each ring slot's reload (``RELEASE_FENCE``); ``max_slack``: log2
-    units a score may pass the softmax's reference point before a step takes the column max (``MAX_SLACK``;
-    None: every step); ``profile_dir``:
+    ``release_fence``: a proxy fence before each ring slot's reload (``RELEASE_FENCE``); ``profile_dir``:
     a folder where Mosaic GPU writes a per-warpgroup trace of the kernel's named scopes (a Perfetto JSON);
     ``interpret``: run on the CPU (``mgpu_interpret``)."""
     if dequantize is None:
@@ -411,9 +370,6 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
     dot_dtype = jnp.float16 if jnp.dtype(c_kv.dtype) == jnp.float8_e4m3fn and not dequantize else bf16
     if compute_wgs not in _COMPUTE_REGISTERS:
         raise ValueError(f"compute_wgs={compute_wgs} is not one of {tuple(_COMPUTE_REGISTERS)}")
-    if max_slack is not None and not 0 < max_slack <= _MAX_SLACK_LIMIT:
-        raise ValueError(f"max_slack={max_slack} is not None or in (0, {_MAX_SLACK_LIMIT}] (log2 units a score may "
-                         f"pass the softmax's reference point: P reaches 2^max_slack)")
     width = LATENT_DIM // compute_wgs
     if chunk % 128 or width % min(chunk, width):
         raise ValueError(f"chunk={chunk} is not a multiple of 128 (an 8-bit row tile) dividing the "
@@ -460,8 +416,7 @@ def mla_decode_8bit_mgpu(q_latent, q_pe, c_kv, k_pe, c_kv_scale, block_tables, s
         sm["kbf"], sm["out"] = sm.pop("union")
         _kernel(*refs[:-1], sm, table_width=block_tables.shape[1], slabs_per_page=slabs_per_page,
                 scale_log2e=scale * _LOG2E, num_splits=num_splits, num_heads=num_heads, stages=stages, chunk=chunk,
-                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum, release_fence=release_fence,
-                max_slack=max_slack)
+                dequantize=dequantize, compute_wgs=compute_wgs, defer_sum=defer_sum, release_fence=release_fence)
 
     return plgpu.kernel(
         kernel,

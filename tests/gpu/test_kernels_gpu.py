@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.pallas_kernels.kernel_utils import check_max_slack
 from tests.pallas_kernels.kernel_utils import relative_error as _rel
 
 pytestmark = pytest.mark.gpu
@@ -101,13 +100,6 @@ def test_mla_decode_8bit_mosaic_gpu(kind, heads, block_size, num_splits):
     np.testing.assert_array_equal(np.asarray(auto, np.float32), np.asarray(got, np.float32))
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_mla_decode_8bit_max_slack_gpu(kind):
-    """The 8-bit kernel's ``max_slack`` compiled (its vote is PTX's bar.red.or, which interpret mode stands in
-    for): kept and passed reference points (``slack_cases``), with one split and with partials."""
-    check_max_slack(kind, interpret=False)
-
-
 def _check_many_heads(q, q_pe, stored, k_pe, scale, tables, lengths, want):
     """mla_decode_mgpu over the 8-bit cache against the reference, with one split and with partials."""
     from pallas_kernels import mla_decode_mgpu
@@ -127,21 +119,21 @@ def _check_8bit_variants(q, q_pe, stored, k_pe, scale, tables, lengths, want, co
     """The few-head 8-bit Mosaic kernel with each count of compute warpgroups against the reference: both
     places for the scale, with one split and (the default scale placement) with split partials; the
     denominators summed after the loop (the default) and, with the default scale placement and two
-    warpgroups, every step; with the release fence (as built) and, once, without; once with ``max_slack``."""
+    warpgroups, every step; with the release fence (as built) and, once, without."""
     from pallas_kernels.mla_decode import combine_splits
     from pallas_kernels.mla_decode_8bit_mgpu import mla_decode_8bit_mgpu
 
-    variants = [(d, w, True, True, None) for d, w in itertools.product((False, True), compute_wgs)]
-    variants += [(False, 2, False, True, None), (False, 2, True, False, None), (False, 2, True, True, 8.0)]
-    for dequantize, wgs, defer_sum, fence, slack in variants:
+    variants = [(d, w, True, True) for d, w in itertools.product((False, True), compute_wgs)]
+    variants += [(False, 2, False, True), (False, 2, True, False)]
+    for dequantize, wgs, defer_sum, fence in variants:
         for splits in (1, 2) if not dequantize else (1,):
             out = mla_decode_8bit_mgpu(q, q_pe, stored, k_pe, scale, tables, jnp.arange(len(lengths), dtype=jnp.int32),
                                        lengths, 0.1, num_splits=splits, dequantize=dequantize, compute_wgs=wgs,
-                                       defer_sum=defer_sum, release_fence=fence, max_slack=slack)
+                                       defer_sum=defer_sum, release_fence=fence)
             if splits > 1:
                 m, l, acc = out
                 out = combine_splits(m, l, acc.swapaxes(2, 3), jnp.float32, splits_axis=1).swapaxes(1, 2)
-            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, splits, defer_sum, fence, slack)
+            assert _rel(out.swapaxes(1, 2), want) < 2e-2, (dequantize, wgs, splits, defer_sum, fence)
 
 
 @pytest.mark.parametrize("kind, impl", [("int8", "mosaic"), ("fp8", "auto")])
