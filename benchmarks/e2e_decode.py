@@ -121,10 +121,17 @@ def explain(model_config, rows: list[dict], dtype_bytes: int, bytes_per_s: float
         flat = max(r["batch"] for r in curve if r["step_ms"] <= 1.5 * lo["step_ms"])
         line = (f"Measured, prompt {prompt}: {lo['tok_per_s']:,.0f} tok/s at batch {lo['batch']} "
                 f"({percent(lo['roofline_fraction'])} of its roofline) to {hi['tok_per_s']:,.0f} at batch "
-                f"{hi['batch']} ({percent(hi['roofline_fraction'])}); the step stays within 1.5x of batch "
-                f"{lo['batch']}'s {lo['step_ms']:.2f} ms " +
-                (f"up to batch {flat}, then reaches {hi['step_ms']:.2f} ms" if flat < hi["batch"]
-                 else f"at every batch measured ({hi['step_ms']:.2f} ms at batch {hi['batch']})"))
+                f"{hi['batch']} ({percent(hi['roofline_fraction'])}); ")
+        base = f"batch {lo['batch']}'s {lo['step_ms']:.2f} ms"
+        if flat == hi["batch"]:
+            line += f"the step stays within 1.5x of {base} at every batch measured ({hi['step_ms']:.2f} ms at " \
+                    f"batch {hi['batch']})"
+        elif flat == lo["batch"]:
+            nxt = curve[1]
+            line += f"the step passes 1.5x of {base} already at batch {nxt['batch']} ({nxt['step_ms']:.2f} ms) " \
+                    f"and reaches {hi['step_ms']:.2f} ms at batch {hi['batch']}"
+        else:
+            line += f"the step stays within 1.5x of {base} up to batch {flat}, then reaches {hi['step_ms']:.2f} ms"
         if hi.get("host_ms") is not None and overlapped:
             line += (f"; with async scheduling the host's work (schedule, pack, fetch) overlaps the device step: "
                      f"the engine step is {lo['step_ms'] / lo['device_step_ms']:.2f}x the compiled step alone at "

@@ -14,7 +14,7 @@ import pytest
 
 import dsjax
 from benchmarks.common import copy_bytes_per_s
-from benchmarks.e2e_decode import skip_reason
+from benchmarks.e2e_decode import explain, skip_reason
 from benchmarks.e2e_summary import summary_markdown
 from benchmarks.roofline import (H200_BYTES_PER_S, all_weight_bytes, batch_touching_fraction, decode_step_bytes,
                                  expected_experts_touched, kv_bytes_per_token)
@@ -82,6 +82,19 @@ def test_skip_reason_names_what_does_not_fit():
     assert "max_num_seqs=4" in skip_reason(llm, 8, 16, 4)
     assert "max_model_len=128" in skip_reason(llm, 1, 124, 4)
     assert "KV does not fit" in skip_reason(llm, 4, 60, 4)
+
+
+@pytest.mark.parametrize("steps, says", [
+    ((1.0, 1.2, 1.4), "the step stays within 1.5x of batch 1's 1.00 ms at every batch measured (1.40 ms at batch 4)"),
+    ((1.0, 1.2, 2.0), "the step stays within 1.5x of batch 1's 1.00 ms up to batch 2, then reaches 2.00 ms"),
+    ((1.0, 1.7, 2.0), "the step passes 1.5x of batch 1's 1.00 ms already at batch 2 (1.70 ms) and reaches 2.00 ms "
+                      "at batch 4"),
+])
+def test_explain_says_where_the_step_grows(steps, says):
+    rows = [{"batch": b, "prompt": 8, "step_ms": ms, "tok_per_s": b / ms * 1e3, "roofline_fraction": 0.5}
+            for b, ms in zip((1, 2, 4), steps)]
+    (line,) = [x for x in explain(TINY, rows, 4, H200_BYTES_PER_S) if x.startswith("Measured")]
+    assert says in line
 
 
 # ----- the scenarios on CPU ------------------------------------------------------------------------
