@@ -117,7 +117,8 @@ def run_hf_baseline(llm, settings) -> dict:
         except torch.OutOfMemoryError as e:
             # transformers beside the engine's weights and KV pool (one process: a device under ~100 GB):
             # this batch is recorded as skipped, the rest of the run goes on.
-            reason = (f"transformers ran out of device memory beside the dsjax engine ({str(e).splitlines()[0]}); a "
+            said = ". ".join(str(e).splitlines()[0].split(". ")[:2]).rstrip(".")  # torch's first two sentences
+            reason = (f"transformers ran out of device memory beside the dsjax engine ({said}.); a "
                       "smaller engine (--kv-cache-gib, XLA_PYTHON_CLIENT_MEM_FRACTION) leaves it more")
             skipped.append({"batch": batch, "reason": reason})
             print(f"  hf-baseline b{batch}: skipped ({reason})", flush=True)

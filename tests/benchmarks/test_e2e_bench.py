@@ -171,11 +171,23 @@ def test_summary_marks_targets(results):
     decode = load(out, "decode_curve")
     decode["targets"] = [{"batch": 1, "prompt": 8, "tok_per_s": 1e-3}, {"batch": 2, "prompt": 8, "tok_per_s": 1e15},
                          {"batch": 64, "prompt": 8, "tok_per_s": 1.0}]
-    text = summary_markdown({"decode-curve": decode}, {"decode-curve": "e2e_decode_curve_test"})
-    rows = {line.split("|")[1].strip() + "/" + line.split("|")[2].strip(): line for line in text.splitlines()
-            if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+
+    def table_rows(text):
+        return {line.split("|")[1].strip() + "/" + line.split("|")[2].strip(): line for line in text.splitlines()
+                if line.startswith("| ") and line.split("|")[1].strip().isdigit()}
+
+    text = summary_markdown({"decode-curve": {**decode, "device": "NVIDIA H200"}},
+                            {"decode-curve": "e2e_decode_curve_test"})
+    rows = table_rows(text)
     assert rows["1/8"].endswith("| yes |") and rows["2/8"].endswith("| miss |")
     assert "Target batch 64, prompt 8 (>= 1 tok/s): not measured (not in this grid)." in text
+    assert "not judged" not in text
+    # On another device the H200's targets stand beside their points, unjudged.
+    text = summary_markdown({"decode-curve": {**decode, "device": "NVIDIA H100 80GB HBM3"}},
+                            {"decode-curve": "e2e_decode_curve_test"})
+    rows = table_rows(text)
+    assert rows["2/8"].endswith("| >= 1,000,000,000,000,000 | (for an H200) |")
+    assert "set for one H200: not judged on NVIDIA H100 80GB HBM3." in text
 
 
 # ----- the entry point -----------------------------------------------------------------------------
@@ -219,7 +231,8 @@ def test_hf_baseline_batch_out_of_memory_is_skipped(tmp_path, monkeypatch):
 
     def squeezed(model, prompts, new_tokens, pad_token_id):
         if prompts.shape[0] == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.06 GiB.\nsecond line")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.06 GiB. GPU 0 has a total "
+                                         "capacity of 79.18 GiB.\nsecond line")
         return real(model, prompts, new_tokens, pad_token_id)
 
     monkeypatch.setattr(hf, "hf_generate", squeezed)
@@ -227,7 +240,8 @@ def test_hf_baseline_batch_out_of_memory_is_skipped(tmp_path, monkeypatch):
     payload = json.loads((tmp_path / "e2e_hf_baseline_test.json").read_text())
     assert [r["batch"] for r in payload["rows"]] == [1]
     (skip,) = payload["skipped_batches"]
-    assert skip["batch"] == 2 and "Tried to allocate 2.06 GiB." in skip["reason"] and "second line" not in skip["reason"]
+    assert skip["batch"] == 2 and "(CUDA out of memory. Tried to allocate 2.06 GiB.)" in skip["reason"]
+    assert "capacity" not in skip["reason"] and "second line" not in skip["reason"]
     assert payload["greedy_check"]["rows"] == 1 and payload["greedy_check"]["match"]
     assert "Batch 2 skipped: transformers ran out of device memory" in (tmp_path / "e2e_summary_test.md").read_text()
 
