@@ -10,6 +10,7 @@ an int8 cache.
     OUT=/tmp/probe python -m benchmarks.mla_8bit_probe      # or: bash benchmarks/run_h200.sh mla8
     python -m benchmarks.mla_8bit_probe --many-heads        # or: bash benchmarks/run_h200.sh mla8-many
     python -m benchmarks.mla_8bit_probe --timings           # variant timings only (a minute)
+    python -m benchmarks.mla_8bit_probe --release-fence     # the proxy fence off / on, in turns
 """
 import os
 import sys
