@@ -153,7 +153,8 @@ def percent(fraction: float) -> str:
 
 
 def plot_decode_curve(payload: dict, directory: Path, name: str) -> list[Path]:
-    """<name>_throughput.png (tok/s against batch, roofline dashed, targets starred) and <name>_latency.png."""
+    """<name>_throughput.png (tok/s against batch, roofline dashed, issue #8's H200 targets starred) and
+    <name>_latency.png."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -179,7 +180,7 @@ def plot_decode_curve(payload: dict, directory: Path, name: str) -> list[Path]:
             for target in payload.get("targets", []):
                 batch, prompt, target = target["batch"], target["prompt"], target["tok_per_s"]
                 ax.plot([batch], [target], "k*", markersize=11)
-                ax.annotate(f"target b{batch}, prompt {prompt}", (batch, target), textcoords="offset points",
+                ax.annotate(f"H200 target b{batch}, prompt {prompt}", (batch, target), textcoords="offset points",
                             xytext=(6, -10), fontsize=8, ha="right" if batch == max(r["batch"] for r in rows) else "left")
         ax.set_xscale("log", base=2)
         batches = sorted({r["batch"] for r in rows})
