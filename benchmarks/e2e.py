@@ -33,7 +33,7 @@ from benchmarks.common import RESULTS, copy_bytes_per_s, environment, write_resu
 from benchmarks.decode_probe import decode_len
 from benchmarks.e2e_decode import plot_decode_curve, run_decode_curve
 from benchmarks.e2e_mixed import plot_mixed, run_mixed, workload
-from benchmarks.e2e_summary import summary_markdown
+from benchmarks.e2e_summary import TARGET_DEVICE, summary_markdown
 from benchmarks.hf_baseline import WEIGHTS, plot_hf_baseline, run_hf_baseline
 from benchmarks.roofline import H200_BYTES_PER_S
 from dsjax import LLM, load_config
@@ -229,14 +229,11 @@ def roofline_bandwidth(settings: Settings) -> dict:
     issue's anchor (4.27 TB/s, which the targets are 70% of); on another GPU this run's measured copy
     rate, so its roofline fractions are its own; on CPU the H200 anchor (the tiny preset's fractions only
     exercise the code). On a GPU the measured copy rate is recorded beside it either way."""
-    if jax.default_backend() == "cpu":
-        measured = None
-    else:
-        measured = copy_bytes_per_s()
+    measured = None if jax.default_backend() == "cpu" else copy_bytes_per_s()
     info = {"measured_copy_bytes_per_s": measured}
     if settings.bandwidth is not None:
         return {**info, "bytes_per_s": settings.bandwidth, "source": "given (--bandwidth)"}
-    if measured is None or "h200" in jax.devices()[0].device_kind.lower():
+    if measured is None or TARGET_DEVICE in jax.devices()[0].device_kind:
         return {**info, "bytes_per_s": H200_BYTES_PER_S, "source": "the H200 anchor (issue #8's measured copy rate)"}
     return {**info, "bytes_per_s": measured, "source": "this device's copy rate, measured in this run"}
 

@@ -47,8 +47,12 @@ def decode_section(p: dict) -> list[str]:
     table = []
     for r in chosen:
         target = goal.get((r["batch"], r["prompt"]))
-        met = "" if not target else ("yes" if r["tok_per_s"] >= target else "miss") if judged else \
-            f"(for an {TARGET_DEVICE})"
+        if not target:
+            met = ""
+        elif judged:
+            met = "yes" if r["tok_per_s"] >= target else "miss"
+        else:
+            met = f"(for an {TARGET_DEVICE})"
         table.append({
             "batch": r["batch"], "prompt": r["prompt"], "step ms": f"{r['step_ms']:.2f}",
             "tok/s": f"{r['tok_per_s']:,.0f}",
