@@ -126,6 +126,11 @@ CHUNK = 64  # cache tokens a phase-3 CTA takes (its scores are one [64 heads, 64
 NOPE, ROPE, LATENT, V_DIM = 128, 64, 512, 128  # the head dims the kernel is built for (DeepSeek-V2 / V3)
 HEADS = 16  # the heads the kernel takes (V2-Lite's): phase 3's query windows are 16 rows apart
 MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
+# A diagnostic (round 41, timing only, values wrong): phase 3's CTAs leave out their work from a point on, their
+# boxes still awaited and freed: "states" (the states' stores), "values" (the value products and the stores),
+# "all" (everything after the boxes land); "" as built.
+PROBE_CHUNK_CUT = ""
+CHUNK_CUTS = ("", "states", "values", "all")
 # Phase 3 reads the query windows by TMA (two copies, on the latent's barrier, which phase 2 alone uses) instead
 # of the warpgroup's loads: one round trip, ~60 ops of code against ~550-1600. The loads took 3.0-3.8 µs of a
 # chunk's ~8-16 traced (round 27); by TMA, 8 whole layers ran 61.76 / 64.3 µs a layer at positions 0 / 511
@@ -442,6 +447,12 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 lax.fori_loop(0, 9, product, None)
                 return acc_ref[...]
 
+            if PROBE_CHUNK_CUT not in CHUNK_CUTS:
+                raise ValueError(f"PROBE_CHUNK_CUT {PROBE_CHUNK_CUT!r}; accepted: {', '.join(map(repr, CHUNK_CUTS))}")
+            free_slots = lambda: [plgpu.barrier_arrive(free.at[slot]) for slot in slots]
+            if PROBE_CHUNK_CUT == "all":
+                free_slots()
+                return
             with jax.named_scope("scores"):  # the products, the softmax, P into shared memory
                 s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
                 valid = jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
@@ -453,6 +464,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 r.ml.at[layer, c, 1][...] = p.sum(axis=1)
                 sm.p[...] = p.astype(bf16)
                 plgpu.commit_smem()
+            if PROBE_CHUNK_CUT == "values":
+                free_slots()
+                return
             p_t = sm.p.at[pl.ds(0, num_heads)].transpose((1, 0))  # [64 tokens, H]
 
             def values(accs):
@@ -462,8 +476,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             zeros = plgpu.layout_cast(jnp.zeros((HALF, num_heads), f32), plgpu.Layout.WGMMA)
             with jax.named_scope("values"):
                 accs = pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
-            for slot in slots:
-                plgpu.barrier_arrive(free.at[slot])
+            free_slots()
+            if PROBE_CHUNK_CUT == "states":
+                return
             with jax.named_scope("states_out"):  # out^T by the warpgroup's own stores
                 for j, acc in enumerate(accs):
                     r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
