@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|l2-routed|in-phase|chunk-cuts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|scores-by-token|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -294,34 +294,29 @@ case $part in
     [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=$all")
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  l2-routed)  # round 41: would a routed tile stream faster with its first boxes in L2 when the layer routes? The
-              # batch-1 compiled step as built, with every layer's picks replaced by experts 0-5 after they are
-              # computed (decode_step_moe.PROBE_FIXED_ROUTING: wrong values, the same work), and with that fixed
-              # tile's first boxes prefetched into L2 (PROBE_L2_ROUTED) once the attention boxes are out or at the
-              # layer's start; one round (~9 minutes)
-    m=pallas_kernels.decode_step_moe
-    timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 1 --variant built --variant "fixed: $m.PROBE_FIXED_ROUTING=True" \
-      --variant "fixed, L2 8 front: $m.PROBE_FIXED_ROUTING=True $m.PROBE_L2_ROUTED=(8,'front')" \
-      --variant "fixed, L2 16 front: $m.PROBE_FIXED_ROUTING=True $m.PROBE_L2_ROUTED=(16,'front')" \
-      --variant "fixed, L2 8 start: $m.PROBE_FIXED_ROUTING=True $m.PROBE_L2_ROUTED=(8,'start')" \
-      --variant "fixed again: $m.PROBE_FIXED_ROUTING=True" \
-      --out "$OUT/step_ab_l2_routed_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  in-phase)  # round 41: parts of the phases deleted (wrong values, routing fixed to experts 0-5 so every variant
-             # reads the same bytes): every RMSNorm of rows without its reduction (decode_step_mgpu.PROBE_NO_NORM),
-             # phase 3's chunks computing nothing (decode_step_attention.PROBE_NO_CHUNK); one round (~7 minutes)
-    m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
-    timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 1 --variant "fixed: $m" --variant "fixed, no norm: $m pallas_kernels.decode_step_mgpu.PROBE_NO_NORM=True" \
-      --variant "fixed, no chunk: $m pallas_kernels.decode_step_attention.PROBE_CHUNK_CUT='all'" \
-      --variant "fixed again: $m" --out "$OUT/step_ab_in_phase_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_CHUNK_CUT; wrong values,
-               # routing fixed as in-phase): the states' stores, the value products and stores; one round (~6 minutes)
+  chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_CHUNK_CUT; values wrong,
+               # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:
+               # decode_step_moe.PROBE_FIXED_ROUTING): the states' stores, the value products and stores, everything
+               # after the chunk's boxes land; one round (~8 minutes)
     m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True a=pallas_kernels.decode_step_attention.PROBE_CHUNK_CUT
     timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 --variant "fixed: $m" --variant "fixed, no states out: $m $a='states'" \
-      --variant "fixed, no values: $m $a='values'" --variant "fixed again: $m" \
-      --out "$OUT/step_ab_chunk_cuts_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      --variant "fixed, no values: $m $a='values'" --variant "fixed, no chunk: $m $a='all'" \
+      --variant "fixed again: $m" --out "$OUT/step_ab_chunk_cuts_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  scores-by-token)  # session 58's phase-3 scores with the tokens on wgmma's M side (built off:
+                    # decode_step_attention.SCORES_BY_TOKEN): its GPU tests (the attention chain at positions 0-511
+                    # with 1, 3 or 9 chains, two whole layers), then the batch-1 compiled step as built and with it
+                    # (3 chains, 1 chain), 2 rounds in turns (~5 + 9 minutes: two calls, $2 = tests or ab)
+    a=pallas_kernels.decode_step_attention
+    case ${2:-tests} in
+      tests) timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "scores_by_token" 2>&1 \
+               | tee "$OUT/gpu_tests_scores_by_token.log" | tail -3 ;;
+      ab) timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+            --rounds 2 --variant built --variant "by token, 3 chains: $a.SCORES_BY_TOKEN=True $a.SCORE_CHAINS=3" \
+            --variant "by token, 1 chain: $a.SCORES_BY_TOKEN=True $a.SCORE_CHAINS=1" \
+            --out "$OUT/step_ab_scores_by_token_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      *) echo "scores-by-token: '$2'; accepted: tests, ab" >&2; exit 2 ;;
+    esac ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /

@@ -128,9 +128,20 @@ HEADS = 16  # the heads the kernel takes (V2-Lite's): phase 3's query windows ar
 MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 # A diagnostic (round 41, timing only, values wrong): phase 3's CTAs leave out their work from a point on, their
 # boxes still awaited and freed: "states" (the states' stores), "values" (the value products and the stores),
-# "all" (everything after the boxes land); "" as built.
+# "all" (everything after the boxes land); "" as built. Batch-1 compiled step, routing fixed
+# (decode_profile.md round 41): "all" 66 µs a step faster on the H200 (~2.4 µs a layer), "values" 6.2 and
+# "states" 4.2 on an H100: most of phase 3's time comes before the value products (the scores, the softmax).
 PROBE_CHUNK_CUT = ""
 CHUNK_CUTS = ("", "states", "values", "all")
+# Phase 3's scores with the chunk's tokens on wgmma's M side (built in session 58, off until timed):
+# S^T [64 tokens, H] = keys [64, 576] x the heads' query slices^T, in ``SCORE_CHAINS`` independent accumulators
+# (9 / SCORE_CHAINS products each), where as built S [64 rows, 64 tokens] takes 64 query rows of which the first
+# H are heads: 4x the tensor work at 16 heads (m64n64k16 against m64n16k16), in one chain of 36 instructions.
+# The softmax then runs down the tokens, across the warps (the max and the sum), and P^T is stored for the
+# value products as it was. Round 41's cut of phase 3's work saved ~2.4 µs a layer, most of it before the value
+# products. Read at trace time.
+SCORES_BY_TOKEN = False
+SCORE_CHAINS = 3  # with SCORES_BY_TOKEN: 1, 3 or 9 (each takes 9 / SCORE_CHAINS of the query's 64-column slices)
 # Phase 3 reads the query windows by TMA (two copies, on the latent's barrier, which phase 2 alone uses) instead
 # of the warpgroup's loads: one round trip, ~60 ops of code against ~550-1600. The loads took 3.0-3.8 µs of a
 # chunk's ~8-16 traced (round 27); by TMA, 8 whole layers ran 61.76 / 64.3 µs a layer at positions 0 / 511
@@ -439,23 +450,19 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 if QUERY_TMA:
                     plgpu.barrier_wait(sm.lat_bar.at[0])
 
-            def scores(acc_ref):
-                def product(j, _=None):
-                    key = ring.at[lax.rem(count + j // 2, RING), j % 2]
-                    plgpu.wgmma(acc_ref, sm.q.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
+            valid_tokens = lambda: jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
 
-                lax.fori_loop(0, 9, product, None)
-                return acc_ref[...]
+            def head_scores():  # as built: S [64 rows (the first H heads), 64 tokens], one chain
+                def scores(acc_ref):
+                    def product(j, _=None):
+                        key = ring.at[lax.rem(count + j // 2, RING), j % 2]
+                        plgpu.wgmma(acc_ref, sm.q.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
 
-            if PROBE_CHUNK_CUT not in CHUNK_CUTS:
-                raise ValueError(f"PROBE_CHUNK_CUT {PROBE_CHUNK_CUT!r}; accepted: {', '.join(map(repr, CHUNK_CUTS))}")
-            free_slots = lambda: [plgpu.barrier_arrive(free.at[slot]) for slot in slots]
-            if PROBE_CHUNK_CUT == "all":
-                free_slots()
-                return
-            with jax.named_scope("scores"):  # the products, the softmax, P into shared memory
+                    lax.fori_loop(0, 9, product, None)
+                    return acc_ref[...]
+
                 s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
-                valid = jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
+                valid = valid_tokens()
                 cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
                 s = jnp.where(cols < valid, s * scale_log2e, -jnp.inf)
                 m = s.max(axis=1)
@@ -463,6 +470,43 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 r.ml.at[layer, c, 0][...] = m
                 r.ml.at[layer, c, 1][...] = p.sum(axis=1)
                 sm.p[...] = p.astype(bf16)
+
+            def token_scores():  # SCORES_BY_TOKEN: S^T [64 tokens, H], SCORE_CHAINS chains
+                if 9 % SCORE_CHAINS:
+                    raise ValueError(f"SCORE_CHAINS {SCORE_CHAINS}; accepted: 1, 3, 9 (they share 9 products)")
+
+                def scores(accs):
+                    def products(i, _=None):
+                        for a, acc in enumerate(accs):
+                            j = i * SCORE_CHAINS + a
+                            key = ring.at[lax.rem(count + j // 2, RING), j % 2]
+                            plgpu.wgmma(acc, key, sm.q.at[pl.ds(j * 16, num_heads)].transpose((1, 0)))
+
+                    lax.fori_loop(0, 9 // SCORE_CHAINS, products, None)
+
+                zeros_t = plgpu.layout_cast(jnp.zeros((CHUNK, num_heads), f32), plgpu.Layout.WGMMA)
+                parts = pl.run_state(scores)(tuple(plgpu.ACC.init(zeros_t) for _ in range(SCORE_CHAINS)))
+                s = functools.reduce(lambda a, b: a + b, parts)
+                tokens = plgpu.broadcasted_iota(jnp.int32, (CHUNK, num_heads), 0, layout=plgpu.Layout.WGMMA)
+                s = jnp.where(tokens < valid_tokens(), s * scale_log2e, -jnp.inf)
+                m = s.max(axis=0)  # down the tokens: across the warps
+                p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [1]))
+                r.ml.at[layer, c, 0, pl.ds(0, num_heads)][...] = m
+                r.ml.at[layer, c, 1, pl.ds(0, num_heads)][...] = p.sum(axis=0)
+                sm.p.at[pl.ds(0, num_heads)].transpose((1, 0))[...] = p.astype(bf16)  # P^T's rows as before
+
+            if PROBE_CHUNK_CUT not in CHUNK_CUTS:
+                raise ValueError(f"PROBE_CHUNK_CUT {PROBE_CHUNK_CUT!r}; accepted: {', '.join(map(repr, CHUNK_CUTS))}")
+
+            def free_slots():
+                for slot in slots:
+                    plgpu.barrier_arrive(free.at[slot])
+
+            if PROBE_CHUNK_CUT == "all":
+                free_slots()
+                return
+            with jax.named_scope("scores"):  # the products, the softmax, P into shared memory
+                (token_scores if SCORES_BY_TOKEN else head_scores)()
                 plgpu.commit_smem()
             if PROBE_CHUNK_CUT == "values":
                 free_slots()

@@ -65,7 +65,6 @@ _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # its producers alone could save (``benchmarks.step_profile --variant``). H200, batch 1 (decode_profile.md round
 # 39): 0.57-0.93 µs a layer each, 4.7 for all six. Read at trace time.
 PROBE_NO_WAIT: tuple = ()
-PROBE_NO_NORM = False  # a diagnostic like PROBE_NO_WAIT: every RMSNorm of rows (``_normed``) without its reduction
 BARRIER_NAMES = ("phase1", "phase2", "phase3", "phase4", "o_proj", "layer")
 
 
@@ -176,8 +175,7 @@ def _normed(x, g, depth: int, eps: float):
     """The model's RMSNorm of the rows x (f32 holding bf16 values, one ``WG_STRIDED`` array of ``depth``
     elements) with weights g (f32, the same layout): x * 1 / rms rounded to bf16, times g (f32; the caller
     rounds it as it stores)."""
-    # PROBE_NO_NORM (round 41, timing only): no reduction, the rows scaled by 1: what the norm's sum costs
-    inv_rms = jnp.float32(1.0) if PROBE_NO_NORM else lax.rsqrt(jnp.sum(x * x) / depth + eps)
+    inv_rms = lax.rsqrt(jnp.sum(x * x) / depth + eps)
     return (x * inv_rms).astype(jnp.bfloat16).astype(jnp.float32) * g
 
 

@@ -138,15 +138,10 @@ PLANS = ("tiles", "dealt", "split")
 # V2-Lite's 176 tiles, 8 layers (round 23): the expert phase 43.7 µs a layer whole ("tiles"), 38.1 "dealt",
 # 36.9 "split"; the MoE half 47.4, 43.1 and 40.8; the layer tail (o_proj in front) 47.8 dealt, 46.6 split.
 EXPERT_PLAN = "split"
-# A probe for round 41 (timing only, the values wrong): would a routed tile stream faster if its first boxes were
-# in L2 when the layer routes? ``PROBE_FIXED_ROUTING``: the producer computes each layer's picks, then takes experts
-# 0 .. k - 1 instead (the same work, and every CTA's routed tile known ahead). ``PROBE_L2_ROUTED`` (boxes, at): each
-# CTA asks for the first ``boxes`` boxes of that tile to be read into L2, at the layer's start ("start") or once
-# its attention boxes are issued ("front"), while the attention phases leave HBM mostly idle. The gain over fixed
-# routing alone bounds what predicting the routing a phase early could give.
+# A diagnostic (round 41, timing only, the values wrong): the producer computes each layer's picks, then takes
+# experts 0 .. k - 1 instead (the same work), so that a probe which deletes work (``PROBE_NO_WAIT``,
+# ``decode_step_attention.PROBE_CHUNK_CUT``) cannot change which experts, and how many bytes, a layer reads.
 PROBE_FIXED_ROUTING = False
-PROBE_L2_ROUTED = (0, "front")
-PROBE_L2_AT = ("start", "front")
 # The producer picks a layer's experts by rank (``_rank_picks``: each thread counts the experts ahead of its
 # own, the picks come out of ceil(k / 5) packed sums); the computing warpgroup weighs them (``route_weights``),
 # off the routed boxes' path. H200, batch-1 compiled step (decode_profile.md round 30): 1.7443 ms against
@@ -427,29 +422,9 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
             return lax.fori_loop(first, end, box, count), routed
 
-        if PROBE_L2_ROUTED[0] and (PROBE_L2_ROUTED[1] not in PROBE_L2_AT or not PROBE_FIXED_ROUTING or not router):
-            raise ValueError(f"PROBE_L2_ROUTED {PROBE_L2_ROUTED!r}: 'at' is one of {', '.join(PROBE_L2_AT)}, and it "
-                             "takes PROBE_FIXED_ROUTING and the in-kernel router")
-
-        def l2_routed(layer):  # PROBE_L2_ROUTED: the fixed routing's tile of this CTA, its first boxes into L2
-            expert, i0 = lax.div(c, jnp.int32(routed_tiles)), lax.rem(c, jnp.int32(routed_tiles)) * HALF
-
-            def box(n, _):
-                k = lax.div(n, 2)
-                for h in range(2):
-                    for ref, kind_is in ((wg_ref, lax.rem(n, 2) == 0), (wu_ref, lax.rem(n, 2) == 1)):
-                        plgpu.async_prefetch(ref.at[layer, expert, pl.ds(k * STEP + h * HALF, HALF), pl.ds(i0, HALF)],
-                                             predicate=kind_is & (c < top_k * routed_tiles))
-
-            lax.fori_loop(0, PROBE_L2_ROUTED[0], box, None)
-
         def layer_loads(layer, count):
-            if PROBE_L2_ROUTED[0] and PROBE_L2_ROUTED[1] == "start":
-                l2_routed(layer)
             if front:  # the attention phases' boxes first
                 count = front_loads(layer, count)
-            if PROBE_L2_ROUTED[0] and PROBE_L2_ROUTED[1] == "front":
-                l2_routed(layer)
             if attention:  # an o_proj unit's boxes first
 
                 pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))

@@ -245,6 +245,61 @@ def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
             jax.eval_shape(final, *operands, shape((2000,), jnp.float32))
 
 
+def test_probes_fixed_routing_and_chunk_cut(monkeypatch):
+    """Two more diagnostics of the whole layers' kernel (timing only, values wrong; decode_profile.md round 41).
+    ``decode_step_moe.PROBE_FIXED_ROUTING`` takes experts 0 .. k - 1 but keeps the picks' work (their compares stay
+    in the module, each pick feeding a select). ``decode_step_attention.PROBE_CHUNK_CUT`` leaves out phase 3's work
+    from a point on: the states' stores, then the value products, then the scores too; an unknown cut is refused."""
+    import re
+
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_attention
+
+    fn, args = kernel_call("whole")
+    module = lambda: lowered_modules(fn, *args)[0]
+    count = lambda text, op: len(re.findall(rf"\b{re.escape(op)}\b", text))
+    built = module()
+    monkeypatch.setattr(kernel, "PROBE_FIXED_ROUTING", True)
+    fixed = module()
+    assert count(fixed, "arith.cmpi") > count(built, "arith.cmpi")
+    assert count(fixed, "arith.select") > count(built, "arith.select")
+    assert count(fixed, "wgmma") == count(built, "wgmma")
+    monkeypatch.setattr(kernel, "PROBE_FIXED_ROUTING", False)
+    cuts = {}
+    for cut in ("states", "values", "all"):
+        monkeypatch.setattr(decode_step_attention, "PROBE_CHUNK_CUT", cut)
+        cuts[cut] = module()
+    assert count(cuts["states"], "llvm.store") < count(built, "llvm.store")
+    assert count(cuts["states"], "wgmma") == count(built, "wgmma")
+    assert count(cuts["values"], "wgmma") < count(cuts["states"], "wgmma")
+    assert count(cuts["all"], "wgmma") < count(cuts["values"], "wgmma")
+    monkeypatch.setattr(decode_step_attention, "PROBE_CHUNK_CUT", "scores")
+    with pytest.raises(ValueError, match=r"PROBE_CHUNK_CUT 'scores'; accepted: '', 'states', 'values', 'all'"):
+        module()
+
+
+def test_scores_by_token_lowers(monkeypatch):
+    """Phase 3's scores with the tokens on wgmma's M side (``decode_step_attention.SCORES_BY_TOKEN``) lower in the
+    whole layers' kernel for an abstract H200: one chain of 9 products a chunk, or 3 or 9 chains (an accumulator
+    each, summed); the chunk's products are as many as built (9 score products, 8 value products), the chains'
+    sums add code; a count of chains that does not share the 9 products is refused."""
+    import re
+
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_attention
+
+    fn, args = kernel_call("whole")
+    wgmma = {}
+    for chains in (1, 3, 9):
+        monkeypatch.setattr(decode_step_attention, "SCORES_BY_TOKEN", True)
+        monkeypatch.setattr(decode_step_attention, "SCORE_CHAINS", chains)
+        wgmma[chains] = len(re.findall(r"\bwgmma\b", lowered_modules(fn, *args)[0]))
+    assert wgmma[1] < wgmma[3] < wgmma[9]
+    monkeypatch.setattr(decode_step_attention, "SCORE_CHAINS", 2)
+    with pytest.raises(ValueError, match=r"SCORE_CHAINS 2; accepted: 1, 3, 9"):
+        lowered_modules(fn, *args)
+
+
 def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     """``decode_step_mgpu.PROBE_NO_WAIT`` (a benchmark's diagnostic): every CTA still arrives at a named grid barrier
     but no longer waits there, so the whole layers' kernel has one semaphore wait (an acquire fence) fewer a named
