@@ -255,6 +255,72 @@ class AttentionScratch(NamedTuple):
     lat_bar: object
 
 
+def chunk_scores(key, q_smem, p_smem, m_ref, l_ref, valid, scale_log2e: float, num_heads: int):
+    """Phase 3's scores and softmax over one chunk (the computing warpgroup, its operands in shared memory):
+    ``key(j)`` the chunk's keys' 64-column slice j ([64 tokens, 64]: 8 of the latent, then the rope key), q_smem
+    the query windows bf16[192, 64] (row 16 j + h: slice j of head h's query), ``valid()`` the chunk's tokens
+    that count -> P^T into p_smem bf16[64, 64] (row h: head h's P over the tokens; rows past H unread), m (log2
+    units) and l of every head into m_ref and l_ref f32[64] (entries past H unread); committed. As built S [64 rows,
+    64 tokens] takes 64-row query windows, rows past H other windows' (finite); ``SCORES_BY_TOKEN``: S^T [64
+    tokens, H] in ``SCORE_CHAINS`` accumulators, the softmax down the tokens."""
+    f32 = jnp.float32
+    if not SCORES_BY_TOKEN:
+        def scores(acc_ref):
+            def product(j, _=None):
+                keys = key(j)
+                plgpu.wgmma(acc_ref, q_smem.at[pl.ds(j * 16, HALF)], keys.transpose((1, 0)))
+
+            lax.fori_loop(0, 9, product, None)
+            return acc_ref[...]
+
+        s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
+        count = valid()
+        cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
+        s = jnp.where(cols < count, s * scale_log2e, -jnp.inf)
+        m = s.max(axis=1)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+        m_ref[...] = m
+        l_ref[...] = p.sum(axis=1)
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+        return
+    if 9 % SCORE_CHAINS:
+        raise ValueError(f"SCORE_CHAINS {SCORE_CHAINS}; accepted: 1, 3, 9 (they share 9 products)")
+
+    def scores(accs):
+        def products(i, _=None):
+            for a, acc in enumerate(accs):
+                j = i * SCORE_CHAINS + a
+                plgpu.wgmma(acc, key(j), q_smem.at[pl.ds(j * 16, num_heads)].transpose((1, 0)))
+
+        lax.fori_loop(0, 9 // SCORE_CHAINS, products, None)
+
+    zeros = plgpu.layout_cast(jnp.zeros((CHUNK, num_heads), f32), plgpu.Layout.WGMMA)
+    parts = pl.run_state(scores)(tuple(plgpu.ACC.init(zeros) for _ in range(SCORE_CHAINS)))
+    s = functools.reduce(lambda a, b: a + b, parts)
+    tokens = plgpu.broadcasted_iota(jnp.int32, (CHUNK, num_heads), 0, layout=plgpu.Layout.WGMMA)
+    s = jnp.where(tokens < valid(), s * scale_log2e, -jnp.inf)
+    m = s.max(axis=0)  # down the tokens: across the warps
+    p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [1]))
+    m_ref.at[pl.ds(0, num_heads)][...] = m
+    l_ref.at[pl.ds(0, num_heads)][...] = p.sum(axis=0)
+    p_smem.at[pl.ds(0, num_heads)].transpose((1, 0))[...] = p.astype(p_smem.dtype)
+    plgpu.commit_smem()
+
+
+def chunk_values(key, p_smem, num_heads: int):
+    """Phase 3's value products over one chunk: out^T [512, H] = the latents^T x P^T (``chunk_scores``' P^T in
+    p_smem; ``key(j)`` the latent's 64-column slices j < 8) -> 8 accumulators' values, [64 latent rows, H]."""
+    p_t = p_smem.at[pl.ds(0, num_heads)].transpose((1, 0))  # [64 tokens, H]
+
+    def values(accs):
+        for j in range(8):
+            plgpu.wgmma(accs[j], key(j).transpose((1, 0)), p_t)
+
+    zeros = plgpu.layout_cast(jnp.zeros((HALF, num_heads), jnp.float32), plgpu.Layout.WGMMA)
+    return pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
+
+
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
                      block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0):
@@ -450,51 +516,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 if QUERY_TMA:
                     plgpu.barrier_wait(sm.lat_bar.at[0])
 
-            valid_tokens = lambda: jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK))
-
-            def head_scores():  # as built: S [64 rows (the first H heads), 64 tokens], one chain
-                def scores(acc_ref):
-                    def product(j, _=None):
-                        key = ring.at[lax.rem(count + j // 2, RING), j % 2]
-                        plgpu.wgmma(acc_ref, sm.q.at[pl.ds(j * 16, HALF)], key.transpose((1, 0)))
-
-                    lax.fori_loop(0, 9, product, None)
-                    return acc_ref[...]
-
-                s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
-                valid = valid_tokens()
-                cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(cols < valid, s * scale_log2e, -jnp.inf)
-                m = s.max(axis=1)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
-                r.ml.at[layer, c, 0][...] = m
-                r.ml.at[layer, c, 1][...] = p.sum(axis=1)
-                sm.p[...] = p.astype(bf16)
-
-            def token_scores():  # SCORES_BY_TOKEN: S^T [64 tokens, H], SCORE_CHAINS chains
-                if 9 % SCORE_CHAINS:
-                    raise ValueError(f"SCORE_CHAINS {SCORE_CHAINS}; accepted: 1, 3, 9 (they share 9 products)")
-
-                def scores(accs):
-                    def products(i, _=None):
-                        for a, acc in enumerate(accs):
-                            j = i * SCORE_CHAINS + a
-                            key = ring.at[lax.rem(count + j // 2, RING), j % 2]
-                            plgpu.wgmma(acc, key, sm.q.at[pl.ds(j * 16, num_heads)].transpose((1, 0)))
-
-                    lax.fori_loop(0, 9 // SCORE_CHAINS, products, None)
-
-                zeros_t = plgpu.layout_cast(jnp.zeros((CHUNK, num_heads), f32), plgpu.Layout.WGMMA)
-                parts = pl.run_state(scores)(tuple(plgpu.ACC.init(zeros_t) for _ in range(SCORE_CHAINS)))
-                s = functools.reduce(lambda a, b: a + b, parts)
-                tokens = plgpu.broadcasted_iota(jnp.int32, (CHUNK, num_heads), 0, layout=plgpu.Layout.WGMMA)
-                s = jnp.where(tokens < valid_tokens(), s * scale_log2e, -jnp.inf)
-                m = s.max(axis=0)  # down the tokens: across the warps
-                p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [1]))
-                r.ml.at[layer, c, 0, pl.ds(0, num_heads)][...] = m
-                r.ml.at[layer, c, 1, pl.ds(0, num_heads)][...] = p.sum(axis=0)
-                sm.p.at[pl.ds(0, num_heads)].transpose((1, 0))[...] = p.astype(bf16)  # P^T's rows as before
-
             if PROBE_CHUNK_CUT not in CHUNK_CUTS:
                 raise ValueError(f"PROBE_CHUNK_CUT {PROBE_CHUNK_CUT!r}; accepted: {', '.join(map(repr, CHUNK_CUTS))}")
 
@@ -506,20 +527,15 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 free_slots()
                 return
             with jax.named_scope("scores"):  # the products, the softmax, P into shared memory
-                (token_scores if SCORES_BY_TOKEN else head_scores)()
-                plgpu.commit_smem()
+                chunk_scores(lambda j: ring.at[lax.rem(count + j // 2, RING), j % 2], sm.q, sm.p,
+                             r.ml.at[layer, c, 0], r.ml.at[layer, c, 1],
+                             lambda: jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK)), scale_log2e,
+                             num_heads)
             if PROBE_CHUNK_CUT == "values":
                 free_slots()
                 return
-            p_t = sm.p.at[pl.ds(0, num_heads)].transpose((1, 0))  # [64 tokens, H]
-
-            def values(accs):
-                for j in range(8):
-                    plgpu.wgmma(accs[j], ring.at[slots[j // 2], j % 2].transpose((1, 0)), p_t)
-
-            zeros = plgpu.layout_cast(jnp.zeros((HALF, num_heads), f32), plgpu.Layout.WGMMA)
             with jax.named_scope("values"):
-                accs = pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
+                accs = chunk_values(lambda j: ring.at[slots[j // 2], j % 2], sm.p, num_heads)
             free_slots()
             if PROBE_CHUNK_CUT == "states":
                 return

@@ -216,3 +216,55 @@ def test_attention_chain_reference_chains_the_layers():
     *_, normed = step.attention_chain_reference(x, position, table, c_kv, k_pe, weights, spec,
                                                 out_norm=(g.astype(jnp.float32), 1e-6))
     np.testing.assert_array_equal(np.asarray(normed, np.float32), np.asarray(rms_norm(out, g, 1e-6), np.float32))
+
+
+@pytest.mark.parametrize("by_token, chains, valid", [(False, 3, 64), (False, 3, 5), (True, 1, 64), (True, 3, 5),
+                                                     (True, 9, 1)])
+def test_chunk_scores_and_values_interpreted(by_token, chains, valid, monkeypatch):
+    """Phase 3's arithmetic over one chunk (``chunk_scores``, ``chunk_values``: the code the step kernels run),
+    in one CTA under JAX's GPU interpret mode on the CPU, against numpy: each head's m (log2 units) and l over
+    the first ``valid`` tokens and out^T = the latents^T x P^T (P rounded to bf16). As built (the scores' M side
+    the query windows) and with ``SCORES_BY_TOKEN`` (the tokens on M, ``SCORE_CHAINS`` accumulators)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels import mgpu_interpret
+    from pallas_kernels.decode_step_mgpu import _TILING
+
+    monkeypatch.setattr(step, "SCORES_BY_TOKEN", by_token)
+    monkeypatch.setattr(step, "SCORE_CHAINS", chains)
+    heads, scale_log2e = 16, 0.06
+    rng = np.random.default_rng(3)
+    keys = jnp.asarray(rng.standard_normal((9, 64, 64)), jnp.bfloat16)  # slice j: [64 tokens, 64 columns]
+    q = jnp.asarray(rng.standard_normal((192, 64)), jnp.bfloat16)  # row 16 j + h: slice j of head h's query
+    f32 = jnp.float32
+
+    def body(keys_ref, q_ref, m_ref, l_ref, o_ref, keys_smem, q_smem, p_smem, landed):
+        plgpu.copy_gmem_to_smem(keys_ref, keys_smem, landed.at[0])
+        plgpu.copy_gmem_to_smem(q_ref, q_smem, landed.at[0])
+        plgpu.barrier_wait(landed.at[0])
+        step.chunk_scores(lambda j: keys_smem.at[j], q_smem, p_smem, m_ref, l_ref, lambda: valid, scale_log2e,
+                          heads)
+        for j, acc in enumerate(step.chunk_values(lambda j: keys_smem.at[j], p_smem, heads)):
+            o_ref.at[pl.ds(j * 64, 64)][...] = acc
+
+    m, l, o = plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct((64,), f32), jax.ShapeDtypeStruct((64,), f32),
+                        jax.ShapeDtypeStruct((512, heads), f32)),
+        scratch_types=[plgpu.SMEM((9, 64, 64), jnp.bfloat16, transforms=_TILING),
+                       plgpu.SMEM((192, 64), jnp.bfloat16, transforms=_TILING),
+                       plgpu.SMEM((64, 64), jnp.bfloat16, transforms=_TILING),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=1)],
+        num_threads=1, thread_name="wg", interpret=mgpu_interpret.params(),
+    )(keys, q)
+    k = np.asarray(keys, np.float32)
+    rows = np.concatenate([k[j] for j in range(9)], axis=1)[:valid]  # [tokens, 576]
+    queries = np.stack([np.concatenate([np.asarray(q, np.float32)[16 * j + h] for j in range(9)])
+                        for h in range(heads)])  # [H, 576]
+    s = queries @ rows.T * scale_log2e
+    want_m = s.max(axis=1)
+    p = np.exp2(s - want_m[:, None])
+    p16 = np.asarray(jnp.asarray(p, jnp.bfloat16), np.float32)
+    np.testing.assert_allclose(np.asarray(m)[:heads], want_m, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(l)[:heads], p.sum(axis=1), rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(o), (p16 @ rows[:, :512]).T, rtol=2e-2, atol=2e-2)
