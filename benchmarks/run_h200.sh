@@ -305,15 +305,15 @@ case $part in
       --variant "fixed again: $m" --out "$OUT/step_ab_chunk_cuts_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   scores-by-token)  # session 58's phase-3 scores with the tokens on wgmma's M side (built off:
                     # decode_step_attention.SCORES_BY_TOKEN): its GPU tests (the attention chain at positions 0-511
-                    # with 1, 3 or 9 chains, two whole layers), then the batch-1 compiled step as built and with it
-                    # (3 chains, 1 chain), 2 rounds in turns (~5 + 9 minutes: two calls, $2 = tests or ab)
+                    # with 1, 3 or 9 chains, two whole layers), then the batch-1 compiled step as built, with it (3
+                    # chains, 1 chain) and as built again, in turns (~5 + 8 minutes: two calls, $2 = tests or ab)
     a=pallas_kernels.decode_step_attention
     case ${2:-tests} in
       tests) timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "scores_by_token" 2>&1 \
                | tee "$OUT/gpu_tests_scores_by_token.log" | tail -3 ;;
       ab) timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-            --rounds 2 --variant built --variant "by token, 3 chains: $a.SCORES_BY_TOKEN=True $a.SCORE_CHAINS=3" \
-            --variant "by token, 1 chain: $a.SCORES_BY_TOKEN=True $a.SCORE_CHAINS=1" \
+            --rounds 1 --variant built --variant "by token, 3 chains: $a.SCORES_BY_TOKEN=True $a.SCORE_CHAINS=3" \
+            --variant "by token, 1 chain: $a.SCORES_BY_TOKEN=True $a.SCORE_CHAINS=1" --variant "built again" \
             --out "$OUT/step_ab_scores_by_token_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
       *) echo "scores-by-token: '$2'; accepted: tests, ab" >&2; exit 2 ;;
     esac ;;
