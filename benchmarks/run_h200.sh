@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|scores-by-token|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|scores-by-token|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -303,6 +303,14 @@ case $part in
       --rounds 1 --variant "fixed: $m" --variant "fixed, no states out: $m $a='states'" \
       --variant "fixed, no values: $m $a='values'" --variant "fixed, no chunk: $m $a='all'" \
       --variant "fixed again: $m" --out "$OUT/step_ab_chunk_cuts_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  phase-cuts)  # the other attention phases' work left out (decode_step_attention.PROBE_PHASE_CUT; values wrong,
+               # routing fixed as in chunk-cuts): q_proj / kv_a's products and sums, phase 2's work, phase 4's
+               # merge, all of phase 4; one round (~8 minutes)
+    m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True a=pallas_kernels.decode_step_attention.PROBE_PHASE_CUT
+    variants=(--variant "fixed: $m")
+    for n in phase1 phase2 merge phase4; do variants+=(--variant "fixed, no $n: $m $a=('$n',)"); done
+    timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 1 "${variants[@]}" --out "$OUT/step_ab_phase_cuts_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   scores-by-token)  # session 58's phase-3 scores with the tokens on wgmma's M side (built off:
                     # decode_step_attention.SCORES_BY_TOKEN): its GPU tests (the attention chain at positions 0-511
                     # with 1, 3 or 9 chains, two whole layers), then the batch-1 compiled step as built, with it (3

@@ -133,6 +133,12 @@ MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 # "states" 4.2 on an H100: most of phase 3's time comes before the value products (the scores, the softmax).
 PROBE_CHUNK_CUT = ""
 CHUNK_CUTS = ("", "states", "values", "all")
+# The same kind of diagnostic for the other attention phases (timing only, values wrong): the named phases' CTAs
+# leave out their work, their boxes still awaited and freed. "phase1": q_proj's and kv_a's products and sums (the
+# norm stays); "phase2": the W_UK units' input, products and stores, the rope and latent CTAs' work; "merge":
+# phase 4's merge of the chunks' states (the new token's state alone); "phase4": all of phase 4's work.
+PROBE_PHASE_CUT: tuple = ()
+PHASE_CUTS = ("phase1", "phase2", "merge", "phase4")
 # Phase 3's scores with the chunk's tokens on wgmma's M side (built in session 58, off until timed):
 # S^T [64 tokens, H] = keys [64, 576] x the heads' query slices^T, in ``SCORE_CHAINS`` independent accumulators
 # (9 / SCORE_CHAINS products each), where as built S [64 rows, 64 tokens] takes 64 query rows of which the first
@@ -255,6 +261,17 @@ class AttentionScratch(NamedTuple):
     lat_bar: object
 
 
+def _boxes_skipped(full, free, base, boxes):
+    """``PROBE_PHASE_CUT``'s stand-in for a unit's products: its ``boxes`` boxes at ring positions base, base + 1,
+    ... awaited and their slots freed."""
+    def one(i, _):
+        slot = lax.rem(base + i, RING)
+        plgpu.barrier_wait(full.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
+
+    lax.fori_loop(0, boxes, one, None)
+
+
 def chunk_scores(key, q_smem, p_smem, m_ref, l_ref, valid, scale_log2e: float, num_heads: int):
     """Phase 3's scores and softmax over one chunk (the computing warpgroup, its operands in shared memory):
     ``key(j)`` the chunk's keys' 64-column slice j ([64 tokens, 64]: 8 of the latent, then the rope key), q_smem
@@ -336,6 +353,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
       outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj.
 
     Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches)."""
+    if unknown := sorted(set(PROBE_PHASE_CUT) - set(PHASE_CUTS)):
+        raise ValueError(f"PROBE_PHASE_CUT names {', '.join(map(repr, unknown))}; accepted: {', '.join(PHASE_CUTS)}")
+    cut = lambda name: name in PROBE_PHASE_CUT
     r, sm = refs, scratch
     f32, bf16 = jnp.float32, jnp.bfloat16
     c = lax.axis_index("c")
@@ -422,6 +442,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         def column_tile(i, first, end):  # the CTA's boxes of one column tile, [first, end)
             @pl.when(end > first)
             def _():
+                if cut("phase1"):
+                    _boxes_skipped(full, free, count + first - n0, end - first)
+                    return
                 sums = _unit_sums(ring, full, free, sm.tiles, count + first - n0, end - first, zeros8(),
                                   first=lax.rem(first, ksteps))
                 store_add(sums, r.qkv.at[layer, lax.div(first, ksteps)], i)
@@ -438,6 +461,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         @pl.when(c < wuk_units)
         @jax.named_scope("w_uk")
         def _():
+            if cut("phase2"):
+                _boxes_skipped(full, free, count, 1)
+                return
             _load_rows(r.qkv.at[layer, pl.ds(3 * head, 2)], sm.rows.at[pl.ds(0, 2)])
             _build_tiles(sm.rows.at[pl.ds(0, 2)], sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles, count, 1, zeros8(), transpose=False)
@@ -445,7 +471,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(sm.qrow, r.q.at[layer, ct * 16 + head])
 
-        @pl.when(c == rope_cta)
+        @pl.when((c == rope_cta) & (not cut("phase2")))
         @jax.named_scope("rope")
         def _():  # rows 0 .. H - 1: q_pe of each head; row H: the new rope key (rows past it: zeros)
             sm.rope.at[pl.ds(16, 16)][...] = jnp.zeros((16, HALF), f32)
@@ -471,7 +497,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kv_out.at[layer, 8])
 
-        @pl.when(c == latent_cta)
+        @pl.when((c == latent_cta) & (not cut("phase2")))
         @jax.named_scope("latent")
         def _():  # kv_a_norm of the new latent (as the model's RMSNorm)
             plgpu.copy_gmem_to_smem(r.qkv.at[layer, pl.ds(q_tiles, 8)], sm.lat, sm.lat_bar.at[0])
@@ -552,6 +578,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         @pl.when(c < wuv_units)
         @jax.named_scope("w_uv")
         def _():
+            if cut("phase4"):
+                _boxes_skipped(full, free, count, 1)
+                return
             # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
             # loads issued together, so a group waits out L2's latency once); a group's entries past the context
             # read the new token's state in their place, weighted 0 (those states are never written)
@@ -571,7 +600,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 return new_top, total, merged
 
             first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(2)))
-            _, total, merged = lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group, first)
+            _, total, merged = first if cut("merge") else lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group,
+                                                                         first)
             for q in range(2):
                 sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()

@@ -278,6 +278,34 @@ def test_probes_fixed_routing_and_chunk_cut(monkeypatch):
         module()
 
 
+def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
+    """``decode_step_attention.PROBE_PHASE_CUT`` (a diagnostic, timing only): the named attention phases' CTAs
+    leave out their work but still await and free their boxes. Phase 1 loses its products, phase 2 its products
+    and the rope CTA's copies, the merge its loads of the chunks' states, phase 4 its products and loads; an
+    unknown name is refused."""
+    import re
+
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_attention
+
+    fn, args = kernel_call("whole")
+    count = lambda text, op: len(re.findall(rf"\b{re.escape(op)}\b", text))
+    built = lowered_modules(fn, *args)[0]
+    cuts = {}
+    for name in decode_step_attention.PHASE_CUTS:
+        monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", (name,))
+        cuts[name] = lowered_modules(fn, *args)[0]
+    for name in ("phase1", "phase2", "phase4"):
+        assert count(cuts[name], "wgmma") < count(built, "wgmma"), name
+    assert cuts["phase2"].count("cp.async.bulk") < built.count("cp.async.bulk")
+    assert count(cuts["merge"], "wgmma") == count(built, "wgmma")
+    for name in ("merge", "phase4"):
+        assert count(cuts[name], "llvm.load") < count(built, "llvm.load"), name
+    monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("phase3", "phase1"))
+    with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT names 'phase3'; accepted: phase1, phase2, merge, phase4"):
+        lowered_modules(fn, *args)
+
+
 def test_scores_by_token_lowers(monkeypatch):
     """Phase 3's scores with the tokens on wgmma's M side (``decode_step_attention.SCORES_BY_TOKEN``) lower in the
     whole layers' kernel for an abstract H200: one chain of 9 products a chunk, or 3 or 9 chains (an accumulator
