@@ -309,8 +309,9 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
 def test_scores_by_token_lowers(monkeypatch):
     """Phase 3's scores with the tokens on wgmma's M side (``decode_step_attention.SCORES_BY_TOKEN``) lower in the
     whole layers' kernel for an abstract H200: one chain of 9 products a chunk, or 3 or 9 chains (an accumulator
-    each, summed); the chunk's products are as many as built (9 score products, 8 value products), the chains'
-    sums add code; a count of chains that does not share the 9 products is refused."""
+    each, summed). The loop's body holds a product a chain and runs 9 / chains times, so the code has more wgmma
+    ops the more chains there are, for the same 9 products a chunk; a count of chains that does not share the 9
+    products is refused."""
     import re
 
     from benchmarks.code_lines import kernel_call, lowered_modules
