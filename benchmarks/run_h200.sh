@@ -294,14 +294,14 @@ case $part in
     [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=$all")
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_CHUNK_CUT; values wrong,
+  chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:
                # decode_step_moe.PROBE_FIXED_ROUTING): the states' stores, the value products and stores, everything
                # after the chunk's boxes land; one round (~8 minutes)
-    m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True a=pallas_kernels.decode_step_attention.PROBE_CHUNK_CUT
+    m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True a=pallas_kernels.decode_step_attention.PROBE_PHASE_CUT
     timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 1 --variant "fixed: $m" --variant "fixed, no states out: $m $a='states'" \
-      --variant "fixed, no values: $m $a='values'" --variant "fixed, no chunk: $m $a='all'" \
+      --rounds 1 --variant "fixed: $m" --variant "fixed, no states out: $m $a=('chunk_states',)" \
+      --variant "fixed, no values: $m $a=('chunk_values',)" --variant "fixed, no chunk: $m $a=('chunk',)" \
       --variant "fixed again: $m" --out "$OUT/step_ab_chunk_cuts_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   phase-cuts)  # the other attention phases' work left out (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # routing fixed as in chunk-cuts): q_proj / kv_a's products and sums, phase 2's work, phase 4's

@@ -126,19 +126,16 @@ CHUNK = 64  # cache tokens a phase-3 CTA takes (its scores are one [64 heads, 64
 NOPE, ROPE, LATENT, V_DIM = 128, 64, 512, 128  # the head dims the kernel is built for (DeepSeek-V2 / V3)
 HEADS = 16  # the heads the kernel takes (V2-Lite's): phase 3's query windows are 16 rows apart
 MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
-# A diagnostic (round 41, timing only, values wrong): phase 3's CTAs leave out their work from a point on, their
-# boxes still awaited and freed: "states" (the states' stores), "values" (the value products and the stores),
-# "all" (everything after the boxes land); "" as built. Batch-1 compiled step, routing fixed
-# (decode_profile.md round 41): "all" 66 µs a step faster on the H200 (~2.4 µs a layer), "values" 6.2 and
-# "states" 4.2 on an H100: most of phase 3's time comes before the value products (the scores, the softmax).
-PROBE_CHUNK_CUT = ""
-CHUNK_CUTS = ("", "states", "values", "all")
-# The same kind of diagnostic for the other attention phases (timing only, values wrong): the named phases' CTAs
-# leave out their work, their boxes still awaited and freed. "phase1": q_proj's and kv_a's products and sums (the
-# norm stays); "phase2": the W_UK units' input, products and stores, the rope and latent CTAs' work; "merge":
-# phase 4's merge of the chunks' states (the new token's state alone); "phase4": all of phase 4's work.
+# A diagnostic (round 41, timing only, values wrong): the named attention phases' CTAs leave out their work, their
+# boxes still awaited and freed. "phase1": q_proj's and kv_a's products and sums (the norm stays); "phase2": the
+# W_UK units' input, products and stores, the rope and latent CTAs' work; phase 3 from a point on: "chunk_states"
+# (the states' stores), "chunk_values" (the value products and the stores), "chunk" (everything after the boxes
+# land); "merge": phase 4's merge of the chunks' states (the new token's state alone); "phase4": all of phase 4.
+# Batch-1 compiled step, routing fixed (decode_profile.md round 41): "chunk" 66 µs a step faster on the H200
+# (~2.4 µs a layer), "chunk_values" 6.2 and "chunk_states" 4.2 on an H100: most of phase 3's time comes before
+# the value products (the scores, the softmax).
 PROBE_PHASE_CUT: tuple = ()
-PHASE_CUTS = ("phase1", "phase2", "merge", "phase4")
+PHASE_CUTS = ("phase1", "phase2", "chunk_states", "chunk_values", "chunk", "merge", "phase4")
 # Phase 3's scores with the chunk's tokens on wgmma's M side (built in session 58, off until timed):
 # S^T [64 tokens, H] = keys [64, 576] x the heads' query slices^T, in ``SCORE_CHAINS`` independent accumulators
 # (9 / SCORE_CHAINS products each), where as built S [64 rows, 64 tokens] takes 64 query rows of which the first
@@ -291,9 +288,9 @@ def chunk_scores(key, q_smem, p_smem, m_ref, l_ref, valid, scale_log2e: float, n
             return acc_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
-        count = valid()
+        num_valid = valid()
         cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where(cols < count, s * scale_log2e, -jnp.inf)
+        s = jnp.where(cols < num_valid, s * scale_log2e, -jnp.inf)
         m = s.max(axis=1)
         p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
         m_ref[...] = m
@@ -542,14 +539,11 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 if QUERY_TMA:
                     plgpu.barrier_wait(sm.lat_bar.at[0])
 
-            if PROBE_CHUNK_CUT not in CHUNK_CUTS:
-                raise ValueError(f"PROBE_CHUNK_CUT {PROBE_CHUNK_CUT!r}; accepted: {', '.join(map(repr, CHUNK_CUTS))}")
-
             def free_slots():
                 for slot in slots:
                     plgpu.barrier_arrive(free.at[slot])
 
-            if PROBE_CHUNK_CUT == "all":
+            if cut("chunk"):
                 free_slots()
                 return
             with jax.named_scope("scores"):  # the products, the softmax, P into shared memory
@@ -557,13 +551,13 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                              r.ml.at[layer, c, 0], r.ml.at[layer, c, 1],
                              lambda: jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK)), scale_log2e,
                              num_heads)
-            if PROBE_CHUNK_CUT == "values":
+            if cut("chunk_values"):
                 free_slots()
                 return
             with jax.named_scope("values"):
                 accs = chunk_values(lambda j: ring.at[slots[j // 2], j % 2], sm.p, num_heads)
             free_slots()
-            if PROBE_CHUNK_CUT == "states":
+            if cut("chunk_states"):
                 return
             with jax.named_scope("states_out"):  # out^T by the warpgroup's own stores
                 for j, acc in enumerate(accs):

@@ -140,7 +140,7 @@ PLANS = ("tiles", "dealt", "split")
 EXPERT_PLAN = "split"
 # A diagnostic (round 41, timing only, the values wrong): the producer computes each layer's picks, then takes
 # experts 0 .. k - 1 instead (the same work), so that a probe which deletes work (``PROBE_NO_WAIT``,
-# ``decode_step_attention.PROBE_CHUNK_CUT``) cannot change which experts, and how many bytes, a layer reads.
+# ``decode_step_attention.PROBE_PHASE_CUT``) cannot change which experts, and how many bytes, a layer reads.
 PROBE_FIXED_ROUTING = False
 # The producer picks a layer's experts by rank (``_rank_picks``: each thread counts the experts ahead of its
 # own, the picks come out of ceil(k / 5) packed sums); the computing warpgroup weighs them (``route_weights``),

@@ -4,6 +4,8 @@ references are the chains they claim. Numerics on the GPU in tests/gpu."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -245,64 +247,54 @@ def test_moe_layer_chain_lowers_for_hopper(monkeypatch, query_tma):
             jax.eval_shape(final, *operands, shape((2000,), jnp.float32))
 
 
-def test_probes_fixed_routing_and_chunk_cut(monkeypatch):
-    """Two more diagnostics of the whole layers' kernel (timing only, values wrong; decode_profile.md round 41).
-    ``decode_step_moe.PROBE_FIXED_ROUTING`` takes experts 0 .. k - 1 but keeps the picks' work (their compares stay
-    in the module, each pick feeding a select). ``decode_step_attention.PROBE_CHUNK_CUT`` leaves out phase 3's work
-    from a point on: the states' stores, then the value products, then the scores too; an unknown cut is refused."""
-    import re
+def _ops(module: str, op: str) -> int:
+    """How many ``op`` operations a lowered module's text holds."""
+    return len(re.findall(rf"\b{re.escape(op)}\b", module))
 
+
+def test_probe_fixed_routing_keeps_the_picks_work(monkeypatch):
+    """``decode_step_moe.PROBE_FIXED_ROUTING`` (a diagnostic, timing only; decode_profile.md round 41) takes
+    experts 0 .. k - 1 but keeps the picks' work: their compares stay in the whole layers' module, each pick
+    feeding a select, and the products are as built."""
     from benchmarks.code_lines import kernel_call, lowered_modules
-    from pallas_kernels import decode_step_attention
 
     fn, args = kernel_call("whole")
-    module = lambda: lowered_modules(fn, *args)[0]
-    count = lambda text, op: len(re.findall(rf"\b{re.escape(op)}\b", text))
-    built = module()
+    built = lowered_modules(fn, *args)[0]
     monkeypatch.setattr(kernel, "PROBE_FIXED_ROUTING", True)
-    fixed = module()
-    assert count(fixed, "arith.cmpi") > count(built, "arith.cmpi")
-    assert count(fixed, "arith.select") > count(built, "arith.select")
-    assert count(fixed, "wgmma") == count(built, "wgmma")
-    monkeypatch.setattr(kernel, "PROBE_FIXED_ROUTING", False)
-    cuts = {}
-    for cut in ("states", "values", "all"):
-        monkeypatch.setattr(decode_step_attention, "PROBE_CHUNK_CUT", cut)
-        cuts[cut] = module()
-    assert count(cuts["states"], "llvm.store") < count(built, "llvm.store")
-    assert count(cuts["states"], "wgmma") == count(built, "wgmma")
-    assert count(cuts["values"], "wgmma") < count(cuts["states"], "wgmma")
-    assert count(cuts["all"], "wgmma") < count(cuts["values"], "wgmma")
-    monkeypatch.setattr(decode_step_attention, "PROBE_CHUNK_CUT", "scores")
-    with pytest.raises(ValueError, match=r"PROBE_CHUNK_CUT 'scores'; accepted: '', 'states', 'values', 'all'"):
-        module()
+    fixed = lowered_modules(fn, *args)[0]
+    assert _ops(fixed, "arith.cmpi") > _ops(built, "arith.cmpi")
+    assert _ops(fixed, "arith.select") > _ops(built, "arith.select")
+    assert _ops(fixed, "wgmma") == _ops(built, "wgmma")
 
 
 def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     """``decode_step_attention.PROBE_PHASE_CUT`` (a diagnostic, timing only): the named attention phases' CTAs
     leave out their work but still await and free their boxes. Phase 1 loses its products, phase 2 its products
-    and the rope CTA's copies, the merge its loads of the chunks' states, phase 4 its products and loads; an
-    unknown name is refused."""
-    import re
-
+    and the rope CTA's copies; phase 3 from a point on: its states' stores, then its value products, then its
+    scores too; the merge loses its loads of the chunks' states, phase 4 its products and loads; an unknown name
+    is refused."""
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_attention
 
     fn, args = kernel_call("whole")
-    count = lambda text, op: len(re.findall(rf"\b{re.escape(op)}\b", text))
     built = lowered_modules(fn, *args)[0]
     cuts = {}
     for name in decode_step_attention.PHASE_CUTS:
         monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", (name,))
         cuts[name] = lowered_modules(fn, *args)[0]
     for name in ("phase1", "phase2", "phase4"):
-        assert count(cuts[name], "wgmma") < count(built, "wgmma"), name
+        assert _ops(cuts[name], "wgmma") < _ops(built, "wgmma"), name
     assert cuts["phase2"].count("cp.async.bulk") < built.count("cp.async.bulk")
-    assert count(cuts["merge"], "wgmma") == count(built, "wgmma")
+    assert _ops(cuts["chunk_states"], "llvm.store") < _ops(built, "llvm.store")
+    assert _ops(cuts["chunk_states"], "wgmma") == _ops(built, "wgmma")
+    assert _ops(cuts["chunk_values"], "wgmma") < _ops(cuts["chunk_states"], "wgmma")
+    assert _ops(cuts["chunk"], "wgmma") < _ops(cuts["chunk_values"], "wgmma")
+    assert _ops(cuts["merge"], "wgmma") == _ops(built, "wgmma")
     for name in ("merge", "phase4"):
-        assert count(cuts[name], "llvm.load") < count(built, "llvm.load"), name
+        assert _ops(cuts[name], "llvm.load") < _ops(built, "llvm.load"), name
     monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("phase3", "phase1"))
-    with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT names 'phase3'; accepted: phase1, phase2, merge, phase4"):
+    with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT names 'phase3'; accepted: phase1, phase2, chunk_states, "
+                                         r"chunk_values, chunk, merge, phase4"):
         lowered_modules(fn, *args)
 
 
@@ -312,8 +304,6 @@ def test_scores_by_token_lowers(monkeypatch):
     each, summed). The loop's body holds a product a chain and runs 9 / chains times, so the code has more wgmma
     ops the more chains there are, for the same 9 products a chunk; a count of chains that does not share the 9
     products is refused."""
-    import re
-
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_attention
 
@@ -322,7 +312,7 @@ def test_scores_by_token_lowers(monkeypatch):
     for chains in (1, 3, 9):
         monkeypatch.setattr(decode_step_attention, "SCORES_BY_TOKEN", True)
         monkeypatch.setattr(decode_step_attention, "SCORE_CHAINS", chains)
-        wgmma[chains] = len(re.findall(r"\bwgmma\b", lowered_modules(fn, *args)[0]))
+        wgmma[chains] = _ops(lowered_modules(fn, *args)[0], "wgmma")
     assert wgmma[1] < wgmma[3] < wgmma[9]
     monkeypatch.setattr(decode_step_attention, "SCORE_CHAINS", 2)
     with pytest.raises(ValueError, match=r"SCORE_CHAINS 2; accepted: 1, 3, 9"):
@@ -333,8 +323,6 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     """``decode_step_mgpu.PROBE_NO_WAIT`` (a benchmark's diagnostic): every CTA still arrives at a named grid barrier
     but no longer waits there, so the whole layers' kernel has one semaphore wait (an acquire fence) fewer a named
     barrier, and a name the kernel does not have is refused, in the call or in the setting."""
-    import re
-
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_mgpu
 
