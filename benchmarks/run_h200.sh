@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|scores-by-token|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -311,20 +311,14 @@ case $part in
     for n in phase1 phase2 merge phase4; do variants+=(--variant "fixed, no $n: $m $a=('$n',)"); done
     timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_phase_cuts_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  scores-by-token)  # session 58's phase-3 scores with the tokens on wgmma's M side (built off:
-                    # decode_step_attention.SCORES_BY_TOKEN): its GPU tests (the attention chain at positions 0-511
-                    # with 1, 3 or 9 chains, two whole layers), then the batch-1 compiled step as built, with it (3
-                    # chains, 1 chain) and as built again, in turns (~5 + 8 minutes: two calls, $2 = tests or ab)
-    a=pallas_kernels.decode_step_attention
-    case ${2:-tests} in
-      tests) timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf -k "scores_by_token" 2>&1 \
-               | tee "$OUT/gpu_tests_scores_by_token.log" | tail -3 ;;
-      ab) timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-            --rounds 1 --variant built --variant "by token, 3 chains: $a.SCORES_BY_TOKEN=True $a.SCORE_CHAINS=3" \
-            --variant "by token, 1 chain: $a.SCORES_BY_TOKEN=True $a.SCORE_CHAINS=1" --variant "built again" \
-            --out "$OUT/step_ab_scores_by_token_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "scores-by-token: '$2'; accepted: tests, ab" >&2; exit 2 ;;
-    esac ;;
+  phase2-parts)  # round 42: phase 2's parts cut (decode_step_attention.PROBE_PHASE_CUT "wuk", "rope"; values wrong,
+                 # routing fixed as in chunk-cuts); one round (~5 minutes; round 42's call also timed the rope and
+                 # latent CTAs' input-free work ahead of phase 1's barrier: no faster, removed, decode_profile.md)
+    m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True a=pallas_kernels.decode_step_attention
+    timeout 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 1 --variant "fixed: $m" --variant "fixed, no W_UK units: $m $a.PROBE_PHASE_CUT=('wuk',)" \
+      --variant "fixed, no rope / latent: $m $a.PROBE_PHASE_CUT=('rope',)" --out "$OUT/step_ab_phase2_parts_b1.json" \
+      2>&1 | grep -E "^\||^round|Error" ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /

@@ -126,25 +126,16 @@ CHUNK = 64  # cache tokens a phase-3 CTA takes (its scores are one [64 heads, 64
 NOPE, ROPE, LATENT, V_DIM = 128, 64, 512, 128  # the head dims the kernel is built for (DeepSeek-V2 / V3)
 HEADS = 16  # the heads the kernel takes (V2-Lite's): phase 3's query windows are 16 rows apart
 MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
-# A diagnostic (round 41, timing only, values wrong): the named attention phases' CTAs leave out their work, their
-# boxes still awaited and freed. "phase1": q_proj's and kv_a's products and sums (the norm stays); "phase2": the
-# W_UK units' input, products and stores, the rope and latent CTAs' work; phase 3 from a point on: "chunk_states"
-# (the states' stores), "chunk_values" (the value products and the stores), "chunk" (everything after the boxes
-# land); "merge": phase 4's merge of the chunks' states (the new token's state alone); "phase4": all of phase 4.
-# Batch-1 compiled step, routing fixed (decode_profile.md round 41): "chunk" 66 µs a step faster on the H200
-# (~2.4 µs a layer), "chunk_values" 6.2 and "chunk_states" 4.2 on an H100: most of phase 3's time comes before
-# the value products (the scores, the softmax).
+# A diagnostic (rounds 41-42, timing only, values wrong): the named attention phases' CTAs leave out their work,
+# their boxes still awaited and freed. "phase1": q_proj's and kv_a's products and sums (the norm stays); "phase2":
+# all of phase 2, or a part: "wuk" the W_UK units' input, products and stores, "rope" the rope and latent CTAs'
+# work; phase 3 from a point on: "chunk_states" (the states' stores), "chunk_values" (the value products and the
+# stores), "chunk" (everything after the boxes land); "merge": phase 4's merge of the chunks' states (the new
+# token's state alone); "phase4": all of phase 4. Batch-1 compiled step, routing fixed (decode_profile.md rounds
+# 41-42): "chunk" 66 µs a step faster and "rope" 12.4 on the H200, "wuk" 0; on an H100 "phase2" 35.5, "phase4"
+# 21.8, "chunk_values" 6.2, "merge" 5.2, "chunk_states" 4.2, "phase1" 0.
 PROBE_PHASE_CUT: tuple = ()
-PHASE_CUTS = ("phase1", "phase2", "chunk_states", "chunk_values", "chunk", "merge", "phase4")
-# Phase 3's scores with the chunk's tokens on wgmma's M side (built in session 58, off until timed):
-# S^T [64 tokens, H] = keys [64, 576] x the heads' query slices^T, in ``SCORE_CHAINS`` independent accumulators
-# (9 / SCORE_CHAINS products each), where as built S [64 rows, 64 tokens] takes 64 query rows of which the first
-# H are heads: 4x the tensor work at 16 heads (m64n64k16 against m64n16k16), in one chain of 36 instructions.
-# The softmax then runs down the tokens, across the warps (the max and the sum), and P^T is stored for the
-# value products as it was. Round 41's cut of phase 3's work saved ~2.4 µs a layer, most of it before the value
-# products. Read at trace time.
-SCORES_BY_TOKEN = False
-SCORE_CHAINS = 3  # with SCORES_BY_TOKEN: 1, 3 or 9 (each takes 9 / SCORE_CHAINS of the query's 64-column slices)
+PHASE_CUTS = ("phase1", "phase2", "wuk", "rope", "chunk_states", "chunk_values", "chunk", "merge", "phase4")
 # Phase 3 reads the query windows by TMA (two copies, on the latent's barrier, which phase 2 alone uses) instead
 # of the warpgroup's loads: one round trip, ~60 ops of code against ~550-1600. The loads took 3.0-3.8 µs of a
 # chunk's ~8-16 traced (round 27); by TMA, 8 whole layers ran 61.76 / 64.3 µs a layer at positions 0 / 511
@@ -160,6 +151,7 @@ QUERY_TMA = True
 # 35: their batch-1 step 1.7034 ms against 1.7342). Read at trace time.
 ROPE_IN_KERNEL = True
 PHASES = 5  # grid barriers a layer
+
 
 
 def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int, capacity: int, dtype,
@@ -269,56 +261,34 @@ def _boxes_skipped(full, free, base, boxes):
     lax.fori_loop(0, boxes, one, None)
 
 
-def chunk_scores(key, q_smem, p_smem, m_ref, l_ref, valid, scale_log2e: float, num_heads: int):
+def chunk_scores(key, q_smem, p_smem, m_ref, l_ref, valid, scale_log2e: float):
     """Phase 3's scores and softmax over one chunk (the computing warpgroup, its operands in shared memory):
     ``key(j)`` the chunk's keys' 64-column slice j ([64 tokens, 64]: 8 of the latent, then the rope key), q_smem
     the query windows bf16[192, 64] (row 16 j + h: slice j of head h's query), ``valid()`` the chunk's tokens
     that count -> P^T into p_smem bf16[64, 64] (row h: head h's P over the tokens; rows past H unread), m (log2
-    units) and l of every head into m_ref and l_ref f32[64] (entries past H unread); committed. As built S [64 rows,
-    64 tokens] takes 64-row query windows, rows past H other windows' (finite); ``SCORES_BY_TOKEN``: S^T [64
-    tokens, H] in ``SCORE_CHAINS`` accumulators, the softmax down the tokens."""
+    units) and l of every head into m_ref and l_ref f32[64] (entries past H unread); committed. S [64 rows, 64
+    tokens] takes 64-row query windows, rows past H other windows' (finite). (Session 58 built the scores with the
+    tokens on wgmma's M side, S^T [64 tokens, H] in 1, 3 or 9 accumulators: no faster in the step, round 42;
+    removed, code in git cd849d3.)"""
     f32 = jnp.float32
-    if not SCORES_BY_TOKEN:
-        def scores(acc_ref):
-            def product(j, _=None):
-                keys = key(j)
-                plgpu.wgmma(acc_ref, q_smem.at[pl.ds(j * 16, HALF)], keys.transpose((1, 0)))
 
-            lax.fori_loop(0, 9, product, None)
-            return acc_ref[...]
+    def scores(acc_ref):
+        def product(j, _=None):
+            keys = key(j)
+            plgpu.wgmma(acc_ref, q_smem.at[pl.ds(j * 16, HALF)], keys.transpose((1, 0)))
 
-        s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
-        num_valid = valid()
-        cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
-        s = jnp.where(cols < num_valid, s * scale_log2e, -jnp.inf)
-        m = s.max(axis=1)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
-        m_ref[...] = m
-        l_ref[...] = p.sum(axis=1)
-        p_smem[...] = p.astype(p_smem.dtype)
-        plgpu.commit_smem()
-        return
-    if 9 % SCORE_CHAINS:
-        raise ValueError(f"SCORE_CHAINS {SCORE_CHAINS}; accepted: 1, 3, 9 (they share 9 products)")
+        lax.fori_loop(0, 9, product, None)
+        return acc_ref[...]
 
-    def scores(accs):
-        def products(i, _=None):
-            for a, acc in enumerate(accs):
-                j = i * SCORE_CHAINS + a
-                plgpu.wgmma(acc, key(j), q_smem.at[pl.ds(j * 16, num_heads)].transpose((1, 0)))
-
-        lax.fori_loop(0, 9 // SCORE_CHAINS, products, None)
-
-    zeros = plgpu.layout_cast(jnp.zeros((CHUNK, num_heads), f32), plgpu.Layout.WGMMA)
-    parts = pl.run_state(scores)(tuple(plgpu.ACC.init(zeros) for _ in range(SCORE_CHAINS)))
-    s = functools.reduce(lambda a, b: a + b, parts)
-    tokens = plgpu.broadcasted_iota(jnp.int32, (CHUNK, num_heads), 0, layout=plgpu.Layout.WGMMA)
-    s = jnp.where(tokens < valid(), s * scale_log2e, -jnp.inf)
-    m = s.max(axis=0)  # down the tokens: across the warps
-    p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [1]))
-    m_ref.at[pl.ds(0, num_heads)][...] = m
-    l_ref.at[pl.ds(0, num_heads)][...] = p.sum(axis=0)
-    p_smem.at[pl.ds(0, num_heads)].transpose((1, 0))[...] = p.astype(p_smem.dtype)
+    s = pl.run_scoped(scores, plgpu.ACC((HALF, CHUNK), f32))
+    num_valid = valid()
+    cols = plgpu.broadcasted_iota(jnp.int32, (HALF, CHUNK), 1, layout=plgpu.Layout.WGMMA)
+    s = jnp.where(cols < num_valid, s * scale_log2e, -jnp.inf)
+    m = s.max(axis=1)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
+    m_ref[...] = m
+    l_ref[...] = p.sum(axis=1)
+    p_smem[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
 
 
@@ -353,6 +323,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     if unknown := sorted(set(PROBE_PHASE_CUT) - set(PHASE_CUTS)):
         raise ValueError(f"PROBE_PHASE_CUT names {', '.join(map(repr, unknown))}; accepted: {', '.join(PHASE_CUTS)}")
     cut = lambda name: name in PROBE_PHASE_CUT
+    rope_work = not (cut("phase2") or cut("rope"))  # the rope and latent CTAs' work (unless a diagnostic cuts it)
     r, sm = refs, scratch
     f32, bf16 = jnp.float32, jnp.bfloat16
     c = lax.axis_index("c")
@@ -458,7 +429,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         @pl.when(c < wuk_units)
         @jax.named_scope("w_uk")
         def _():
-            if cut("phase2"):
+            if cut("phase2") or cut("wuk"):
                 _boxes_skipped(full, free, count, 1)
                 return
             _load_rows(r.qkv.at[layer, pl.ds(3 * head, 2)], sm.rows.at[pl.ds(0, 2)])
@@ -468,7 +439,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(sm.qrow, r.q.at[layer, ct * 16 + head])
 
-        @pl.when((c == rope_cta) & (not cut("phase2")))
+        @pl.when((c == rope_cta) & rope_work)
         @jax.named_scope("rope")
         def _():  # rows 0 .. H - 1: q_pe of each head; row H: the new rope key (rows past it: zeros)
             sm.rope.at[pl.ds(16, 16)][...] = jnp.zeros((16, HALF), f32)
@@ -494,7 +465,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kv_out.at[layer, 8])
 
-        @pl.when((c == latent_cta) & (not cut("phase2")))
+        @pl.when((c == latent_cta) & rope_work)
         @jax.named_scope("latent")
         def _():  # kv_a_norm of the new latent (as the model's RMSNorm)
             plgpu.copy_gmem_to_smem(r.qkv.at[layer, pl.ds(q_tiles, 8)], sm.lat, sm.lat_bar.at[0])
@@ -549,8 +520,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             with jax.named_scope("scores"):  # the products, the softmax, P into shared memory
                 chunk_scores(lambda j: ring.at[lax.rem(count + j // 2, RING), j % 2], sm.q, sm.p,
                              r.ml.at[layer, c, 0], r.ml.at[layer, c, 1],
-                             lambda: jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK)), scale_log2e,
-                             num_heads)
+                             lambda: jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK)), scale_log2e)
             if cut("chunk_values"):
                 free_slots()
                 return

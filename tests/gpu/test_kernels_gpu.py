@@ -728,34 +728,6 @@ def test_attention_chain_gpu(position, merge_group, rope_in_kernel, monkeypatch)
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("position, chains", [(0, 3), (63, 1), (200, 3), (511, 9), (511, 3)])
-def test_attention_chain_scores_by_token_gpu(position, chains, monkeypatch):
-    """Phase 3's scores with the chunk's tokens on wgmma's M side (``decode_step_attention.SCORES_BY_TOKEN``,
-    ``SCORE_CHAINS`` accumulators, the softmax down the tokens across the warps): two attention halves against the
-    reference chain, as ``test_attention_chain_gpu``; then two whole layers at position 200."""
-    import jax
-
-    from benchmarks.megakernel_probe import attention_inputs, layer_inputs
-    from pallas_kernels import decode_step_attention
-    from pallas_kernels.decode_step_attention import attention_chain, attention_chain_reference
-    from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
-
-    monkeypatch.setattr(decode_step_attention, "SCORES_BY_TOKEN", True)
-    monkeypatch.setattr(decode_step_attention, "SCORE_CHAINS", chains)
-    x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
-    got, kv = jax.jit(lambda *a, w: attention_chain(*a, w, spec))(x, pos, table, c_kv, k_pe, w=weights)
-    want, want_kv = jax.jit(lambda *a, w: attention_chain_reference(*a, w, spec))(x, pos, table, c_kv, k_pe, w=weights)
-    assert _rel(kv[0], want_kv[0]) < 1e-2
-    assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
-    if (position, chains) == (200, 3):
-        x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, position)
-        call = lambda fn: jax.jit(lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared: fn(
-            x, pos, table, c_kv, k_pe, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared))(
-            x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared)
-        (got, _, _, kv), (want, _, _, want_kv) = call(moe_layer_chain), call(moe_layer_chain_reference)
-        assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 3e-2
-
-
 @pytest.mark.parametrize("position", [0, 200])
 def test_attention_chain_reads_its_cache_layer_gpu(position):
     """One attention half whose cache is layer 1 of two (``cache_layer``, as the engine's dense layer after the MoE

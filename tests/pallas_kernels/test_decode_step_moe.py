@@ -270,9 +270,9 @@ def test_probe_fixed_routing_keeps_the_picks_work(monkeypatch):
 def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     """``decode_step_attention.PROBE_PHASE_CUT`` (a diagnostic, timing only): the named attention phases' CTAs
     leave out their work but still await and free their boxes. Phase 1 loses its products, phase 2 its products
-    and the rope CTA's copies; phase 3 from a point on: its states' stores, then its value products, then its
-    scores too; the merge loses its loads of the chunks' states, phase 4 its products and loads; an unknown name
-    is refused."""
+    and the rope CTA's copies ("wuk": the W_UK units' products and stores; "rope": the rope and latent CTAs'
+    copies); phase 3 from a point on: its states' stores, then its value products, then its scores too; the
+    merge loses its loads of the chunks' states, phase 4 its products and loads; an unknown name is refused."""
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_attention
 
@@ -282,9 +282,12 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     for name in decode_step_attention.PHASE_CUTS:
         monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", (name,))
         cuts[name] = lowered_modules(fn, *args)[0]
-    for name in ("phase1", "phase2", "phase4"):
+    for name in ("phase1", "phase2", "wuk", "phase4"):
         assert _ops(cuts[name], "wgmma") < _ops(built, "wgmma"), name
-    assert cuts["phase2"].count("cp.async.bulk") < built.count("cp.async.bulk")
+    assert _ops(cuts["wuk"], "wgmma") == _ops(cuts["phase2"], "wgmma")
+    assert _ops(cuts["rope"], "wgmma") == _ops(built, "wgmma")
+    for name in ("phase2", "wuk", "rope"):
+        assert cuts[name].count("cp.async.bulk") < built.count("cp.async.bulk"), name
     assert _ops(cuts["chunk_states"], "llvm.store") < _ops(built, "llvm.store")
     assert _ops(cuts["chunk_states"], "wgmma") == _ops(built, "wgmma")
     assert _ops(cuts["chunk_values"], "wgmma") < _ops(cuts["chunk_states"], "wgmma")
@@ -293,29 +296,8 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     for name in ("merge", "phase4"):
         assert _ops(cuts[name], "llvm.load") < _ops(built, "llvm.load"), name
     monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("phase3", "phase1"))
-    with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT names 'phase3'; accepted: phase1, phase2, chunk_states, "
-                                         r"chunk_values, chunk, merge, phase4"):
-        lowered_modules(fn, *args)
-
-
-def test_scores_by_token_lowers(monkeypatch):
-    """Phase 3's scores with the tokens on wgmma's M side (``decode_step_attention.SCORES_BY_TOKEN``) lower in the
-    whole layers' kernel for an abstract H200: one chain of 9 products a chunk, or 3 or 9 chains (an accumulator
-    each, summed). The loop's body holds a product a chain and runs 9 / chains times, so the code has more wgmma
-    ops the more chains there are, for the same 9 products a chunk; a count of chains that does not share the 9
-    products is refused."""
-    from benchmarks.code_lines import kernel_call, lowered_modules
-    from pallas_kernels import decode_step_attention
-
-    fn, args = kernel_call("whole")
-    wgmma = {}
-    for chains in (1, 3, 9):
-        monkeypatch.setattr(decode_step_attention, "SCORES_BY_TOKEN", True)
-        monkeypatch.setattr(decode_step_attention, "SCORE_CHAINS", chains)
-        wgmma[chains] = _ops(lowered_modules(fn, *args)[0], "wgmma")
-    assert wgmma[1] < wgmma[3] < wgmma[9]
-    monkeypatch.setattr(decode_step_attention, "SCORE_CHAINS", 2)
-    with pytest.raises(ValueError, match=r"SCORE_CHAINS 2; accepted: 1, 3, 9"):
+    with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT names 'phase3'; accepted: phase1, phase2, wuk, rope, "
+                                         r"chunk_states, chunk_values, chunk, merge, phase4"):
         lowered_modules(fn, *args)
 
 
