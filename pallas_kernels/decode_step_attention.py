@@ -153,7 +153,6 @@ ROPE_IN_KERNEL = True
 PHASES = 5  # grid barriers a layer
 
 
-
 def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int, capacity: int, dtype,
                        num_layers: int = 1) -> str | None:
     """None when ``attention_chain`` takes this attention (``dims`` = (nope, rope, latent, v) head dims; the
