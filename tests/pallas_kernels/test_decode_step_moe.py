@@ -287,7 +287,7 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     assert _ops(cuts["wuk"], "wgmma") == _ops(cuts["phase2"], "wgmma")
     assert _ops(cuts["rope"], "wgmma") == _ops(built, "wgmma")
     for name in ("phase2", "wuk", "rope"):
-        assert cuts[name].count("cp.async.bulk") < built.count("cp.async.bulk"), name
+        assert _ops(cuts[name], "cp.async.bulk") < _ops(built, "cp.async.bulk"), name
     assert _ops(cuts["chunk_states"], "llvm.store") < _ops(built, "llvm.store")
     assert _ops(cuts["chunk_states"], "wgmma") == _ops(built, "wgmma")
     assert _ops(cuts["chunk_values"], "wgmma") < _ops(cuts["chunk_states"], "wgmma")
