@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|phase2-parts|fused-o-proj|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -319,6 +319,15 @@ case $part in
       --rounds 1 --variant "fixed: $m" --variant "fixed, no W_UK units: $m $a.PROBE_PHASE_CUT=('wuk',)" \
       --variant "fixed, no rope / latent: $m $a.PROBE_PHASE_CUT=('rope',)" --out "$OUT/step_ab_phase2_parts_b1.json" \
       2>&1 | grep -E "^\||^round|Error" ;;
+  fused-o-proj)  # round 43: o_proj inside the attention's phase 4 (decode_step_attention.FUSED_O_PROJ): its GPU tests
+                 # (the attention chain, its cache-layer / norm / embedding form, the whole layers, the model's
+                 # one-token steps), then the batch-1 compiled step as built and fused, 2 rounds in turns (~9 minutes)
+    timeout 250 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+      -k "(attention_chain or moe_layer_chain or through_the_step_kernel) and True]" 2>&1 \
+      | tee "$OUT/gpu_tests_fused_o_proj.log" | tail -3
+    timeout 320 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --rounds 2 --variant built --variant "fused o_proj: pallas_kernels.decode_step_attention.FUSED_O_PROJ=True" \
+      --out "$OUT/step_ab_fused_o_proj_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /

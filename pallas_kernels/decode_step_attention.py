@@ -150,7 +150,20 @@ QUERY_TMA = True
 # contexts up to (its CTAs - 1) x 64 tokens (``attention_supports``). Timed with dispatch's kernel knobs (round
 # 35: their batch-1 step 1.7034 ms against 1.7342). Read at trace time.
 ROPE_IN_KERNEL = True
-PHASES = 5  # grid barriers a layer
+# Phase 4 takes o_proj too (``attention_phases``' ``o_proj``): a (head, 64 v columns, 512 output columns) unit a
+# CTA merges the head's states over all 512 latent rows, multiplies them by W_UV's 4 boxes of its v columns (v
+# whole, rounded to bf16 as the model's), then v by its 4 boxes of o_proj's rows, and adds 512 partial outputs
+# by TMA. So o_proj needs no phase of its own: one grid barrier a layer fewer, and no round trip of v through
+# global memory. W_UV's boxes are read by the 4 units of a (head, v columns) pair (L2 serves 3 of them). Read at
+# trace time.
+FUSED_O_PROJ = False
+PHASES = 5  # grid barriers a layer (4 with FUSED_O_PROJ)
+O_QUARTERS = 4  # FUSED_O_PROJ: a unit's output columns are a quarter of o_proj's (16 heads x 2 x 4 = 128 units)
+
+
+def phases() -> int:
+    """The attention half's grid barriers a layer, as built (``FUSED_O_PROJ``: o_proj inside phase 4)."""
+    return PHASES - FUSED_O_PROJ
 
 
 def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int, capacity: int, dtype,
@@ -220,7 +233,7 @@ class AttentionScratch(NamedTuple):
     """The shared memory the phases take: the layer's input rows xin f32[D / 64, 64] (bf16 values) and the
     norm's weights g f32[D / 64, 64] (g_bar: landed); the token's tiles bf16[D / 8, 64], flat: the same bytes
     as rows [D / 64, 512] (``token_tiles``; tiles4's too, at their start), and rows f32[D / 64, 64]; phase 3's
-    query windows q bf16[192, 64] and p bf16[64, 64]; phase 4's merged rows mrow f32[2, 64] and their tiles4
+    query windows q bf16[192, 64] and p bf16[64, 64]; phase 4's merged rows mrow f32[8, 64] and their tiles4
     bf16[64, 64]; phase 2's rope rows f32[32, 64], rotated rope16 bf16[32, 64], cs f32[2, 32, 32], the new
     latent lat f32[8, 64], knorm f32[8, 64], the normed latb bf16[8, 64]; part f32[2, 64] (TMA adds), qrow
     bf16[64]; zeros f32 and bf16 [8, 64]; rope_bar (num_heads + 2 arrivals), lat_bar (2)."""
@@ -304,9 +317,60 @@ def chunk_values(key, p_smem, num_heads: int):
     return pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
 
 
+def fused_box_halves(wuv, wo, v_head, v_tile, quarter, o_boxes: int):
+    """Fused phase 4's boxes (``FUSED_O_PROJ``) for the unit (head ``v_head``, v columns ``v_tile``, output quarter
+    ``quarter``), in ring order, as the views of their halves: (wuv_half(b, h) for b < 4, wo_half(b, h) for b <
+    ``o_boxes``). wuv: one layer's W_UV [512, H, 128]; wo: one layer's o_proj [H * 128, D]. W_UV's box b: latent
+    rows [128 b, + 128) of the head's v columns (halves of 64 K rows); o_proj's box b: the rows of those v
+    columns, its halves the output's 64-column tiles 2 b and 2 b + 1 of the quarter."""
+    def wuv_half(b, h):
+        return wuv.at[pl.ds(b * STEP + h * HALF, HALF), v_head, pl.ds(v_tile * HALF, HALF)]
+
+    def wo_half(b, h):
+        return wo.at[pl.ds(v_head * V_DIM + v_tile * HALF, HALF), pl.ds((quarter * 2 * o_boxes + 2 * b + h) * HALF, HALF)]
+
+    return wuv_half, wo_half
+
+
+def _first_row(flat_smem, row):
+    """row [64] (f32, reduced WGMMA layout) as the first row of token tile 0 (``token_tiles``' flat view), rounded
+    to the tiles' dtype, its other rows left as they are; committed."""
+    flat_smem.at[0, pl.ds(0, HALF)][...] = row.astype(flat_smem.dtype)
+    plgpu.commit_smem()
+
+
+def fused_products(ring, full, free, base, rows_smem, flat_smem, tiles_smem, o_boxes: int, dest):
+    """Fused phase 4's products (``FUSED_O_PROJ``; the computing warpgroup), once the head's states are merged into
+    rows_smem f32[8, 64] (its 512 latent values): those as the bf16 tiles 0-7 (``flat_smem`` / ``tiles_smem``:
+    ``token_tiles``' views), times W_UV's 4 boxes at ring positions base, ... -> v's 64 columns, rounded to bf16 as
+    tile 0's first row (the model's v is bf16; tile 0's other rows are zeros already); v times the ``o_boxes`` o_proj boxes after them
+    (``fused_box_halves``' order), each half into its own accumulator -> the 2 * o_boxes column sums, added by TMA
+    into dest f32[2 * o_boxes, 64] from rows_smem (waited for by the next grid barrier)."""
+    zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
+    _build_tiles(rows_smem, flat_smem)
+    _first_row(flat_smem, _unit_sums(ring, full, free, tiles_smem, base, LATENT // STEP, zeros))  # v
+    v_t = tiles_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
+    base = base + LATENT // STEP
+
+    def products(accs):
+        for b in range(o_boxes):
+            slot = lax.rem(base + b, RING)
+            plgpu.barrier_wait(full.at[slot])
+            for h in range(2):
+                plgpu.wgmma(accs[2 * b + h], ring.at[slot, h].transpose((1, 0)), v_t)
+
+    accs = pl.run_state(products)(tuple(plgpu.ACC.init(zeros) for _ in range(2 * o_boxes)))
+    for b in range(o_boxes):
+        plgpu.barrier_arrive(free.at[lax.rem(base + b, RING)])
+    for t, acc in enumerate(accs):  # the merged rows are in the tiles already: rows_smem is free
+        rows_smem.at[t][...] = jnp.sum(acc, axis=1)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(0, 2 * o_boxes)], dest, reduction_op="add")
+
+
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
-                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0):
+                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0, o_proj=None):
     """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
     semaphore and layer loop the caller owns -> (zero, loads, compute):
 
@@ -316,7 +380,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
       position after.
     - ``compute(layer, count)`` (computing warpgroup, the layer's input rows in ``scratch.xin``): the phases,
       phase p ending at the grid barrier ``barrier_count(layer, p)`` -> the ring position after. The heads'
-      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj.
+      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj. With ``o_proj`` = (wo bf16[L, H * 128,
+      D], out f32[L, D / 64, 64]), phase 4 multiplies by o_proj too and CTA 0 adds the layer's input rows
+      (``FUSED_O_PROJ``): after phase 4's barrier, out[layer] holds x_mid, and vctx is not written.
 
     Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches)."""
     if unknown := sorted(set(PROBE_PHASE_CUT) - set(PHASE_CUTS)):
@@ -338,6 +404,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     rope_cta, latent_cta = wuk_units, wuk_units + 1
     nch = states - 1  # phase 3: CTA s < nch takes chunk s of the context, CTA nch the new token
     wuv_units = num_heads * 2 * (LATENT // STEP)  # phase 4: (head, 64 v columns, 128 latent rows) a CTA
+    fused = o_proj is not None  # phase 4: (head, 64 v columns, a quarter of o_proj's columns) a CTA
+    latent_rows = LATENT // HALF if fused else 2  # the 64-row groups of the latent a unit merges
+    o_boxes = hidden // (O_QUARTERS * STEP)  # fused: a unit's boxes of o_proj (two 64-column tiles of v's rows each)
     position = r.pos[0]
     num_chunks = jnp.minimum(lax.div(position + CHUNK - 1, CHUNK), nch)
     in_chunks = (c < num_chunks) | (c == nch)
@@ -345,12 +414,13 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     v_head, v_tile, v_range = lax.div(c, 8), lax.rem(lax.div(c, 4), 2), lax.rem(c, 4)  # phase 4's unit
     p2_boxes = jnp.where(c < wuk_units, 1, 0)
     p3_boxes = jnp.where(in_chunks, 5, 0)
-    p4_boxes = jnp.where(c < wuv_units, 1, 0)
+    p4_boxes = jnp.where(c < wuv_units, LATENT // STEP + o_boxes if fused else 1, 0)
     issue = functools.partial(_issue_box, ring, full, free)
 
     def zero():
         _zero_rows(sm.zero, r.qkv, c, num_ctas)
-        _zero_rows(sm.zero, r.vctx, c, num_ctas)
+        if not fused:
+            _zero_rows(sm.zero, r.vctx, c, num_ctas)
         _zero_rows(sm.zero16, r.kvnew, c, num_ctas)  # the new token's chunk: zeros past its row
         _zero_rows(sm.zero16, r.q, c, num_ctas)  # the query windows' rows past the queries
         plgpu.copy_gmem_to_smem(r.g.at[0], sm.g, sm.g_bar.at[0])
@@ -386,8 +456,19 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             issue(count + 4, lambda h: [(r.kvnew.at[8], True)])
 
         count = count + p3_boxes
-        pl.when(c < wuv_units)(lambda: issue(count, lambda h: [
-            (r.wuv.at[layer, pl.ds(v_range * STEP + h * HALF, HALF), v_head, pl.ds(v_tile * HALF, HALF)], True)]))
+
+        @pl.when(c < wuv_units)
+        def _():
+            if not fused:
+                issue(count, lambda h: [(r.wuv.at[layer, pl.ds(v_range * STEP + h * HALF, HALF), v_head,
+                                                  pl.ds(v_tile * HALF, HALF)], True)])
+                return
+            wuv_half, wo_half = fused_box_halves(r.wuv.at[layer], o_proj[0].at[layer], v_head, v_tile, v_range,
+                                                 o_boxes)
+            lax.fori_loop(0, LATENT // STEP, lambda b, _: issue(count + b, lambda h: [(wuv_half(b, h), True)]), None)
+            lax.fori_loop(0, o_boxes, lambda b, _: issue(count + LATENT // STEP + b, lambda h: [(wo_half(b, h), True)]),
+                          None)
+
         return count + p4_boxes
 
     def store_add(sums, dest, i=0):
@@ -537,18 +618,24 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
 
     def phase4(layer, count):
         """A (head, 64 v columns, 128 latent rows) unit: the head's states merged over its latent rows (read
-        by the warpgroup's own loads), as bf16 tiles, times W_UV's box; the sums added."""
+        by the warpgroup's own loads), as bf16 tiles, times W_UV's box; the sums added. Fused (``o_proj``): a
+        (head, 64 v columns, output quarter) unit merges all 512 latent rows, takes W_UV's 4 boxes (v's 64
+        columns whole, as bf16 tile 0), then its o_proj boxes (``fused_products``); CTA 0 adds the input rows."""
+        if fused:
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(sm.xin, o_proj[1].at[layer], reduction_op="add"))
+
         @pl.when(c < wuv_units)
         @jax.named_scope("w_uv")
         def _():
             if cut("phase4"):
-                _boxes_skipped(full, free, count, 1)
+                _boxes_skipped(full, free, count, p4_boxes)
                 return
             # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
             # loads issued together, so a group waits out L2's latency once); a group's entries past the context
             # read the new token's state in their place, weighted 0 (those states are never written)
             m_at = lambda s: r.ml[layer, s, 0, v_head]
-            rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
+            row0 = lambda: 0 if fused else v_range * STEP  # the unit's first latent row
+            rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(row0() + q * HALF, HALF), v_head],
                                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
             def group(g, carry):
@@ -559,16 +646,21 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 weights = [jnp.exp2(m_s - new_top) for m_s in m]
                 keep = jnp.exp2(top - new_top)
                 total = total * keep + sum(w * r.ml[layer, s, 1, v_head] for s, w in zip(at, weights))
-                merged = tuple(merged[q] * keep + sum(rows(s, q) * w for s, w in zip(at, weights)) for q in range(2))
+                merged = tuple(merged[q] * keep + sum(rows(s, q) * w for s, w in zip(at, weights))
+                               for q in range(latent_rows))
                 return new_top, total, merged
 
-            first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(2)))
+            first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(latent_rows)))
             _, total, merged = first if cut("merge") else lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group,
                                                                          first)
-            for q in range(2):
+            for q in range(latent_rows):
                 sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()
-            _build_tiles(sm.mrow, sm.flat)
+            if fused:
+                fused_products(ring, full, free, count, sm.mrow, sm.flat, sm.tiles4, o_boxes,
+                               o_proj[1].at[layer, pl.ds(v_range * 2 * o_boxes, 2 * o_boxes)])
+                return
+            _build_tiles(sm.mrow.at[pl.ds(0, latent_rows)], sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())
             store_add(sums, r.vctx.at[layer, 2 * v_head + v_tile])
 
@@ -587,7 +679,8 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
                     embedding: bool = False, launch_dependents: bool = False, **constants):
     # ``attention_phases``' refs (AttentionRefs) in order, x_ref f32[D / 64, 64] and wo_ref bf16[L, H * 128, D]
     # among them, out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units) first of
-    # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual. ``out_eps``:
+    # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual (with
+    # ``FUSED_O_PROJ``, phase 4's: four phases a layer). ``out_eps``:
     # one more input last, an RMSNorm's weights gout_ref f32[D / 64, 64], and two more outputs last, [D / 64, 64]
     # each: x_L normed by it (bf16), and x_L rounded to bf16 (in bf16, or f32 for a launch that adds into it in
     # place) (CTA 0, after the last layer; the next sublayer's inputs).
@@ -611,9 +704,11 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
     o_ranges = num_heads * V_DIM // UNIT_K
     o_units = (hidden // HALF) * o_ranges
     o_tile, o_kq = lax.div(c, o_ranges), lax.rem(c, o_ranges)
-    o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
+    fused = FUSED_O_PROJ
+    o_boxes = 0 if fused else jnp.where(c < o_units, UNIT_K // STEP, 0)
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
-    barrier_count = lambda layer, phase: 1 + PHASES * layer + phase  # the kernel's first barrier, then PHASES a layer
+    per_layer = phases()
+    barrier_count = lambda layer, phase: 1 + per_layer * layer + phase  # the kernel's first barrier, then per layer
     (tiles_smem, row_smem), flat_smem, (q_smem, p_smem), (tiles4_smem, mrow_smem), rope_buffers = union
     refs = AttentionRefs(pos_ref, table_ref, cs_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
                          wuv_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref)
@@ -622,14 +717,14 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
                                lat_bar)
     zero, phase_loads, phase_compute = attention_phases(
         refs, scratch, ring, full, free, sem, num_layers=num_layers, num_heads=num_heads, states=states,
-        num_ctas=num_ctas, barrier_count=barrier_count, **constants)
+        num_ctas=num_ctas, barrier_count=barrier_count, o_proj=(wo_ref, out_ref) if fused else None, **constants)
 
     def loads():
         """Warpgroup 1: every phase's boxes of every layer, in the computing warpgroup's order."""
         def layer_loads(layer, count):
             count = phase_loads(layer, count)
-
-            pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))
+            if not fused:
+                pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))
             return count + o_boxes
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
@@ -658,18 +753,20 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
         zeros8 = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
 
         def layer_body(layer, count):
-            count = phase_compute(layer, count)
+            count = phase_compute(layer, count)  # fused: x_mid complete after phase 4
 
-            @pl.when(c < o_units)
-            @jax.named_scope("o_proj")
-            def _():  # x_mid = x_l + v_ctx @ W_o: a GEMV unit a CTA, CTA 0 adds x_l
-                chunks = UNIT_K // HALF
-                _load_rows(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)])
-                _build_tiles(row_smem.at[pl.ds(0, chunks)], flat_smem)
-                _unit_store(ring, full, free, tiles_smem, count, zeros8, part_smem.at[0], out_ref.at[layer, o_tile])
+            if not fused:
+                @pl.when(c < o_units)
+                @jax.named_scope("o_proj")
+                def _():  # x_mid = x_l + v_ctx @ W_o: a GEMV unit a CTA, CTA 0 adds x_l
+                    chunks = UNIT_K // HALF
+                    _load_rows(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)])
+                    _build_tiles(row_smem.at[pl.ds(0, chunks)], flat_smem)
+                    _unit_store(ring, full, free, tiles_smem, count, zeros8, part_smem.at[0],
+                                out_ref.at[layer, o_tile])
 
-            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
-            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5), "o_proj")
+                pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
+                _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5), "o_proj")
 
             @pl.when(layer + 1 < num_layers)
             def _():
@@ -680,7 +777,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
         if normed:
             pl.when(c == 0)(jax.named_scope("out_norm")(
                 lambda: norm_rows_out(out_ref.at[num_layers - 1], gout_ref[0], normed_ref[0], out_eps, normed_ref[1])))
-        _release(sem, c, num_ctas, barrier_count(num_layers - 1, PHASES))
+        _release(sem, c, num_ctas, barrier_count(num_layers - 1, per_layer))
 
     pl.when(lax.axis_index("wg") == 0)(compute)
     pl.when(lax.axis_index("wg") == 1)(loads)
@@ -743,7 +840,8 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     3. Attention: CTA s takes the context's chunk s (64 tokens of a page), CTA S - 1 the new token as a chunk of
        one, each a partial softmax state of every head (scores and values by wgmma).
     4. The states merged a (head, 64 v columns, 128 latent rows) unit a CTA, times W_UV's box, summed by TMA.
-    5. o_proj (``gemv_chain``'s units) and the residual.
+    5. o_proj (``gemv_chain``'s units) and the residual. With ``FUSED_O_PROJ``, phase 4's: a (head, 64 v columns,
+       output quarter) unit a CTA takes W_UV's 4 boxes and its o_proj boxes (``fused_products``), four phases a layer.
 
     Shapes must pass ``attention_supports``."""
     num_layers, hidden = weights.norm.shape
@@ -784,7 +882,7 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
             (plgpu.SMEM((3 * HALF, HALF), bf16, transforms=_TILING),  # 3: the query windows
              plgpu.SMEM((HALF, CHUNK), bf16, transforms=_TILING)),  # P
             (plgpu.SMEM((HALF, HALF), bf16, transforms=_TILING),  # 4: the head's merged rows' tiles
-             plgpu.SMEM((2, HALF), f32)),  # the rows
+             plgpu.SMEM((LATENT // HALF, HALF), f32)),  # the rows (fused: then the unit's o_proj sums)
             (plgpu.SMEM((32, ROPE), f32),  # 2: the rope rows (q_pe of each head, the new key)
              plgpu.SMEM((32, ROPE), bf16),  # rotated
              plgpu.SMEM((2, 32, ROPE // 2), f32),  # cos, sin

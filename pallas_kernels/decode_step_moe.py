@@ -28,6 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import decode_step_attention
 from pallas_kernels.common import rms_norm, why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
@@ -289,7 +290,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # W_o, the MoE half's input).
     # ``front`` (with ``attention``: the whole layer, ``moe_layer_chain``): the attention phases first
     # (``decode_step_attention.attention_phases``, its constants), their AttentionRefs' 11 inputs after wo_ref in
-    # place of attn_ref, their 7 outputs after mid_ref; o_proj reads their v_ctx.
+    # place of attn_ref, their 7 outputs after mid_ref; o_proj reads their v_ctx (with FUSED_O_PROJ phase 4 takes
+    # o_proj and adds into mid_ref itself).
     # ``final_eps`` (with a router): the last input gf_ref f32[D / 64, 64] is a final RMSNorm's weights, and the
     # last output normed_ref bf16[D / 64, 64] is x_L normed by it (CTA 0, after the last layer).
     # ``pdl``: launched as a programmatic dependent of the launch before it, every thread waits for that launch's
@@ -317,7 +319,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem
             (q_win, p_smem), rope_buffers = front_buffers
             front_scratch = AttentionScratch(
-                xin_smem, g_attn, g_attn_bar, tiles_smem, flat_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 2)],
+                xin_smem, g_attn, g_attn_bar, tiles_smem, flat_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 8)],
                 tiles_smem.at[pl.ds(0, HALF)], *rope_buffers, pub_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
                 lat_bar)
         elif attention:
@@ -340,14 +342,17 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     o_ranges = attention // UNIT_K
     o_units = (hidden // HALF) * o_ranges
     o_tile, o_kq = lax.div(c, max(o_ranges, 1)), lax.rem(c, max(o_ranges, 1))
-    o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
-    # grid barriers a layer: (the attention phases' 4,) (o_proj's sums,) the experts' sums
-    per_layer = 6 if front else 2 if attention else 1
+    # ``FUSED_O_PROJ`` (the whole layer): o_proj runs in the attention's phase 4, whose barrier ends it
+    fused = bool(front) and decode_step_attention.FUSED_O_PROJ
+    o_boxes = 0 if fused else jnp.where(c < o_units, UNIT_K // STEP, 0)
+    # grid barriers a layer: (the attention phases' 4,) (o_proj's sums, unless fused,) the experts' sums
+    per_layer = (decode_step_attention.phases() + 1) if front else 2 if attention else 1
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each phase's sums
     if front:
         front_zero, front_loads, front_compute = attention_phases(
             front_refs, front_scratch, ring, full, free, sem, num_layers=num_layers, num_ctas=num_ctas,
-            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase, **front)
+            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase,
+            o_proj=(wo_ref, mid_ref) if fused else None, **front)
     if router:  # the router CTAs' logits added (each once a layer)
         routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     # tile t's h published (once a layer), or its K ranges' sums (``splits`` times a layer)
@@ -425,7 +430,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         def layer_loads(layer, count):
             if front:  # the attention phases' boxes first
                 count = front_loads(layer, count)
-            if attention:  # an o_proj unit's boxes first
+            if attention and not fused:  # an o_proj unit's boxes first
 
                 pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))
                 count = count + o_boxes
@@ -696,7 +701,9 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         def layer_body(layer, count):
             if front:
                 count = front_compute(layer, count)
-            if attention:
+            if fused:  # x_mid is complete since phase 4's barrier
+                input_tiles(mid_ref.at[layer])
+            elif attention:
                 count = o_proj(layer, count)
 
             @pl.when(c == 0)

@@ -703,14 +703,16 @@ def test_moe_layer_tail_chain_gpu(plan, monkeypatch):
     assert got.shape == (2048,) and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("position, merge_group, rope_in_kernel", [
-    (0, 8, False), (63, 8, False), (200, 8, False), (511, 8, False), (511, 4, False), (200, 2, False), (200, 16, False),
-    (511, 32, False), (0, 8, True), (200, 8, True), (511, 8, True)])
-def test_attention_chain_gpu(position, merge_group, rope_in_kernel, monkeypatch):
+@pytest.mark.parametrize("position, merge_group, rope_in_kernel, fused_o_proj", [
+    (0, 8, False, False), (63, 8, False, False), (200, 8, False, False), (511, 8, False, False),
+    (511, 4, False, False), (200, 2, False, False), (200, 16, False, False), (511, 32, False, False),
+    (0, 8, True, False), (200, 8, True, False), (511, 8, True, False),
+    (0, 8, True, True), (63, 8, True, True), (200, 8, True, True), (511, 8, True, True), (511, 2, True, True)])
+def test_attention_chain_gpu(position, merge_group, rope_in_kernel, fused_o_proj, monkeypatch):
     """Two V2-Lite attention halves at one token in one persistent kernel (norm, q / kv_a, W_UK, rope, the paged
     context in 64-token chunks plus the new token, the states merged ``MERGE_GROUP`` at a time, W_UV, o_proj,
     the residual) against the reference chain: each layer's new cache row, and the output. ``ROPE_IN_KERNEL``: the
-    rope CTA computes cos and sin from the position itself."""
+    rope CTA computes cos and sin from the position itself; ``FUSED_O_PROJ``: o_proj inside phase 4."""
     import jax
 
     from benchmarks.megakernel_probe import attention_inputs
@@ -719,6 +721,7 @@ def test_attention_chain_gpu(position, merge_group, rope_in_kernel, monkeypatch)
 
     monkeypatch.setattr(decode_step_attention, "MERGE_GROUP", merge_group)
     monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", rope_in_kernel)
+    monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", fused_o_proj)
 
     x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
     assert attention_supports(2048, 16, (128, 64, 512, 128), 64, 512, jnp.bfloat16, 2) is None
@@ -728,15 +731,18 @@ def test_attention_chain_gpu(position, merge_group, rope_in_kernel, monkeypatch)
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("position", [0, 200])
-def test_attention_chain_reads_its_cache_layer_gpu(position):
+@pytest.mark.parametrize("position, fused_o_proj", [(0, False), (200, False), (0, True), (200, True)])
+def test_attention_chain_reads_its_cache_layer_gpu(position, fused_o_proj, monkeypatch):
     """One attention half whose cache is layer 1 of two (``cache_layer``, as the engine's dense layer after the MoE
     stack; cache layer 0 holds other values), its output also normed for the next sublayer (``out_norm``), against
-    the reference on the same layer."""
+    the reference on the same layer; with o_proj in phase 4 or after it (``FUSED_O_PROJ``)."""
     import jax
 
     from benchmarks.megakernel_probe import attention_inputs
+    from pallas_kernels import decode_step_attention
     from pallas_kernels.decode_step_attention import AttentionWeights, attention_chain, attention_chain_reference
+
+    monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", fused_o_proj)
 
     x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
     last = AttentionWeights(*(w[1:] for w in weights))
@@ -762,14 +768,18 @@ def test_attention_chain_reads_its_cache_layer_gpu(position):
     assert np.isnan(np.asarray(by_id(jnp.int32(1000), pos, table, c_kv, k_pe, w=last)[0], np.float32)).all()
 
 
-@pytest.mark.parametrize("position", [0, 200])
-def test_moe_layer_chain_gpu(position):
+@pytest.mark.parametrize("position, fused_o_proj", [(0, False), (200, False), (0, True), (200, True)])
+def test_moe_layer_chain_gpu(position, fused_o_proj, monkeypatch):
     """Two whole V2-Lite layers at one token in one persistent kernel (the attention phases, o_proj, the MoE
-    half) against the reference layers: each layer's new cache row, layer 0's routing, the output."""
+    half) against the reference layers: each layer's new cache row, layer 0's routing, the output; with o_proj in
+    the attention's phase 4 or a phase of its own (``decode_step_attention.FUSED_O_PROJ``)."""
     import jax
 
     from benchmarks.megakernel_probe import layer_inputs
+    from pallas_kernels import decode_step_attention
     from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
+
+    monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", fused_o_proj)
 
     x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, position)
     # the weights as arguments: closed over, their 2.3 GB are constants that take the compile minutes
@@ -794,7 +804,8 @@ def test_moe_layer_chain_gpu(position):
     assert normed.dtype == jnp.bfloat16 and _rel(normed, want_normed) < 3e-2
 
 
-def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
+@pytest.mark.parametrize("fused_o_proj", [False, True])
+def test_one_token_steps_through_the_step_kernel_gpu(fused_o_proj, monkeypatch):
     """A random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers): a 70-token prompt prefilled, then
     three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL), with the dense
     layer's attention half as a kernel too or not (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the final norm in the
@@ -802,7 +813,8 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     (decode_step_attention.ROPE_IN_KERNEL), the dense MLP's expert launch adding into the attention kernel's f32
     output in place (dispatch.DENSE_MLP_IN_PLACE) and the token's embedding row read by the attention kernel
     (dispatch.STEP_KERNEL_EMBEDDING), the three kernels launched as programmatic dependents (dispatch.STEP_KERNEL_PDL),
-    give the logits of the launches a layer. As built every knob but PDL is on (session 52)."""
+    give the logits of the launches a layer. As built every knob but PDL is on (session 52). Each with o_proj in
+    the attention's phase 4 or not (decode_step_attention.FUSED_O_PROJ)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -811,6 +823,7 @@ def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     from pallas_kernels import decode_step_attention, decode_step_moe
     from tests.model.test_model import _paged_logits
 
+    monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", fused_o_proj)
     config = dataclasses.replace(ModelConfig.preset("deepseek-v2-lite"), num_hidden_layers=3)
     tokens = np.random.default_rng(5).integers(3, 1000, size=73).astype(np.int32)
     chunks = [(0, 70), (70, 71), (71, 72), (72, 73)]

@@ -263,3 +263,68 @@ def test_chunk_scores_and_values_interpreted(valid):
     np.testing.assert_allclose(np.asarray(m)[:heads], want_m, rtol=1e-4, atol=1e-3)
     np.testing.assert_allclose(np.asarray(l)[:heads], p.sum(axis=1), rtol=2e-3)
     np.testing.assert_allclose(np.asarray(o), (p16 @ rows[:, :512]).T, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_products_interpreted(monkeypatch):
+    """Fused phase 4's products (``fused_products``, ``FUSED_O_PROJ``: the code the step kernels run), in one CTA under
+    JAX's GPU interpret mode on the CPU, its ring filled with the unit's boxes as ``fused_box_halves`` names them:
+    a head's merged latent rows (rounded to bf16) times W_UV's v columns (v rounded to bf16), times o_proj's rows of
+    those columns over the unit's output quarter, against numpy; no races. The interpret mode allocates a
+    ``RefUnion``'s views apart, so the token tiles' two stores through the flat view (``_build_tiles``,
+    ``_first_row``) go through the tiled view here (the step kernels' other phases store the tiles the same way)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels import mgpu_interpret
+    from pallas_kernels.decode_step_mgpu import RING, _TILING
+
+    def build_tiles(rows_smem, tiles_smem):  # rows i as the first rows of tiles i, their other rows zeros
+        rows = rows_smem[...]
+        below = jnp.zeros((rows.shape[0], 7, 64), rows.dtype)
+        tiles_smem[...] = jnp.concatenate([rows[:, None], below], axis=1).reshape(-1, 64).astype(tiles_smem.dtype)
+        plgpu.commit_smem()
+
+    def first_row(tiles_smem, row):
+        tiles_smem.at[0][...] = row.astype(tiles_smem.dtype)
+        plgpu.commit_smem()
+
+    monkeypatch.setattr(step, "_build_tiles", build_tiles)
+    monkeypatch.setattr(step, "_first_row", first_row)
+
+    heads, hidden, o_boxes = 2, 2048, 4
+    v_head, v_tile, quarter = 1, 1, 2
+    rng = np.random.default_rng(11)
+    rows = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)  # the head's 512 merged latent values
+    wuv = jnp.asarray(rng.standard_normal((512, heads, 128)) / 16, jnp.bfloat16)
+    wo = jnp.asarray(rng.standard_normal((heads * 128, hidden)) / 8, jnp.bfloat16)
+    f32 = jnp.float32
+
+    def body(rows_ref, wuv_ref, wo_ref, out_ref, ring, rows_smem, tiles, zeros_smem, full, free, landed):
+        wuv_half, wo_half = step.fused_box_halves(wuv_ref, wo_ref, v_head, v_tile, quarter, o_boxes)
+        for b in range(4 + o_boxes):
+            for h in range(2):
+                view = wuv_half(b, h) if b < 4 else wo_half(b - 4, h)
+                plgpu.copy_gmem_to_smem(view, ring.at[b, h], full.at[b])
+        plgpu.copy_gmem_to_smem(rows_ref, rows_smem, landed.at[0])
+        zeros_smem[...] = jnp.zeros(zeros_smem.shape, f32)  # the output starts at zero (the kernels zero their rows)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(zeros_smem, out_ref)
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.barrier_wait(landed.at[0])
+        step.fused_products(ring, full, free, 0, rows_smem, tiles, tiles, o_boxes, out_ref)
+        plgpu.wait_smem_to_gmem(0)
+
+    out = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((2 * o_boxes, 64), f32),
+        scratch_types=[plgpu.SMEM((RING, 2, 64, 64), jnp.bfloat16, transforms=_TILING),
+                       plgpu.SMEM((8, 64), f32), plgpu.SMEM((64, 64), jnp.bfloat16, transforms=_TILING),
+                       plgpu.SMEM((2 * o_boxes, 64), f32),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=RING), plgpu.Barrier(num_barriers=RING),
+                       plgpu.Barrier(num_barriers=1)],
+        num_threads=1, thread_name="wg", interpret=mgpu_interpret.params(),
+    )(rows, wuv, wo)
+    assert not mgpu_interpret.races_found()
+    bf16 = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+    o_lat = bf16(np.asarray(rows).reshape(512))
+    v = bf16(o_lat @ np.asarray(wuv, np.float32)[:, v_head, v_tile * 64:(v_tile + 1) * 64])
+    w = np.asarray(wo, np.float32)[v_head * 128 + v_tile * 64:][:64, quarter * 512:(quarter + 1) * 512]
+    np.testing.assert_allclose(np.asarray(out).reshape(512), v @ w, rtol=2e-2, atol=2e-2)

@@ -322,6 +322,24 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
         waits()
 
 
+def test_fused_o_proj_lowers_with_a_barrier_fewer(monkeypatch):
+    """``decode_step_attention.FUSED_O_PROJ``: both step kernels (the whole layers', the attention halves') lower for
+    an abstract H200 with o_proj inside phase 4: one grid barrier (a semaphore wait, an acquire fence) fewer a
+    layer, and no o_proj phase of its own."""
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_attention
+
+    waits = lambda module: len(re.findall(r'"fence\.acquire\.gpu;"', module))
+    for name in ("whole", "attention"):
+        fn, args = kernel_call(name)
+        built = lowered_modules(fn, *args)[0]
+        monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", True)
+        fused = lowered_modules(fn, *args)[0]
+        monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", False)
+        assert waits(fused) == waits(built) - 1, name
+        assert "o_proj/" in built and "o_proj/" not in fused, name
+
+
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference
