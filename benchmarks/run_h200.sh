@@ -319,15 +319,33 @@ case $part in
       --rounds 1 --variant "fixed: $m" --variant "fixed, no W_UK units: $m $a.PROBE_PHASE_CUT=('wuk',)" \
       --variant "fixed, no rope / latent: $m $a.PROBE_PHASE_CUT=('rope',)" --out "$OUT/step_ab_phase2_parts_b1.json" \
       2>&1 | grep -E "^\||^round|Error" ;;
-  fused-o-proj)  # round 43: o_proj inside the attention's phase 4 (decode_step_attention.FUSED_O_PROJ): its GPU tests
-                 # (the attention chain, its cache-layer / norm / embedding form, the whole layers, the model's
-                 # one-token steps), then the batch-1 compiled step as built and fused, 2 rounds in turns (~9 minutes)
-    timeout 250 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-      -k "(attention_chain or moe_layer_chain or through_the_step_kernel) and True]" 2>&1 \
-      | tee "$OUT/gpu_tests_fused_o_proj.log" | tail -3
-    timeout 320 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 2 --variant built --variant "fused o_proj: pallas_kernels.decode_step_attention.FUSED_O_PROJ=True" \
-      --out "$OUT/step_ab_fused_o_proj_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  fused-o-proj)  # round 43: o_proj inside the attention's phase 4 (decode_step_attention.FUSED_O_PROJ, off as built).
+                 # $2 "ab" (the default): its GPU tests (the attention chain, its cache-layer / norm / embedding form,
+                 # the whole layers, the model's one-token steps), then the batch-1 compiled step as built and fused
+                 # at the default 4-token prompt, 2 rounds in turns (~9 minutes). $2 "1k": the same A/B after a
+                 # 1024-token prompt (phase 4 merges 4x the rows a unit there), 2 rounds (~5 minutes). $2 "engine":
+                 # the engine's batch-1 point (decode-curve, prompt 128) as built, then fused (~6 minutes)
+    f=pallas_kernels.decode_step_attention.FUSED_O_PROJ
+    case ${2:-ab} in
+      ab)
+        timeout 250 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+          -k "(attention_chain or moe_layer_chain or through_the_step_kernel) and True]" 2>&1 \
+          | tee "$OUT/gpu_tests_fused_o_proj.log" | tail -3
+        timeout 320 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+          --rounds 2 --variant built --variant "fused o_proj: $f=True" --out "$OUT/step_ab_fused_o_proj_b1.json" \
+          2>&1 | grep -E "^\||^round|Error" ;;
+      1k)
+        timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+          --prompt 1024 --rounds 2 --variant built --variant "fused o_proj: $f=True" \
+          --out "$OUT/step_ab_fused_o_proj_b1_p1024.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      engine)
+        for fused in False True; do
+          timeout 270 python -c "import sys; import pallas_kernels.decode_step_attention as a; a.FUSED_O_PROJ = $fused
+from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 --prompts 128 --steps 96 \
+            --out-dir "$OUT" --tag "h200_b1_fused_$fused" | grep "decode-curve b"
+        done ;;
+      *) echo "fused-o-proj: part '$2'; accepted: ab, 1k, engine" >&2; exit 2 ;;
+    esac ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /

@@ -327,7 +327,8 @@ def fused_box_halves(wuv, wo, v_head, v_tile, quarter, o_boxes: int):
         return wuv.at[pl.ds(b * STEP + h * HALF, HALF), v_head, pl.ds(v_tile * HALF, HALF)]
 
     def wo_half(b, h):
-        return wo.at[pl.ds(v_head * V_DIM + v_tile * HALF, HALF), pl.ds((quarter * 2 * o_boxes + 2 * b + h) * HALF, HALF)]
+        columns = (quarter * 2 * o_boxes + 2 * b + h) * HALF
+        return wo.at[pl.ds(v_head * V_DIM + v_tile * HALF, HALF), pl.ds(columns, HALF)]
 
     return wuv_half, wo_half
 
@@ -343,9 +344,10 @@ def fused_products(ring, full, free, base, rows_smem, flat_smem, tiles_smem, o_b
     """Fused phase 4's products (``FUSED_O_PROJ``; the computing warpgroup), once the head's states are merged into
     rows_smem f32[8, 64] (its 512 latent values): those as the bf16 tiles 0-7 (``flat_smem`` / ``tiles_smem``:
     ``token_tiles``' views), times W_UV's 4 boxes at ring positions base, ... -> v's 64 columns, rounded to bf16 as
-    tile 0's first row (the model's v is bf16; tile 0's other rows are zeros already); v times the ``o_boxes`` o_proj boxes after them
-    (``fused_box_halves``' order), each half into its own accumulator -> the 2 * o_boxes column sums, added by TMA
-    into dest f32[2 * o_boxes, 64] from rows_smem (waited for by the next grid barrier)."""
+    tile 0's first row (the model's v is bf16; tile 0's other rows are zeros already); v times the ``o_boxes``
+    o_proj boxes after them (``fused_box_halves``' order), each half into its own accumulator -> the 2 * o_boxes
+    column sums, added by TMA into dest f32[2 * o_boxes, 64] from rows_smem (waited for by the next grid
+    barrier)."""
     zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
     _build_tiles(rows_smem, flat_smem)
     _first_row(flat_smem, _unit_sums(ring, full, free, tiles_smem, base, LATENT // STEP, zeros))  # v
