@@ -324,7 +324,10 @@ case $part in
                  # the whole layers, the model's one-token steps), then the batch-1 compiled step as built and fused
                  # at the default 4-token prompt, 2 rounds in turns (~9 minutes). $2 "1k": the same A/B after a
                  # 1024-token prompt (phase 4 merges 4x the rows a unit there), 2 rounds (~5 minutes). $2 "engine":
-                 # the engine's batch-1 point (decode-curve, prompt 128) as built, then fused (~6 minutes)
+                 # the engine's batch-1 point (decode-curve, prompt 128) as built, then fused (~6 minutes). $2
+                 # "new-token": with it, the new token's chunk cut from phase 3 (PROBE_PHASE_CUT "new_token", routing
+                 # fixed; values wrong): what computing the new token's state in phase 4 could save, 2 rounds (~5
+                 # minutes)
     f=pallas_kernels.decode_step_attention.FUSED_O_PROJ
     case ${2:-ab} in
       ab)
@@ -344,7 +347,13 @@ case $part in
 from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 --prompts 128 --steps 96 \
             --out-dir "$OUT" --tag "h200_b1_fused_$fused" | grep "decode-curve b"
         done ;;
-      *) echo "fused-o-proj: part '$2'; accepted: ab, 1k, engine" >&2; exit 2 ;;
+      new-token)
+        m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True a=pallas_kernels.decode_step_attention.PROBE_PHASE_CUT
+        timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+          --rounds 2 --variant "fused, fixed: $f=True $m" \
+          --variant "fused, fixed, no new token: $f=True $m $a=('new_token',)" \
+          --out "$OUT/step_ab_fused_new_token_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      *) echo "fused-o-proj: part '$2'; accepted: ab, 1k, engine, new-token" >&2; exit 2 ;;
     esac ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the

@@ -130,12 +130,14 @@ MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 # their boxes still awaited and freed. "phase1": q_proj's and kv_a's products and sums (the norm stays); "phase2":
 # all of phase 2, or a part: "wuk" the W_UK units' input, products and stores, "rope" the rope and latent CTAs'
 # work; phase 3 from a point on: "chunk_states" (the states' stores), "chunk_values" (the value products and the
-# stores), "chunk" (everything after the boxes land); "merge": phase 4's merge of the chunks' states (the new
-# token's state alone); "phase4": all of phase 4. Batch-1 compiled step, routing fixed (decode_profile.md rounds
+# stores), "chunk" (everything after the boxes land); "new_token": the new token's chunk, its boxes too (phase 4
+# merges a state never written: what computing that state elsewhere could save); "merge": phase 4's merge of the
+# chunks' states (the new token's state alone); "phase4": all of phase 4. Batch-1 compiled step, routing fixed (decode_profile.md rounds
 # 41-42): "chunk" 66 µs a step faster and "rope" 12.4 on the H200, "wuk" 0; on an H100 "phase2" 35.5, "phase4"
 # 21.8, "chunk_values" 6.2, "merge" 5.2, "chunk_states" 4.2, "phase1" 0.
 PROBE_PHASE_CUT: tuple = ()
-PHASE_CUTS = ("phase1", "phase2", "wuk", "rope", "chunk_states", "chunk_values", "chunk", "merge", "phase4")
+PHASE_CUTS = ("phase1", "phase2", "wuk", "rope", "chunk_states", "chunk_values", "chunk", "new_token", "merge",
+              "phase4")
 # Phase 3 reads the query windows by TMA (two copies, on the latent's barrier, which phase 2 alone uses) instead
 # of the warpgroup's loads: one round trip, ~60 ops of code against ~550-1600. The loads took 3.0-3.8 µs of a
 # chunk's ~8-16 traced (round 27); by TMA, 8 whole layers ran 61.76 / 64.3 µs a layer at positions 0 / 511
@@ -411,7 +413,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     o_boxes = hidden // (O_QUARTERS * STEP)  # fused: a unit's boxes of o_proj (two 64-column tiles of v's rows each)
     position = r.pos[0]
     num_chunks = jnp.minimum(lax.div(position + CHUNK - 1, CHUNK), nch)
-    in_chunks = (c < num_chunks) | (c == nch)
+    new_token = not cut("new_token")  # phase 3 takes the new token as a chunk (unless a diagnostic cuts it)
+    in_chunks = ((c < num_chunks) | (c == nch)) if new_token else c < num_chunks
     head, ct = lax.div(c, LATENT // HALF), lax.rem(c, LATENT // HALF)  # phase 2's unit
     v_head, v_tile, v_range = lax.div(c, 8), lax.rem(lax.div(c, 4), 2), lax.rem(c, 4)  # phase 4's unit
     p2_boxes = jnp.where(c < wuk_units, 1, 0)
@@ -450,12 +453,14 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 (r.ckv.at[at, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)]), None)
             issue(count + 4, lambda h: [(r.kpe.at[at, page, pl.ds(t0, CHUNK)], True)])
 
-        @pl.when(c == nch)
-        def _():  # the new token's rows, once phase 2 has written them
+        def new_token_boxes():  # the new token's rows, once phase 2 has written them
             plgpu.semaphore_wait(sem, num_ctas * barrier_count(layer, 2), decrement=False, memory_scope="gpu")
             proxy_fence()
             lax.fori_loop(0, 4, lambda b, _: issue(count + b, lambda h: [(r.kvnew.at[2 * b + h], True)]), None)
             issue(count + 4, lambda h: [(r.kvnew.at[8], True)])
+
+        if new_token:
+            pl.when(c == nch)(new_token_boxes)
 
         count = count + p3_boxes
 

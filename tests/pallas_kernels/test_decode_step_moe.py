@@ -271,7 +271,8 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     """``decode_step_attention.PROBE_PHASE_CUT`` (a diagnostic, timing only): the named attention phases' CTAs
     leave out their work but still await and free their boxes. Phase 1 loses its products, phase 2 its products
     and the rope CTA's copies ("wuk": the W_UK units' products and stores; "rope": the rope and latent CTAs'
-    copies); phase 3 from a point on: its states' stores, then its value products, then its scores too; the
+    copies); phase 3 from a point on: its states' stores, then its value products, then its scores too; phase 3
+    without the new token's chunk loses that chunk's copies and its producer's wait for phase 2's barrier; the
     merge loses its loads of the chunks' states, phase 4 its products and loads; an unknown name is refused."""
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_attention
@@ -292,12 +293,16 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     assert _ops(cuts["chunk_states"], "wgmma") == _ops(built, "wgmma")
     assert _ops(cuts["chunk_values"], "wgmma") < _ops(cuts["chunk_states"], "wgmma")
     assert _ops(cuts["chunk"], "wgmma") < _ops(cuts["chunk_values"], "wgmma")
+    assert _ops(cuts["new_token"], "cp.async.bulk") < _ops(built, "cp.async.bulk")
+    acquires = lambda module: len(re.findall(r'"fence\.acquire\.gpu;"', module))
+    assert acquires(cuts["new_token"]) == acquires(built) - 1
+    assert _ops(cuts["new_token"], "wgmma") == _ops(built, "wgmma")  # the context's chunks still run them
     assert _ops(cuts["merge"], "wgmma") == _ops(built, "wgmma")
     for name in ("merge", "phase4"):
         assert _ops(cuts[name], "llvm.load") < _ops(built, "llvm.load"), name
     monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("phase3", "phase1"))
     with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT names 'phase3'; accepted: phase1, phase2, wuk, rope, "
-                                         r"chunk_states, chunk_values, chunk, merge, phase4"):
+                                         r"chunk_states, chunk_values, chunk, new_token, merge, phase4"):
         lowered_modules(fn, *args)
 
 
