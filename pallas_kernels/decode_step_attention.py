@@ -132,9 +132,9 @@ MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 # work; phase 3 from a point on: "chunk_states" (the states' stores), "chunk_values" (the value products and the
 # stores), "chunk" (everything after the boxes land); "new_token": the new token's chunk, its boxes too (phase 4
 # merges a state never written: what computing that state elsewhere could save); "merge": phase 4's merge of the
-# chunks' states (the new token's state alone); "phase4": all of phase 4. Batch-1 compiled step, routing fixed (decode_profile.md rounds
-# 41-42): "chunk" 66 µs a step faster and "rope" 12.4 on the H200, "wuk" 0; on an H100 "phase2" 35.5, "phase4"
-# 21.8, "chunk_values" 6.2, "merge" 5.2, "chunk_states" 4.2, "phase1" 0.
+# chunks' states (the new token's state alone); "phase4": all of phase 4. Batch-1 compiled step, routing fixed
+# (decode_profile.md rounds 41-42): "chunk" 66 µs a step faster and "rope" 12.4 on the H200, "wuk" 0; on an H100
+# "phase2" 35.5, "phase4" 21.8, "chunk_values" 6.2, "merge" 5.2, "chunk_states" 4.2, "phase1" 0.
 PROBE_PHASE_CUT: tuple = ()
 PHASE_CUTS = ("phase1", "phase2", "wuk", "rope", "chunk_states", "chunk_values", "chunk", "new_token", "merge",
               "phase4")
