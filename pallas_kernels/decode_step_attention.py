@@ -159,8 +159,16 @@ ROPE_IN_KERNEL = True
 # global memory. W_UV's boxes are read by the 4 units of a (head, v columns) pair (L2 serves 3 of them). Read at
 # trace time.
 FUSED_O_PROJ = False
+# Phase 4's units compute the new token's state themselves (``new_token_state``: one score a head, l = 1, the new
+# latent as its output) instead of phase 3 taking the token as a chunk of one. That chunk's CTA was the one whose
+# boxes could load only after phase 2's barrier, and round 34's traces had phase 3's last CTA 1.0-1.7 µs behind,
+# waiting for them; the merge's first state then comes from shared memory, not from a round trip to the states.
+# Each unit's rows (the head's 9 query rows and the token's 9 key rows) load by TMA from phase 3's start, off the
+# critical path. Read at trace time.
+NEW_TOKEN_IN_MERGE = False
 PHASES = 5  # grid barriers a layer (4 with FUSED_O_PROJ)
 O_QUARTERS = 4  # FUSED_O_PROJ: a unit's output columns are a quarter of o_proj's (16 heads x 2 x 4 = 128 units)
+MERGED_ROWS = plgpu.Layout.WG_STRIDED((LATENT // HALF, HALF), vec_size=1)  # FUSED_O_PROJ: a head's latent, merged
 
 
 def phases() -> int:
@@ -209,7 +217,8 @@ class AttentionRefs(NamedTuple):
     token's latent and rope key as row 0 of 9 [64, 64] chunks, zeros below: phase 3's last state takes it as a
     chunk of one token), kv_out bf16[L, 9, 64] (the same rows, for the caller's cache), ml f32[L, S, 2, 64]
     (each state's m in log2 units and l, a head a column), o f32[L, S, 512, H] (each state's unnormalized
-    output, transposed), vctx f32[L, H * 2, 64] (the heads' outputs after W_UV, summed by TMA adds)."""
+    output, transposed; with FUSED_O_PROJ [L, S, 8, 64, H], the same bytes), vctx f32[L, H * 2, 64] (the heads'
+    outputs after W_UV, summed by TMA adds)."""
 
     pos: object
     table: object
@@ -262,6 +271,9 @@ class AttentionScratch(NamedTuple):
     zero16: object
     rope_bar: object
     lat_bar: object
+    new_q: object = None  # NEW_TOKEN_IN_MERGE: the unit's head's query rows bf16[10, 64] (row 9 zeros)
+    new_k: object = None  # the new token's key rows bf16[10, 64] (the latent's 8 chunks, the rope key; row 9 zeros)
+    new_bar: object = None  # both landed (10 arrivals)
 
 
 def _boxes_skipped(full, free, base, boxes):
@@ -333,6 +345,39 @@ def fused_box_halves(wuv, wo, v_head, v_tile, quarter, o_boxes: int):
         return wo.at[pl.ds(v_head * V_DIM + v_tile * HALF, HALF), pl.ds(columns, HALF)]
 
     return wuv_half, wo_half
+
+
+def new_token_scratch() -> list:
+    """``NEW_TOKEN_IN_MERGE``'s shared memory (AttentionScratch's new_q, new_k, new_bar)."""
+    return [plgpu.SMEM((10, HALF), jnp.bfloat16), plgpu.SMEM((10, HALF), jnp.bfloat16),
+            plgpu.Barrier(num_arrivals=10, num_barriers=1)]
+
+
+def new_token_loads(q_ref, kv_ref, head, new_q, new_k, bar):
+    """The new token's rows for ``new_token_state`` by TMA on ``bar`` (10 arrivals): head ``head``'s query rows 16 j +
+    head of q_ref (one layer's query block bf16[192, 64]: the absorbed query's chunks j < 8, then q_pe) into new_q
+    rows 0-8, and kv_ref (the token's new rows bf16[9, 64]: the normed latent's 8 chunks, then the rotated rope key)
+    into new_k rows 0-8. Rows 9 stay as they are (zeros)."""
+    plgpu.commit_smem()  # the last layer's reads of these rows before the async proxy rewrites them
+    lax.fori_loop(0, 9, lambda j, _: plgpu.copy_gmem_to_smem(q_ref.at[16 * j + head], new_q.at[j], bar.at[0]), None)
+    plgpu.copy_gmem_to_smem(kv_ref, new_k.at[pl.ds(0, 9)], bar.at[0])
+
+
+def new_token_state(new_q, new_k, bar, scale_log2e: float, rows=None):
+    """The new token's softmax state for one head, once ``new_token_loads`` landed: (m, l, outputs) as phase 3's
+    chunk of one token has them: m = its score in log2 units (q . k x scale_log2e: 512 latent and 64 rope terms),
+    l = 1 (P = 1), and the outputs P x its latent rows, i.e. new_k's rows ``rows`` (f32 [64] each, the merge's
+    reduced WGMMA layout), or with ``rows`` None its 8 latent rows as one f32 [8, 64] (``MERGED_ROWS``)."""
+    plgpu.barrier_wait(bar.at[0])
+    both = plgpu.Layout.WG_STRIDED((10, HALF), vec_size=1)  # 640 values: 5 a thread; rows 9 are zeros
+    score = jnp.sum(plgpu.load(new_q, layout=both).astype(jnp.float32) * plgpu.load(new_k, layout=both).astype(
+        jnp.float32))
+    if rows is None:
+        outputs = (plgpu.load(new_k.at[pl.ds(0, 8)], layout=MERGED_ROWS).astype(jnp.float32),)
+    else:
+        outputs = tuple(plgpu.load(new_k.at[r], layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
+                        for r in rows)
+    return score * scale_log2e, jnp.float32(1.0), outputs
 
 
 def _first_row(flat_smem, row):
@@ -409,11 +454,12 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     nch = states - 1  # phase 3: CTA s < nch takes chunk s of the context, CTA nch the new token
     wuv_units = num_heads * 2 * (LATENT // STEP)  # phase 4: (head, 64 v columns, 128 latent rows) a CTA
     fused = o_proj is not None  # phase 4: (head, 64 v columns, a quarter of o_proj's columns) a CTA
-    latent_rows = LATENT // HALF if fused else 2  # the 64-row groups of the latent a unit merges
+    parts = 1 if fused else 2  # a state's arrays a unit merges: the latent's [8, 64], or two [64] row groups
     o_boxes = hidden // (O_QUARTERS * STEP)  # fused: a unit's boxes of o_proj (two 64-column tiles of v's rows each)
     position = r.pos[0]
     num_chunks = jnp.minimum(lax.div(position + CHUNK - 1, CHUNK), nch)
-    new_token = not cut("new_token")  # phase 3 takes the new token as a chunk (unless a diagnostic cuts it)
+    in_merge = NEW_TOKEN_IN_MERGE  # phase 4's units compute the new token's state (``new_token_state``)
+    new_token = not (cut("new_token") or in_merge)  # phase 3 takes the new token as a chunk of one
     in_chunks = ((c < num_chunks) | (c == nch)) if new_token else c < num_chunks
     head, ct = lax.div(c, LATENT // HALF), lax.rem(c, LATENT // HALF)  # phase 2's unit
     v_head, v_tile, v_range = lax.div(c, 8), lax.rem(lax.div(c, 4), 2), lax.rem(c, 4)  # phase 4's unit
@@ -426,7 +472,13 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         _zero_rows(sm.zero, r.qkv, c, num_ctas)
         if not fused:
             _zero_rows(sm.zero, r.vctx, c, num_ctas)
-        _zero_rows(sm.zero16, r.kvnew, c, num_ctas)  # the new token's chunk: zeros past its row
+        if in_merge:  # rows 9: zeros, for the score's sum over 640 values
+            zeros = plgpu.layout_cast(jnp.zeros((10, HALF), bf16), plgpu.Layout.WG_STRIDED((10, HALF), vec_size=1))
+            sm.new_q[...] = zeros
+            sm.new_k[...] = zeros
+            plgpu.commit_smem()
+        else:
+            _zero_rows(sm.zero16, r.kvnew, c, num_ctas)  # the new token's chunk: zeros past its row
         _zero_rows(sm.zero16, r.q, c, num_ctas)  # the query windows' rows past the queries
         plgpu.copy_gmem_to_smem(r.g.at[0], sm.g, sm.g_bar.at[0])
 
@@ -549,7 +601,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             sm.rope16.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(sm.rope16.at[pl.ds(0, num_heads)], r.q.at[layer, pl.ds(8 * 16, num_heads)])
-            plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
+            if not in_merge:
+                plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kv_out.at[layer, 8])
 
         @pl.when((c == latent_cta) & rope_work)
@@ -564,7 +617,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             g = plgpu.load(sm.knorm, layout=flat)
             sm.latb[...] = ((x * inv_rms).astype(bf16).astype(f32) * g).astype(bf16)
             plgpu.commit_smem()
-            for j in range(8):
+            for j in range(0 if in_merge else 8):
                 plgpu.copy_smem_to_gmem(sm.latb.at[j], r.kvnew.at[j, 0])
             plgpu.copy_smem_to_gmem(sm.latb, r.kv_out.at[layer, pl.ds(0, 8)])
 
@@ -575,7 +628,12 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         """A chunk's partial softmax state for every head: scores [64 heads (the first H real), 64 tokens] =
         q [64, 576] x the chunk's keys^T (the q windows start 16 rows apart: rows past H are other windows'
         rows, finite, never read), P in bf16; out^T [512, H] = the latents^T x P^T, [64, H] a latent half;
-        m, l and out^T stored by the warpgroup's own stores (the new token's CTA: a chunk of one token)."""
+        m, l and out^T stored by the warpgroup's own stores (the new token's CTA: a chunk of one token; with
+        ``NEW_TOKEN_IN_MERGE`` phase 4's units instead, whose rows for it start loading here)."""
+        if in_merge:
+            pl.when(c < wuv_units)(lambda: new_token_loads(r.q.at[layer], r.kv_out.at[layer], v_head, sm.new_q,
+                                                           sm.new_k, sm.new_bar))
+
         @pl.when(in_chunks)
         @jax.named_scope("chunk")
         def _():
@@ -618,7 +676,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 return
             with jax.named_scope("states_out"):  # out^T by the warpgroup's own stores
                 for j, acc in enumerate(accs):
-                    r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
+                    (r.o.at[layer, c, j] if fused else r.o.at[layer, c, pl.ds(j * HALF, HALF)])[...] = acc
 
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3), "phase3")
         return count + p3_boxes
@@ -639,35 +697,47 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 return
             # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
             # loads issued together, so a group waits out L2's latency once); a group's entries past the context
-            # read the new token's state in their place, weighted 0 (those states are never written)
+            # read the new token's state in their place (with NEW_TOKEN_IN_MERGE, chunk 0's), weighted 0 (those
+            # states are never written)
             m_at = lambda s: r.ml[layer, s, 0, v_head]
-            row0 = lambda: 0 if fused else v_range * STEP  # the unit's first latent row
-            rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(row0() + q * HALF, HALF), v_head],
-                                           layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            if fused:  # a state's 512 latent rows of the head, as one [8, 64] array (one load a state: code size)
+                rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(0, 8), pl.ds(0, HALF), v_head],
+                                               layout=MERGED_ROWS, optimized=False)
+            else:
+                rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
+                                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
             def group(g, carry):
                 top, total, merged = carry
-                at = [jnp.where(g * MERGE_GROUP + i < num_chunks, g * MERGE_GROUP + i, nch) for i in range(MERGE_GROUP)]
+                at = [jnp.where(g * MERGE_GROUP + i < num_chunks, g * MERGE_GROUP + i, 0 if in_merge else nch)
+                      for i in range(MERGE_GROUP)]
                 m = [jnp.where(g * MERGE_GROUP + i < num_chunks, m_at(s), -jnp.inf) for i, s in enumerate(at)]
                 new_top = functools.reduce(jnp.maximum, m, top)
                 weights = [jnp.exp2(m_s - new_top) for m_s in m]
                 keep = jnp.exp2(top - new_top)
                 total = total * keep + sum(w * r.ml[layer, s, 1, v_head] for s, w in zip(at, weights))
                 merged = tuple(merged[q] * keep + sum(rows(s, q) * w for s, w in zip(at, weights))
-                               for q in range(latent_rows))
+                               for q in range(parts))
                 return new_top, total, merged
 
-            first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(latent_rows)))
+            if in_merge:
+                first = new_token_state(sm.new_q, sm.new_k, sm.new_bar, scale_log2e,
+                                        None if fused else [v_range * 2 + q for q in range(parts)])
+            else:
+                first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(parts)))
             _, total, merged = first if cut("merge") else lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group,
                                                                          first)
-            for q in range(latent_rows):
-                sm.mrow.at[q][...] = merged[q] / total
+            if fused:
+                sm.mrow[...] = merged[0] / total
+            else:
+                for q in range(parts):
+                    sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()
             if fused:
                 fused_products(ring, full, free, count, sm.mrow, sm.flat, sm.tiles4, o_boxes,
                                o_proj[1].at[layer, pl.ds(v_range * 2 * o_boxes, 2 * o_boxes)])
                 return
-            _build_tiles(sm.mrow.at[pl.ds(0, latent_rows)], sm.flat)
+            _build_tiles(sm.mrow.at[pl.ds(0, parts)], sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())
             store_add(sums, r.vctx.at[layer, 2 * v_head + v_tile])
 
@@ -704,7 +774,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
     token_ref = gout_ref.pop() if embedding else None
     out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, *normed_ref = refs[num_in:num_in + num_out]
     (ring, xin_smem, g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, g_bar, rope_bar,
-     lat_bar) = refs[num_in + num_out:]
+     lat_bar, *new_token_smem) = refs[num_in + num_out:]
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
@@ -721,7 +791,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
                          wuv_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref)
     scratch = AttentionScratch(xin_smem, g_smem, g_bar, tiles_smem, flat_smem, row_smem, q_smem, p_smem, mrow_smem,
                                tiles4_smem, *rope_buffers, part_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
-                               lat_bar)
+                               lat_bar, *new_token_smem)
     zero, phase_loads, phase_compute = attention_phases(
         refs, scratch, ring, full, free, sem, num_layers=num_layers, num_heads=num_heads, states=states,
         num_ctas=num_ctas, barrier_count=barrier_count, o_proj=(wo_ref, out_ref) if fused else None, **constants)
@@ -813,7 +883,8 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
                  jax.ShapeDtypeStruct((9, CHUNK, HALF), bf16),  # the new token as a chunk
                  jax.ShapeDtypeStruct((num_layers, 9, HALF), bf16),  # its rows, for the cache
                  jax.ShapeDtypeStruct((num_layers, states, 2, HALF), f32),  # the states' m and l
-                 jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
+                 jax.ShapeDtypeStruct((num_layers, states, *((8, HALF) if FUSED_O_PROJ else (LATENT,)), num_heads),
+                                      f32),  # their outputs, transposed (fused: the latent as [8, 64])
                  jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
     constants = dict(num_heads=num_heads, states=states, scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps,
                      kv_eps=spec.kv_eps, block_size=block_size, cos_sin_scale=spec.cos_sin_scale,
@@ -905,6 +976,7 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
         plgpu.Barrier(num_barriers=1),  # norm weights landed
         plgpu.Barrier(num_arrivals=num_heads + 2, num_barriers=1),  # the rope rows landed
         plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the new latent and its norm's weights landed
+        *(new_token_scratch() if NEW_TOKEN_IN_MERGE else []),  # phase 4's rows for the new token's state
     ]
     outs = plgpu.kernel(
         kernel,

@@ -98,6 +98,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
             plgpu.SMEM((8, HALF), bf16),  # bf16 zeros
             plgpu.Barrier(num_arrivals=num_heads + 2, num_barriers=1),  # the rope rows landed
             plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the new latent and its norm's weights landed
+            *(decode_step_attention.new_token_scratch() if decode_step_attention.NEW_TOKEN_IN_MERGE else []),
         ]
     router_scratch = [
         plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
@@ -316,12 +317,12 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             mid_ref, front_out = attention_out[0], attention_out[1:]
             front_refs = AttentionRefs(*front_in, *front_out)
             attn_ref = front_refs.vctx  # o_proj's input: the heads' outputs after W_UV
-            g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem
+            g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar, *new_token_smem = front_smem
             (q_win, p_smem), rope_buffers = front_buffers
             front_scratch = AttentionScratch(
                 xin_smem, g_attn, g_attn_bar, tiles_smem, flat_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 8)],
                 tiles_smem.at[pl.ds(0, HALF)], *rope_buffers, pub_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
-                lat_bar)
+                lat_bar, *new_token_smem)
         elif attention:
             (attn_ref, wo_ref), (mid_ref,) = attention_in, attention_out
     else:

@@ -328,3 +328,48 @@ def test_fused_products_interpreted(monkeypatch):
     v = bf16(o_lat @ np.asarray(wuv, np.float32)[:, v_head, v_tile * 64:(v_tile + 1) * 64])
     w = np.asarray(wo, np.float32)[v_head * 128 + v_tile * 64:][:64, quarter * 512:(quarter + 1) * 512]
     np.testing.assert_allclose(np.asarray(out).reshape(512), v @ w, rtol=2e-2, atol=2e-2)
+
+
+def test_new_token_state_interpreted():
+    """``NEW_TOKEN_IN_MERGE``'s state of the new token for one head (``new_token_loads``, ``new_token_state``: the code
+    the step kernels run), in one CTA under JAX's GPU interpret mode on the CPU, against numpy: m = the head's query
+    rows (16 j + head of the query block) dotted with the token's key rows, times the scale (log2 units), l = 1, and
+    the token's latent rows as the outputs, whole ([8, 64]) or two rows; no races."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    from pallas_kernels import mgpu_interpret
+
+    head, scale_log2e = 5, 0.06
+    rng = np.random.default_rng(12)
+    q = jnp.asarray(rng.standard_normal((192, 64)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((9, 64)), jnp.bfloat16)
+    f32 = jnp.float32
+
+    def body(q_ref, kv_ref, ml_ref, o_ref, rows_ref, new_q, new_k, bar):
+        zeros = plgpu.layout_cast(jnp.zeros((10, 64), jnp.bfloat16), plgpu.Layout.WG_STRIDED((10, 64), vec_size=1))
+        new_q[...] = zeros
+        new_k[...] = zeros
+        plgpu.commit_smem()
+        for layer, rows in enumerate((None, [2, 3])):  # a second layer: the barrier's second phase
+            step.new_token_loads(q_ref, kv_ref, head, new_q, new_k, bar)
+            m, l, outputs = step.new_token_state(new_q, new_k, bar, scale_log2e, rows)
+            ml_ref[layer, 0] = m
+            ml_ref[layer, 1] = l
+            if rows is None:
+                o_ref[...] = outputs[0]
+            else:
+                for i, row in enumerate(outputs):
+                    rows_ref.at[i][...] = row
+
+    ml, o, rows = plgpu.kernel(
+        body, out_type=(jax.ShapeDtypeStruct((2, 2), f32), jax.ShapeDtypeStruct((8, 64), f32),
+                        jax.ShapeDtypeStruct((2, 64), f32)),
+        scratch_types=step.new_token_scratch(), num_threads=1, thread_name="wg", interpret=mgpu_interpret.params(),
+    )(q, kv)
+    assert not mgpu_interpret.races_found()
+    q32, kv32 = np.asarray(q, np.float32), np.asarray(kv, np.float32)
+    score = sum(q32[16 * j + head] @ kv32[j] for j in range(9)) * scale_log2e
+    np.testing.assert_allclose(np.asarray(ml)[:, 0], [score, score], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ml)[:, 1], [1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(o), kv32[:8])
+    np.testing.assert_array_equal(np.asarray(rows), kv32[2:4])

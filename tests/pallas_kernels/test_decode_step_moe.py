@@ -327,22 +327,26 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
         waits()
 
 
-def test_fused_o_proj_lowers_with_a_barrier_fewer(monkeypatch):
-    """``decode_step_attention.FUSED_O_PROJ``: both step kernels (the whole layers', the attention halves') lower for
-    an abstract H200 with o_proj inside phase 4: one grid barrier (a semaphore wait, an acquire fence) fewer a
-    layer, and no o_proj phase of its own."""
+def test_attention_phase_knobs_lower_with_fewer_waits(monkeypatch):
+    """The attention's built-off phase knobs: both step kernels (the whole layers', the attention halves') lower for
+    an abstract H200 with each. ``FUSED_O_PROJ`` (o_proj inside phase 4): one grid barrier a layer fewer (a semaphore
+    wait, an acquire fence), no o_proj phase of its own. ``NEW_TOKEN_IN_MERGE`` (the new token's state computed by
+    phase 4's units): no producer waits for phase 2's barrier to load the new token's chunk. Both: both."""
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_attention
 
     waits = lambda module: len(re.findall(r'"fence\.acquire\.gpu;"', module))
     for name in ("whole", "attention"):
         fn, args = kernel_call(name)
-        built = lowered_modules(fn, *args)[0]
-        monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", True)
-        fused = lowered_modules(fn, *args)[0]
-        monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", False)
-        assert waits(fused) == waits(built) - 1, name
-        assert "o_proj/" in built and "o_proj/" not in fused, name
+        modules = {}
+        for fused, in_merge in ((False, False), (True, False), (False, True), (True, True)):
+            monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", fused)
+            monkeypatch.setattr(decode_step_attention, "NEW_TOKEN_IN_MERGE", in_merge)
+            modules[fused, in_merge] = lowered_modules(fn, *args)[0]
+        built = modules[False, False]
+        for (fused, in_merge), module in modules.items():
+            assert waits(module) == waits(built) - fused - in_merge, (name, fused, in_merge)
+            assert ("o_proj/" in module) == (not fused), (name, fused, in_merge)
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
