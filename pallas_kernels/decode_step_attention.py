@@ -694,6 +694,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         def _():
             if cut("phase4"):
                 _boxes_skipped(full, free, count, p4_boxes)
+                if in_merge:  # the new token's rows landed (the barrier's phase, as every layer's)
+                    plgpu.barrier_wait(sm.new_bar.at[0])
                 return
             # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
             # loads issued together, so a group waits out L2's latency once); a group's entries past the context
