@@ -163,8 +163,8 @@ FUSED_O_PROJ = False
 # latent as its output) instead of phase 3 taking the token as a chunk of one. That chunk's CTA was the one whose
 # boxes could load only after phase 2's barrier, and round 34's traces had phase 3's last CTA 1.0-1.7 µs behind,
 # waiting for them; the merge's first state then comes from shared memory, not from a round trip to the states.
-# Each unit's rows (the head's 9 query rows and the token's 9 key rows) load by TMA from phase 3's start, off the
-# critical path. Read at trace time.
+# Each unit's rows (the head's 9 query rows and the token's 9 key rows) load by TMA during phase 3 (a chunk CTA's
+# after its chunk), off the critical path. Read at trace time.
 NEW_TOKEN_IN_MERGE = False
 PHASES = 5  # grid barriers a layer (4 with FUSED_O_PROJ)
 O_QUARTERS = 4  # FUSED_O_PROJ: a unit's output columns are a quarter of o_proj's (16 heads x 2 x 4 = 128 units)
@@ -629,11 +629,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         q [64, 576] x the chunk's keys^T (the q windows start 16 rows apart: rows past H are other windows'
         rows, finite, never read), P in bf16; out^T [512, H] = the latents^T x P^T, [64, H] a latent half;
         m, l and out^T stored by the warpgroup's own stores (the new token's CTA: a chunk of one token; with
-        ``NEW_TOKEN_IN_MERGE`` phase 4's units instead, whose rows for it start loading here)."""
-        if in_merge:
-            pl.when(c < wuv_units)(lambda: new_token_loads(r.q.at[layer], r.kv_out.at[layer], v_head, sm.new_q,
-                                                           sm.new_k, sm.new_bar))
-
+        ``NEW_TOKEN_IN_MERGE`` phase 4's units instead, whose rows for it start loading here, after a chunk CTA's
+        chunk: off phase 3's path)."""
         @pl.when(in_chunks)
         @jax.named_scope("chunk")
         def _():
@@ -678,6 +675,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 for j, acc in enumerate(accs):
                     (r.o.at[layer, c, j] if fused else r.o.at[layer, c, pl.ds(j * HALF, HALF)])[...] = acc
 
+        if in_merge:
+            pl.when(c < wuv_units)(lambda: new_token_loads(r.q.at[layer], r.kv_out.at[layer], v_head, sm.new_q,
+                                                           sm.new_k, sm.new_bar))
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3), "phase3")
         return count + p3_boxes
 
