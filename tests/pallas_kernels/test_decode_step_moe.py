@@ -252,6 +252,11 @@ def _ops(module: str, op: str) -> int:
     return len(re.findall(rf"\b{re.escape(op)}\b", module))
 
 
+def _waits(module: str) -> int:
+    """How many semaphore waits a lowered module's text holds (each ends in an acquire fence)."""
+    return len(re.findall(r'"fence\.acquire\.gpu;"', module))
+
+
 def test_probe_fixed_routing_keeps_the_picks_work(monkeypatch):
     """``decode_step_moe.PROBE_FIXED_ROUTING`` (a diagnostic, timing only; decode_profile.md round 41) takes
     experts 0 .. k - 1 but keeps the picks' work: their compares stay in the whole layers' module, each pick
@@ -294,8 +299,7 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     assert _ops(cuts["chunk_values"], "wgmma") < _ops(cuts["chunk_states"], "wgmma")
     assert _ops(cuts["chunk"], "wgmma") < _ops(cuts["chunk_values"], "wgmma")
     assert _ops(cuts["new_token"], "cp.async.bulk") < _ops(built, "cp.async.bulk")
-    acquires = lambda module: len(re.findall(r'"fence\.acquire\.gpu;"', module))
-    assert acquires(cuts["new_token"]) == acquires(built) - 1
+    assert _waits(cuts["new_token"]) == _waits(built) - 1
     assert _ops(cuts["new_token"], "wgmma") == _ops(built, "wgmma")  # the context's chunks still run them
     assert _ops(cuts["merge"], "wgmma") == _ops(built, "wgmma")
     for name in ("merge", "phase4"):
@@ -314,7 +318,7 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     from pallas_kernels import decode_step_mgpu
 
     fn, args = kernel_call("whole")
-    waits = lambda: len(re.findall(r'"fence\.acquire\.gpu;"', lowered_modules(fn, *args)[0]))
+    waits = lambda: _waits(lowered_modules(fn, *args)[0])
     built = waits()
     monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", ("phase2",))
     assert waits() == built - 1
@@ -335,7 +339,6 @@ def test_attention_phase_knobs_lower_with_fewer_waits(monkeypatch):
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_attention
 
-    waits = lambda module: len(re.findall(r'"fence\.acquire\.gpu;"', module))
     for name in ("whole", "attention"):
         fn, args = kernel_call(name)
         modules = {}
@@ -345,7 +348,7 @@ def test_attention_phase_knobs_lower_with_fewer_waits(monkeypatch):
             modules[fused, in_merge] = lowered_modules(fn, *args)[0]
         built = modules[False, False]
         for (fused, in_merge), module in modules.items():
-            assert waits(module) == waits(built) - fused - in_merge, (name, fused, in_merge)
+            assert _waits(module) == _waits(built) - fused - in_merge, (name, fused, in_merge)
             assert ("o_proj/" in module) == (not fused), (name, fused, in_merge)
 
 
