@@ -324,8 +324,8 @@ case $part in
                 # GPU tests (the attention chain, its cache-layer / norm / embedding form, the whole layers, the
                 # model's one-token steps; ~6 minutes). $2 "ab": the batch-1 compiled step as built, with each and
                 # with both, 2 rounds in turns (~7 minutes). $2 "1k": as built and with both after a 1024-token
-                # prompt, where phase 4's merge reads most (~5 minutes). $2 "engine": the engine's batch-1 point
-                # (decode-curve, prompt 128, 96 tokens) as built, then with both (~6 minutes). $2 "new-token": with
+                # prompt, where phase 4's merge reads most (~5 minutes). $2 "engine": the engine at batch 1 and 2
+                # (knobs-curve: decode-curve, prompt 128, 96 tokens) as built, then with both (~6 minutes). $2 "new-token": with
                 # FUSED_O_PROJ and the routing fixed, the new token's chunk cut from phase 3 (PROBE_PHASE_CUT, values
                 # wrong): a bound for NEW_TOKEN_IN_MERGE (~5 minutes)
     a=pallas_kernels.decode_step_attention
@@ -344,12 +344,8 @@ case $part in
         timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
           --prompt 1024 --rounds 2 --variant built --variant "both: $both" \
           --out "$OUT/step_ab_phase_knobs_b1_p1024.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      engine)
-        for on in False True; do
-          timeout 270 python -c "import sys; import $a as a; a.FUSED_O_PROJ = a.NEW_TOKEN_IN_MERGE = $on
-from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batches 1 --prompts 128 --steps 96 \
-            --out-dir "$OUT" --tag "h200_b1_phase_knobs_$on" | grep "decode-curve b"
-        done ;;
+      engine)  # knobs-curve's runs (batches 1 and 2, 96 tokens, one process each)
+        bash "$0" knobs-curve "built both=$a.FUSED_O_PROJ=True,$a.NEW_TOKEN_IN_MERGE=True" ;;
       new-token)
         m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
         timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \

@@ -36,9 +36,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cos_sin, reduced_cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
-                                             _strided, _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out,
-                                             num_sms, proxy_fence, token_tiles)
+                                             _build_tiles, _first_row, _issue_box, _load_rows, _norm_tiles, _release,
+                                             _round_rows, _strided, _unit_boxes, _unit_store, _unit_sums, _zero_rows,
+                                             norm_rows_out, num_sms, proxy_fence, token_tiles)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -347,10 +347,23 @@ def fused_box_halves(wuv, wo, v_head, v_tile, quarter, o_boxes: int):
     return wuv_half, wo_half
 
 
+NEW_ROWS = 10  # NEW_TOKEN_IN_MERGE: a side's rows, the 9 of q . k and a row of zeros (640 values: 5 a thread)
+_NEW_LAYOUT = plgpu.Layout.WG_STRIDED((NEW_ROWS, HALF), vec_size=1)
+
+
 def new_token_scratch() -> list:
-    """``NEW_TOKEN_IN_MERGE``'s shared memory (AttentionScratch's new_q, new_k, new_bar)."""
-    return [plgpu.SMEM((10, HALF), jnp.bfloat16), plgpu.SMEM((10, HALF), jnp.bfloat16),
-            plgpu.Barrier(num_arrivals=10, num_barriers=1)]
+    """``NEW_TOKEN_IN_MERGE``'s shared memory (AttentionScratch's new_q, new_k, new_bar: one arrival a copy)."""
+    return [plgpu.SMEM((NEW_ROWS, HALF), jnp.bfloat16), plgpu.SMEM((NEW_ROWS, HALF), jnp.bfloat16),
+            plgpu.Barrier(num_arrivals=NEW_ROWS, num_barriers=1)]
+
+
+def new_token_zero(new_q, new_k):
+    """Both sides' rows to zero, committed: once, before the kernel's first ``new_token_loads`` (which leave the
+    last rows as they are)."""
+    zeros = plgpu.layout_cast(jnp.zeros((NEW_ROWS, HALF), jnp.bfloat16), _NEW_LAYOUT)
+    new_q[...] = zeros
+    new_k[...] = zeros
+    plgpu.commit_smem()
 
 
 def new_token_loads(q_ref, kv_ref, head, new_q, new_k, bar):
@@ -369,22 +382,14 @@ def new_token_state(new_q, new_k, bar, scale_log2e: float, rows=None):
     l = 1 (P = 1), and the outputs P x its latent rows, i.e. new_k's rows ``rows`` (f32 [64] each, the merge's
     reduced WGMMA layout), or with ``rows`` None its 8 latent rows as one f32 [8, 64] (``MERGED_ROWS``)."""
     plgpu.barrier_wait(bar.at[0])
-    both = plgpu.Layout.WG_STRIDED((10, HALF), vec_size=1)  # 640 values: 5 a thread; rows 9 are zeros
-    score = jnp.sum(plgpu.load(new_q, layout=both).astype(jnp.float32) * plgpu.load(new_k, layout=both).astype(
-        jnp.float32))
+    score = jnp.sum(plgpu.load(new_q, layout=_NEW_LAYOUT).astype(jnp.float32)
+                    * plgpu.load(new_k, layout=_NEW_LAYOUT).astype(jnp.float32))  # the last rows are zeros
     if rows is None:
         outputs = (plgpu.load(new_k.at[pl.ds(0, 8)], layout=MERGED_ROWS).astype(jnp.float32),)
     else:
         outputs = tuple(plgpu.load(new_k.at[r], layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
                         for r in rows)
     return score * scale_log2e, jnp.float32(1.0), outputs
-
-
-def _first_row(flat_smem, row):
-    """row [64] (f32, reduced WGMMA layout) as the first row of token tile 0 (``token_tiles``' flat view), rounded
-    to the tiles' dtype, its other rows left as they are; committed."""
-    flat_smem.at[0, pl.ds(0, HALF)][...] = row.astype(flat_smem.dtype)
-    plgpu.commit_smem()
 
 
 def fused_products(ring, full, free, base, rows_smem, flat_smem, tiles_smem, o_boxes: int, dest):
@@ -472,11 +477,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         _zero_rows(sm.zero, r.qkv, c, num_ctas)
         if not fused:
             _zero_rows(sm.zero, r.vctx, c, num_ctas)
-        if in_merge:  # rows 9: zeros, for the score's sum over 640 values
-            zeros = plgpu.layout_cast(jnp.zeros((10, HALF), bf16), plgpu.Layout.WG_STRIDED((10, HALF), vec_size=1))
-            sm.new_q[...] = zeros
-            sm.new_k[...] = zeros
-            plgpu.commit_smem()
+        if in_merge:
+            new_token_zero(sm.new_q, sm.new_k)
         else:
             _zero_rows(sm.zero16, r.kvnew, c, num_ctas)  # the new token's chunk: zeros past its row
         _zero_rows(sm.zero16, r.q, c, num_ctas)  # the query windows' rows past the queries

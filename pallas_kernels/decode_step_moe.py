@@ -33,8 +33,8 @@ from pallas_kernels.common import rms_norm, why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
-                                             _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
+                                             _first_row, _input_tiles, _issue_box, _norm_tiles, _release, _round_rows,
+                                             _unit_boxes, _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
                                              stores_done, token_tiles)
 
 
@@ -566,11 +566,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         h_flat[...] = jnp.zeros(h_flat.shape, h_flat.dtype)  # h's tile: its rows below the first stay zeros
         plgpu.commit_smem()
 
-        def h_tile(h_row):
-            """h [64] (reduced WGMMA layout) as the first row of h's [8, 64] tile."""
-            h_flat.at[0, pl.ds(0, HALF)][...] = h_row.astype(h_flat.dtype)
-            plgpu.commit_smem()
-
         def gate_up_unit(layer, tile, first, end, part, base):
             """Gate and up boxes [first, end) of ``tile``: the whole tile's give h (in h_smem; published when
             ``publishes``), a K range's give its partial gate and up sums, published."""
@@ -657,7 +652,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                     plgpu.commit_smem()
 
             # h in hin_smem (this CTA's own tile's, fetched, or summed), as h's tile in one place
-            h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
+            _first_row(h_flat, plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))  # h's tile
 
             h_t = h_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
 

@@ -346,10 +346,7 @@ def test_new_token_state_interpreted():
     f32 = jnp.float32
 
     def body(q_ref, kv_ref, ml_ref, o_ref, rows_ref, new_q, new_k, bar):
-        zeros = plgpu.layout_cast(jnp.zeros((10, 64), jnp.bfloat16), plgpu.Layout.WG_STRIDED((10, 64), vec_size=1))
-        new_q[...] = zeros
-        new_k[...] = zeros
-        plgpu.commit_smem()
+        step.new_token_zero(new_q, new_k)
         for layer, rows in enumerate((None, [2, 3])):  # a second layer: the barrier's second phase
             step.new_token_loads(q_ref, kv_ref, head, new_q, new_k, bar)
             m, l, outputs = step.new_token_state(new_q, new_k, bar, scale_log2e, rows)
