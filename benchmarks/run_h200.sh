@@ -320,7 +320,8 @@ case $part in
       --variant "fixed, no rope / latent: $m $a.PROBE_PHASE_CUT=('rope',)" --out "$OUT/step_ab_phase2_parts_b1.json" \
       2>&1 | grep -E "^\||^round|Error" ;;
   phase-knobs)  # round 43: the attention's built-off phase knobs (decode_step_attention.FUSED_O_PROJ: o_proj inside
-                # phase 4; NEW_TOKEN_IN_MERGE: the new token's state computed by phase 4's units). $2 "tests": their
+                # phase 4; NEW_TOKEN_IN_MERGE: the new token's state computed by phase 4's units). $2 "first": the
+                # "ab" below for as built and both only, then both's GPU tests (~8-9 minutes). $2 "tests": their
                 # GPU tests (the attention chain, its cache-layer / norm / embedding form, the whole layers, the
                 # model's one-token steps; ~6 minutes). $2 "ab": the batch-1 compiled step as built, with each and
                 # with both, 2 rounds in turns (~7 minutes). $2 "1k": as built and with both after a 1024-token
@@ -331,6 +332,14 @@ case $part in
     a=pallas_kernels.decode_step_attention
     both="$a.FUSED_O_PROJ=True $a.NEW_TOKEN_IN_MERGE=True"
     case ${2:-ab} in
+      first)  # one call for a short device session: the batch-1 step as built and with both (2 rounds in turns),
+              # then the GPU tests of both together (~8-9 minutes)
+        timeout 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+          --rounds 2 --variant built --variant "both: $both" \
+          --out "$OUT/step_ab_phase_knobs_both_b1.json" 2>&1 | grep -E "^\||^round|Error"
+        timeout 220 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
+          -k "(attention_chain or moe_layer_chain or through_the_step_kernel) and fused_in_merge" 2>&1 \
+          | tee "$OUT/gpu_tests_phase_knobs_both.log" | tail -3 ;;
       tests)
         timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
           -k "(attention_chain or moe_layer_chain or through_the_step_kernel) and (fused or in_merge)" 2>&1 \
@@ -352,7 +361,7 @@ case $part in
           --rounds 2 --variant "fused, fixed: $a.FUSED_O_PROJ=True $m" \
           --variant "fused, fixed, no new token: $a.FUSED_O_PROJ=True $m $a.PROBE_PHASE_CUT=('new_token',)" \
           --out "$OUT/step_ab_fused_new_token_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "phase-knobs: part '$2'; accepted: tests, ab, 1k, engine, new-token" >&2; exit 2 ;;
+      *) echo "phase-knobs: part '$2'; accepted: first, tests, ab, 1k, engine, new-token" >&2; exit 2 ;;
     esac ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the

@@ -329,13 +329,17 @@ def time_compiled_step(engine, t: int, inputs, repeats: int) -> tuple[float, flo
 def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[dict]:
     """The engine's next step, prepared once, recompiled under each variant ((name, {target: value})
     from parse_variant) and timed, the variants taken in turns for ``rounds``: one row a variant and
-    round. Only the timed bucket compiles under a variant. Every knob a variant sets is put back before
-    the next and at the end (the step as built compiles again at the engine's next launch)."""
+    round. Only the timed bucket compiles under a variant, and of it only the program the step launches
+    (``compile_all``'s greedy_only for a greedy step). A first variant that sets nothing times the engine's own
+    programs, compiled as built at its start (its row's compile_s is 0). Every knob a variant sets is put back
+    before the next and at the end (the step as built compiles again at the engine's next launch)."""
     knobs = {target: _knob(target) for _, settings in variants for target in settings}
     original = {(module, attr): getattr(module, attr) for module, attr, _ in knobs.values()}
     runner = engine.runner
     out = engine.scheduler.schedule()
     t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+    sampling = inputs.sampling
+    greedy = not np.any(sampling.temperature > 0) and not np.any(sampling.num_logprobs > 0)
 
     def restore(settings):
         for (module, attr), value in original.items():
@@ -347,14 +351,14 @@ def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[di
     def apply(settings):
         restore(settings)
         start = time.perf_counter()
-        runner.compile_all([t])  # the timed bucket only: the others would cost the A/B minutes for nothing
+        runner.compile_all([t], greedy_only=greedy)  # the timed program only: others would cost minutes for nothing
         return time.perf_counter() - start
 
     rows = []
     try:
         for turn in range(rounds):
-            for name, settings in variants:
-                compile_s = apply(settings)
+            for index, (name, settings) in enumerate(variants):
+                compile_s = 0.0 if turn == index == 0 and not settings else apply(settings)
                 device_ms, launch_ms = time_compiled_step(engine, t, inputs, repeats)
                 rows.append({"variant": name, "round": turn, "device_ms": device_ms, "launch_call_ms": launch_ms,
                              "compile_s": compile_s, "settings": {k: repr(v) for k, v in settings.items()}})

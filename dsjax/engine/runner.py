@@ -222,23 +222,33 @@ class ModelRunner:
         same host arrays in a multi-host run). Without a mesh a step's inputs go packed (``StepLayout.pack``)."""
         return jax.device_put(inputs, self.layout.shardings())
 
-    def compile_all(self, sizes=None):
-        """Compiles every bucket (or those of ``sizes``) ahead of time, so no request ever waits on the compiler."""
-        todo = [t for t in (self.buckets.sizes if sizes is None else sizes) if t not in self._compiled]
+    def compile_all(self, sizes=None, *, greedy_only: bool = False):
+        """Compiles every bucket (or those of ``sizes``) ahead of time, so no request ever waits on the compiler.
+        greedy_only: of each bucket only the program that a step whose rows all decode greedily without
+        log-probabilities launches (the forward with the greedy sampler inside, where ``GREEDY_IN_FORWARD`` gives
+        the bucket one; else the forward and the greedy sampler). A/Bs of such a step (benchmarks/step_profile.py)
+        compile one step-kernel forward a variant, not two; a later launch of another kind compiles the rest."""
+        todo = [t for t in (self.buckets.sizes if sizes is None else sizes)
+                if t not in self._compiled and not (greedy_only and t in self._greedy_forwards)]
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
             inputs = self.layout.abstract(t)._replace(sampling=None)
             if self._packs:
                 inputs = jax.ShapeDtypeStruct((self.layout.packed_length(t),), jnp.int32)
             args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
-            self._compiled[t] = self._compile(self._jitted, args, self._compiler_options(t))
-            if GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
+            first = t not in self._greedy_forwards  # a greedy_only call may have compiled its greedy forward
+            if first and GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
                 greedy = jax.jit(self.programs.forward_greedy, donate_argnums=(1,))
                 self._greedy_forwards[t] = self._compile(greedy, args, self._compiler_options(t))
+            self.num_compiled_shapes += first
+            if greedy_only and t in self._greedy_forwards:
+                continue
+            self._compiled[t] = self._compile(self._jitted, args, self._compiler_options(t))
+            self._sampler(t, False, False, True)
+            if greedy_only:
+                continue
             if self.config.num_scheduler_steps > 1 and self._packs and t <= self.buckets.pick(self.config.max_num_seqs):
                 self._chunk_program(t, filtered=False, logprobs=False, greedy=True)
             self._sampler(t, False, False, False)
-            self._sampler(t, False, False, True)
-            self.num_compiled_shapes += 1
 
     def _compile(self, jitted, args, options=None) -> jax.stages.Compiled:
         """jitted lowered on abstract args and compiled with XLA ``options``, its time added to compile_seconds
@@ -309,20 +319,18 @@ class ModelRunner:
         cache and last_tokens, and returns the device result. row_steps: a multi-step chunk's count of
         steps for each of the bucket's rows (``StepPrograms.forward_steps``); its result has a steps axis after the
         rows'."""
-        compiled = self._compiled.get(t)
-        if compiled is None:  # only after buckets change; compile_all normally covers every size
-            self.compile_all()
-            compiled = self._compiled[t]
         arrays = inputs.sampling
         drawn = arrays.temperature > 0
         filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
         logprobs, greedy = bool(np.any(arrays.num_logprobs > 0)), not np.any(drawn)
-        chunk = one_program = sampler = None
+        one_program = self._greedy_forwards.get(t) if row_steps is None and greedy and not logprobs else None
+        if one_program is None and t not in self._compiled:  # after buckets change, or a greedy_only compile_all
+            self.compile_all()
+        chunk = sampler = None
         if row_steps is not None:
             chunk = self._chunk_program(t, filtered, logprobs, greedy)
-        else:
-            one_program = self._greedy_forwards.get(t) if greedy and not logprobs else None
-            sampler = None if one_program else self._sampler(t, filtered, logprobs, greedy)
+        elif one_program is None:
+            sampler = self._sampler(t, filtered, logprobs, greedy)
         if self._packs:  # one transfer, every program's input (a chunk's row counts after the step's)
             packed = self.layout.pack(inputs)
             if chunk is not None:
@@ -339,7 +347,8 @@ class ModelRunner:
             if one_program:
                 self.cache, result = one_program(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
             else:
-                self.cache, logits = compiled(self._state_leaves, self.cache, forward_inputs, self.last_tokens)
+                self.cache, logits = self._compiled[t](self._state_leaves, self.cache, forward_inputs,
+                                                       self.last_tokens)
                 result = sampler(logits, sampling)
             self.last_tokens = result.token_ids  # padded to every row of last_tokens (StepPrograms.sample)
         except Exception:

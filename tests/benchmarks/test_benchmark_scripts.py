@@ -262,8 +262,9 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
     def recording_ab(engine, variants, **kw):
         inner = engine.runner.compile_all
         monkeypatch.setattr(engine.runner, "compile_all",
-                            lambda sizes=None: (seen.append((dispatch.STACKED_GEMV_MAX_TOKENS,
-                                                             dispatch.MOE_DECODE_TILES, sizes)), inner(sizes))[1])
+                            lambda sizes=None, **kw: (seen.append((dispatch.STACKED_GEMV_MAX_TOKENS,
+                                                                   dispatch.MOE_DECODE_TILES, sizes, kw)),
+                                                      inner(sizes, **kw))[1])
         rows = original_ab(engine, variants, **kw)
         assert not engine.runner._compiled  # the step as built compiles again at the next launch
         return rows
@@ -277,9 +278,11 @@ def test_step_profile_ab_recompiles_each_variant_and_restores_the_knobs(tmp_path
                                  "--out", str(out)])
     assert [(r["variant"], r["round"]) for r in payload["rows"]] == [("built", 0), ("off", 0), ("built", 1),
                                                                       ("off", 1)]
-    assert all(sizes is not None and len(sizes) == 1 for *_, sizes in seen)  # the timed bucket only
+    # the timed bucket's greedy step only; the first "built" times the engine's own programs (nothing compiled)
+    assert all(sizes is not None and len(sizes) == 1 and kw == {"greedy_only": True} for *_, sizes, kw in seen)
+    assert [r["compile_s"] == 0 for r in payload["rows"]] == [True, False, False, False]
     changed = (0, built_tiles._replace(num_warps=8))
-    assert [knobs for *knobs, _ in seen] == [[built, built_tiles], [*changed], [built, built_tiles], [*changed]]
+    assert [knobs for *knobs, _, _ in seen] == [[*changed], [built, built_tiles], [*changed]]
     assert (dispatch.STACKED_GEMV_MAX_TOKENS, dispatch.MOE_DECODE_TILES) == (built, built_tiles)
     assert all(r["device_ms"] > 0 for r in payload["rows"])
     assert "| off |" in payload["table"] and "| launch call ms |" in payload["table"]

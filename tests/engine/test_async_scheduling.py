@@ -194,6 +194,34 @@ def test_greedy_sampler_inside_the_forward_equals_sync(engines, monkeypatch):
     assert not two
 
 
+@pytest.mark.parametrize("greedy_in_forward", [True, False])
+def test_greedy_only_compiles_what_a_greedy_step_launches(engines, monkeypatch, greedy_in_forward):
+    """compile_all(greedy_only=True) (the step A/Bs' compile): of a step-kernel bucket (forced for bucket 1) only
+    its forward with the greedy sampler inside, or without GREEDY_IN_FORWARD the forward and the greedy sampler;
+    a later compile_all compiles the rest without counting the bucket twice, and the outputs stay the sync
+    engine's."""
+    from dsjax.engine import runner as runner_module
+
+    sync, _ = engines
+    monkeypatch.setattr(runner_module, "GREEDY_IN_FORWARD", greedy_in_forward)
+    monkeypatch.setattr(runner_module.ModelRunner, "runs_step_kernel", lambda self, t: t == 1)
+    llm = LLM("tiny", dtype="float32", progress=False, **ENGINE)
+    runner = llm.engine.runner
+    shapes = runner.num_compiled_shapes
+    assert shapes == len(runner.buckets.sizes) > 1
+    runner.clear_compiled()
+    runner.compile_all([1], greedy_only=True)
+    assert sorted(runner._greedy_forwards) == ([1] if greedy_in_forward else [])
+    assert sorted(runner._compiled) == ([] if greedy_in_forward else [1])
+    assert list(runner._samplers) == ([] if greedy_in_forward else [(1, False, False, True)])
+    runner.compile_all([1], greedy_only=True)  # nothing left to compile for it
+    assert runner.num_compiled_shapes == shapes + 1
+    runner.compile_all()
+    assert sorted(runner._compiled) == sorted(runner.buckets.sizes)
+    assert runner.num_compiled_shapes == 2 * shapes
+    outputs_equal_sync(sync, llm)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_multi_step_chunks_equal_sync(engines, async_scheduling):
     """num_scheduler_steps=4: once every running sequence decodes and none waits, a step is a chunk of up to 4
