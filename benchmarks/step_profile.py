@@ -34,6 +34,7 @@ import numpy as np
 
 from benchmarks.common import barrier_phases, environment, summarize_trace
 from dsjax import LLM, SamplingParams
+from dsjax.engine.runner import sampling_features
 from dsjax.model import dispatch
 
 
@@ -338,8 +339,7 @@ def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[di
     runner = engine.runner
     out = engine.scheduler.schedule()
     t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
-    sampling = inputs.sampling
-    greedy = not np.any(sampling.temperature > 0) and not np.any(sampling.num_logprobs > 0)
+    _, logprobs, greedy = sampling_features(inputs.sampling)
 
     def restore(settings):
         for (module, attr), value in original.items():
@@ -351,7 +351,8 @@ def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[di
     def apply(settings):
         restore(settings)
         start = time.perf_counter()
-        runner.compile_all([t], greedy_only=greedy)  # the timed program only: others would cost minutes for nothing
+        # the timed bucket's program only: the others would cost the A/B minutes for nothing
+        runner.compile_all([t], greedy_only=greedy and not logprobs)
         return time.perf_counter() - start
 
     rows = []

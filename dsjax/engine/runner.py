@@ -95,6 +95,15 @@ class StepResult:
     top_logprobs: np.ndarray  # f32[num_seqs, K]
 
 
+def sampling_features(arrays) -> tuple[bool, bool, bool]:
+    """A step's host sampling arrays -> (filtered, logprobs, greedy): whether some drawn row filters by top-k / top-p,
+    whether some row asks for log-probabilities, whether every row decodes greedily; they pick the step's programs
+    (a greedy step without log-probabilities is what ``compile_all``'s greedy_only compiles for)."""
+    drawn = arrays.temperature > 0
+    filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
+    return filtered, bool(np.any(arrays.num_logprobs > 0)), not np.any(drawn)
+
+
 class ModelRunner:
     """``shard_of(seq)``: the data-parallel rank whose cache slice holds seq's blocks (block ids in its
     table are local to that slice); ``num_blocks`` counts all slices."""
@@ -319,10 +328,7 @@ class ModelRunner:
         cache and last_tokens, and returns the device result. row_steps: a multi-step chunk's count of
         steps for each of the bucket's rows (``StepPrograms.forward_steps``); its result has a steps axis after the
         rows'."""
-        arrays = inputs.sampling
-        drawn = arrays.temperature > 0
-        filtered = bool(np.any(drawn & ((arrays.top_k > 0) | (arrays.top_p < 1))))
-        logprobs, greedy = bool(np.any(arrays.num_logprobs > 0)), not np.any(drawn)
+        filtered, logprobs, greedy = sampling_features(inputs.sampling)
         one_program = self._greedy_forwards.get(t) if row_steps is None and greedy and not logprobs else None
         if one_program is None and t not in self._compiled:  # after buckets change, or a greedy_only compile_all
             self.compile_all()
