@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|phase2-parts|phase-knobs|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -319,50 +319,6 @@ case $part in
       --rounds 1 --variant "fixed: $m" --variant "fixed, no W_UK units: $m $a.PROBE_PHASE_CUT=('wuk',)" \
       --variant "fixed, no rope / latent: $m $a.PROBE_PHASE_CUT=('rope',)" --out "$OUT/step_ab_phase2_parts_b1.json" \
       2>&1 | grep -E "^\||^round|Error" ;;
-  phase-knobs)  # round 43: the attention's built-off phase knobs (decode_step_attention.FUSED_O_PROJ: o_proj inside
-                # phase 4; NEW_TOKEN_IN_MERGE: the new token's state computed by phase 4's units). $2 "first": the
-                # "ab" below for as built and both only, then both's GPU tests (~8-9 minutes). $2 "tests": their
-                # GPU tests (the attention chain, its cache-layer / norm / embedding form, the whole layers, the
-                # model's one-token steps; ~6 minutes). $2 "ab": the batch-1 compiled step as built, with each and
-                # with both, 2 rounds in turns (~7 minutes). $2 "1k": as built and with both after a 1024-token
-                # prompt, where phase 4's merge reads most (~5 minutes). $2 "engine": the engine at batch 1 and 2
-                # (knobs-curve: decode-curve, prompt 128, 96 tokens) as built, then with both (~6 minutes). $2 "new-token": with
-                # FUSED_O_PROJ and the routing fixed, the new token's chunk cut from phase 3 (PROBE_PHASE_CUT, values
-                # wrong): a bound for NEW_TOKEN_IN_MERGE (~5 minutes)
-    a=pallas_kernels.decode_step_attention
-    both="$a.FUSED_O_PROJ=True $a.NEW_TOKEN_IN_MERGE=True"
-    case ${2:-ab} in
-      first)  # one call for a short device session: the batch-1 step as built and with both (2 rounds in turns),
-              # then the GPU tests of both together (~8-9 minutes)
-        timeout 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-          --rounds 2 --variant built --variant "both: $both" \
-          --out "$OUT/step_ab_phase_knobs_both_b1.json" 2>&1 | grep -E "^\||^round|Error"
-        timeout 220 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-          -k "(attention_chain or moe_layer_chain or through_the_step_kernel) and fused_in_merge" 2>&1 \
-          | tee "$OUT/gpu_tests_phase_knobs_both.log" | tail -3 ;;
-      tests)
-        timeout 560 python -m pytest tests/gpu -q -p no:cacheprovider -rf \
-          -k "(attention_chain or moe_layer_chain or through_the_step_kernel) and (fused or in_merge)" 2>&1 \
-          | tee "$OUT/gpu_tests_phase_knobs.log" | tail -3 ;;
-      ab)
-        timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-          --rounds 2 --variant built --variant "fused o_proj: $a.FUSED_O_PROJ=True" \
-          --variant "new token in merge: $a.NEW_TOKEN_IN_MERGE=True" --variant "both: $both" \
-          --out "$OUT/step_ab_phase_knobs_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      1k)
-        timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-          --prompt 1024 --rounds 2 --variant built --variant "both: $both" \
-          --out "$OUT/step_ab_phase_knobs_b1_p1024.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      engine)  # knobs-curve's runs (batches 1 and 2, 96 tokens, one process each)
-        bash "$0" knobs-curve "built both=$a.FUSED_O_PROJ=True,$a.NEW_TOKEN_IN_MERGE=True" ;;
-      new-token)
-        m=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
-        timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-          --rounds 2 --variant "fused, fixed: $a.FUSED_O_PROJ=True $m" \
-          --variant "fused, fixed, no new token: $a.FUSED_O_PROJ=True $m $a.PROBE_PHASE_CUT=('new_token',)" \
-          --out "$OUT/step_ab_fused_new_token_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "phase-knobs: part '$2'; accepted: first, tests, ab, 1k, engine, new-token" >&2; exit 2 ;;
-    esac ;;
   step-knobs-tests)  # the built-off step knobs' GPU tests (~5 minutes): session 49's dense layer's attention half as
                     # one attention_chain launch over its cache layer (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the
                     # final norm in the step kernel's tail (dispatch.STEP_KERNEL_FINAL_NORM); session 51's rope cos /

@@ -36,9 +36,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cos_sin, reduced_cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _build_tiles, _first_row, _issue_box, _load_rows, _norm_tiles, _release,
-                                             _round_rows, _strided, _unit_boxes, _unit_store, _unit_sums, _zero_rows,
-                                             norm_rows_out, num_sms, proxy_fence, token_tiles)
+                                             _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
+                                             _strided, _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out,
+                                             num_sms, proxy_fence, token_tiles)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -130,14 +130,12 @@ MERGE_GROUP = 8  # phase 4 merges the chunks' states this many at a time
 # their boxes still awaited and freed. "phase1": q_proj's and kv_a's products and sums (the norm stays); "phase2":
 # all of phase 2, or a part: "wuk" the W_UK units' input, products and stores, "rope" the rope and latent CTAs'
 # work; phase 3 from a point on: "chunk_states" (the states' stores), "chunk_values" (the value products and the
-# stores), "chunk" (everything after the boxes land); "new_token": the new token's chunk, its boxes too (phase 4
-# merges a state never written: what computing that state elsewhere could save); "merge": phase 4's merge of the
-# chunks' states (the new token's state alone); "phase4": all of phase 4. Batch-1 compiled step, routing fixed
-# (decode_profile.md rounds 41-42): "chunk" 66 µs a step faster and "rope" 12.4 on the H200, "wuk" 0; on an H100
-# "phase2" 35.5, "phase4" 21.8, "chunk_values" 6.2, "merge" 5.2, "chunk_states" 4.2, "phase1" 0.
+# stores), "chunk" (everything after the boxes land); "merge": phase 4's merge of the chunks' states (the new
+# token's state alone); "phase4": all of phase 4. Batch-1 compiled step, routing fixed (decode_profile.md rounds
+# 41-42): "chunk" 66 µs a step faster and "rope" 12.4 on the H200, "wuk" 0; on an H100 "phase2" 35.5, "phase4"
+# 21.8, "chunk_values" 6.2, "merge" 5.2, "chunk_states" 4.2, "phase1" 0.
 PROBE_PHASE_CUT: tuple = ()
-PHASE_CUTS = ("phase1", "phase2", "wuk", "rope", "chunk_states", "chunk_values", "chunk", "new_token", "merge",
-              "phase4")
+PHASE_CUTS = ("phase1", "phase2", "wuk", "rope", "chunk_states", "chunk_values", "chunk", "merge", "phase4")
 # Phase 3 reads the query windows by TMA (two copies, on the latent's barrier, which phase 2 alone uses) instead
 # of the warpgroup's loads: one round trip, ~60 ops of code against ~550-1600. The loads took 3.0-3.8 µs of a
 # chunk's ~8-16 traced (round 27); by TMA, 8 whole layers ran 61.76 / 64.3 µs a layer at positions 0 / 511
@@ -152,28 +150,7 @@ QUERY_TMA = True
 # contexts up to (its CTAs - 1) x 64 tokens (``attention_supports``). Timed with dispatch's kernel knobs (round
 # 35: their batch-1 step 1.7034 ms against 1.7342). Read at trace time.
 ROPE_IN_KERNEL = True
-# Phase 4 takes o_proj too (``attention_phases``' ``o_proj``): a (head, 64 v columns, 512 output columns) unit a
-# CTA merges the head's states over all 512 latent rows, multiplies them by W_UV's 4 boxes of its v columns (v
-# whole, rounded to bf16 as the model's), then v by its 4 boxes of o_proj's rows, and adds 512 partial outputs
-# by TMA. So o_proj needs no phase of its own: one grid barrier a layer fewer, and no round trip of v through
-# global memory. W_UV's boxes are read by the 4 units of a (head, v columns) pair (L2 serves 3 of them). Read at
-# trace time.
-FUSED_O_PROJ = False
-# Phase 4's units compute the new token's state themselves (``new_token_state``: one score a head, l = 1, the new
-# latent as its output) instead of phase 3 taking the token as a chunk of one. That chunk's CTA was the one whose
-# boxes could load only after phase 2's barrier, and round 34's traces had phase 3's last CTA 1.0-1.7 µs behind,
-# waiting for them; the merge's first state then comes from shared memory, not from a round trip to the states.
-# Each unit's rows (the head's 9 query rows and the token's 9 key rows) load by TMA during phase 3 (a chunk CTA's
-# after its chunk), off the critical path. Read at trace time.
-NEW_TOKEN_IN_MERGE = False
-PHASES = 5  # grid barriers a layer (4 with FUSED_O_PROJ)
-O_QUARTERS = 4  # FUSED_O_PROJ: a unit's output columns are a quarter of o_proj's (16 heads x 2 x 4 = 128 units)
-MERGED_ROWS = plgpu.Layout.WG_STRIDED((LATENT // HALF, HALF), vec_size=1)  # FUSED_O_PROJ: a head's latent, merged
-
-
-def phases() -> int:
-    """The attention half's grid barriers a layer, as built (``FUSED_O_PROJ``: o_proj inside phase 4)."""
-    return PHASES - FUSED_O_PROJ
+PHASES = 5  # grid barriers a layer
 
 
 def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int, capacity: int, dtype,
@@ -217,8 +194,7 @@ class AttentionRefs(NamedTuple):
     token's latent and rope key as row 0 of 9 [64, 64] chunks, zeros below: phase 3's last state takes it as a
     chunk of one token), kv_out bf16[L, 9, 64] (the same rows, for the caller's cache), ml f32[L, S, 2, 64]
     (each state's m in log2 units and l, a head a column), o f32[L, S, 512, H] (each state's unnormalized
-    output, transposed; with FUSED_O_PROJ [L, S, 8, 64, H], the same bytes), vctx f32[L, H * 2, 64] (the heads'
-    outputs after W_UV, summed by TMA adds)."""
+    output, transposed), vctx f32[L, H * 2, 64] (the heads' outputs after W_UV, summed by TMA adds)."""
 
     pos: object
     table: object
@@ -244,7 +220,7 @@ class AttentionScratch(NamedTuple):
     """The shared memory the phases take: the layer's input rows xin f32[D / 64, 64] (bf16 values) and the
     norm's weights g f32[D / 64, 64] (g_bar: landed); the token's tiles bf16[D / 8, 64], flat: the same bytes
     as rows [D / 64, 512] (``token_tiles``; tiles4's too, at their start), and rows f32[D / 64, 64]; phase 3's
-    query windows q bf16[192, 64] and p bf16[64, 64]; phase 4's merged rows mrow f32[8, 64] and their tiles4
+    query windows q bf16[192, 64] and p bf16[64, 64]; phase 4's merged rows mrow f32[2, 64] and their tiles4
     bf16[64, 64]; phase 2's rope rows f32[32, 64], rotated rope16 bf16[32, 64], cs f32[2, 32, 32], the new
     latent lat f32[8, 64], knorm f32[8, 64], the normed latb bf16[8, 64]; part f32[2, 64] (TMA adds), qrow
     bf16[64]; zeros f32 and bf16 [8, 64]; rope_bar (num_heads + 2 arrivals), lat_bar (2)."""
@@ -271,9 +247,6 @@ class AttentionScratch(NamedTuple):
     zero16: object
     rope_bar: object
     lat_bar: object
-    new_q: object = None  # NEW_TOKEN_IN_MERGE: the unit's head's query rows bf16[10, 64] (row 9 zeros)
-    new_k: object = None  # the new token's key rows bf16[10, 64] (the latent's 8 chunks, the rope key; row 9 zeros)
-    new_bar: object = None  # both landed (10 arrivals)
 
 
 def _boxes_skipped(full, free, base, boxes):
@@ -331,100 +304,9 @@ def chunk_values(key, p_smem, num_heads: int):
     return pl.run_state(values)(tuple(plgpu.ACC.init(zeros) for _ in range(8)))
 
 
-def fused_box_halves(wuv, wo, v_head, v_tile, quarter, o_boxes: int):
-    """Fused phase 4's boxes (``FUSED_O_PROJ``) for the unit (head ``v_head``, v columns ``v_tile``, output quarter
-    ``quarter``), in ring order, as the views of their halves: (wuv_half(b, h) for b < 4, wo_half(b, h) for b <
-    ``o_boxes``). wuv: one layer's W_UV [512, H, 128]; wo: one layer's o_proj [H * 128, D]. W_UV's box b: latent
-    rows [128 b, + 128) of the head's v columns (halves of 64 K rows); o_proj's box b: the rows of those v
-    columns, its halves the output's 64-column tiles 2 b and 2 b + 1 of the quarter."""
-    def wuv_half(b, h):
-        return wuv.at[pl.ds(b * STEP + h * HALF, HALF), v_head, pl.ds(v_tile * HALF, HALF)]
-
-    def wo_half(b, h):
-        columns = (quarter * 2 * o_boxes + 2 * b + h) * HALF
-        return wo.at[pl.ds(v_head * V_DIM + v_tile * HALF, HALF), pl.ds(columns, HALF)]
-
-    return wuv_half, wo_half
-
-
-NEW_ROWS = 10  # NEW_TOKEN_IN_MERGE: a side's rows, the 9 of q . k and a row of zeros (640 values: 5 a thread)
-_NEW_LAYOUT = plgpu.Layout.WG_STRIDED((NEW_ROWS, HALF), vec_size=1)
-
-
-def new_token_scratch() -> list:
-    """``NEW_TOKEN_IN_MERGE``'s shared memory (AttentionScratch's new_q, new_k, new_bar: one arrival a copy)."""
-    return [plgpu.SMEM((NEW_ROWS, HALF), jnp.bfloat16), plgpu.SMEM((NEW_ROWS, HALF), jnp.bfloat16),
-            plgpu.Barrier(num_arrivals=NEW_ROWS, num_barriers=1)]
-
-
-def new_token_zero(new_q, new_k):
-    """Both sides' rows to zero, committed: once, before the kernel's first ``new_token_loads`` (which leave the
-    last rows as they are)."""
-    zeros = plgpu.layout_cast(jnp.zeros((NEW_ROWS, HALF), jnp.bfloat16), _NEW_LAYOUT)
-    new_q[...] = zeros
-    new_k[...] = zeros
-    plgpu.commit_smem()
-
-
-def new_token_loads(q_ref, kv_ref, head, new_q, new_k, bar):
-    """The new token's rows for ``new_token_state`` by TMA on ``bar`` (10 arrivals): head ``head``'s query rows 16 j +
-    head of q_ref (one layer's query block bf16[192, 64]: the absorbed query's chunks j < 8, then q_pe) into new_q
-    rows 0-8, and kv_ref (the token's new rows bf16[9, 64]: the normed latent's 8 chunks, then the rotated rope key)
-    into new_k rows 0-8. Rows 9 stay as they are (zeros)."""
-    plgpu.commit_smem()  # the last layer's reads of these rows before the async proxy rewrites them
-    lax.fori_loop(0, 9, lambda j, _: plgpu.copy_gmem_to_smem(q_ref.at[16 * j + head], new_q.at[j], bar.at[0]), None)
-    plgpu.copy_gmem_to_smem(kv_ref, new_k.at[pl.ds(0, 9)], bar.at[0])
-
-
-def new_token_state(new_q, new_k, bar, scale_log2e: float, rows=None):
-    """The new token's softmax state for one head, once ``new_token_loads`` landed: (m, l, outputs) as phase 3's
-    chunk of one token has them: m = its score in log2 units (q . k x scale_log2e: 512 latent and 64 rope terms),
-    l = 1 (P = 1), and the outputs P x its latent rows, i.e. new_k's rows ``rows`` (f32 [64] each, the merge's
-    reduced WGMMA layout), or with ``rows`` None its 8 latent rows as one f32 [8, 64] (``MERGED_ROWS``)."""
-    plgpu.barrier_wait(bar.at[0])
-    score = jnp.sum(plgpu.load(new_q, layout=_NEW_LAYOUT).astype(jnp.float32)
-                    * plgpu.load(new_k, layout=_NEW_LAYOUT).astype(jnp.float32))  # the last rows are zeros
-    if rows is None:
-        outputs = (plgpu.load(new_k.at[pl.ds(0, 8)], layout=MERGED_ROWS).astype(jnp.float32),)
-    else:
-        outputs = tuple(plgpu.load(new_k.at[r], layout=plgpu.Layout.WGMMA.reduce(1)).astype(jnp.float32)
-                        for r in rows)
-    return score * scale_log2e, jnp.float32(1.0), outputs
-
-
-def fused_products(ring, full, free, base, rows_smem, flat_smem, tiles_smem, o_boxes: int, dest):
-    """Fused phase 4's products (``FUSED_O_PROJ``; the computing warpgroup), once the head's states are merged into
-    rows_smem f32[8, 64] (its 512 latent values): those as the bf16 tiles 0-7 (``flat_smem`` / ``tiles_smem``:
-    ``token_tiles``' views), times W_UV's 4 boxes at ring positions base, ... -> v's 64 columns, rounded to bf16 as
-    tile 0's first row (the model's v is bf16; tile 0's other rows are zeros already); v times the ``o_boxes``
-    o_proj boxes after them (``fused_box_halves``' order), each half into its own accumulator -> the 2 * o_boxes
-    column sums, added by TMA into dest f32[2 * o_boxes, 64] from rows_smem (waited for by the next grid
-    barrier)."""
-    zeros = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
-    _build_tiles(rows_smem, flat_smem)
-    _first_row(flat_smem, _unit_sums(ring, full, free, tiles_smem, base, LATENT // STEP, zeros))  # v
-    v_t = tiles_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
-    base = base + LATENT // STEP
-
-    def products(accs):
-        for b in range(o_boxes):
-            slot = lax.rem(base + b, RING)
-            plgpu.barrier_wait(full.at[slot])
-            for h in range(2):
-                plgpu.wgmma(accs[2 * b + h], ring.at[slot, h].transpose((1, 0)), v_t)
-
-    accs = pl.run_state(products)(tuple(plgpu.ACC.init(zeros) for _ in range(2 * o_boxes)))
-    for b in range(o_boxes):
-        plgpu.barrier_arrive(free.at[lax.rem(base + b, RING)])
-    for t, acc in enumerate(accs):  # the merged rows are in the tiles already: rows_smem is free
-        rows_smem.at[t][...] = jnp.sum(acc, axis=1)
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(rows_smem.at[pl.ds(0, 2 * o_boxes)], dest, reduction_op="add")
-
-
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
-                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0, o_proj=None):
+                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0):
     """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
     semaphore and layer loop the caller owns -> (zero, loads, compute):
 
@@ -434,9 +316,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
       position after.
     - ``compute(layer, count)`` (computing warpgroup, the layer's input rows in ``scratch.xin``): the phases,
       phase p ending at the grid barrier ``barrier_count(layer, p)`` -> the ring position after. The heads'
-      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj. With ``o_proj`` = (wo bf16[L, H * 128,
-      D], out f32[L, D / 64, 64]), phase 4 multiplies by o_proj too and CTA 0 adds the layer's input rows
-      (``FUSED_O_PROJ``): after phase 4's barrier, out[layer] holds x_mid, and vctx is not written.
+      outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj.
 
     Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches)."""
     if unknown := sorted(set(PROBE_PHASE_CUT) - set(PHASE_CUTS)):
@@ -458,29 +338,20 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     rope_cta, latent_cta = wuk_units, wuk_units + 1
     nch = states - 1  # phase 3: CTA s < nch takes chunk s of the context, CTA nch the new token
     wuv_units = num_heads * 2 * (LATENT // STEP)  # phase 4: (head, 64 v columns, 128 latent rows) a CTA
-    fused = o_proj is not None  # phase 4: (head, 64 v columns, a quarter of o_proj's columns) a CTA
-    parts = 1 if fused else 2  # a state's arrays a unit merges: the latent's [8, 64], or two [64] row groups
-    o_boxes = hidden // (O_QUARTERS * STEP)  # fused: a unit's boxes of o_proj (two 64-column tiles of v's rows each)
     position = r.pos[0]
     num_chunks = jnp.minimum(lax.div(position + CHUNK - 1, CHUNK), nch)
-    in_merge = NEW_TOKEN_IN_MERGE  # phase 4's units compute the new token's state (``new_token_state``)
-    new_token = not (cut("new_token") or in_merge)  # phase 3 takes the new token as a chunk of one
-    in_chunks = ((c < num_chunks) | (c == nch)) if new_token else c < num_chunks
+    in_chunks = (c < num_chunks) | (c == nch)
     head, ct = lax.div(c, LATENT // HALF), lax.rem(c, LATENT // HALF)  # phase 2's unit
     v_head, v_tile, v_range = lax.div(c, 8), lax.rem(lax.div(c, 4), 2), lax.rem(c, 4)  # phase 4's unit
     p2_boxes = jnp.where(c < wuk_units, 1, 0)
     p3_boxes = jnp.where(in_chunks, 5, 0)
-    p4_boxes = jnp.where(c < wuv_units, LATENT // STEP + o_boxes if fused else 1, 0)
+    p4_boxes = jnp.where(c < wuv_units, 1, 0)
     issue = functools.partial(_issue_box, ring, full, free)
 
     def zero():
         _zero_rows(sm.zero, r.qkv, c, num_ctas)
-        if not fused:
-            _zero_rows(sm.zero, r.vctx, c, num_ctas)
-        if in_merge:
-            new_token_zero(sm.new_q, sm.new_k)
-        else:
-            _zero_rows(sm.zero16, r.kvnew, c, num_ctas)  # the new token's chunk: zeros past its row
+        _zero_rows(sm.zero, r.vctx, c, num_ctas)
+        _zero_rows(sm.zero16, r.kvnew, c, num_ctas)  # the new token's chunk: zeros past its row
         _zero_rows(sm.zero16, r.q, c, num_ctas)  # the query windows' rows past the queries
         plgpu.copy_gmem_to_smem(r.g.at[0], sm.g, sm.g_bar.at[0])
 
@@ -507,29 +378,16 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 (r.ckv.at[at, page, pl.ds(t0, CHUNK), pl.ds(b * STEP + h * HALF, HALF)], True)]), None)
             issue(count + 4, lambda h: [(r.kpe.at[at, page, pl.ds(t0, CHUNK)], True)])
 
-        def new_token_boxes():  # the new token's rows, once phase 2 has written them
+        @pl.when(c == nch)
+        def _():  # the new token's rows, once phase 2 has written them
             plgpu.semaphore_wait(sem, num_ctas * barrier_count(layer, 2), decrement=False, memory_scope="gpu")
             proxy_fence()
             lax.fori_loop(0, 4, lambda b, _: issue(count + b, lambda h: [(r.kvnew.at[2 * b + h], True)]), None)
             issue(count + 4, lambda h: [(r.kvnew.at[8], True)])
 
-        if new_token:
-            pl.when(c == nch)(new_token_boxes)
-
         count = count + p3_boxes
-
-        @pl.when(c < wuv_units)
-        def _():
-            if not fused:
-                issue(count, lambda h: [(r.wuv.at[layer, pl.ds(v_range * STEP + h * HALF, HALF), v_head,
-                                                  pl.ds(v_tile * HALF, HALF)], True)])
-                return
-            wuv_half, wo_half = fused_box_halves(r.wuv.at[layer], o_proj[0].at[layer], v_head, v_tile, v_range,
-                                                 o_boxes)
-            lax.fori_loop(0, LATENT // STEP, lambda b, _: issue(count + b, lambda h: [(wuv_half(b, h), True)]), None)
-            lax.fori_loop(0, o_boxes, lambda b, _: issue(count + LATENT // STEP + b, lambda h: [(wo_half(b, h), True)]),
-                          None)
-
+        pl.when(c < wuv_units)(lambda: issue(count, lambda h: [
+            (r.wuv.at[layer, pl.ds(v_range * STEP + h * HALF, HALF), v_head, pl.ds(v_tile * HALF, HALF)], True)]))
         return count + p4_boxes
 
     def store_add(sums, dest, i=0):
@@ -603,8 +461,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             sm.rope16.at[:, pl.ds(32, 32)][...] = (hi * cos + lo * sin).astype(bf16)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(sm.rope16.at[pl.ds(0, num_heads)], r.q.at[layer, pl.ds(8 * 16, num_heads)])
-            if not in_merge:
-                plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
+            plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kvnew.at[8, 0])
             plgpu.copy_smem_to_gmem(sm.rope16.at[num_heads], r.kv_out.at[layer, 8])
 
         @pl.when((c == latent_cta) & rope_work)
@@ -619,7 +476,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             g = plgpu.load(sm.knorm, layout=flat)
             sm.latb[...] = ((x * inv_rms).astype(bf16).astype(f32) * g).astype(bf16)
             plgpu.commit_smem()
-            for j in range(0 if in_merge else 8):
+            for j in range(8):
                 plgpu.copy_smem_to_gmem(sm.latb.at[j], r.kvnew.at[j, 0])
             plgpu.copy_smem_to_gmem(sm.latb, r.kv_out.at[layer, pl.ds(0, 8)])
 
@@ -630,9 +487,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         """A chunk's partial softmax state for every head: scores [64 heads (the first H real), 64 tokens] =
         q [64, 576] x the chunk's keys^T (the q windows start 16 rows apart: rows past H are other windows'
         rows, finite, never read), P in bf16; out^T [512, H] = the latents^T x P^T, [64, H] a latent half;
-        m, l and out^T stored by the warpgroup's own stores (the new token's CTA: a chunk of one token; with
-        ``NEW_TOKEN_IN_MERGE`` phase 4's units instead, whose rows for it start loading here, after a chunk CTA's
-        chunk: off phase 3's path)."""
+        m, l and out^T stored by the warpgroup's own stores (the new token's CTA: a chunk of one token)."""
         @pl.when(in_chunks)
         @jax.named_scope("chunk")
         def _():
@@ -675,73 +530,45 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 return
             with jax.named_scope("states_out"):  # out^T by the warpgroup's own stores
                 for j, acc in enumerate(accs):
-                    (r.o.at[layer, c, j] if fused else r.o.at[layer, c, pl.ds(j * HALF, HALF)])[...] = acc
+                    r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
 
-        if in_merge:
-            pl.when(c < wuv_units)(lambda: new_token_loads(r.q.at[layer], r.kv_out.at[layer], v_head, sm.new_q,
-                                                           sm.new_k, sm.new_bar))
         _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3), "phase3")
         return count + p3_boxes
 
     def phase4(layer, count):
         """A (head, 64 v columns, 128 latent rows) unit: the head's states merged over its latent rows (read
-        by the warpgroup's own loads), as bf16 tiles, times W_UV's box; the sums added. Fused (``o_proj``): a
-        (head, 64 v columns, output quarter) unit merges all 512 latent rows, takes W_UV's 4 boxes (v's 64
-        columns whole, as bf16 tile 0), then its o_proj boxes (``fused_products``); CTA 0 adds the input rows."""
-        if fused:
-            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(sm.xin, o_proj[1].at[layer], reduction_op="add"))
-
+        by the warpgroup's own loads), as bf16 tiles, times W_UV's box; the sums added."""
         @pl.when(c < wuv_units)
         @jax.named_scope("w_uv")
         def _():
             if cut("phase4"):
-                _boxes_skipped(full, free, count, p4_boxes)
-                if in_merge:  # the new token's rows landed (the barrier's phase, as every layer's)
-                    plgpu.barrier_wait(sm.new_bar.at[0])
+                _boxes_skipped(full, free, count, 1)
                 return
             # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
             # loads issued together, so a group waits out L2's latency once); a group's entries past the context
-            # read the new token's state in their place (with NEW_TOKEN_IN_MERGE, chunk 0's), weighted 0 (those
-            # states are never written)
+            # read the new token's state in their place, weighted 0 (those states are never written)
             m_at = lambda s: r.ml[layer, s, 0, v_head]
-            if fused:  # a state's 512 latent rows of the head, as one [8, 64] array (one load a state: code size)
-                rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(0, 8), pl.ds(0, HALF), v_head],
-                                               layout=MERGED_ROWS, optimized=False)
-            else:
-                rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
-                                               layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
+            rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
+                                           layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
             def group(g, carry):
                 top, total, merged = carry
-                at = [jnp.where(g * MERGE_GROUP + i < num_chunks, g * MERGE_GROUP + i, 0 if in_merge else nch)
-                      for i in range(MERGE_GROUP)]
+                at = [jnp.where(g * MERGE_GROUP + i < num_chunks, g * MERGE_GROUP + i, nch) for i in range(MERGE_GROUP)]
                 m = [jnp.where(g * MERGE_GROUP + i < num_chunks, m_at(s), -jnp.inf) for i, s in enumerate(at)]
                 new_top = functools.reduce(jnp.maximum, m, top)
                 weights = [jnp.exp2(m_s - new_top) for m_s in m]
                 keep = jnp.exp2(top - new_top)
                 total = total * keep + sum(w * r.ml[layer, s, 1, v_head] for s, w in zip(at, weights))
-                merged = tuple(merged[q] * keep + sum(rows(s, q) * w for s, w in zip(at, weights))
-                               for q in range(parts))
+                merged = tuple(merged[q] * keep + sum(rows(s, q) * w for s, w in zip(at, weights)) for q in range(2))
                 return new_top, total, merged
 
-            if in_merge:
-                first = new_token_state(sm.new_q, sm.new_k, sm.new_bar, scale_log2e,
-                                        None if fused else [v_range * 2 + q for q in range(parts)])
-            else:
-                first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(parts)))
+            first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(2)))
             _, total, merged = first if cut("merge") else lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group,
                                                                          first)
-            if fused:
-                sm.mrow[...] = merged[0] / total
-            else:
-                for q in range(parts):
-                    sm.mrow.at[q][...] = merged[q] / total
+            for q in range(2):
+                sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()
-            if fused:
-                fused_products(ring, full, free, count, sm.mrow, sm.flat, sm.tiles4, o_boxes,
-                               o_proj[1].at[layer, pl.ds(v_range * 2 * o_boxes, 2 * o_boxes)])
-                return
-            _build_tiles(sm.mrow.at[pl.ds(0, parts)], sm.flat)
+            _build_tiles(sm.mrow, sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())
             store_add(sums, r.vctx.at[layer, 2 * v_head + v_tile])
 
@@ -760,8 +587,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
                     embedding: bool = False, launch_dependents: bool = False, **constants):
     # ``attention_phases``' refs (AttentionRefs) in order, x_ref f32[D / 64, 64] and wo_ref bf16[L, H * 128, D]
     # among them, out_ref f32[L, D / 64, 64] (x_mid of each layer: x + the TMA adds of o_proj's units) first of
-    # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual (with
-    # ``FUSED_O_PROJ``, phase 4's: four phases a layer). ``out_eps``:
+    # the outputs; then the scratch. Phase 5 is o_proj (``gemv_chain``'s units) and the residual. ``out_eps``:
     # one more input last, an RMSNorm's weights gout_ref f32[D / 64, 64], and two more outputs last, [D / 64, 64]
     # each: x_L normed by it (bf16), and x_L rounded to bf16 (in bf16, or f32 for a launch that adds into it in
     # place) (CTA 0, after the last layer; the next sublayer's inputs).
@@ -778,34 +604,32 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
     token_ref = gout_ref.pop() if embedding else None
     out_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref, *normed_ref = refs[num_in:num_in + num_out]
     (ring, xin_smem, g_smem, union, part_smem, qrow_smem, zero_smem, zero16_smem, full, free, g_bar, rope_bar,
-     lat_bar, *new_token_smem) = refs[num_in + num_out:]
+     lat_bar) = refs[num_in + num_out:]
     c = lax.axis_index("c")
     rows = xin_smem.shape[0]
     hidden = rows * HALF
     o_ranges = num_heads * V_DIM // UNIT_K
     o_units = (hidden // HALF) * o_ranges
     o_tile, o_kq = lax.div(c, o_ranges), lax.rem(c, o_ranges)
-    fused = FUSED_O_PROJ
-    o_boxes = 0 if fused else jnp.where(c < o_units, UNIT_K // STEP, 0)
+    o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
-    per_layer = phases()
-    barrier_count = lambda layer, phase: 1 + per_layer * layer + phase  # the kernel's first barrier, then per layer
+    barrier_count = lambda layer, phase: 1 + PHASES * layer + phase  # the kernel's first barrier, then PHASES a layer
     (tiles_smem, row_smem), flat_smem, (q_smem, p_smem), (tiles4_smem, mrow_smem), rope_buffers = union
     refs = AttentionRefs(pos_ref, table_ref, cs_ref, g_ref, wq_ref, wkv_ref, knorm_ref, wuk_ref, ckv_ref, kpe_ref,
                          wuv_ref, qkv_ref, q_ref, kvnew_ref, kv_out, ml_ref, o_ref, vctx_ref)
     scratch = AttentionScratch(xin_smem, g_smem, g_bar, tiles_smem, flat_smem, row_smem, q_smem, p_smem, mrow_smem,
                                tiles4_smem, *rope_buffers, part_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
-                               lat_bar, *new_token_smem)
+                               lat_bar)
     zero, phase_loads, phase_compute = attention_phases(
         refs, scratch, ring, full, free, sem, num_layers=num_layers, num_heads=num_heads, states=states,
-        num_ctas=num_ctas, barrier_count=barrier_count, o_proj=(wo_ref, out_ref) if fused else None, **constants)
+        num_ctas=num_ctas, barrier_count=barrier_count, **constants)
 
     def loads():
         """Warpgroup 1: every phase's boxes of every layer, in the computing warpgroup's order."""
         def layer_loads(layer, count):
             count = phase_loads(layer, count)
-            if not fused:
-                pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))
+
+            pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))
             return count + o_boxes
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))
@@ -834,20 +658,18 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
         zeros8 = plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), jnp.float32), plgpu.Layout.WGMMA)
 
         def layer_body(layer, count):
-            count = phase_compute(layer, count)  # fused: x_mid complete after phase 4
+            count = phase_compute(layer, count)
 
-            if not fused:
-                @pl.when(c < o_units)
-                @jax.named_scope("o_proj")
-                def _():  # x_mid = x_l + v_ctx @ W_o: a GEMV unit a CTA, CTA 0 adds x_l
-                    chunks = UNIT_K // HALF
-                    _load_rows(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)])
-                    _build_tiles(row_smem.at[pl.ds(0, chunks)], flat_smem)
-                    _unit_store(ring, full, free, tiles_smem, count, zeros8, part_smem.at[0],
-                                out_ref.at[layer, o_tile])
+            @pl.when(c < o_units)
+            @jax.named_scope("o_proj")
+            def _():  # x_mid = x_l + v_ctx @ W_o: a GEMV unit a CTA, CTA 0 adds x_l
+                chunks = UNIT_K // HALF
+                _load_rows(vctx_ref.at[layer, pl.ds(o_kq * chunks, chunks)], row_smem.at[pl.ds(0, chunks)])
+                _build_tiles(row_smem.at[pl.ds(0, chunks)], flat_smem)
+                _unit_store(ring, full, free, tiles_smem, count, zeros8, part_smem.at[0], out_ref.at[layer, o_tile])
 
-                pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
-                _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5), "o_proj")
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
+            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5), "o_proj")
 
             @pl.when(layer + 1 < num_layers)
             def _():
@@ -858,7 +680,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
         if normed:
             pl.when(c == 0)(jax.named_scope("out_norm")(
                 lambda: norm_rows_out(out_ref.at[num_layers - 1], gout_ref[0], normed_ref[0], out_eps, normed_ref[1])))
-        _release(sem, c, num_ctas, barrier_count(num_layers - 1, per_layer))
+        _release(sem, c, num_ctas, barrier_count(num_layers - 1, PHASES))
 
     pl.when(lax.axis_index("wg") == 0)(compute)
     pl.when(lax.axis_index("wg") == 1)(loads)
@@ -887,8 +709,7 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
                  jax.ShapeDtypeStruct((9, CHUNK, HALF), bf16),  # the new token as a chunk
                  jax.ShapeDtypeStruct((num_layers, 9, HALF), bf16),  # its rows, for the cache
                  jax.ShapeDtypeStruct((num_layers, states, 2, HALF), f32),  # the states' m and l
-                 jax.ShapeDtypeStruct((num_layers, states, *((8, HALF) if FUSED_O_PROJ else (LATENT,)), num_heads),
-                                      f32),  # their outputs, transposed (fused: the latent as [8, 64])
+                 jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
                  jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
     constants = dict(num_heads=num_heads, states=states, scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps,
                      kv_eps=spec.kv_eps, block_size=block_size, cos_sin_scale=spec.cos_sin_scale,
@@ -922,8 +743,7 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
     3. Attention: CTA s takes the context's chunk s (64 tokens of a page), CTA S - 1 the new token as a chunk of
        one, each a partial softmax state of every head (scores and values by wgmma).
     4. The states merged a (head, 64 v columns, 128 latent rows) unit a CTA, times W_UV's box, summed by TMA.
-    5. o_proj (``gemv_chain``'s units) and the residual. With ``FUSED_O_PROJ``, phase 4's: a (head, 64 v columns,
-       output quarter) unit a CTA takes W_UV's 4 boxes and its o_proj boxes (``fused_products``), four phases a layer.
+    5. o_proj (``gemv_chain``'s units) and the residual.
 
     Shapes must pass ``attention_supports``."""
     num_layers, hidden = weights.norm.shape
@@ -964,7 +784,7 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
             (plgpu.SMEM((3 * HALF, HALF), bf16, transforms=_TILING),  # 3: the query windows
              plgpu.SMEM((HALF, CHUNK), bf16, transforms=_TILING)),  # P
             (plgpu.SMEM((HALF, HALF), bf16, transforms=_TILING),  # 4: the head's merged rows' tiles
-             plgpu.SMEM((LATENT // HALF, HALF), f32)),  # the rows (fused: then the unit's o_proj sums)
+             plgpu.SMEM((2, HALF), f32)),  # the rows
             (plgpu.SMEM((32, ROPE), f32),  # 2: the rope rows (q_pe of each head, the new key)
              plgpu.SMEM((32, ROPE), bf16),  # rotated
              plgpu.SMEM((2, 32, ROPE // 2), f32),  # cos, sin
@@ -980,7 +800,6 @@ def attention_chain(x, position, block_table, c_kv, k_pe, weights: AttentionWeig
         plgpu.Barrier(num_barriers=1),  # norm weights landed
         plgpu.Barrier(num_arrivals=num_heads + 2, num_barriers=1),  # the rope rows landed
         plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the new latent and its norm's weights landed
-        *(new_token_scratch() if NEW_TOKEN_IN_MERGE else []),  # phase 4's rows for the new token's state
     ]
     outs = plgpu.kernel(
         kernel,

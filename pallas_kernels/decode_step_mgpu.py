@@ -166,13 +166,6 @@ def _store_tiles(x, flat_smem):
     plgpu.commit_smem()
 
 
-def _first_row(flat_smem, row):
-    """row [64] (f32, reduced WGMMA layout) as the first row of token tile 0 (``token_tiles``' flat view), rounded
-    to the tiles' dtype, its other rows left as they are; committed."""
-    flat_smem.at[0, pl.ds(0, HALF)][...] = row.astype(flat_smem.dtype)
-    plgpu.commit_smem()
-
-
 def _build_tiles(rows_smem, flat_smem):
     """rows_smem f32[n, 64] as the token's tiles 0 .. n - 1 (``_store_tiles``)."""
     _store_tiles(plgpu.load(rows_smem, layout=_strided(rows_smem.shape, 2)), flat_smem)

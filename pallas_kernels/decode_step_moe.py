@@ -28,13 +28,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import decode_step_attention
 from pallas_kernels.common import rms_norm, why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _first_row, _input_tiles, _issue_box, _norm_tiles, _release, _round_rows,
-                                             _unit_boxes, _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
+                                             _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
+                                             _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
                                              stores_done, token_tiles)
 
 
@@ -98,7 +97,6 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
             plgpu.SMEM((8, HALF), bf16),  # bf16 zeros
             plgpu.Barrier(num_arrivals=num_heads + 2, num_barriers=1),  # the rope rows landed
             plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the new latent and its norm's weights landed
-            *(decode_step_attention.new_token_scratch() if decode_step_attention.NEW_TOKEN_IN_MERGE else []),
         ]
     router_scratch = [
         plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
@@ -291,8 +289,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # W_o, the MoE half's input).
     # ``front`` (with ``attention``: the whole layer, ``moe_layer_chain``): the attention phases first
     # (``decode_step_attention.attention_phases``, its constants), their AttentionRefs' 11 inputs after wo_ref in
-    # place of attn_ref, their 7 outputs after mid_ref; o_proj reads their v_ctx (with FUSED_O_PROJ phase 4 takes
-    # o_proj and adds into mid_ref itself).
+    # place of attn_ref, their 7 outputs after mid_ref; o_proj reads their v_ctx.
     # ``final_eps`` (with a router): the last input gf_ref f32[D / 64, 64] is a final RMSNorm's weights, and the
     # last output normed_ref bf16[D / 64, 64] is x_L normed by it (CTA 0, after the last layer).
     # ``pdl``: launched as a programmatic dependent of the launch before it, every thread waits for that launch's
@@ -317,12 +314,12 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             mid_ref, front_out = attention_out[0], attention_out[1:]
             front_refs = AttentionRefs(*front_in, *front_out)
             attn_ref = front_refs.vctx  # o_proj's input: the heads' outputs after W_UV
-            g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar, *new_token_smem = front_smem
+            g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem
             (q_win, p_smem), rope_buffers = front_buffers
             front_scratch = AttentionScratch(
-                xin_smem, g_attn, g_attn_bar, tiles_smem, flat_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 8)],
+                xin_smem, g_attn, g_attn_bar, tiles_smem, flat_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 2)],
                 tiles_smem.at[pl.ds(0, HALF)], *rope_buffers, pub_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
-                lat_bar, *new_token_smem)
+                lat_bar)
         elif attention:
             (attn_ref, wo_ref), (mid_ref,) = attention_in, attention_out
     else:
@@ -343,17 +340,14 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     o_ranges = attention // UNIT_K
     o_units = (hidden // HALF) * o_ranges
     o_tile, o_kq = lax.div(c, max(o_ranges, 1)), lax.rem(c, max(o_ranges, 1))
-    # ``FUSED_O_PROJ`` (the whole layer): o_proj runs in the attention's phase 4, whose barrier ends it
-    fused = bool(front) and decode_step_attention.FUSED_O_PROJ
-    o_boxes = 0 if fused else jnp.where(c < o_units, UNIT_K // STEP, 0)
-    # grid barriers a layer: (the attention phases' 4,) (o_proj's sums, unless fused,) the experts' sums
-    per_layer = (decode_step_attention.phases() + 1) if front else 2 if attention else 1
+    o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
+    # grid barriers a layer: (the attention phases' 4,) (o_proj's sums,) the experts' sums
+    per_layer = 6 if front else 2 if attention else 1
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each phase's sums
     if front:
         front_zero, front_loads, front_compute = attention_phases(
             front_refs, front_scratch, ring, full, free, sem, num_layers=num_layers, num_ctas=num_ctas,
-            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase,
-            o_proj=(wo_ref, mid_ref) if fused else None, **front)
+            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase, **front)
     if router:  # the router CTAs' logits added (each once a layer)
         routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     # tile t's h published (once a layer), or its K ranges' sums (``splits`` times a layer)
@@ -431,7 +425,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         def layer_loads(layer, count):
             if front:  # the attention phases' boxes first
                 count = front_loads(layer, count)
-            if attention and not fused:  # an o_proj unit's boxes first
+            if attention:  # an o_proj unit's boxes first
 
                 pl.when(c < o_units)(lambda: _unit_boxes(ring, full, free, count, wo_ref.at[layer], o_tile, o_kq))
                 count = count + o_boxes
@@ -566,6 +560,11 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         h_flat[...] = jnp.zeros(h_flat.shape, h_flat.dtype)  # h's tile: its rows below the first stay zeros
         plgpu.commit_smem()
 
+        def h_tile(h_row):
+            """h [64] (reduced WGMMA layout) as the first row of h's [8, 64] tile."""
+            h_flat.at[0, pl.ds(0, HALF)][...] = h_row.astype(h_flat.dtype)
+            plgpu.commit_smem()
+
         def gate_up_unit(layer, tile, first, end, part, base):
             """Gate and up boxes [first, end) of ``tile``: the whole tile's give h (in h_smem; published when
             ``publishes``), a K range's give its partial gate and up sums, published."""
@@ -652,7 +651,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                     plgpu.commit_smem()
 
             # h in hin_smem (this CTA's own tile's, fetched, or summed), as h's tile in one place
-            _first_row(h_flat, plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))  # h's tile
+            h_tile(plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0)))
 
             h_t = h_smem.at[pl.ds(0, TOKEN_N)].transpose((1, 0))
 
@@ -697,9 +696,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         def layer_body(layer, count):
             if front:
                 count = front_compute(layer, count)
-            if fused:  # x_mid is complete since phase 4's barrier
-                input_tiles(mid_ref.at[layer])
-            elif attention:
+            if attention:
                 count = o_proj(layer, count)
 
             @pl.when(c == 0)

@@ -703,29 +703,14 @@ def test_moe_layer_tail_chain_gpu(plan, monkeypatch):
     assert got.shape == (2048,) and _rel(got, want) < 2e-2
 
 
-def _attention_knobs(monkeypatch, knobs: str):
-    """decode_step_attention's built-off phase knobs by name: "as_built", "fused" (FUSED_O_PROJ), "in_merge"
-    (NEW_TOKEN_IN_MERGE) or "fused_in_merge" (both)."""
-    from pallas_kernels import decode_step_attention
-
-    assert knobs in ("as_built", "fused", "in_merge", "fused_in_merge"), knobs
-    monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", knobs.startswith("fused"))
-    monkeypatch.setattr(decode_step_attention, "NEW_TOKEN_IN_MERGE", knobs.endswith("in_merge"))
-
-
-@pytest.mark.parametrize("position, merge_group, rope_in_kernel, knobs", [
-    (0, 8, False, "as_built"), (63, 8, False, "as_built"), (200, 8, False, "as_built"), (511, 8, False, "as_built"),
-    (511, 4, False, "as_built"), (200, 2, False, "as_built"), (200, 16, False, "as_built"),
-    (511, 32, False, "as_built"), (0, 8, True, "as_built"), (200, 8, True, "as_built"), (511, 8, True, "as_built"),
-    (0, 8, True, "fused"), (200, 8, True, "fused"), (511, 2, True, "fused"), (0, 8, True, "in_merge"),
-    (511, 8, True, "in_merge"), (0, 8, True, "fused_in_merge"), (63, 8, True, "fused_in_merge"),
-    (200, 8, True, "fused_in_merge"), (511, 8, True, "fused_in_merge")])
-def test_attention_chain_gpu(position, merge_group, rope_in_kernel, knobs, monkeypatch):
+@pytest.mark.parametrize("position, merge_group, rope_in_kernel", [
+    (0, 8, False), (63, 8, False), (200, 8, False), (511, 8, False), (511, 4, False), (200, 2, False), (200, 16, False),
+    (511, 32, False), (0, 8, True), (200, 8, True), (511, 8, True)])
+def test_attention_chain_gpu(position, merge_group, rope_in_kernel, monkeypatch):
     """Two V2-Lite attention halves at one token in one persistent kernel (norm, q / kv_a, W_UK, rope, the paged
     context in 64-token chunks plus the new token, the states merged ``MERGE_GROUP`` at a time, W_UV, o_proj,
     the residual) against the reference chain: each layer's new cache row, and the output. ``ROPE_IN_KERNEL``: the
-    rope CTA computes cos and sin from the position itself; ``knobs``: o_proj inside phase 4 (FUSED_O_PROJ), the
-    new token's state computed by phase 4's units (NEW_TOKEN_IN_MERGE), or both."""
+    rope CTA computes cos and sin from the position itself."""
     import jax
 
     from benchmarks.megakernel_probe import attention_inputs
@@ -734,7 +719,6 @@ def test_attention_chain_gpu(position, merge_group, rope_in_kernel, knobs, monke
 
     monkeypatch.setattr(decode_step_attention, "MERGE_GROUP", merge_group)
     monkeypatch.setattr(decode_step_attention, "ROPE_IN_KERNEL", rope_in_kernel)
-    _attention_knobs(monkeypatch, knobs)
 
     x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
     assert attention_supports(2048, 16, (128, 64, 512, 128), 64, 512, jnp.bfloat16, 2) is None
@@ -744,18 +728,15 @@ def test_attention_chain_gpu(position, merge_group, rope_in_kernel, knobs, monke
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("position, knobs", [(0, "as_built"), (200, "as_built"), (0, "fused"), (0, "in_merge"),
-                                             (200, "fused_in_merge")])
-def test_attention_chain_reads_its_cache_layer_gpu(position, knobs, monkeypatch):
+@pytest.mark.parametrize("position", [0, 200])
+def test_attention_chain_reads_its_cache_layer_gpu(position):
     """One attention half whose cache is layer 1 of two (``cache_layer``, as the engine's dense layer after the MoE
     stack; cache layer 0 holds other values), its output also normed for the next sublayer (``out_norm``), against
-    the reference on the same layer; as built and with the built-off phase knobs (``_attention_knobs``)."""
+    the reference on the same layer."""
     import jax
 
     from benchmarks.megakernel_probe import attention_inputs
     from pallas_kernels.decode_step_attention import AttentionWeights, attention_chain, attention_chain_reference
-
-    _attention_knobs(monkeypatch, knobs)
 
     x, pos, table, c_kv, k_pe, weights, spec = attention_inputs(2, position)
     last = AttentionWeights(*(w[1:] for w in weights))
@@ -781,18 +762,14 @@ def test_attention_chain_reads_its_cache_layer_gpu(position, knobs, monkeypatch)
     assert np.isnan(np.asarray(by_id(jnp.int32(1000), pos, table, c_kv, k_pe, w=last)[0], np.float32)).all()
 
 
-@pytest.mark.parametrize("position, knobs", [(0, "as_built"), (200, "as_built"), (0, "fused"), (200, "in_merge"),
-                                             (200, "fused_in_merge")])
-def test_moe_layer_chain_gpu(position, knobs, monkeypatch):
+@pytest.mark.parametrize("position", [0, 200])
+def test_moe_layer_chain_gpu(position):
     """Two whole V2-Lite layers at one token in one persistent kernel (the attention phases, o_proj, the MoE
-    half) against the reference layers: each layer's new cache row, layer 0's routing, the output; as built and
-    with the built-off phase knobs (``_attention_knobs``)."""
+    half) against the reference layers: each layer's new cache row, layer 0's routing, the output."""
     import jax
 
     from benchmarks.megakernel_probe import layer_inputs
     from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
-
-    _attention_knobs(monkeypatch, knobs)
 
     x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, position)
     # the weights as arguments: closed over, their 2.3 GB are constants that take the compile minutes
@@ -817,8 +794,7 @@ def test_moe_layer_chain_gpu(position, knobs, monkeypatch):
     assert normed.dtype == jnp.bfloat16 and _rel(normed, want_normed) < 3e-2
 
 
-@pytest.mark.parametrize("knobs", ["as_built", "fused", "fused_in_merge"])
-def test_one_token_steps_through_the_step_kernel_gpu(knobs, monkeypatch):
+def test_one_token_steps_through_the_step_kernel_gpu(monkeypatch):
     """A random V2-Lite-shaped model (bf16; a dense layer and 2 MoE layers): a 70-token prompt prefilled, then
     three one-token steps whose MoE stack runs as one persistent kernel (dispatch.STEP_KERNEL), with the dense
     layer's attention half as a kernel too or not (dispatch.STEP_KERNEL_DENSE_ATTENTION) and the final norm in the
@@ -826,8 +802,7 @@ def test_one_token_steps_through_the_step_kernel_gpu(knobs, monkeypatch):
     (decode_step_attention.ROPE_IN_KERNEL), the dense MLP's expert launch adding into the attention kernel's f32
     output in place (dispatch.DENSE_MLP_IN_PLACE) and the token's embedding row read by the attention kernel
     (dispatch.STEP_KERNEL_EMBEDDING), the three kernels launched as programmatic dependents (dispatch.STEP_KERNEL_PDL),
-    give the logits of the launches a layer. As built every knob but PDL is on (session 52). Each as built and with
-    the attention's built-off phase knobs (``_attention_knobs``)."""
+    give the logits of the launches a layer. As built every knob but PDL is on (session 52)."""
     import dataclasses
 
     from dsjax.config import ModelConfig
@@ -836,7 +811,6 @@ def test_one_token_steps_through_the_step_kernel_gpu(knobs, monkeypatch):
     from pallas_kernels import decode_step_attention, decode_step_moe
     from tests.model.test_model import _paged_logits
 
-    _attention_knobs(monkeypatch, knobs)
     config = dataclasses.replace(ModelConfig.preset("deepseek-v2-lite"), num_hidden_layers=3)
     tokens = np.random.default_rng(5).integers(3, 1000, size=73).astype(np.int32)
     chunks = [(0, 70), (70, 71), (71, 72), (72, 73)]

@@ -252,11 +252,6 @@ def _ops(module: str, op: str) -> int:
     return len(re.findall(rf"\b{re.escape(op)}\b", module))
 
 
-def _waits(module: str) -> int:
-    """How many semaphore waits a lowered module's text holds (each ends in an acquire fence)."""
-    return len(re.findall(r'"fence\.acquire\.gpu;"', module))
-
-
 def test_probe_fixed_routing_keeps_the_picks_work(monkeypatch):
     """``decode_step_moe.PROBE_FIXED_ROUTING`` (a diagnostic, timing only; decode_profile.md round 41) takes
     experts 0 .. k - 1 but keeps the picks' work: their compares stay in the whole layers' module, each pick
@@ -276,8 +271,7 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     """``decode_step_attention.PROBE_PHASE_CUT`` (a diagnostic, timing only): the named attention phases' CTAs
     leave out their work but still await and free their boxes. Phase 1 loses its products, phase 2 its products
     and the rope CTA's copies ("wuk": the W_UK units' products and stores; "rope": the rope and latent CTAs'
-    copies); phase 3 from a point on: its states' stores, then its value products, then its scores too; phase 3
-    without the new token's chunk loses that chunk's copies and its producer's wait for phase 2's barrier; the
+    copies); phase 3 from a point on: its states' stores, then its value products, then its scores too; the
     merge loses its loads of the chunks' states, phase 4 its products and loads; an unknown name is refused."""
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_attention
@@ -298,15 +292,12 @@ def test_probe_phase_cut_leaves_out_the_named_phases_work(monkeypatch):
     assert _ops(cuts["chunk_states"], "wgmma") == _ops(built, "wgmma")
     assert _ops(cuts["chunk_values"], "wgmma") < _ops(cuts["chunk_states"], "wgmma")
     assert _ops(cuts["chunk"], "wgmma") < _ops(cuts["chunk_values"], "wgmma")
-    assert _ops(cuts["new_token"], "cp.async.bulk") < _ops(built, "cp.async.bulk")
-    assert _waits(cuts["new_token"]) == _waits(built) - 1
-    assert _ops(cuts["new_token"], "wgmma") == _ops(built, "wgmma")  # the context's chunks still run them
     assert _ops(cuts["merge"], "wgmma") == _ops(built, "wgmma")
     for name in ("merge", "phase4"):
         assert _ops(cuts[name], "llvm.load") < _ops(built, "llvm.load"), name
     monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("phase3", "phase1"))
     with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT names 'phase3'; accepted: phase1, phase2, wuk, rope, "
-                                         r"chunk_states, chunk_values, chunk, new_token, merge, phase4"):
+                                         r"chunk_states, chunk_values, chunk, merge, phase4"):
         lowered_modules(fn, *args)
 
 
@@ -318,7 +309,7 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     from pallas_kernels import decode_step_mgpu
 
     fn, args = kernel_call("whole")
-    waits = lambda: _waits(lowered_modules(fn, *args)[0])
+    waits = lambda: len(re.findall(r'"fence\.acquire\.gpu;"', lowered_modules(fn, *args)[0]))
     built = waits()
     monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", ("phase2",))
     assert waits() == built - 1
@@ -329,27 +320,6 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", ("phase2", "phase5"))  # a typo fails, not times as built
     with pytest.raises(ValueError, match=r"grid barrier name 'phase5' \(the barrier's or in PROBE_NO_WAIT\)"):
         waits()
-
-
-def test_attention_phase_knobs_lower_with_fewer_waits(monkeypatch):
-    """The attention's built-off phase knobs: both step kernels (the whole layers', the attention halves') lower for
-    an abstract H200 with each. ``FUSED_O_PROJ`` (o_proj inside phase 4): one grid barrier a layer fewer (a semaphore
-    wait, an acquire fence), no o_proj phase of its own. ``NEW_TOKEN_IN_MERGE`` (the new token's state computed by
-    phase 4's units): no producer waits for phase 2's barrier to load the new token's chunk. Both: both."""
-    from benchmarks.code_lines import kernel_call, lowered_modules
-    from pallas_kernels import decode_step_attention
-
-    for name in ("whole", "attention"):
-        fn, args = kernel_call(name)
-        modules = {}
-        for fused, in_merge in ((False, False), (True, False), (False, True), (True, True)):
-            monkeypatch.setattr(decode_step_attention, "FUSED_O_PROJ", fused)
-            monkeypatch.setattr(decode_step_attention, "NEW_TOKEN_IN_MERGE", in_merge)
-            modules[fused, in_merge] = lowered_modules(fn, *args)[0]
-        built = modules[False, False]
-        for (fused, in_merge), module in modules.items():
-            assert _waits(module) == _waits(built) - fused - in_merge, (name, fused, in_merge)
-            assert ("o_proj/" in module) == (not fused), (name, fused, in_merge)
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
