@@ -160,6 +160,7 @@ class ModelRunner:
         # (bucket, filtered, logprobs, greedy) -> the sampler (``sample``'s static settings)
         self._samplers: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
         self._greedy_forwards: dict[int, jax.stages.Compiled] = {}  # bucket -> its forward + greedy sampler
+        self._complete: set[int] = set()  # buckets compile_all compiled whole (not greedy_only)
         # (bucket, filtered, logprobs, greedy) -> its multi-step chunk program (num_scheduler_steps > 1)
         self._chunks: dict[tuple[int, bool, bool, bool], jax.stages.Compiled] = {}
         self.num_compiled_shapes = 0
@@ -236,28 +237,31 @@ class ModelRunner:
         greedy_only: of each bucket only the program that a step whose rows all decode greedily without
         log-probabilities launches (the forward with the greedy sampler inside, where ``GREEDY_IN_FORWARD`` gives
         the bucket one; else the forward and the greedy sampler). A/Bs of such a step (benchmarks/step_profile.py)
-        compile one step-kernel forward a variant, not two; a later launch of another kind compiles the rest."""
+        compile one step-kernel forward a variant, not two; a later compile_all without it compiles the rest."""
+        greedy_ready = lambda t: t in self._greedy_forwards or t in self._compiled  # a greedy step could launch
         todo = [t for t in (self.buckets.sizes if sizes is None else sizes)
-                if t not in self._compiled and not (greedy_only and t in self._greedy_forwards)]
+                if t not in self._complete and not (greedy_only and greedy_ready(t))]
         for t in tqdm(todo, desc="compiling step buckets", unit="shape", disable=not self.progress or not todo):
             inputs = self.layout.abstract(t)._replace(sampling=None)
             if self._packs:
                 inputs = jax.ShapeDtypeStruct((self.layout.packed_length(t),), jnp.int32)
             args = (self._state_leaves, self.cache, inputs, self._last_tokens_shape())
-            first = t not in self._greedy_forwards  # a greedy_only call may have compiled its greedy forward
-            if first and GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
-                greedy = jax.jit(self.programs.forward_greedy, donate_argnums=(1,))
-                self._greedy_forwards[t] = self._compile(greedy, args, self._compiler_options(t))
-            self.num_compiled_shapes += first
+            if not greedy_ready(t):  # new: a greedy_only call may have compiled part of it
+                self.num_compiled_shapes += 1
+                if GREEDY_IN_FORWARD and self._packs and self.runs_step_kernel(t):
+                    greedy = jax.jit(self.programs.forward_greedy, donate_argnums=(1,))
+                    self._greedy_forwards[t] = self._compile(greedy, args, self._compiler_options(t))
             if greedy_only and t in self._greedy_forwards:
                 continue
-            self._compiled[t] = self._compile(self._jitted, args, self._compiler_options(t))
+            if t not in self._compiled:
+                self._compiled[t] = self._compile(self._jitted, args, self._compiler_options(t))
             self._sampler(t, False, False, True)
             if greedy_only:
                 continue
             if self.config.num_scheduler_steps > 1 and self._packs and t <= self.buckets.pick(self.config.max_num_seqs):
                 self._chunk_program(t, filtered=False, logprobs=False, greedy=True)
             self._sampler(t, False, False, False)
+            self._complete.add(t)
 
     def _compile(self, jitted, args, options=None) -> jax.stages.Compiled:
         """jitted lowered on abstract args and compiled with XLA ``options``, its time added to compile_seconds
@@ -273,6 +277,7 @@ class ModelRunner:
         self._samplers.clear()
         self._greedy_forwards.clear()
         self._chunks.clear()
+        self._complete.clear()
 
     def _compiler_options(self, t: int) -> dict | None:
         """XLA options of bucket t's forward: the backend's, and no command buffers where it runs the step kernel

@@ -218,6 +218,7 @@ def test_greedy_only_compiles_what_a_greedy_step_launches(engines, monkeypatch, 
     assert runner.num_compiled_shapes == shapes + 1
     runner.compile_all()
     assert sorted(runner._compiled) == sorted(runner.buckets.sizes)
+    assert all((t, False, False, False) in runner._samplers for t in runner.buckets.sizes)  # bucket 1's too
     assert runner.num_compiled_shapes == 2 * shapes
     outputs_equal_sync(sync, llm)
 
