@@ -4,6 +4,7 @@ references are the chains they claim. Numerics on the GPU in tests/gpu."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -252,14 +253,24 @@ def _ops(module: str, op: str) -> int:
     return len(re.findall(rf"\b{re.escape(op)}\b", module))
 
 
+@functools.cache
+def _built_whole() -> str:
+    """The whole layers' kernel as built, lowered once a test process (a probe test calls it before it sets its
+    probe): ~7 s a lowering on the CPU."""
+    from benchmarks.code_lines import kernel_call, lowered_modules
+
+    fn, args = kernel_call("whole")
+    return lowered_modules(fn, *args)[0]
+
+
 def test_probe_fixed_routing_keeps_the_picks_work(monkeypatch):
     """``decode_step_moe.PROBE_FIXED_ROUTING`` (a diagnostic, timing only; decode_profile.md round 41) takes
     experts 0 .. k - 1 but keeps the picks' work: their compares stay in the whole layers' module, each pick
     feeding a select, and the products are as built."""
     from benchmarks.code_lines import kernel_call, lowered_modules
 
+    built = _built_whole()
     fn, args = kernel_call("whole")
-    built = lowered_modules(fn, *args)[0]
     monkeypatch.setattr(kernel, "PROBE_FIXED_ROUTING", True)
     fixed = lowered_modules(fn, *args)[0]
     assert _ops(fixed, "arith.cmpi") > _ops(built, "arith.cmpi")
@@ -310,8 +321,9 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     from pallas_kernels import decode_step_mgpu
 
     fn, args = kernel_call("whole")
-    waits = lambda: len(re.findall(r'"fence\.acquire\.gpu;"', lowered_modules(fn, *args)[0]))
-    built = waits()
+    count = lambda module: len(re.findall(r'"fence\.acquire\.gpu;"', module))
+    waits = lambda: count(lowered_modules(fn, *args)[0])
+    built = count(_built_whole())
     monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", ("phase2",))
     assert waits() == built - 1
     monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", decode_step_mgpu.BARRIER_NAMES)
@@ -321,6 +333,34 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", ("phase2", "phase5"))  # a typo fails, not times as built
     with pytest.raises(ValueError, match=r"grid barrier name 'phase5' \(the barrier's or in PROBE_NO_WAIT\)"):
         waits()
+
+
+def test_probe_relaxed_sends_the_named_signals_without_release(monkeypatch):
+    """``decode_step_mgpu.PROBE_RELAXED`` (a benchmark's diagnostic): the named kinds of signal become relaxed adds,
+    so the whole layers' kernel has that many release adds fewer and as many relaxed ones more; all three kinds
+    leave no release add at all; an unknown kind is refused."""
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_mgpu
+
+    fn, args = kernel_call("whole")
+
+    def adds(module=None):
+        module = module or lowered_modules(fn, *args)[0]
+        return (len(re.findall(r"\bred\.release\.gpu\.global\.add", module)),
+                len(re.findall(r"\bred\.relaxed\.gpu\.global\.add", module)))
+
+    release, relaxed = adds(_built_whole())
+    assert release > 0 and relaxed == 0
+    monkeypatch.setattr(decode_step_mgpu, "PROBE_RELAXED", ("flags",))
+    fewer, more = adds()
+    assert 0 < release - fewer == more
+    monkeypatch.setattr(decode_step_mgpu, "PROBE_RELAXED", decode_step_mgpu.SIGNAL_KINDS)
+    assert adds() == (0, release)
+    with pytest.raises(ValueError, match=r"signal kind 'flag' .*; accepted: barrier, flags, router"):
+        decode_step_mgpu.sem_signal(None, "flag")
+    monkeypatch.setattr(decode_step_mgpu, "PROBE_RELAXED", ("barrier", "flag"))  # a typo fails, not times as built
+    with pytest.raises(ValueError, match=r"signal kind 'flag' \(the signal's or in PROBE_RELAXED\)"):
+        decode_step_mgpu.sem_signal(None, "barrier")
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
