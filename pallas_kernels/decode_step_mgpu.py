@@ -66,15 +66,6 @@ _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # 39): 0.57-0.93 µs a layer each, 4.7 for all six. Read at trace time.
 PROBE_NO_WAIT: tuple = ()
 BARRIER_NAMES = ("phase1", "phase2", "phase3", "phase4", "o_proj", "layer")
-# A diagnostic, never set outside benchmarks: the kinds of semaphore signal ("barrier": every grid barrier's
-# arrival and the kernel's last one; "flags": the MoE half's published sums; "router": the router CTAs' logits)
-# sent as relaxed adds (``red.relaxed.gpu``) instead of releases (``red.release.gpu``, a MEMBAR.GPU before the
-# add). A release waits for this thread's earlier writes to be acknowledged, and a store's acknowledgement may
-# queue behind the SM's TMA stream in flight (4-6 µs, round 22's "publish"). Without it the readers may see the
-# count before the rows (values possibly wrong), the work the same: the step's time relaxed bounds what the
-# releases cost. Read at trace time.
-PROBE_RELAXED: tuple = ()
-SIGNAL_KINDS = ("barrier", "flags", "router")
 
 
 def num_sms() -> int:
@@ -219,25 +210,6 @@ def stores_done():
     proxy_fence()
 
 
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
-def _relaxed_signal(_, sem):
-    """One thread of the warpgroup adds 1 to ``sem`` (relaxed, gpu scope), after the warpgroup's barrier."""
-    mgpu_utils.warpgroup_barrier()
-    mgpu_utils.SemaphoreRef(mgpu_utils.memref_ptr(sem)).signal(1, relaxed=True, memory_scope="gpu")
-
-
-def sem_signal(sem, kind: str):
-    """Adds 1 to the global semaphore ``sem`` with release semantics (gpu scope): the step kernels' every
-    signal. ``kind`` (one of ``SIGNAL_KINDS``): which signals ``PROBE_RELAXED`` names."""
-    if unknown := [k for k in (kind, *PROBE_RELAXED) if k not in SIGNAL_KINDS]:
-        raise ValueError(f"signal kind {', '.join(map(repr, unknown))} (the signal's or in PROBE_RELAXED); "
-                         f"accepted: {', '.join(SIGNAL_KINDS)}")
-    if kind in PROBE_RELAXED:
-        _relaxed_signal(sem)
-    else:
-        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-
-
 def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None):
     """A grid barrier on the global semaphore ``sem``: this CTA's stores are out (``stores_done``), counted;
     then wait until all ``num_ctas`` have arrived ``count`` times in all, and fence the async proxy so that
@@ -247,7 +219,7 @@ def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None):
                          f"accepted: {', '.join(BARRIER_NAMES)}")
     with jax.named_scope("stores_out"):
         stores_done()
-        sem_signal(sem, "barrier")
+        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
     if name in PROBE_NO_WAIT:
         return
     with jax.named_scope("barrier"):
@@ -258,7 +230,7 @@ def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None):
 def _release(sem, c, num_ctas: int, barriers: int):
     """The kernel's end, after ``barriers`` arrivals a CTA: each arrives once more, and CTA 0, once all have
     (so every CTA has passed its last wait), takes the semaphore back to zero for the next call."""
-    sem_signal(sem, "barrier")
+    plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
 
     @pl.when(c == 0)
     def _():

@@ -33,7 +33,7 @@ from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratc
                                                   attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
-                                             _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence, sem_signal,
+                                             _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
                                              stores_done, token_tiles)
 
 
@@ -490,7 +490,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         @jax.named_scope("stores_out")
         def _():
             stores_done()
-            sem_signal(routed_sem, "router")
+            plgpu.semaphore_signal(routed_sem, 1, memory_scope="gpu")
 
         row_smem[...] = jnp.zeros(row_smem.shape, jnp.float32)  # the CTA's partial output rows
         return count + router_boxes
@@ -604,7 +604,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 if publishes:  # for the CTAs that take this tile's down rows (a plan with no such CTA: none)
                     with jax.named_scope("publish"):
                         hs_ref.at[layer, tile, 0, 0][...] = plgpu.load(hin_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-                        sem_signal(flags.at[tile], "flags")
+                        plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
 
             if splits:
                 @pl.when((first != 0) | (end != gate_boxes))
@@ -621,7 +621,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             right behind a store waits out its round trip, 4-6 µs while the SM's stream is in flight (the
             "publish" of round 22's traces; round 29 saw no time change with every store wait left out)."""
             stores_done()
-            sem_signal(flags.at[tile], "flags")
+            plgpu.semaphore_signal(flags.at[tile], 1, memory_scope="gpu")
 
         def down_unit(layer, tile, first, end, base, local):
             split = (tile >= num_ctas) if splits else False  # its h from its K ranges' partial sums

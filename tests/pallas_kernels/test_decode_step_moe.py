@@ -335,34 +335,6 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
         waits()
 
 
-def test_probe_relaxed_sends_the_named_signals_without_release(monkeypatch):
-    """``decode_step_mgpu.PROBE_RELAXED`` (a benchmark's diagnostic): the named kinds of signal become relaxed adds,
-    so the whole layers' kernel has that many release adds fewer and as many relaxed ones more; all three kinds
-    leave no release add at all; an unknown kind is refused."""
-    from benchmarks.code_lines import kernel_call, lowered_modules
-    from pallas_kernels import decode_step_mgpu
-
-    fn, args = kernel_call("whole")
-
-    def adds(module=None):
-        module = module or lowered_modules(fn, *args)[0]
-        return (len(re.findall(r"\bred\.release\.gpu\.global\.add", module)),
-                len(re.findall(r"\bred\.relaxed\.gpu\.global\.add", module)))
-
-    release, relaxed = adds(_built_whole())
-    assert release > 0 and relaxed == 0
-    monkeypatch.setattr(decode_step_mgpu, "PROBE_RELAXED", ("flags",))
-    fewer, more = adds()
-    assert 0 < release - fewer == more
-    monkeypatch.setattr(decode_step_mgpu, "PROBE_RELAXED", decode_step_mgpu.SIGNAL_KINDS)
-    assert adds() == (0, release)
-    with pytest.raises(ValueError, match=r"signal kind 'flag' .*; accepted: barrier, flags, router"):
-        decode_step_mgpu.sem_signal(None, "flag")
-    monkeypatch.setattr(decode_step_mgpu, "PROBE_RELAXED", ("barrier", "flag"))  # a typo fails, not times as built
-    with pytest.raises(ValueError, match=r"signal kind 'flag' \(the signal's or in PROBE_RELAXED\)"):
-        decode_step_mgpu.sem_signal(None, "barrier")
-
-
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference

@@ -1,0 +1,81 @@
+"""What each way of signalling a global semaphore compiles to: a tiny PTX kernel a variant, assembled by ptxas for
+sm_90a, and its machine code (SASS) printed when a disassembler is at hand (``cuobjdump`` with ``nvdisasm``, beside
+ptxas or on PATH: the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels have them).
+
+Why: the step kernels' releases (``red.release.gpu``, one a CTA at every grid barrier) cost ~0.6 µs each on the
+critical path (decode_profile.md round 44); the instructions a fence becomes say what it waits for.
+
+    python -m benchmarks.signal_sass            # on a machine with ptxas (the device's JAX CUDA plugin has one)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+
+from benchmarks.code_size import ptxas
+
+VARIANTS = {  # name -> the signal's PTX (the semaphore's address in %rd1)
+    "red.release": "red.release.gpu.global.add.u32 [%rd1], 1;",
+    "fence.release": "fence.release.gpu;\n    red.relaxed.gpu.global.add.u32 [%rd1], 1;",
+    "fence.acq_rel": "fence.acq_rel.gpu;\n    red.relaxed.gpu.global.add.u32 [%rd1], 1;",
+    "relaxed": "red.relaxed.gpu.global.add.u32 [%rd1], 1;",
+    "acquire (the reader's poll, then its fences)": "ld.relaxed.gpu.global.b32 %r1, [%rd1];\n    fence.acquire.gpu;\n"
+                                                    "    fence.proxy.async.global;\n    st.global.b32 [%rd1+4], %r1;",
+}
+
+
+def kernel_ptx(signal: str, version: str) -> str:
+    return f""".version {version}
+.target sm_90a
+.address_size 64
+
+.visible .entry k(.param .u64 sem)
+{{
+    .reg .b64 %rd<2>;
+    .reg .b32 %r<2>;
+    ld.param.u64 %rd1, [sem];
+    cvta.to.global.u64 %rd1, %rd1;
+    {signal}
+    ret;
+}}
+"""
+
+
+def disassembler() -> list[str] | None:
+    tool = ptxas()
+    for name, args in (("cuobjdump", ["-sass"]), ("nvdisasm", [])):
+        found = glob.glob(os.path.join(os.path.dirname(tool), name)) or ([shutil.which(name)] if shutil.which(name)
+                                                                          else [])
+        if found:
+            return [found[0], *args]
+    return None
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", default="8.7", help="the PTX ISA version of the kernels (8.7 by default)")
+    args = parser.parse_args(argv)
+    dis = disassembler()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, signal in VARIANTS.items():
+            ptx, cubin = os.path.join(tmp, "signal.ptx"), os.path.join(tmp, "signal.cubin")
+            with open(ptx, "w") as f:
+                f.write(kernel_ptx(signal, args.version))
+            done = subprocess.run([ptxas(), "-arch=sm_90a", "-o", cubin, ptx], capture_output=True, text=True)
+            print(f"## {name}: ptxas rc {done.returncode} {done.stderr.strip()}")
+            if done.returncode == 0 and dis:
+                sass = subprocess.run([*dis, cubin], capture_output=True, text=True).stdout
+                body = [line.split(";")[0].strip() + ";" for line in sass.splitlines() if "/*0" in line]
+                print("\n".join(line for line in body if line.split()[-1] not in ("NOP;", "EXIT;"))
+                      .replace("/*", "").replace("*/", ""))
+    if dis is None:
+        print("no cuobjdump or nvdisasm beside ptxas or on PATH: only whether each assembles")
+
+
+if __name__ == "__main__":
+    main()
