@@ -46,14 +46,16 @@ def kernel_ptx(signal: str, version: str) -> str:
 """
 
 
+def _tool(name: str) -> str | None:
+    """``name`` beside ptxas, else on PATH."""
+    found = glob.glob(os.path.join(os.path.dirname(ptxas()), name))
+    return found[0] if found else shutil.which(name)
+
+
 def disassembler() -> list[str] | None:
-    tool = ptxas()
-    for name, args in (("cuobjdump", ["-sass"]), ("nvdisasm", [])):
-        found = glob.glob(os.path.join(os.path.dirname(tool), name)) or ([shutil.which(name)] if shutil.which(name)
-                                                                          else [])
-        if found:
-            return [found[0], *args]
-    return None
+    """``cuobjdump -sass`` when it and the ``nvdisasm`` it runs are at hand, else None."""
+    cuobjdump, nvdisasm = _tool("cuobjdump"), _tool("nvdisasm")
+    return [cuobjdump, "-sass"] if cuobjdump and nvdisasm else None
 
 
 def main(argv=None) -> None:
@@ -69,12 +71,14 @@ def main(argv=None) -> None:
             done = subprocess.run([ptxas(), "-arch=sm_90a", "-o", cubin, ptx], capture_output=True, text=True)
             print(f"## {name}: ptxas rc {done.returncode} {done.stderr.strip()}")
             if done.returncode == 0 and dis:
-                sass = subprocess.run([*dis, cubin], capture_output=True, text=True).stdout
+                path = os.pathsep.join([os.path.dirname(_tool("nvdisasm")), os.environ.get("PATH", "")])
+                sass = subprocess.run([*dis, cubin], capture_output=True, text=True,
+                                      env={**os.environ, "PATH": path}).stdout
                 body = [line.split(";")[0].strip() + ";" for line in sass.splitlines() if "/*0" in line]
                 print("\n".join(line for line in body if line.split()[-1] not in ("NOP;", "EXIT;"))
                       .replace("/*", "").replace("*/", ""))
     if dis is None:
-        print("no cuobjdump or nvdisasm beside ptxas or on PATH: only whether each assembles")
+        print("no cuobjdump with nvdisasm beside ptxas or on PATH: only whether each assembles")
 
 
 if __name__ == "__main__":

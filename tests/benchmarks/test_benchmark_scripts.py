@@ -561,3 +561,22 @@ def test_run_h200_lists_exactly_its_targets():
     usage = re.search(r"^# ([a-z0-9|-]+)\)\.$", script, re.M).group(1).split("|")
     cases = re.findall(r"^  ([a-z0-9-]+)\)", script, re.M)
     assert len(usage) == len(set(usage)) and sorted(usage) == sorted(cases)
+
+
+def test_signal_sass_assembles_every_signal_and_shows_the_release_fence(capsys):
+    """``benchmarks.signal_sass``: every way of signalling a semaphore assembles for sm_90a; with a disassembler at
+    hand, the release add's machine code holds the MEMBAR that round 44 priced and the relaxed add's none. Skipped
+    without ptxas (a CUDA toolkit or the nvidia-cuda-nvcc wheel)."""
+    from benchmarks import code_size, signal_sass
+
+    try:
+        code_size.ptxas()
+    except SystemExit:
+        pytest.skip("no ptxas on this machine")
+    signal_sass.main([])
+    out = capsys.readouterr().out
+    for name in signal_sass.VARIANTS:
+        assert f"## {name}: ptxas rc 0" in out, name
+    if signal_sass.disassembler():
+        release, relaxed = out.split("## red.release")[1], out.split("## relaxed")[1].split("## ")[0]
+        assert "MEMBAR.ALL.GPU" in release.split("## ")[0] and "MEMBAR" not in relaxed
