@@ -2,7 +2,7 @@
 sm_90a, and its machine code (SASS) printed when a disassembler is at hand (``cuobjdump`` with ``nvdisasm``, beside
 ptxas or on PATH: the nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm wheels have them).
 
-Why: the step kernels' releases (``red.release.gpu``, one a CTA at every grid barrier) cost ~0.6 µs each on the
+Why: the step kernels' releases (``red.release.gpu``, one a CTA at every grid barrier) cost ~0.7 µs each on the
 critical path (decode_profile.md round 44); the instructions a fence becomes say what it waits for.
 
     python -m benchmarks.signal_sass            # on a machine with ptxas (the device's JAX CUDA plugin has one)
