@@ -62,18 +62,18 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", default="8.7", help="the PTX ISA version of the kernels (8.7 by default)")
     args = parser.parse_args(argv)
-    dis = disassembler()
+    assembler, dis = ptxas(), disassembler()
+    if dis:  # cuobjdump runs the nvdisasm found beside it or on PATH
+        env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(_tool("nvdisasm")), os.environ.get("PATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "signal.ptx"), os.path.join(tmp, "signal.cubin")
         for name, signal in VARIANTS.items():
-            ptx, cubin = os.path.join(tmp, "signal.ptx"), os.path.join(tmp, "signal.cubin")
             with open(ptx, "w") as f:
                 f.write(kernel_ptx(signal, args.version))
-            done = subprocess.run([ptxas(), "-arch=sm_90a", "-o", cubin, ptx], capture_output=True, text=True)
+            done = subprocess.run([assembler, "-arch=sm_90a", "-o", cubin, ptx], capture_output=True, text=True)
             print(f"## {name}: ptxas rc {done.returncode} {done.stderr.strip()}")
             if done.returncode == 0 and dis:
-                path = os.pathsep.join([os.path.dirname(_tool("nvdisasm")), os.environ.get("PATH", "")])
-                sass = subprocess.run([*dis, cubin], capture_output=True, text=True,
-                                      env={**os.environ, "PATH": path}).stdout
+                sass = subprocess.run([*dis, cubin], capture_output=True, text=True, env=env).stdout
                 body = [line.split(";")[0].strip() + ";" for line in sass.splitlines() if "/*0" in line]
                 print("\n".join(line for line in body if line.split()[-1] not in ("NOP;", "EXIT;"))
                       .replace("/*", "").replace("*/", ""))

@@ -762,20 +762,31 @@ def test_attention_chain_reads_its_cache_layer_gpu(position):
     assert np.isnan(np.asarray(by_id(jnp.int32(1000), pos, table, c_kv, k_pe, w=last)[0], np.float32)).all()
 
 
+def _whole_layers(fn, spec, final_norm: bool = False):
+    """``fn`` (``moe_layer_chain`` or its reference) jitted over the whole layers' inputs (``layer_inputs``' order,
+    spec left out; with ``final_norm`` the final norm's weights g after them), the weights as arguments: closed
+    over, their 2.3 GB are constants that take the compile minutes."""
+    import jax
+
+    from pallas_kernels.decode_step_moe import RouterSpec
+
+    def call(x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, g=None):
+        return fn(x, pos, table, c_kv, k_pe, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared,
+                  **({"final_norm": (g, 1e-6)} if final_norm else {}))
+
+    return jax.jit(call)
+
+
 @pytest.mark.parametrize("position", [0, 200])
 def test_moe_layer_chain_gpu(position):
     """Two whole V2-Lite layers at one token in one persistent kernel (the attention phases, o_proj, the MoE
     half) against the reference layers: each layer's new cache row, layer 0's routing, the output."""
-    import jax
-
     from benchmarks.megakernel_probe import layer_inputs
-    from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
+    from pallas_kernels.decode_step_moe import moe_layer_chain, moe_layer_chain_reference
 
     x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, position)
-    # the weights as arguments: closed over, their 2.3 GB are constants that take the compile minutes
-    call = lambda fn: jax.jit(lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared: fn(
-        x, pos, table, c_kv, k_pe, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared))(
-        x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared)
+    operands = (x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared)
+    call = lambda fn: _whole_layers(fn, spec)(*operands)
     got, ids, weights, kv = call(moe_layer_chain)
     want, want_ids, want_weights, want_kv = call(moe_layer_chain_reference)
     assert _rel(kv[0], want_kv[0]) < 1e-2  # layer 0's rows come from the same input
@@ -787,9 +798,7 @@ def test_moe_layer_chain_gpu(position):
     assert _rel(kv, want_kv) < 2e-2 and _rel(got, want) < 3e-2
     # the model's final norm in the kernel's tail (CTA 0 after the last layer), against the reference's
     g = jnp.asarray(1 + np.random.default_rng(7).random(2048) / 4, jnp.float32)
-    final = lambda fn: jax.jit(lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, g: fn(
-        x, pos, table, c_kv, k_pe, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared,
-        final_norm=(g, 1e-6)))(x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared, g)
+    final = lambda fn: _whole_layers(fn, spec, final_norm=True)(*operands, g)
     normed, want_normed = final(moe_layer_chain)[0], final(moe_layer_chain_reference)[0]
     assert normed.dtype == jnp.bfloat16 and _rel(normed, want_normed) < 3e-2
 
@@ -802,17 +811,13 @@ def test_moe_layer_chain_repeated_gpu():
     rows (the same inputs in every call) that differ from the first call's by more than a few roundings (none).
     Round 44 sent the signals after TMA copies as relaxed adds: this test failed in one of two runs, and the
     model's one-token steps (``test_one_token_steps_through_the_step_kernel_gpu``) in both."""
-    import jax
-
     from benchmarks.megakernel_probe import layer_inputs
-    from pallas_kernels.decode_step_moe import RouterSpec, moe_layer_chain, moe_layer_chain_reference
+    from pallas_kernels.decode_step_moe import moe_layer_chain, moe_layer_chain_reference
 
     x, pos, table, c_kv, k_pe, attention, spec, norm, router, routed, shared = layer_inputs(2, 200)
-    jitted = lambda fn: jax.jit(lambda x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared: fn(
-        x, pos, table, c_kv, k_pe, attention, spec, norm, router, RouterSpec(1e-6), 6, *routed, shared))
     operands = (x, pos, table, c_kv, k_pe, attention, norm, router, routed, shared)
-    want, _, _, want_kv = jitted(moe_layer_chain_reference)(*operands)
-    kernel = jitted(moe_layer_chain)
+    want, _, _, want_kv = _whole_layers(moe_layer_chain_reference, spec)(*operands)
+    kernel = _whole_layers(moe_layer_chain, spec)
     first = None
     for call in range(40):
         got, _, _, kv = kernel(*operands)
