@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ring|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -294,24 +294,6 @@ case $part in
     [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=$all")
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  ring)  # round 44's lead: a ring of 9 slots (215.7 KiB of shared memory in the whole layer; 8 as built) ran the
-         # batch-1 compiled step 8 µs faster on an H100 (2.1345 against 2.1426 ms, 2 rounds). $2: tests (the step
-         # kernels' and the engine's GPU tests with RING = 9 in the three kernel modules, ~5 minutes) or ab (the
-         # batch-1 compiled step as built and with 9 slots, 3 rounds in turns, ~5 minutes)
-    r="pallas_kernels.decode_step_mgpu.RING=9 pallas_kernels.decode_step_moe.RING=9"
-    r="$r pallas_kernels.decode_step_attention.RING=9"
-    case ${2:-tests} in
-      tests) timeout -s KILL 560 python -c "import sys, pytest
-from pallas_kernels import decode_step_attention, decode_step_mgpu, decode_step_moe
-for module in (decode_step_attention, decode_step_mgpu, decode_step_moe): module.RING = 9
-sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', 'repeated or moe_layer_chain_gpu'
-  ' or (attention_chain_gpu and 511-8-False) or gemv_chain or moe_block_chain or moe_layer_tail or one_token_steps'
-  ' or engine_greedy']))" 2>&1 | tee "$OUT/gpu_tests_ring9.log" | tail -4 ;;
-      ab) timeout -s KILL 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-            --num-kv-blocks 2048 --rounds 3 --variant built --variant "ring 9: $r" --out "$OUT/step_ab_ring9_b1.json" \
-            2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "ring: '$2'; accepted: tests, ab" >&2; exit 2 ;;
-    esac ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:
                # decode_step_moe.PROBE_FIXED_ROUTING): the states' stores, the value products and stores, everything

@@ -54,7 +54,7 @@ HALF = 64  # a box is two [64, 64] halves of bf16: rows of K, columns of N
 STEP = 2 * HALF  # K rows a box holds
 TOKEN_N = 8  # the products' N: the input as the first row of an [8, 64] tile
 UNIT_K = 512  # K rows a CTA owns of its column tile (4 boxes at 16 KiB)
-RING = 8  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12)
+RING = 9  # 16 KiB boxes in flight a CTA (read at trace time; megakernel_probe: 8 beat 12; round 45: 9 beat 8)
 NUM_SMS = 132  # an H200's SMs: every CTA of a persistent kernel must be resident at once
 _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # A diagnostic, never set outside benchmarks: the names of the grid barriers (``_arrive_and_wait``'s ``name``:
