@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|add-rows|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -294,24 +294,6 @@ case $part in
     [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=$all")
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  add-rows)  # round 45: the step kernels' TMA adds into rows long out of L2 (decode_step_mgpu.ADD_ROWS). $2: ab (the
-             # batch-1 compiled step as built, with each row prefetched into L2 before its unit's products, and, for
-             # the bound, plain stores in place of the adds beside the same fixed routing; 2 rounds, ~6 minutes) or
-             # tests (the whole layers' and the engine's GPU tests with the prefetches, ~5 minutes)
-    k=pallas_kernels.decode_step_mgpu.ADD_ROWS; f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
-    case ${2:-ab} in
-      ab) timeout -s KILL 580 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-            --num-kv-blocks 2048 --rounds 2 --variant built --variant "prefetch: $k='prefetch'" \
-            --variant "fixed routing: $f" --variant "plain stores, fixed routing: $k='plain' $f" \
-            --out "$OUT/step_ab_add_rows_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      tests) timeout -s KILL 560 python -c "import sys, pytest
-from pallas_kernels import decode_step_mgpu
-decode_step_mgpu.ADD_ROWS = 'prefetch'
-sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', 'repeated or moe_layer_chain_gpu'
-  ' or (attention_chain_gpu and 511-8-False) or one_token_steps or engine_greedy']))" 2>&1 \
-          | tee "$OUT/gpu_tests_add_rows_prefetch.log" | tail -4 ;;
-      *) echo "add-rows: '$2'; accepted: ab, tests" >&2; exit 2 ;;
-    esac ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:
                # decode_step_moe.PROBE_FIXED_ROUTING): the states' stores, the value products and stores, everything

@@ -35,10 +35,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cos_sin, reduced_cos_sin, rms_norm, rotate_by, why_not_hopper
-from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait, add_rows,
+from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
                                              _strided, _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out,
-                                             num_sms, prefetch_rows, proxy_fence, token_tiles)
+                                             num_sms, proxy_fence, token_tiles)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -393,7 +393,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     def store_add(sums, dest, i=0):
         sm.part.at[i][...] = sums
         plgpu.commit_smem()
-        add_rows(sm.part.at[i], dest)
+        plgpu.copy_smem_to_gmem(sm.part.at[i], dest, reduction_op="add")
 
     zeros8 = lambda: plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), f32), plgpu.Layout.WGMMA)
     def phase1(layer, count):
@@ -412,7 +412,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 if cut("phase1"):
                     _boxes_skipped(full, free, count + first - n0, end - first)
                     return
-                prefetch_rows(r.qkv.at[layer, lax.div(first, ksteps)])
                 sums = _unit_sums(ring, full, free, sm.tiles, count + first - n0, end - first, zeros8(),
                                   first=lax.rem(first, ksteps))
                 store_add(sums, r.qkv.at[layer, lax.div(first, ksteps)], i)
@@ -570,7 +569,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()
             _build_tiles(sm.mrow, sm.flat)
-            prefetch_rows(r.vctx.at[layer, 2 * v_head + v_tile])
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())
             store_add(sums, r.vctx.at[layer, 2 * v_head + v_tile])
 
@@ -670,7 +668,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
                 _build_tiles(row_smem.at[pl.ds(0, chunks)], flat_smem)
                 _unit_store(ring, full, free, tiles_smem, count, zeros8, part_smem.at[0], out_ref.at[layer, o_tile])
 
-            pl.when(c == 0)(lambda: add_rows(xin_smem, out_ref.at[layer]))
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add"))
             _arrive_and_wait(sem, num_ctas, barrier_count(layer, 5), "o_proj")
 
             @pl.when(layer + 1 < num_layers)

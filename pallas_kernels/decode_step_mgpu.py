@@ -66,15 +66,6 @@ _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # 39): 0.57-0.93 µs a layer each, 4.7 for all six. Read at trace time.
 PROBE_NO_WAIT: tuple = ()
 BARRIER_NAMES = ("phase1", "phase2", "phase3", "phase4", "o_proj", "layer")
-# How the step kernels' TMA adds of partial sums (the GEMV units', the router's, the MoE half's rows) reach their
-# f32 rows in global memory, all zeroed at the kernel's start and so long out of L2 by the time a layer adds into
-# them: an add is done in L2, so a row's first add waits for its line from HBM behind the weights' stream.
-# "add" (as built); "prefetch": each destination row is prefetched into L2 (``plgpu.async_prefetch``) before the
-# unit's products, so that its line is in by the add; "plain" (a diagnostic, never set outside benchmarks: the
-# values are wrong): plain TMA stores in place of the adds, which need no line from HBM, so that the step's time
-# bounds what the adds' reads and their contention cost. Read at trace time.
-ADD_ROWS = "add"
-ADD_ROWS_MODES = ("add", "prefetch", "plain")
 
 
 def num_sms() -> int:
@@ -110,23 +101,6 @@ def proxy_fence(_):
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
-def _add_rows_mode() -> str:
-    if ADD_ROWS not in ADD_ROWS_MODES:
-        raise ValueError(f"ADD_ROWS {ADD_ROWS!r}; accepted: {', '.join(ADD_ROWS_MODES)}")
-    return ADD_ROWS
-
-
-def add_rows(src_smem, dst):
-    """src_smem's f32 rows added by TMA into ``dst`` (global memory; ``ADD_ROWS``)."""
-    plgpu.copy_smem_to_gmem(src_smem, dst, reduction_op=None if _add_rows_mode() == "plain" else "add")
-
-
-def prefetch_rows(dst):
-    """``dst`` (global rows that an ``add_rows`` adds into next) prefetched into L2 when ``ADD_ROWS`` says so."""
-    if _add_rows_mode() == "prefetch":
-        plgpu.async_prefetch(dst)
-
-
 def _issue_box(ring, full, free, n, copies):
     """A producer's box at ring position n, once the slot is free: half h from the view of each (gmem view,
     condition) pair of ``copies(h)`` whose condition holds (a Python True: always; at most one should)."""
@@ -150,10 +124,9 @@ def _unit_boxes(ring, full, free, n, weight, tile, kq):
 def _unit_store(ring, full, free, tiles_smem, n, zeros, part_smem, out_row):
     """A GEMV unit's products (its boxes at ring positions n, ..., ``_unit_boxes``; its K range's tiles first in
     tiles_smem), its 64 partial sums added by TMA into ``out_row`` (f32[64] in global memory)."""
-    prefetch_rows(out_row)
     part_smem[...] = _unit_sums(ring, full, free, tiles_smem, n, UNIT_K // STEP, zeros)
     plgpu.commit_smem()
-    add_rows(part_smem, out_row)
+    plgpu.copy_smem_to_gmem(part_smem, out_row, reduction_op="add")
 
 
 def _round_rows(rows_smem):

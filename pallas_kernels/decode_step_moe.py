@@ -31,9 +31,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import rms_norm, why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
-from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait, add_rows,
+from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
-                                             _unit_store, _zero_rows, norm_rows_out, num_sms, prefetch_rows, proxy_fence,
+                                             _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
                                              stores_done, token_tiles)
 
 
@@ -459,7 +459,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         router boxes (``parts`` of them, two wgmma chains), adds its partial logits by TMA and counts them on
         ``routed_sem`` (the producer's ``route_layer`` takes it from there). -> the ring's count after the router
         boxes."""
-        pl.when(c < routers)(lambda: prefetch_rows(logits_ref.at[layer, 0]))  # (ADD_ROWS "prefetch")
         plgpu.barrier_wait(g_bar.at[0])  # the norm's weights (fetched during the layer before)
         with jax.named_scope("norm"):  # the rows as one array (16 elements a thread), normed into the tiles
             _norm_tiles(xin_smem, g_smem, flat_smem, router.eps)
@@ -481,7 +480,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 plgpu.barrier_arrive(free.at[lax.rem(count + p, RING)])
             part_smem[...] = jnp.sum(a0 + a1, axis=1)  # the token's column: the partial logits
             plgpu.commit_smem()
-            add_rows(part_smem, logits_ref.at[layer, 0])
+            plgpu.copy_smem_to_gmem(part_smem, logits_ref.at[layer, 0], reduction_op="add")
 
         @pl.when(layer + 1 < num_layers)
         def _():  # the next layer's norm weights, while this one routes and runs its experts
@@ -689,7 +688,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
                 _unit_store(ring, full, free, tiles_smem, count, zeros, part_smem, mid_ref.at[layer, o_tile])
 
-            pl.when(c == 0)(lambda: add_rows(xin_smem, mid_ref.at[layer]))
+            pl.when(c == 0)(lambda: plgpu.copy_smem_to_gmem(xin_smem, mid_ref.at[layer], reduction_op="add"))
             _arrive_and_wait(sem, num_ctas, 1 + per_layer * layer + (5 if front else 1), "o_proj")
             input_tiles(mid_ref.at[layer])
             return count + o_boxes
@@ -702,7 +701,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
 
             @pl.when(c == 0)
             def _():  # the residual: the layer's input rows once
-                add_rows(xin_smem, out_ref.at[layer])
+                plgpu.copy_smem_to_gmem(xin_smem, out_ref.at[layer], reduction_op="add")
 
             if router:
                 count = route(layer, count)
@@ -715,7 +714,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 # whether the layer's routing is in (waited for before the first routed tile's unit)
                 count, last_gate_up, pending, routed = carry
                 kind, tile, first, end, part = unit(u)
-                prefetch_rows(out_ref.at[layer, pl.ds(lax.rem(c, rows), 1)])  # the layer's end adds (ADD_ROWS)
                 if router:
                     routed = await_routing(tile, routed, layer, False)
                 pl.when((kind == DOWN) & (pending >= 0))(lambda: signal(pending))
@@ -733,7 +731,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             pl.when(pending >= 0)(lambda: signal(pending))  # before the barrier: readers of this layer wait on it
             with jax.named_scope("store"):
                 plgpu.commit_smem()
-                add_rows(row_smem, out_ref.at[layer])
+                plgpu.copy_smem_to_gmem(row_smem, out_ref.at[layer], reduction_op="add")
             _arrive_and_wait(sem, num_ctas, 1 + per_layer * (layer + 1), "layer")  # the kernel's first, then a phase's
 
             @pl.when(layer + 1 < num_layers)
