@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cos_sin, reduced_cos_sin, rms_norm, rotate_by, why_not_hopper
-from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait, add_row,
+from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
                                              _strided, _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out,
                                              num_sms, proxy_fence, token_tiles)
@@ -393,7 +393,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     def store_add(sums, dest, i=0):
         sm.part.at[i][...] = sums
         plgpu.commit_smem()
-        add_row(sm.part.at[i], dest)
+        plgpu.copy_smem_to_gmem(sm.part.at[i], dest, reduction_op="add")
 
     zeros8 = lambda: plgpu.layout_cast(jnp.zeros((HALF, TOKEN_N), f32), plgpu.Layout.WGMMA)
     def phase1(layer, count):

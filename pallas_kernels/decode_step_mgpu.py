@@ -44,8 +44,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir import ir
-from jax._src.lib.mlir.dialects import arith, llvm, memref
 from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -68,13 +66,6 @@ _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # 39): 0.57-0.93 µs a layer each, 4.7 for all six. Read at trace time.
 PROBE_NO_WAIT: tuple = ()
 BARRIER_NAMES = ("phase1", "phase2", "phase3", "phase4", "o_proj", "layer")
-# How a GEMV unit's 64 partial sums (``add_row``: the units of q_proj / kv_a, W_UV, o_proj, the router's) are added
-# into their f32 row in global memory. "tma" (as built): one TMA add from shared memory, issued to the SM's TMA unit
-# behind the producer's box loads in flight (up to RING x 16 KiB). "threads" (a candidate, round 45): 64 threads
-# each add one sum (``red.global.add.f32``, the generic proxy), which no box load queues ahead of; the barrier's
-# release then orders them as it does the TMA adds. Read at trace time.
-ROW_ADDS = "tma"
-ROW_ADDS_MODES = ("tma", "threads")
 
 
 def num_sms() -> int:
@@ -110,34 +101,6 @@ def proxy_fence(_):
     mgpu_utils.inline_ptx("fence.proxy.async.global;", has_side_effects=True)
 
 
-@plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType()))
-def _thread_adds(_, src, dst):
-    """dst[t] += src[t] by thread t of the warpgroup (t < 64: src and dst f32[64], shared and global memory),
-    between two warpgroup barriers (src was written by other threads; the caller's release orders the adds)."""
-    i32, f32, index = ir.IntegerType.get_signless(32), ir.F32Type.get(), ir.IndexType.get()
-    mgpu_utils.warpgroup_barrier()
-    t = arith.remui(mgpu_utils.thread_idx(), mgpu_utils.c(128, i32))
-    n = ir.MemRefType(src.type).shape[0]
-    inside = arith.cmpi(arith.CmpIPredicate.ult, t, mgpu_utils.c(n, i32))
-    t = arith.minui(t, mgpu_utils.c(n - 1, i32))
-    value = memref.load(src, [arith.index_cast(index, t)])
-    ptr = llvm.addrspacecast(llvm.PointerType.get(address_space=1),
-                             mgpu_utils.getelementptr(mgpu_utils.memref_ptr(dst), [t], f32))
-    mgpu_utils.inline_ptx("red.global.add.f32 [$0], $1;", ptr, value, predicate=inside)
-    mgpu_utils.warpgroup_barrier()
-
-
-def add_row(part_smem, out_row):
-    """A unit's 64 partial sums (``part_smem`` f32[64], written and committed) added into ``out_row`` (f32[64] in
-    global memory), as ``ROW_ADDS`` says; ``stores_done`` before the next release covers either way."""
-    if ROW_ADDS not in ROW_ADDS_MODES:
-        raise ValueError(f"ROW_ADDS {ROW_ADDS!r}; accepted: {', '.join(ROW_ADDS_MODES)}")
-    if ROW_ADDS == "threads":
-        _thread_adds(part_smem, out_row)
-    else:
-        plgpu.copy_smem_to_gmem(part_smem, out_row, reduction_op="add")
-
-
 def _issue_box(ring, full, free, n, copies):
     """A producer's box at ring position n, once the slot is free: half h from the view of each (gmem view,
     condition) pair of ``copies(h)`` whose condition holds (a Python True: always; at most one should)."""
@@ -163,7 +126,7 @@ def _unit_store(ring, full, free, tiles_smem, n, zeros, part_smem, out_row):
     tiles_smem), its 64 partial sums added by TMA into ``out_row`` (f32[64] in global memory)."""
     part_smem[...] = _unit_sums(ring, full, free, tiles_smem, n, UNIT_K // STEP, zeros)
     plgpu.commit_smem()
-    add_row(part_smem, out_row)
+    plgpu.copy_smem_to_gmem(part_smem, out_row, reduction_op="add")
 
 
 def _round_rows(rows_smem):

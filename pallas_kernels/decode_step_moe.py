@@ -31,7 +31,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.common import rms_norm, why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
                                                   attention_operands, attention_phases)
-from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait, add_row,
+from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
                                              _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
                                              stores_done, token_tiles)
@@ -480,7 +480,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                 plgpu.barrier_arrive(free.at[lax.rem(count + p, RING)])
             part_smem[...] = jnp.sum(a0 + a1, axis=1)  # the token's column: the partial logits
             plgpu.commit_smem()
-            add_row(part_smem, logits_ref.at[layer, 0])
+            plgpu.copy_smem_to_gmem(part_smem, logits_ref.at[layer, 0], reduction_op="add")
 
         @pl.when(layer + 1 < num_layers)
         def _():  # the next layer's norm weights, while this one routes and runs its experts
