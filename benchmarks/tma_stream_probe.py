@@ -20,6 +20,7 @@ Measured (2026-12-02, ``tma_stream_h200.json``): 16 KiB boxes with 4-8 stages 33
     python -m benchmarks.tma_stream_probe --quick     # lower every config for an abstract H200 (CPU)
     python -m benchmarks.tma_stream_probe --experts   # the TMA expert launch's stream alone: its tiles
                                                       # strided as in the weights, or contiguous
+    python -m benchmarks.tma_stream_probe --few       # what a few SMs stream alone (see FEW_CONFIGS)
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ BOX_COLS = 128  # bf16 columns of a box (256 bytes a row)
 CONFIGS = ((132, 16, 2), (132, 16, 4), (132, 16, 8), (132, 32, 2), (132, 32, 4), (132, 32, 6),
            (132, 64, 2), (132, 64, 3), (264, 32, 2), (264, 32, 3))
 TOTAL_BYTES = 138 * 2**20  # ~V2-Lite's one-token expert layer
+# ``--few``: CTAs alone on the GPU, each reading FEW_BOXES boxes of 16 KiB through a ring of FEW_STAGES slots (the
+# step kernel's ring). The question it answers: how fast can a few SMs stream by themselves, e.g. 16 (a cluster, one
+# a V2-Lite attention head: q_proj's, W_UK's, W_UV's and o_proj's columns of a head and a 16th of kv_a's are ~1.7 MB)
+# while the other SMs wait with their rings full? The step kernel's attention phases now read their 27.5 MB a layer
+# over all 132 CTAs in ~20 µs, five grid barriers apart (docs/decode_step_kernel.md).
+FEW_CONFIGS = (8, 16, 32, 64, 132)
+FEW_BOXES, FEW_STAGES = 112, 9
 
 
 def _box(box_kb: int) -> tuple[int, int]:
@@ -178,10 +186,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--experts", action="store_true",
                         help="instead: the TMA expert launch's stream alone, its tiles strided as in the weights "
                              "or contiguous, 4 and 6 slots")
+    parser.add_argument("--few", action="store_true",
+                        help=f"instead: {', '.join(map(str, FEW_CONFIGS))} CTAs alone, {FEW_BOXES} boxes of 16 KiB "
+                             f"each through {FEW_STAGES} slots")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.experts and args.few:
+        parser.error("--experts and --few are two different probes: pass one")
     if args.experts:
         return _experts(args)
+    if args.few:
+        return _few(args)
     if args.quick:
         result = {}
         for ctas, box_kb, stages in CONFIGS:
@@ -208,6 +223,31 @@ def main(argv=None) -> dict:
     columns = ["kernel", "ctas", "box_kb", "stages", "mb", "us", "tb_s", "check"]
     return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
                        command="python -m benchmarks.tma_stream_probe")
+
+
+def _few(args) -> dict:
+    """A few CTAs stream alone: each CTA's GB/s and the GPU's TB/s at each count (``--quick``: lowered)."""
+    rows_, cols = _box(16)
+    if args.quick:
+        result = {ctas: lower_for_h200(lambda w: stream(w, FEW_STAGES), jax.ShapeDtypeStruct(
+            (ctas, FEW_BOXES, rows_, cols), jnp.bfloat16)).count("mosaic_gpu") for ctas in FEW_CONFIGS}
+        print(result)
+        return result
+    rows = []
+    for ctas in FEW_CONFIGS:
+        w = jnp.ones((ctas, FEW_BOXES, rows_, cols), jnp.bfloat16)
+        fn = lambda w: stream(w, FEW_STAGES)
+        check = bool(jnp.all(jax.jit(fn)(w) == 1))
+        us = kernel_time_us(fn, (w,), calls=args.calls)["total"]
+        mb = w.size * 2 / 1e6
+        rows.append(dict(kernel="tma ring alone", ctas=ctas, mb_a_cta=round(mb / ctas, 3), mb=round(mb, 1),
+                         us=round(us, 2), gb_s_a_cta=round(mb / ctas / us * 1e3, 1), tb_s=round(mb / us, 3),
+                         check=check))
+        print(rows[-1], flush=True)
+        del w
+    columns = ["kernel", "ctas", "mb_a_cta", "mb", "us", "gb_s_a_cta", "tb_s", "check"]
+    return write_probe(rows, markdown_table(rows, columns), args.out, calls=args.calls,
+                       command="python -m benchmarks.tma_stream_probe --few")
 
 
 def _experts(args) -> dict:

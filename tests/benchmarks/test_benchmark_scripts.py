@@ -329,6 +329,8 @@ def test_tma_stream_probe_lowers_every_config_for_hopper():
 
     result = tma_stream_probe.main(["--quick"])
     assert set(result) == {f"{c}/{b}/{s}" for c, b, s in tma_stream_probe.CONFIGS} and all(result.values())
+    few = tma_stream_probe.main(["--quick", "--few"])  # a few CTAs alone
+    assert set(few) == set(tma_stream_probe.FEW_CONFIGS) and all(few.values())
     experts = tma_stream_probe.main(["--quick", "--experts"])  # the expert launch's stream, strided or not
     assert set(experts) == {"strided/4", "strided/6", "contiguous/4", "contiguous/6"} and all(experts.values())
     with pytest.raises(ValueError, match="box_kb"):
