@@ -47,6 +47,9 @@ TOTAL_BYTES = 138 * 2**20  # ~V2-Lite's one-token expert layer
 # a V2-Lite attention head: q_proj's, W_UK's, W_UV's and o_proj's columns of a head and a 16th of kv_a's are ~1.7 MB)
 # while the other SMs wait with their rings full? The step kernel's attention phases now read their 27.5 MB a layer
 # over all 132 CTAs in ~20 µs, five grid barriers apart (docs/decode_step_kernel.md).
+# Measured (2026-12-06, an H100, ``tma_stream_few_h100.json``): a CTA streams 121 GB/s with 8 alone, 109 with 16
+# (1.74 TB/s in all), 85 with 32 (2.71), 45 with 64 (2.87), 23 with all 132 (3.06, the card's copy rate): one SM
+# alone is held to ~110-120 GB/s, ~5x its share of the full stream.
 FEW_CONFIGS = (8, 16, 32, 64, 132)
 FEW_BOXES, FEW_STAGES = 112, 9
 
