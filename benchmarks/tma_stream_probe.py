@@ -230,15 +230,15 @@ def main(argv=None) -> dict:
 
 def _few(args) -> dict:
     """A few CTAs stream alone: each CTA's GB/s and the GPU's TB/s at each count (``--quick``: lowered)."""
-    rows_, cols = _box(16)
+    box_rows, cols = _box(16)
     if args.quick:
         result = {ctas: lower_for_h200(lambda w: stream(w, FEW_STAGES), jax.ShapeDtypeStruct(
-            (ctas, FEW_BOXES, rows_, cols), jnp.bfloat16)).count("mosaic_gpu") for ctas in FEW_CONFIGS}
+            (ctas, FEW_BOXES, box_rows, cols), jnp.bfloat16)).count("mosaic_gpu") for ctas in FEW_CONFIGS}
         print(result)
         return result
     rows = []
     for ctas in FEW_CONFIGS:
-        w = jnp.ones((ctas, FEW_BOXES, rows_, cols), jnp.bfloat16)
+        w = jnp.ones((ctas, FEW_BOXES, box_rows, cols), jnp.bfloat16)
         fn = lambda w: stream(w, FEW_STAGES)
         check = bool(jnp.all(jax.jit(fn)(w) == 1))
         us = kernel_time_us(fn, (w,), calls=args.calls)["total"]
