@@ -26,6 +26,12 @@ VARIANTS = {  # name -> the signal's PTX (the semaphore's address in %rd1)
     "relaxed": "red.relaxed.gpu.global.add.u32 [%rd1], 1;",
     "acquire (the reader's poll, then its fences)": "ld.relaxed.gpu.global.b32 %r1, [%rd1];\n    fence.acquire.gpu;\n"
                                                     "    fence.proxy.async.global;\n    st.global.b32 [%rd1+4], %r1;",
+    # A cluster's scope, for a barrier of clusters (CTAs meeting in their cluster first, one a cluster arriving at
+    # the grid's): both hold the same MEMBAR.ALL.GPU as the grid's release (round 45), so meeting in clusters first
+    # would put two of them on a barrier's path instead of one.
+    "cluster: red.release.cluster": "red.release.cluster.global.add.u32 [%rd1], 1;",
+    "cluster: barrier.cluster arrive.release, wait.acquire": "barrier.cluster.arrive.release;\n"
+                                                             "    barrier.cluster.wait.acquire;",
 }
 
 
