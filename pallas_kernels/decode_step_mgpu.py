@@ -65,6 +65,11 @@ _TILING = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 # its producers alone could save (``benchmarks.step_profile --variant``). H200, batch 1 (decode_profile.md round
 # 39): 0.57-0.93 µs a layer each, 4.7 for all six. Read at trace time.
 PROBE_NO_WAIT: tuple = ()
+# A diagnostic, never set outside benchmarks (round 45): the grid barriers (names as above) whose arrivals are relaxed
+# adds instead of releases (no MEMBAR; readers may then see the count before the rows: values wrong). With
+# PROBE_NO_WAIT naming the same barriers, the step's time bounds what flags inside the rows could save there
+# (docs/decode_step_kernel.md). Read at trace time.
+PROBE_RELAXED_AT: tuple = ()
 BARRIER_NAMES = ("phase1", "phase2", "phase3", "phase4", "o_proj", "layer")
 
 
@@ -210,16 +215,26 @@ def stores_done():
     proxy_fence()
 
 
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+def _relaxed_signal(_, sem):
+    """One thread of the warpgroup adds 1 to ``sem`` (relaxed, gpu scope), after the warpgroup's barrier."""
+    mgpu_utils.warpgroup_barrier()
+    mgpu_utils.SemaphoreRef(mgpu_utils.memref_ptr(sem)).signal(1, relaxed=True, memory_scope="gpu")
+
+
 def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None):
     """A grid barrier on the global semaphore ``sem``: this CTA's stores are out (``stores_done``), counted;
     then wait until all ``num_ctas`` have arrived ``count`` times in all, and fence the async proxy so that
     TMA loads read what the others wrote. ``name``: the barrier's, for ``PROBE_NO_WAIT``."""
-    if unknown := [n for n in (name, *PROBE_NO_WAIT) if n is not None and n not in BARRIER_NAMES]:
-        raise ValueError(f"grid barrier name {', '.join(map(repr, unknown))} (the barrier's or in PROBE_NO_WAIT); "
-                         f"accepted: {', '.join(BARRIER_NAMES)}")
+    if unknown := [n for n in (name, *PROBE_NO_WAIT, *PROBE_RELAXED_AT) if n is not None and n not in BARRIER_NAMES]:
+        raise ValueError(f"grid barrier name {', '.join(map(repr, unknown))} (the barrier's, in PROBE_NO_WAIT or "
+                         f"in PROBE_RELAXED_AT); accepted: {', '.join(BARRIER_NAMES)}")
     with jax.named_scope("stores_out"):
         stores_done()
-        plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
+        if name in PROBE_RELAXED_AT:
+            _relaxed_signal(sem)
+        else:
+            plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
     if name in PROBE_NO_WAIT:
         return
     with jax.named_scope("barrier"):
