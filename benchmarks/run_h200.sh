@@ -296,12 +296,22 @@ case $part in
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   ll-bound)  # round 45: what flags inside the rows could save at phase 2's and phase 3's boundaries, bounded: their
              # arrivals relaxed (decode_step_mgpu.PROBE_RELAXED_AT) and their waits left out (PROBE_NO_WAIT), values
-             # wrong, the routing fixed in both variants; the batch-1 compiled step, 1 round (~2.5 minutes)
+             # wrong, the routing fixed in every variant; the batch-1 compiled step. $2: bound (that and the fixed
+             # routing alone, 2 rounds in turns, ~4.5 minutes; round 45 ran 1 round: -54 µs on an H100) or split
+             # (each boundary alone, and the releases alone against the waits alone, 1 round, ~5 minutes)
     m=pallas_kernels.decode_step_mgpu; f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
-    timeout -s KILL 280 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
-      --rounds 1 --variant "fixed routing: $f" \
-      --variant "bound: $m.PROBE_NO_WAIT=('phase2','phase3') $m.PROBE_RELAXED_AT=('phase2','phase3') $f" \
-      --out "$OUT/step_ab_ll_bound_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+    both="('phase2','phase3')"
+    case ${2:-bound} in
+      bound) v=(--rounds 2 --variant "fixed routing: $f"
+                --variant "bound: $m.PROBE_NO_WAIT=$both $m.PROBE_RELAXED_AT=$both $f") ;;
+      split) v=(--rounds 1 --variant "fixed routing: $f"
+                --variant "phase 2: $m.PROBE_NO_WAIT=('phase2',) $m.PROBE_RELAXED_AT=('phase2',) $f"
+                --variant "phase 3: $m.PROBE_NO_WAIT=('phase3',) $m.PROBE_RELAXED_AT=('phase3',) $f"
+                --variant "releases only: $m.PROBE_RELAXED_AT=$both $f" --variant "waits only: $m.PROBE_NO_WAIT=$both $f") ;;
+      *) echo "ll-bound: '$2'; accepted: bound, split" >&2; exit 2 ;;
+    esac
+    timeout -s KILL 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      "${v[@]}" --out "$OUT/step_ab_ll_${2:-bound}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:
                # decode_step_moe.PROBE_FIXED_ROUTING): the states' stores, the value products and stores, everything

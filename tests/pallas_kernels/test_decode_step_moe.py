@@ -331,8 +331,28 @@ def test_probe_no_wait_leaves_out_the_named_barriers_waits(monkeypatch):
     with pytest.raises(ValueError, match=r"grid barrier name 'phase9' .*; accepted: phase1, phase2, .*, layer"):
         decode_step_mgpu._arrive_and_wait(None, 132, 1, "phase9")
     monkeypatch.setattr(decode_step_mgpu, "PROBE_NO_WAIT", ("phase2", "phase5"))  # a typo fails, not times as built
-    with pytest.raises(ValueError, match=r"grid barrier name 'phase5' \(the barrier's or in PROBE_NO_WAIT\)"):
+    with pytest.raises(ValueError, match=r"grid barrier name 'phase5' \(the barrier's, in PROBE_NO_WAIT or in "):
         waits()
+
+
+def test_probe_relaxed_at_sends_the_named_barriers_arrivals_relaxed(monkeypatch):
+    """``decode_step_mgpu.PROBE_RELAXED_AT`` (a benchmark's diagnostic): the named grid barriers' arrivals are relaxed
+    adds, with no release, so the whole layers' kernel has one release add fewer and one relaxed add more a named
+    barrier; a name the kernel does not have is refused."""
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_mgpu
+
+    fn, args = kernel_call("whole")
+    count = lambda module, kind: len(re.findall(rf"red\.{kind}\.gpu\.global\.add", module))
+    built = _built_whole()
+    monkeypatch.setattr(decode_step_mgpu, "PROBE_RELAXED_AT", ("phase2", "phase3"))
+    module = lowered_modules(fn, *args)[0]
+    assert count(module, "release") == count(built, "release") - 2
+    assert count(module, "relaxed") == count(built, "relaxed") + 2
+    monkeypatch.setattr(decode_step_mgpu, "PROBE_RELAXED_AT", ("phase6",))
+    with pytest.raises(ValueError, match=r"grid barrier name 'phase6' \(the barrier's, in PROBE_NO_WAIT or in "
+                                         r"PROBE_RELAXED_AT\)"):
+        lowered_modules(fn, *args)
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
