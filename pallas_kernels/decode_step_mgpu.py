@@ -225,7 +225,7 @@ def _relaxed_signal(_, sem):
 def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None):
     """A grid barrier on the global semaphore ``sem``: this CTA's stores are out (``stores_done``), counted;
     then wait until all ``num_ctas`` have arrived ``count`` times in all, and fence the async proxy so that
-    TMA loads read what the others wrote. ``name``: the barrier's, for ``PROBE_NO_WAIT``."""
+    TMA loads read what the others wrote. ``name``: the barrier's, for ``PROBE_NO_WAIT`` and ``PROBE_RELAXED_AT``."""
     if unknown := [n for n in (name, *PROBE_NO_WAIT, *PROBE_RELAXED_AT) if n is not None and n not in BARRIER_NAMES]:
         raise ValueError(f"grid barrier name {', '.join(map(repr, unknown))} (the barrier's, in PROBE_NO_WAIT or "
                          f"in PROBE_RELAXED_AT); accepted: {', '.join(BARRIER_NAMES)}")
