@@ -178,6 +178,13 @@ def _shape(ctas: int, box_kb: int) -> tuple[int, int, int, int]:
     return ctas, max(1, TOTAL_BYTES // (ctas * box_kb * 1024)), rows, cols
 
 
+def _timed(fn, operands: tuple, calls: int) -> tuple[float, bool]:
+    """A stream kernel's time (µs, from the profiler's trace of ``calls`` calls) and whether its output is the ones
+    it read."""
+    check = bool(jnp.all(jax.jit(fn)(*operands) == 1))
+    return kernel_time_us(fn, operands, calls=calls)["total"], check
+
+
 def xla_sum(w):
     return jnp.sum(w, dtype=jnp.float32)
 
@@ -212,8 +219,7 @@ def main(argv=None) -> dict:
     for ctas, box_kb, stages in CONFIGS:
         w = jnp.ones(_shape(ctas, box_kb), jnp.bfloat16)
         fn = lambda w, stages=stages: stream(w, stages)
-        check = bool(jnp.all(jax.jit(fn)(w) == 1))
-        us = kernel_time_us(fn, (w,), calls=args.calls)["total"]
+        us, check = _timed(fn, (w,), args.calls)
         rows.append(dict(kernel="tma ring", ctas=ctas, box_kb=box_kb, stages=stages, mb=round(w.size * 2 / 1e6, 1),
                          us=round(us, 2), tb_s=round(w.size * 2 / us / 1e6, 3), check=check))
         print(rows[-1], flush=True)
@@ -240,8 +246,7 @@ def _few(args) -> dict:
     for ctas in FEW_CONFIGS:
         w = jnp.ones((ctas, FEW_BOXES, box_rows, cols), jnp.bfloat16)
         fn = lambda w: stream(w, FEW_STAGES)
-        check = bool(jnp.all(jax.jit(fn)(w) == 1))
-        us = kernel_time_us(fn, (w,), calls=args.calls)["total"]
+        us, check = _timed(fn, (w,), args.calls)
         mb = w.size * 2 / 1e6
         rows.append(dict(kernel="tma ring alone", ctas=ctas, mb_a_cta=round(mb / ctas, 3), mb=round(mb, 1),
                          us=round(us, 2), gb_s_a_cta=round(mb / ctas / us * 1e3, 1), tb_s=round(mb / us, 3),
@@ -268,8 +273,7 @@ def _experts(args) -> dict:
         weights = _expert_weights(contiguous)
         args_ = weights if isinstance(weights, tuple) else (weights,)
         fn = lambda *w, stages=stages: expert_stream(w if len(w) > 1 else w[0], stages)
-        check = bool(jnp.all(jax.jit(fn)(*args_) == 1))
-        us = kernel_time_us(fn, args_, calls=args.calls)["total"]
+        us, check = _timed(fn, args_, args.calls)
         mb = sum(w.size for w in args_) * 2 / 1e6
         rows.append(dict(kernel="expert stream", tiles="contiguous" if contiguous else "strided", stages=stages,
                          mb=round(mb, 1), us=round(us, 2), tb_s=round(mb / us, 3), check=check))
