@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|flagged|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -312,6 +312,33 @@ case $part in
     esac
     timeout -s KILL 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       "${v[@]}" --out "$OUT/step_ab_ll_${2:-bound}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  flagged)  # round 46: phase 3's states as flagged words (decode_step_attention.FLAGGED_STATES: NCCL's LL protocol in
+            # place of phase 3's grid barrier). $2: kernels (the step kernels' GPU tests with it on, ~2.5 minutes,
+            # then, if they pass, the batch-1 compiled step as built and flagged, 2 rounds in turns, ~4.5 minutes),
+            # model (the engine's one-token steps and greedy program with it on, ~4 minutes) or bound (as built,
+            # flagged, and phase 3's barrier without its release or wait, values wrong, routing fixed in all three,
+            # 1 round, ~4 minutes)
+    a=pallas_kernels.decode_step_attention f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
+    m=pallas_kernels.decode_step_mgpu
+    on="from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = True"
+    tests() {
+      timeout -s KILL "$2" python -c "import sys, pytest; $on
+sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', '$1']))" 2>&1 \
+        | tee "$OUT/gpu_tests_flagged_$3.log" | tail -4
+    }
+    case ${2:-kernels} in
+      kernels) tests "moe_layer_chain_repeated or moe_layer_chain_gpu or (attention_chain_gpu and (0-8-False or \
+63-8-False or 511-8-False or 511-32-False or 200-2-False or 200-8-True))" 300 kernels \
+          && timeout -s KILL 290 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
+            --num-kv-blocks 2048 --rounds 2 --variant built --variant "flagged: $a.FLAGGED_STATES=True" \
+            --out "$OUT/step_ab_flagged_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      model) tests "one_token_steps or engine_greedy" 330 model ;;
+      bound) timeout -s KILL 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
+          --num-kv-blocks 2048 --rounds 1 --variant "fixed: $f" --variant "flagged: $a.FLAGGED_STATES=True $f" \
+          --variant "phase 3 bound: $m.PROBE_NO_WAIT=('phase3',) $m.PROBE_RELAXED_AT=('phase3',) $f" \
+          --out "$OUT/step_ab_flagged_bound_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      *) echo "flagged: '$2'; accepted: kernels, model, bound" >&2; exit 2 ;;
+    esac ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:
                # decode_step_moe.PROBE_FIXED_ROUTING): the states' stores, the value products and stores, everything

@@ -355,6 +355,34 @@ def test_probe_relaxed_at_sends_the_named_barriers_arrivals_relaxed(monkeypatch)
         lowered_modules(fn, *args)
 
 
+def test_flagged_states_send_phase_3s_states_as_flagged_words(monkeypatch):
+    """``decode_step_attention.FLAGGED_STATES``: the chunks' states reach phase 4 as words that carry the layer's
+    flag (``flag_words``), so the whole layers' kernel loses phase 3's release and its wait (a relaxed arrival in
+    their place); each chunk CTA stores its 8 out^T accumulators in pairs of words (4 stores a thread each) and m
+    and l a word a row (2 each), and phase 4 checks the new token's state, then a merge group's, a state at a time.
+    A kernel of one layer keeps the barrier (its words could be an earlier call's); a diagnostic that cuts the
+    states' stores is refused, whose readers would wait forever. On the GPU: ``run_h200.sh flagged tests``."""
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_attention
+
+    fn, args = kernel_call("whole")
+    count = lambda module, pattern: len(re.findall(pattern, module))
+    built = _built_whole()
+    monkeypatch.setattr(decode_step_attention, "FLAGGED_STATES", True)
+    module = lowered_modules(fn, *args)[0]
+    assert count(module, r"red\.release\.gpu\.global\.add") == count(built, r"red\.release\.gpu\.global\.add") - 1
+    assert count(module, r"red\.relaxed\.gpu\.global\.add") == count(built, r"red\.relaxed\.gpu\.global\.add") + 1
+    assert count(module, r'"fence\.acquire\.gpu;"') == count(built, r'"fence\.acquire\.gpu;"') - 1
+    assert count(module, r"st\.relaxed\.gpu\.global\.v2\.b64") == 8 * 4
+    assert count(module, r"st\.relaxed\.gpu\.global\.b64") == 2 * 2
+    assert count(module, "again:") == 1 + decode_step_attention.MERGE_GROUP
+    assert count(built, "again:") == count(built, r"st\.relaxed\.gpu") == 0
+    assert decode_step_attention.flagged_states(2) and not decode_step_attention.flagged_states(1)
+    monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("chunk_values",))
+    with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT \['chunk_values'\] leaves phase 3's states unstored"):
+        lowered_modules(fn, *args)
+
+
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference

@@ -1,0 +1,144 @@
+"""Values that carry their own flags (NCCL's LL protocol), for rows with one writer that other CTAs of the same
+persistent kernel read without a grid barrier between them.
+
+A word is 8 bytes: an f32's bits, then a u32 flag. The writer stores each value with its flag in one strong
+store (``st.relaxed.gpu``; two adjacent words in one ``.v2.b64`` store, each element of which is one 64-bit
+access), which a reader sees whole or not at all. The reader issues all its loads at once (``ld.relaxed.gpu``:
+strong, so a poll never spins on a stale L1 line), then checks their flags and loads again only while one is
+not the flag it expects. So the values need no release by their writer (its MEMBAR, ~0.7 µs at a grid barrier:
+docs/decode_step_kernel.md), no count to poll, and no second round trip to fetch them.
+
+A flag names the layer (``layer + 1``): rows rewritten every layer need no reset, since a layer's readers are
+past the grid barriers that end it before the next layer's writers begin. The words live in the kernel's global
+scratch (``words``: semaphores to Pallas), which JAX zeroes before every call; were that scratch to persist from
+call to call instead, every word an earlier call wrote would hold that call's last layer's flag, which only the
+last layer of a call expects, and it reads words that its own call's earlier layers rewrote. So a kernel of two
+or more layers is right either way (``decode_step_attention.FLAGGED_STATES`` asks for two).
+
+Not interpretable (``inline_mgpu``): the kernels that use it are grid-barrier kernels, which run on the GPU
+only."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jaxlib.mlir import ir
+from jaxlib.mlir.dialects import arith, llvm, vector
+
+ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-row values, as the warpgroup's wgmma rows hold them
+
+
+def words(shape: tuple[int, ...]):
+    """Global scratch for flagged words of values of ``shape``: i32[*shape, 2] (a value's bits, its flag), zeroed
+    before the call. A kernel allocates its flagged words before any other ``pl.get_global`` (semaphores are 4
+    bytes, the words 8 and written in pairs of 16: their offset must be a multiple of 4 semaphores), the larger
+    multiple-of-4 arrays first."""
+    return pl.get_global(plgpu.SemaphoreType.REGULAR((*shape, 2)))
+
+
+def _i32():
+    return ir.IntegerType.get_signless(32)
+
+
+def _i64():
+    return ir.IntegerType.get_signless(64)
+
+
+def _word_ptr(ref, index):
+    """The address of the word at ``index`` (index values, or ints) of ``ref`` i32[..., 2]."""
+    return mgpu_utils.memref_ptr(mgpu_utils.memref_slice(ref, (*index, 0)))
+
+
+def _word(value, flag):
+    """An f32 and an i32 flag -> the i64 word (value bits low, flag high)."""
+    bits = arith.extui(_i64(), arith.bitcast(_i32(), value))
+    return arith.ori(bits, arith.shli(arith.extui(_i64(), flag), arith.constant(_i64(), 32)))
+
+
+def store(pairs, flag):
+    """Each (values, ref) of ``pairs`` stored with ``flag`` (an i32 scalar, at least 1): values f32 [64, N] in
+    the WGMMA layout into ref i32[64, N, 2], or [64] in ``ROW`` into ref i32[64, 2]; by every thread of the
+    warpgroup, its own values (a row's replicas store the same word)."""
+    layouts = tuple(plgpu.Layout.WGMMA if len(values.shape) == 2 else ROW for values, _ in pairs)
+
+    @plgpu.inline_mgpu(arg_types=(tuple((layout, plgpu.RefType()) for layout in layouts),
+                                  plgpu.Layout.WG_SPLAT(())))
+    def body(_, pairs, flag):
+        flag = flag.registers.item()
+        for values, ref in pairs:
+            idxs = values.layout.thread_idxs(values.shape)
+            for idx, reg in zip(idxs, values.registers.flat):
+                vec = ir.VectorType(reg.type).shape[0]
+                elems = [llvm.extractelement(reg, arith.constant(_i32(), k)) for k in range(vec)]
+                packed = [_word(e, flag) for e in elems]
+                for k in range(0, vec, 2):
+                    at = (*idx[:-1], arith.addi(idx[-1], arith.constant(ir.IndexType.get(), k)))
+                    if k + 1 < vec:
+                        mgpu_utils.inline_ptx("st.relaxed.gpu.global.v2.b64 [$0], {$1, $2};", _word_ptr(ref, at),
+                                              packed[k], packed[k + 1], has_side_effects=True)
+                    else:
+                        mgpu_utils.inline_ptx("st.relaxed.gpu.global.b64 [$0], $1;", _word_ptr(ref, at), packed[k],
+                                              has_side_effects=True)
+
+    layouts_cast = tuple((plgpu.layout_cast(values, layout), ref) for (values, ref), layout in zip(pairs, layouts))
+    body(layouts_cast, jnp.asarray(flag, jnp.int32))
+
+
+def _checked(ptrs, loaded, flag):
+    """The words at ``ptrs`` (``loaded``: their first loads) once every flag is ``flag``: their values' bits
+    (i32), loading them all again while any is not (one inline PTX block: its own loop and labels)."""
+    n = len(ptrs)
+    lines = [".reg .pred bad;", ".reg .b32 hi;", f".reg .b64 w<{n}>;"]
+    lines += [f"mov.b64 w{i}, ${n + i};" for i in range(n)]
+    lines.append("again:")
+    for i in range(n):
+        lines.append(f"mov.b64 {{${i}, hi}}, w{i};")
+        lines.append(f"setp.ne.u32 bad, hi, ${3 * n};" if i == 0 else f"setp.ne.or.u32 bad, hi, ${3 * n}, bad;")
+    lines.append("@!bad bra done;")
+    lines += [f"ld.relaxed.gpu.global.b64 w{i}, [${2 * n + i}];" for i in range(n)]
+    lines += ["bra again;", "done:"]
+    out = mgpu_utils.inline_ptx("{\n" + "\n".join(lines) + "\n}", *loaded, *ptrs, flag,
+                                result_types=[_i32()] * n, has_side_effects=True)
+    return list(out)
+
+
+def load_rows(groups, flag):
+    """The flagged values of ``groups`` (lists of refs: i32[64, 2], a word a row, or i32[2], one word) once each
+    carries ``flag`` (an i32 scalar) -> for each ref in order, f32 [64] in ``ROW`` (a one-word ref's value down
+    every row). Every word's first load is issued before any is checked (one round trip for them all), then a
+    group's words are checked together and loaded again while any is stale (the writer's store not yet seen)."""
+    refs = [ref for group in groups for ref in group]
+    row_layout = ROW.to_mgpu()
+
+    @plgpu.inline_mgpu(arg_types=(tuple(plgpu.RefType() for _ in refs), plgpu.Layout.WG_SPLAT(())),
+                       return_type=[plgpu.ShapeDtypeStruct((64,), jnp.float32, layout=ROW)] * len(refs))
+    def body(_, refs, flag):
+        flag = flag.registers.item()
+        rows = [idx for idx in row_layout.thread_idxs((64,))]
+        f32 = ir.F32Type.get()
+        ptrs = []
+        for ref in refs:
+            one = len(ir.MemRefType(ref.type).shape) == 1
+            ptrs.append([mgpu_utils.memref_ptr(ref)] if one else [_word_ptr(ref, idx) for idx in rows])
+        loaded = [[mgpu_utils.inline_ptx("ld.relaxed.gpu.global.b64 $0, [$1];", p, result_types=_i64(),
+                                         has_side_effects=True) for p in at] for at in ptrs]
+        out, start = [], 0
+        for group in groups:
+            end = start + len(group)
+            flat_ptrs = [p for at in ptrs[start:end] for p in at]
+            values = iter(_checked(flat_ptrs, [w for at in loaded[start:end] for w in at], flag))
+            for at in ptrs[start:end]:
+                regs = [arith.bitcast(f32, next(values)) for _ in at]
+                regs = regs * (len(rows) // len(regs))
+                registers = np.array([vector.broadcast(ir.VectorType.get((1,), f32), r) for r in regs], dtype=object)
+                out.append(mgpu_fa.FragmentedArray(
+                    _registers=registers.reshape(row_layout.registers_shape((64,))), _layout=row_layout,
+                    _is_signed=None))
+            start = end
+        return out
+
+    return body(tuple(refs), jnp.asarray(flag, jnp.int32))
