@@ -317,7 +317,8 @@ case $part in
             # then, if they pass, the batch-1 compiled step as built and flagged, 2 rounds in turns, ~4.5 minutes),
             # model (the engine's one-token steps and greedy program with it on, ~4 minutes) or bound (as built,
             # flagged, and phase 3's barrier without its release or wait, values wrong, routing fixed in all three,
-            # 1 round, ~4 minutes)
+            # 1 round, ~4 minutes) or polls (routing fixed: as built, flagged, flagged without the polls (values
+            # wrong), with m and l spread a head a line, and with a backoff too; 1 round, ~6 minutes)
     a=pallas_kernels.decode_step_attention f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
     m=pallas_kernels.decode_step_mgpu
     on="from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = True"
@@ -337,7 +338,14 @@ sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', 
           --num-kv-blocks 2048 --rounds 1 --variant "fixed: $f" --variant "flagged: $a.FLAGGED_STATES=True $f" \
           --variant "phase 3 bound: $m.PROBE_NO_WAIT=('phase3',) $m.PROBE_RELAXED_AT=('phase3',) $f" \
           --out "$OUT/step_ab_flagged_bound_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "flagged: '$2'; accepted: kernels, model, bound" >&2; exit 2 ;;
+      polls) w=pallas_kernels.flag_words  # round 46's first A/B: flagged 222 µs slower; where the polls cost
+        timeout -s KILL 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
+          --num-kv-blocks 2048 --rounds 1 --variant "fixed: $f" --variant "flagged: $a.FLAGGED_STATES=True $f" \
+          --variant "flagged, no polls: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $f" \
+          --variant "flagged, m l spread: $a.FLAGGED_STATES=True $a.FLAGGED_ML_SPREAD=True $f" \
+          --variant "flagged, spread, backoff: $a.FLAGGED_STATES=True $a.FLAGGED_ML_SPREAD=True $w.BACKOFF_NS=200 $f" \
+          --out "$OUT/step_ab_flagged_polls_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      *) echo "flagged: '$2'; accepted: kernels, model, bound, polls" >&2; exit 2 ;;
     esac ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:

@@ -157,6 +157,9 @@ ROPE_IN_KERNEL = True
 # arrival (its count, which later barriers wait for, stays), without its release or its wait. Kernels of two
 # layers or more (``flagged_states``; flag_words says why). Read at trace time.
 FLAGGED_STATES = False
+# The flagged states' m and l a head a 128-byte line (its m, then its l) instead of every head's m in one line and
+# every head's l in another: each line then polled by the 8 units of one head, not by all 128. Read at trace time.
+FLAGGED_ML_SPREAD = False
 PHASES = 5  # grid barriers a layer
 
 
@@ -166,12 +169,14 @@ def flagged_states(num_layers: int) -> bool:
 
 
 def state_words(num_layers: int, states: int, num_heads: int):
-    """The flagged states' words of a kernel (``flagged_states``), in its global scratch: (ml i32[S, 2, 64, 2]:
-    each state's m and l a head a row, o i32[S, 512, H, 2]: its out^T), or None. A kernel body calls it before
-    any other ``pl.get_global`` (``flag_words.words``)."""
+    """The flagged states' words of a kernel (``flagged_states``), in its global scratch: (ml i32[S, 64, 2, 2]:
+    each state's m and l a head a row, or with ``FLAGGED_ML_SPREAD`` i32[S, 64, 16, 2], a head's in the first two
+    words of its own line; o i32[S, 512, H, 2]: its out^T), or None. A kernel body calls it before any other
+    ``pl.get_global`` (``flag_words.words``)."""
     if not flagged_states(num_layers):
         return None
-    return flag_words.words((states, 2, HALF)), flag_words.words((states, LATENT, num_heads))
+    return (flag_words.words((states, HALF, 16 if FLAGGED_ML_SPREAD else 2)),
+            flag_words.words((states, LATENT, num_heads)))
 
 
 def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int, capacity: int, dtype,
@@ -564,7 +569,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             with jax.named_scope("states_out"):  # out^T by the warpgroup's own stores
                 if words:  # m, l and out^T with the layer's flag
                     ml_words, o_words = words
-                    flag_words.store([(ml[0], ml_words.at[c, 0]), (ml[1], ml_words.at[c, 1]),
+                    flag_words.store([(ml[0], ml_words.at[c, :, 0]), (ml[1], ml_words.at[c, :, 1]),
                                       *((acc, o_words.at[c, pl.ds(j * HALF, HALF)]) for j, acc in enumerate(accs))],
                                      layer + 1)
                 else:
@@ -600,7 +605,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 if not words:
                     return [(m_at(s), r.ml[layer, s, 1, v_head], (rows(s, 0), rows(s, 1))) for s in at]
                 ml_words, o_words = words
-                got = flag_words.load_rows([[ml_words.at[s, 0, v_head], ml_words.at[s, 1, v_head],
+                got = flag_words.load_rows([[ml_words.at[s, v_head, 0], ml_words.at[s, v_head, 1],
                                              o_words.at[s, span(0), v_head], o_words.at[s, span(1), v_head]]
                                             for s in at], layer + 1)
                 return [(m, l, (rows0, rows1)) for m, l, rows0, rows1 in zip(*[iter(got)] * 4)]

@@ -30,6 +30,12 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-row values, as the warpgroup's wgmma rows hold them
+# Nanoseconds a reader sleeps (``nanosleep``) before it loads stale words again (0: none), so that many readers
+# polling the same lines leave the L2 slices that hold them to their writers. Read at trace time.
+BACKOFF_NS = 0
+# A diagnostic, never set outside benchmarks: readers take their first loads as they are, unchecked (values
+# wrong where a word was stale): the step's time without the polls' cost. Read at trace time.
+PROBE_NO_POLL = False
 
 
 def words(shape: tuple[int, ...]):
@@ -90,16 +96,22 @@ def store(pairs, flag):
 
 def _checked(ptrs, loaded, flag):
     """The words at ``ptrs`` (``loaded``: their first loads) once every flag is ``flag``: their values' bits
-    (i32), loading them all again while any is not (one inline PTX block: its own loop and labels)."""
+    (i32), loading the stale ones again (after ``BACKOFF_NS``) while any is (one inline PTX block: its own loop
+    and labels)."""
     n = len(ptrs)
-    lines = [".reg .pred bad;", ".reg .b32 hi;", f".reg .b64 w<{n}>;"]
+    if PROBE_NO_POLL:
+        return [arith.trunci(_i32(), w) for w in loaded]
+    lines = [".reg .pred any;", f".reg .pred stale<{n}>;", ".reg .b32 hi;", f".reg .b64 w<{n}>;"]
     lines += [f"mov.b64 w{i}, ${n + i};" for i in range(n)]
     lines.append("again:")
     for i in range(n):
         lines.append(f"mov.b64 {{${i}, hi}}, w{i};")
-        lines.append(f"setp.ne.u32 bad, hi, ${3 * n};" if i == 0 else f"setp.ne.or.u32 bad, hi, ${3 * n}, bad;")
-    lines.append("@!bad bra done;")
-    lines += [f"ld.relaxed.gpu.global.b64 w{i}, [${2 * n + i}];" for i in range(n)]
+        lines.append(f"setp.ne.u32 stale{i}, hi, ${3 * n};")
+    lines += [f"or.pred any, stale0, stale{i};" if i == 1 else f"or.pred any, any, stale{i};" for i in range(1, n)]
+    lines.append("@!any bra done;" if n > 1 else "@!stale0 bra done;")
+    if BACKOFF_NS:
+        lines.append(f"nanosleep.u32 {int(BACKOFF_NS)};")
+    lines += [f"@stale{i} ld.relaxed.gpu.global.b64 w{i}, [${2 * n + i}];" for i in range(n)]
     lines += ["bra again;", "done:"]
     out = mgpu_utils.inline_ptx("{\n" + "\n".join(lines) + "\n}", *loaded, *ptrs, flag,
                                 result_types=[_i32()] * n, has_side_effects=True)
