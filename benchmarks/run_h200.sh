@@ -318,7 +318,8 @@ case $part in
             # model (the engine's one-token steps and greedy program with it on, ~4 minutes) or bound (as built,
             # flagged, and phase 3's barrier without its release or wait, values wrong, routing fixed in all three,
             # 1 round, ~4 minutes) or polls (routing fixed: as built, flagged, flagged without the polls (values
-            # wrong), with m and l spread a head a line, and with a backoff too; 1 round, ~6 minutes)
+            # wrong), with m and l spread a head a line, and with a backoff too; 1 round, ~6 minutes) or probes
+            # (the whole layers' PTX as built and flagged, then without polls, weak, merging 4 at a time; ~7 minutes)
     a=pallas_kernels.decode_step_attention f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
     m=pallas_kernels.decode_step_mgpu
     on="from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = True"
@@ -345,7 +346,22 @@ sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', 
           --variant "flagged, m l spread: $a.FLAGGED_STATES=True $a.FLAGGED_ML_SPREAD=True $f" \
           --variant "flagged, spread, backoff: $a.FLAGGED_STATES=True $a.FLAGGED_ML_SPREAD=True $w.BACKOFF_NS=200 $f" \
           --out "$OUT/step_ab_flagged_polls_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "flagged: '$2'; accepted: kernels, model, bound, polls" >&2; exit 2 ;;
+      probes) w=pallas_kernels.flag_words  # round 46's second call: flagged without polls still 167 µs slower
+        for v in built flagged; do  # the whole layers' PTX (2 layers, one GPU test), for ptxas -v and SASS here
+          mkdir -p "$OUT/ptx_$v"
+          MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="$OUT/ptx_$v" timeout -s KILL 100 python -c "import sys, pytest
+from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = '$v' == 'flagged'
+sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_layer_chain_gpu and 200']))" \
+            2>&1 | tail -1
+        done
+        timeout -s KILL 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
+          --num-kv-blocks 2048 --rounds 1 --variant "fixed: $f" \
+          --variant "flagged, no polls: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $f" \
+          --variant "flagged, no polls, weak: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $w.PROBE_WEAK=True $f" \
+          --variant "flagged, no polls, merge 4: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $a.MERGE_GROUP=4 $f" \
+          --variant "flagged, merge 4: $a.FLAGGED_STATES=True $a.MERGE_GROUP=4 $f" \
+          --out "$OUT/step_ab_flagged_probes_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      *) echo "flagged: '$2'; accepted: kernels, model, bound, polls, probes" >&2; exit 2 ;;
     esac ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:

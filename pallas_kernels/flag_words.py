@@ -36,6 +36,9 @@ BACKOFF_NS = 0
 # A diagnostic, never set outside benchmarks: readers take their first loads as they are, unchecked (values
 # wrong where a word was stale): the step's time without the polls' cost. Read at trace time.
 PROBE_NO_POLL = False
+# A diagnostic, never set outside benchmarks: the words' stores and first loads weak (``st.global`` /
+# ``ld.global``) instead of strong: what the strong accesses cost. Read at trace time.
+PROBE_WEAK = False
 
 
 def words(shape: tuple[int, ...]):
@@ -52,6 +55,11 @@ def _i32():
 
 def _i64():
     return ir.IntegerType.get_signless(64)
+
+
+def _strong() -> str:
+    """The words' accesses' qualifier: relaxed at the GPU's scope (weak under ``PROBE_WEAK``)."""
+    return "" if PROBE_WEAK else ".relaxed.gpu"
 
 
 def _word_ptr(ref, index):
@@ -84,10 +92,10 @@ def store(pairs, flag):
                 for k in range(0, vec, 2):
                     at = (*idx[:-1], arith.addi(idx[-1], arith.constant(ir.IndexType.get(), k)))
                     if k + 1 < vec:
-                        mgpu_utils.inline_ptx("st.relaxed.gpu.global.v2.b64 [$0], {$1, $2};", _word_ptr(ref, at),
+                        mgpu_utils.inline_ptx(f"st{_strong()}.global.v2.b64 [$0], {{$1, $2}};", _word_ptr(ref, at),
                                               packed[k], packed[k + 1], has_side_effects=True)
                     else:
-                        mgpu_utils.inline_ptx("st.relaxed.gpu.global.b64 [$0], $1;", _word_ptr(ref, at), packed[k],
+                        mgpu_utils.inline_ptx(f"st{_strong()}.global.b64 [$0], $1;", _word_ptr(ref, at), packed[k],
                                               has_side_effects=True)
 
     layouts_cast = tuple((plgpu.layout_cast(values, layout), ref) for (values, ref), layout in zip(pairs, layouts))
@@ -136,7 +144,7 @@ def load_rows(groups, flag):
         for ref in refs:
             one = len(ir.MemRefType(ref.type).shape) == 1
             ptrs.append([mgpu_utils.memref_ptr(ref)] if one else [_word_ptr(ref, idx) for idx in rows])
-        loaded = [[mgpu_utils.inline_ptx("ld.relaxed.gpu.global.b64 $0, [$1];", p, result_types=_i64(),
+        loaded = [[mgpu_utils.inline_ptx(f"ld{_strong()}.global.b64 $0, [$1];", p, result_types=_i64(),
                                          has_side_effects=True) for p in at] for at in ptrs]
         out, start = [], 0
         for group in groups:
