@@ -320,6 +320,7 @@ case $part in
             # 1 round, ~4 minutes) or polls (routing fixed: as built, flagged, flagged without the polls (values
             # wrong), with m and l spread a head a line, and with a backoff too; 1 round, ~6 minutes) or probes
             # (the whole layers' PTX as built and flagged, then without polls, weak, merging 4 at a time; ~7 minutes)
+            # or ptx (the PTX and ptxas reports of four variants, ~4 minutes)
     a=pallas_kernels.decode_step_attention f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
     m=pallas_kernels.decode_step_mgpu
     on="from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = True"
@@ -361,7 +362,22 @@ sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_la
           --variant "flagged, no polls, merge 4: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $a.MERGE_GROUP=4 $f" \
           --variant "flagged, merge 4: $a.FLAGGED_STATES=True $a.MERGE_GROUP=4 $f" \
           --out "$OUT/step_ab_flagged_probes_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "flagged: '$2'; accepted: kernels, model, bound, polls, probes" >&2; exit 2 ;;
+      ptx)  # the whole layers' PTX and ptxas report (registers, spills) as built, flagged, flagged merging 4 at a
+            # time, and flagged without polls: compiled with JAX's compilation cache off (a cached executable dumps
+            # nothing), only the .ptx and .ptxas files kept (~4 minutes); then, here: ptxas -v and the SASS
+        for v in built flagged merge4 nopoll; do
+          set_v="decode_step_attention.FLAGGED_STATES = '$v' != 'built'"
+          [ "$v" = merge4 ] && set_v="$set_v; decode_step_attention.MERGE_GROUP = 4"
+          [ "$v" = nopoll ] && set_v="$set_v; from pallas_kernels import flag_words; flag_words.PROBE_NO_POLL = True"
+          mkdir -p "/tmp/ptx_$v" "$OUT/ptx_$v"
+          JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/ptx_$v" \
+            timeout -s KILL 100 python -c "import sys, pytest
+from pallas_kernels import decode_step_attention; $set_v
+sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_layer_chain_gpu and 200']))" \
+            2>&1 | tail -1
+          cp /tmp/ptx_$v/anonymous_0.ptx /tmp/ptx_$v/anonymous_0.ptxas "$OUT/ptx_$v/"; ls "$OUT/ptx_$v"
+        done ;;
+      *) echo "flagged: '$2'; accepted: kernels, model, bound, polls, probes, ptx" >&2; exit 2 ;;
     esac ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:

@@ -605,8 +605,8 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 if not words:
                     return [(m_at(s), r.ml[layer, s, 1, v_head], (rows(s, 0), rows(s, 1))) for s in at]
                 ml_words, o_words = words
-                got = flag_words.load_rows([[ml_words.at[s, v_head, 0], ml_words.at[s, v_head, 1],
-                                             o_words.at[s, span(0), v_head], o_words.at[s, span(1), v_head]]
+                got = flag_words.load_rows([[ml_words.at[s, v_head, pl.ds(0, 2)],
+                                             o_words.at[s, pl.ds(v_range * STEP, STEP), v_head]]
                                             for s in at], layer + 1)
                 return [(m, l, (rows0, rows1)) for m, l, rows0, rows1 in zip(*[iter(got)] * 4)]
 

@@ -102,11 +102,12 @@ def store(pairs, flag):
     body(layouts_cast, jnp.asarray(flag, jnp.int32))
 
 
-def _checked(ptrs, loaded, flag):
-    """The words at ``ptrs`` (``loaded``: their first loads) once every flag is ``flag``: their values' bits
-    (i32), loading the stale ones again (after ``BACKOFF_NS``) while any is (one inline PTX block: its own loop
-    and labels)."""
-    n = len(ptrs)
+def _checked(ptrs, words, loaded, flag):
+    """The words at ``words`` ((index into ``ptrs``, byte offset) each; ``loaded``: their first loads) once every
+    flag is ``flag``: their values' bits (i32), loading the stale ones again (after ``BACKOFF_NS``) while any is
+    (one inline PTX block: its own loop and labels). A pointer and immediate offsets a ref, so that a poll keeps
+    few registers live while it waits."""
+    n, k = len(words), len(ptrs)
     if PROBE_NO_POLL:
         return [arith.trunci(_i32(), w) for w in loaded]
     lines = [".reg .pred any;", f".reg .pred stale<{n}>;", ".reg .b32 hi;", f".reg .b64 w<{n}>;"]
@@ -114,12 +115,13 @@ def _checked(ptrs, loaded, flag):
     lines.append("again:")
     for i in range(n):
         lines.append(f"mov.b64 {{${i}, hi}}, w{i};")
-        lines.append(f"setp.ne.u32 stale{i}, hi, ${3 * n};")
+        lines.append(f"setp.ne.u32 stale{i}, hi, ${2 * n + k};")
     lines += [f"or.pred any, stale0, stale{i};" if i == 1 else f"or.pred any, any, stale{i};" for i in range(1, n)]
     lines.append("@!any bra done;" if n > 1 else "@!stale0 bra done;")
     if BACKOFF_NS:
         lines.append(f"nanosleep.u32 {int(BACKOFF_NS)};")
-    lines += [f"@stale{i} ld.relaxed.gpu.global.b64 w{i}, [${2 * n + i}];" for i in range(n)]
+    lines += [f"@stale{i} ld.relaxed.gpu.global.b64 w{i}, [${2 * n + p}+{offset}];"
+              for i, (p, offset) in enumerate(words)]
     lines += ["bra again;", "done:"]
     out = mgpu_utils.inline_ptx("{\n" + "\n".join(lines) + "\n}", *loaded, *ptrs, flag,
                                 result_types=[_i32()] * n, has_side_effects=True)
@@ -127,37 +129,51 @@ def _checked(ptrs, loaded, flag):
 
 
 def load_rows(groups, flag):
-    """The flagged values of ``groups`` (lists of refs: i32[64, 2], a word a row, or i32[2], one word) once each
-    carries ``flag`` (an i32 scalar) -> for each ref in order, f32 [64] in ``ROW`` (a one-word ref's value down
-    every row). Every word's first load is issued before any is checked (one round trip for them all), then a
-    group's words are checked together and loaded again while any is stale (the writer's store not yet seen)."""
+    """The flagged values of ``groups`` (lists of refs i32[R, 2] whose rows are words: R a multiple of 64, a
+    block of 64 rows an output, or R < 64, a word an output) once each carries ``flag`` (an i32 scalar) -> the
+    outputs in order, f32 [64] in ``ROW`` (a one-word output's value down every row). Every word's first load is
+    issued before any is checked (one round trip for them all), then a group's words are checked together and
+    loaded again while any is stale (the writer's store not yet seen)."""
     refs = [ref for group in groups for ref in group]
     row_layout = ROW.to_mgpu()
+    outputs = [r.shape[0] // 64 if r.shape[0] >= 64 else r.shape[0] for r in refs]
+    misfit = lambda shape: len(shape) != 2 or shape[1] != 2 or (shape[0] >= 64 and shape[0] % 64 != 0)
+    if bad := [r.shape for r in refs if misfit(r.shape)]:
+        raise ValueError(f"flag_words.load_rows: refs {bad}; accepted: [R, 2] words, R a multiple of 64 or under 64")
 
     @plgpu.inline_mgpu(arg_types=(tuple(plgpu.RefType() for _ in refs), plgpu.Layout.WG_SPLAT(())),
-                       return_type=[plgpu.ShapeDtypeStruct((64,), jnp.float32, layout=ROW)] * len(refs))
+                       return_type=[plgpu.ShapeDtypeStruct((64,), jnp.float32, layout=ROW)] * sum(outputs))
     def body(_, refs, flag):
         flag = flag.registers.item()
-        rows = [idx for idx in row_layout.thread_idxs((64,))]
+        first_row = next(iter(row_layout.thread_idxs((64,))))  # the thread's rows: this one and 8 past it
         f32 = ir.F32Type.get()
-        ptrs = []
+        ptrs, words = [], []  # a ref's pointer; its words as byte offsets from it, in its outputs' order
         for ref in refs:
-            one = len(ir.MemRefType(ref.type).shape) == 1
-            ptrs.append([mgpu_utils.memref_ptr(ref)] if one else [_word_ptr(ref, idx) for idx in rows])
-        loaded = [[mgpu_utils.inline_ptx(f"ld{_strong()}.global.b64 $0, [$1];", p, result_types=_i64(),
-                                         has_side_effects=True) for p in at] for at in ptrs]
+            rows = ir.MemRefType(ref.type).shape[0]
+            row_bytes = ir.MemRefType(ref.type).get_strides_and_offset()[0][0] * 4
+            if rows >= 64:
+                ptrs.append(_word_ptr(ref, first_row))
+                words.append([(block * 64 + 8 * j) * row_bytes for block in range(rows // 64) for j in range(2)])
+            else:
+                ptrs.append(mgpu_utils.memref_ptr(ref))
+                words.append([j * row_bytes for j in range(rows)])
+        loaded = [[mgpu_utils.inline_ptx(f"ld{_strong()}.global.b64 $0, [$1+{offset}];", p, result_types=_i64(),
+                                         has_side_effects=True) for offset in at] for p, at in zip(ptrs, words)]
         out, start = [], 0
         for group in groups:
             end = start + len(group)
-            flat_ptrs = [p for at in ptrs[start:end] for p in at]
-            values = iter(_checked(flat_ptrs, [w for at in loaded[start:end] for w in at], flag))
-            for at in ptrs[start:end]:
-                regs = [arith.bitcast(f32, next(values)) for _ in at]
-                regs = regs * (len(rows) // len(regs))
-                registers = np.array([vector.broadcast(ir.VectorType.get((1,), f32), r) for r in regs], dtype=object)
-                out.append(mgpu_fa.FragmentedArray(
-                    _registers=registers.reshape(row_layout.registers_shape((64,))), _layout=row_layout,
-                    _is_signed=None))
+            values = iter(_checked(ptrs[start:end], [(i, o) for i, at in enumerate(words[start:end]) for o in at],
+                                   [w for at in loaded[start:end] for w in at], flag))
+            for ref in refs[start:end]:
+                rows = ir.MemRefType(ref.type).shape[0]
+                for _ in range(rows // 64 if rows >= 64 else rows):
+                    regs = [arith.bitcast(f32, next(values)) for _ in range(2 if rows >= 64 else 1)] * (
+                        1 if rows >= 64 else 2)
+                    registers = np.array([vector.broadcast(ir.VectorType.get((1,), f32), r) for r in regs],
+                                         dtype=object)
+                    out.append(mgpu_fa.FragmentedArray(
+                        _registers=registers.reshape(row_layout.registers_shape((64,))), _layout=row_layout,
+                        _is_signed=None))
             start = end
         return out
 
