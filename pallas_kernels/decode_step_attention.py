@@ -614,8 +614,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 top, total, merged = carry
                 at = [jnp.where(g * MERGE_GROUP + i < num_chunks, g * MERGE_GROUP + i, nch) for i in range(MERGE_GROUP)]
                 got = states(at)
-                m = [m_s + jnp.where(g * MERGE_GROUP + i < num_chunks, 0.0, -jnp.inf)
-                     for i, (m_s, _, _) in enumerate(got)]
+                valid = [g * MERGE_GROUP + i < num_chunks for i in range(MERGE_GROUP)]
+                m = [m_s + jnp.where(ok, 0.0, -jnp.inf) if words else jnp.where(ok, m_s, -jnp.inf)  # m_s: [64] / scalar
+                     for ok, (m_s, _, _) in zip(valid, got)]
                 new_top = functools.reduce(jnp.maximum, m, top)
                 weights = [jnp.exp2(m_s - new_top) for m_s in m]
                 keep = jnp.exp2(top - new_top)
