@@ -43,9 +43,9 @@ PROBE_WEAK = False
 
 def words(shape: tuple[int, ...]):
     """Global scratch for flagged words of values of ``shape``: i32[*shape, 2] (a value's bits, its flag), zeroed
-    before the call. A kernel allocates its flagged words before any other ``pl.get_global`` (semaphores are 4
-    bytes, the words 8 and written in pairs of 16: their offset must be a multiple of 4 semaphores), the larger
-    multiple-of-4 arrays first."""
+    before the call. A kernel allocates its flagged words before any other ``pl.get_global``: semaphores are 4
+    bytes and the words 8, stored in pairs of 16, so an array's offset must be a multiple of 4 semaphores (each
+    array after the first then needs the ones before it to be multiples of 4 semaphores too)."""
     return pl.get_global(plgpu.SemaphoreType.REGULAR((*shape, 2)))
 
 
@@ -102,12 +102,12 @@ def store(pairs, flag):
     body(layouts_cast, jnp.asarray(flag, jnp.int32))
 
 
-def _checked(ptrs, words, loaded, flag):
-    """The words at ``words`` ((index into ``ptrs``, byte offset) each; ``loaded``: their first loads) once every
+def _checked(ptrs, at, loaded, flag):
+    """The words at ``at`` ((index into ``ptrs``, byte offset) each; ``loaded``: their first loads) once every
     flag is ``flag``: their values' bits (i32), loading the stale ones again (after ``BACKOFF_NS``) while any is
     (one inline PTX block: its own loop and labels). A pointer and immediate offsets a ref, so that a poll keeps
     few registers live while it waits."""
-    n, k = len(words), len(ptrs)
+    n, k = len(at), len(ptrs)
     if PROBE_NO_POLL:
         return [arith.trunci(_i32(), w) for w in loaded]
     lines = [".reg .pred any;", f".reg .pred stale<{n}>;", ".reg .b32 hi;", f".reg .b64 w<{n}>;"]
@@ -121,7 +121,7 @@ def _checked(ptrs, words, loaded, flag):
     if BACKOFF_NS:
         lines.append(f"nanosleep.u32 {int(BACKOFF_NS)};")
     lines += [f"@stale{i} ld.relaxed.gpu.global.b64 w{i}, [${2 * n + p}+{offset}];"
-              for i, (p, offset) in enumerate(words)]
+              for i, (p, offset) in enumerate(at)]
     lines += ["bra again;", "done:"]
     out = mgpu_utils.inline_ptx("{\n" + "\n".join(lines) + "\n}", *loaded, *ptrs, flag,
                                 result_types=[_i32()] * n, has_side_effects=True)
@@ -147,22 +147,22 @@ def load_rows(groups, flag):
         flag = flag.registers.item()
         first_row = next(iter(row_layout.thread_idxs((64,))))  # the thread's rows: this one and 8 past it
         f32 = ir.F32Type.get()
-        ptrs, words = [], []  # a ref's pointer; its words as byte offsets from it, in its outputs' order
+        ptrs, offsets = [], []  # a ref's pointer; its words as byte offsets from it, in its outputs' order
         for ref in refs:
             rows = ir.MemRefType(ref.type).shape[0]
             row_bytes = ir.MemRefType(ref.type).get_strides_and_offset()[0][0] * 4
             if rows >= 64:
                 ptrs.append(_word_ptr(ref, first_row))
-                words.append([(block * 64 + 8 * j) * row_bytes for block in range(rows // 64) for j in range(2)])
+                offsets.append([(block * 64 + 8 * j) * row_bytes for block in range(rows // 64) for j in range(2)])
             else:
                 ptrs.append(mgpu_utils.memref_ptr(ref))
-                words.append([j * row_bytes for j in range(rows)])
+                offsets.append([j * row_bytes for j in range(rows)])
         loaded = [[mgpu_utils.inline_ptx(f"ld{_strong()}.global.b64 $0, [$1+{offset}];", p, result_types=_i64(),
-                                         has_side_effects=True) for offset in at] for p, at in zip(ptrs, words)]
+                                         has_side_effects=True) for offset in at] for p, at in zip(ptrs, offsets)]
         out, start = [], 0
         for group in groups:
             end = start + len(group)
-            values = iter(_checked(ptrs[start:end], [(i, o) for i, at in enumerate(words[start:end]) for o in at],
+            values = iter(_checked(ptrs[start:end], [(i, o) for i, at in enumerate(offsets[start:end]) for o in at],
                                    [w for at in loaded[start:end] for w in at], flag))
             for ref in refs[start:end]:
                 rows = ir.MemRefType(ref.type).shape[0]

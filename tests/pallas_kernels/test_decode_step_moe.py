@@ -363,7 +363,7 @@ def test_flagged_states_send_phase_3s_states_as_flagged_words(monkeypatch):
     A kernel of one layer keeps the barrier (its words could be an earlier call's); a diagnostic that cuts the
     states' stores is refused, whose readers would wait forever. On the GPU: ``run_h200.sh flagged tests``."""
     from benchmarks.code_lines import kernel_call, lowered_modules
-    from pallas_kernels import decode_step_attention
+    from pallas_kernels import decode_step_attention, flag_words
 
     fn, args = kernel_call("whole")
     count = lambda module, pattern: len(re.findall(pattern, module))
@@ -381,6 +381,8 @@ def test_flagged_states_send_phase_3s_states_as_flagged_words(monkeypatch):
     monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("chunk_values",))
     with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT \['chunk_values'\] leaves phase 3's states unstored"):
         lowered_modules(fn, *args)
+    with pytest.raises(ValueError, match=r"refs \[\(100, 2\)\]; accepted: \[R, 2\] words, R a multiple of 64"):
+        flag_words.load_rows([[jax.ShapeDtypeStruct((64, 2), jnp.int32), jax.ShapeDtypeStruct((100, 2), jnp.int32)]], 1)
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
