@@ -382,7 +382,7 @@ def test_flagged_states_send_phase_3s_states_as_flagged_words(monkeypatch):
     with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT \['chunk_values'\] leaves phase 3's states unstored"):
         lowered_modules(fn, *args)
     with pytest.raises(ValueError, match=r"refs \[\(100, 2\)\]; accepted: \[R, 2\] words, R a multiple of 64"):
-        flag_words.load_rows([[jax.ShapeDtypeStruct((64, 2), jnp.int32), jax.ShapeDtypeStruct((100, 2), jnp.int32)]], 1)
+        flag_words.load_rows([[jax.ShapeDtypeStruct((rows, 2), jnp.int32) for rows in (64, 100)]], 1)
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
