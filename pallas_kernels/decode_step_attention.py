@@ -594,42 +594,42 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
             # loads issued together, so a group waits out L2's latency once); a group's entries past the context
             # read the new token's state in their place, weighted 0 (those states are never written)
-            # (with ``words``: each state's m, l and rows polled until they carry the layer's flag, m and l as
-            # [64] vectors of one value, which the merge's arithmetic takes as it takes the scalars)
-            span = lambda q: pl.ds(v_range * STEP + q * HALF, HALF)
+            # (with ``words``: each state's m, l and rows polled until they carry the layer's flag, the rows one a
+            # thread, [2, 64] in the strided layout, not 2 x [64] as the wgmma rows, 4 replicas a row)
             m_at = lambda s: r.ml[layer, s, 0, v_head]
-            rows = lambda s, q: plgpu.load(r.o.at[layer, s, span(q), v_head],
+            rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
                                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
-            def states(at):  # [(m, l, (rows 0, rows 1)) of each state in at]
+            def states(at):  # [(m, l, the rows) of each state in at]
                 if not words:
                     return [(m_at(s), r.ml[layer, s, 1, v_head], (rows(s, 0), rows(s, 1))) for s in at]
                 ml_words, o_words = words
-                got = flag_words.load_rows([[ml_words.at[s, v_head, pl.ds(0, 2)],
-                                             o_words.at[s, pl.ds(v_range * STEP, STEP), v_head]]
-                                            for s in at], layer + 1)
-                return [(m, l, (rows0, rows1)) for m, l, rows0, rows1 in zip(*[iter(got)] * 4)]
+                got = flag_words.load_words([[ml_words.at[s, v_head, pl.ds(0, 2)],
+                                              o_words.at[s, pl.ds(v_range * STEP, STEP), v_head]] for s in at],
+                                            layer + 1, (2, HALF))
+                return list(zip(*[iter(got)] * 3))
 
             def group(g, carry):
                 top, total, merged = carry
                 at = [jnp.where(g * MERGE_GROUP + i < num_chunks, g * MERGE_GROUP + i, nch) for i in range(MERGE_GROUP)]
                 got = states(at)
-                valid = [g * MERGE_GROUP + i < num_chunks for i in range(MERGE_GROUP)]
-                m = [m_s + jnp.where(ok, 0.0, -jnp.inf) if words else jnp.where(ok, m_s, -jnp.inf)  # m_s: [64] / scalar
-                     for ok, (m_s, _, _) in zip(valid, got)]
+                m = [jnp.where(g * MERGE_GROUP + i < num_chunks, m_s, -jnp.inf) for i, (m_s, _, _) in enumerate(got)]
                 new_top = functools.reduce(jnp.maximum, m, top)
                 weights = [jnp.exp2(m_s - new_top) for m_s in m]
                 keep = jnp.exp2(top - new_top)
                 total = total * keep + sum(w * l_s for (_, l_s, _), w in zip(got, weights))
-                merged = tuple(merged[q] * keep + sum(rows_s[q] * w for (_, _, rows_s), w in zip(got, weights))
-                               for q in range(2))
+                merged = jax.tree.map(lambda acc, *each: acc * keep + sum(x * w for x, w in zip(each, weights)),
+                                      merged, *(rows_s for _, _, rows_s in got))
                 return new_top, total, merged
 
             first = states([nch])[0]
             _, total, merged = first if cut("merge") else lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group,
                                                                          first)
-            for q in range(2):
-                sm.mrow.at[q][...] = merged[q] / total
+            if words:
+                sm.mrow[...] = merged / total
+            else:
+                for q in range(2):
+                    sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()
             _build_tiles(sm.mrow, sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())

@@ -30,6 +30,7 @@ from jaxlib.mlir import ir
 from jaxlib.mlir.dialects import arith, llvm, vector
 
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [64] vector of per-row values, as the warpgroup's wgmma rows hold them
+WARPGROUP = 128  # threads
 # Nanoseconds a reader sleeps (``nanosleep``) before it loads stale words again (0: none), so that many readers
 # polling the same lines leave the L2 slices that hold them to their writers. Read at trace time.
 BACKOFF_NS = 0
@@ -73,29 +74,52 @@ def _word(value, flag):
     return arith.ori(bits, arith.shli(arith.extui(_i64(), flag), arith.constant(_i64(), 32)))
 
 
+def _register_offsets(layout, shape) -> list[tuple[int, ...]]:
+    """The index offsets of a thread's registers' first elements from its first register's, as ``thread_idxs``
+    builds them (its per-thread part plus a constant a register), for layouts whose per-thread part never carries
+    into the next row: the row layout ``ROW`` and WGMMA's on [64, N] (a thread's columns 2 (lane % 4) + 8 j)."""
+    mgpu_layout = layout.to_mgpu()
+    if mgpu_layout != mgpu_fa.WGMMA_LAYOUT and mgpu_layout != ROW.to_mgpu():
+        raise NotImplementedError(f"flag_words: registers' offsets in {mgpu_layout}")
+    contig = mgpu_utils.get_contiguous_strides(shape)
+    tile_strides = mgpu_layout.tiling.tile_strides(contig)
+    linear = [sum(i * s for i, s in zip(tile_idx, tile_strides)) for tile_idx in np.ndindex(
+        mgpu_layout.registers_shape(shape))]
+    offsets = []
+    for lin in linear:
+        idx = []
+        for stride in contig:
+            idx.append(lin // stride)
+            lin %= stride
+        offsets.append(tuple(idx))
+    return offsets
+
+
 def store(pairs, flag):
     """Each (values, ref) of ``pairs`` stored with ``flag`` (an i32 scalar, at least 1): values f32 [64, N] in
     the WGMMA layout into ref i32[64, N, 2], or [64] in ``ROW`` into ref i32[64, 2]; by every thread of the
-    warpgroup, its own values (a row's replicas store the same word)."""
+    warpgroup, its own values (a row's replicas store the same word), each value's word at its first register's
+    address plus a constant (one pointer a ref: few instructions beside the stores themselves)."""
     layouts = tuple(plgpu.Layout.WGMMA if len(values.shape) == 2 else ROW for values, _ in pairs)
+    offsets = [_register_offsets(layout, values.shape) for (values, _), layout in zip(pairs, layouts)]
 
     @plgpu.inline_mgpu(arg_types=(tuple((layout, plgpu.RefType()) for layout in layouts),
                                   plgpu.Layout.WG_SPLAT(())))
     def body(_, pairs, flag):
         flag = flag.registers.item()
-        for values, ref in pairs:
-            idxs = values.layout.thread_idxs(values.shape)
-            for idx, reg in zip(idxs, values.registers.flat):
+        for (values, ref), at in zip(pairs, offsets):
+            strides = [s * 4 for s in ir.MemRefType(ref.type).get_strides_and_offset()[0][:-1]]
+            base = _word_ptr(ref, next(iter(values.layout.thread_idxs(values.shape))))
+            for offset, reg in zip(at, values.registers.flat):
                 vec = ir.VectorType(reg.type).shape[0]
-                elems = [llvm.extractelement(reg, arith.constant(_i32(), k)) for k in range(vec)]
-                packed = [_word(e, flag) for e in elems]
+                packed = [_word(llvm.extractelement(reg, arith.constant(_i32(), k)), flag) for k in range(vec)]
                 for k in range(0, vec, 2):
-                    at = (*idx[:-1], arith.addi(idx[-1], arith.constant(ir.IndexType.get(), k)))
+                    byte = sum(o * s for o, s in zip(offset, strides)) + k * strides[-1]
                     if k + 1 < vec:
-                        mgpu_utils.inline_ptx(f"st{_strong()}.global.v2.b64 [$0], {{$1, $2}};", _word_ptr(ref, at),
+                        mgpu_utils.inline_ptx(f"st{_strong()}.global.v2.b64 [$0+{byte}], {{$1, $2}};", base,
                                               packed[k], packed[k + 1], has_side_effects=True)
                     else:
-                        mgpu_utils.inline_ptx(f"st{_strong()}.global.b64 [$0], $1;", _word_ptr(ref, at), packed[k],
+                        mgpu_utils.inline_ptx(f"st{_strong()}.global.b64 [$0+{byte}], $1;", base, packed[k],
                                               has_side_effects=True)
 
     layouts_cast = tuple((plgpu.layout_cast(values, layout), ref) for (values, ref), layout in zip(pairs, layouts))
@@ -128,35 +152,45 @@ def _checked(ptrs, at, loaded, flag):
     return list(out)
 
 
-def load_rows(groups, flag):
-    """The flagged values of ``groups`` (lists of refs i32[R, 2] whose rows are words: R a multiple of 64, a
-    block of 64 rows an output, or R < 64, a word an output) once each carries ``flag`` (an i32 scalar) -> the
-    outputs in order, f32 [64] in ``ROW`` (a one-word output's value down every row). Every word's first load is
-    issued before any is checked (one round trip for them all), then a group's words are checked together and
-    loaded again while any is stale (the writer's store not yet seen)."""
+def load_words(groups, flag, shape: tuple[int, ...]):
+    """The flagged values of ``groups`` (lists of refs i32[R, 2] of R words) once each carries ``flag`` (an i32
+    scalar) -> the outputs in order: a ref of as many words as ``shape`` has values (a multiple of the warpgroup's
+    128 threads) one f32 array of ``shape`` in the strided layout (thread t's words t, t + 128, ...), a smaller ref
+    an f32 scalar a word (every thread loads it). Every word's first load is issued before any is checked (one
+    round trip for them all), then a group's words are checked together and loaded again while any is stale (the
+    writer's store not yet seen): one pointer a ref, the words at immediate offsets from it."""
+    size = int(np.prod(shape))
     refs = [ref for group in groups for ref in group]
-    row_layout = ROW.to_mgpu()
-    outputs = [r.shape[0] // 64 if r.shape[0] >= 64 else r.shape[0] for r in refs]
-    misfit = lambda shape: len(shape) != 2 or shape[1] != 2 or (shape[0] >= 64 and shape[0] % 64 != 0)
-    if bad := [r.shape for r in refs if misfit(r.shape)]:
-        raise ValueError(f"flag_words.load_rows: refs {bad}; accepted: [R, 2] words, R a multiple of 64 or under 64")
+    misfit = lambda ref: len(ref.shape) != 2 or ref.shape[1] != 2 or ref.shape[0] > size or (
+        ref.shape[0] >= WARPGROUP and ref.shape[0] != size)
+    if size % WARPGROUP or (bad := [ref.shape for ref in refs if misfit(ref)]):
+        raise ValueError(f"flag_words.load_words: shape {shape}, refs {[r.shape for r in refs]}; accepted: a "
+                         f"shape of a multiple of {WARPGROUP} values, refs [R, 2] of that many words or under "
+                         f"{WARPGROUP}" + (f" (not {bad})" if size % WARPGROUP == 0 else ""))
+    strided = plgpu.Layout.WG_STRIDED(shape, vec_size=1)
+    scalar = plgpu.Layout.WG_SPLAT(())
+    kinds = [ref.shape[0] == size for ref in refs]  # an array, else scalars
+    returns = [plgpu.ShapeDtypeStruct(shape, jnp.float32, layout=strided) if array else
+               plgpu.ShapeDtypeStruct((), jnp.float32, layout=scalar) for array, ref in zip(kinds, refs)
+               for _ in range(1 if array else ref.shape[0])]
 
-    @plgpu.inline_mgpu(arg_types=(tuple(plgpu.RefType() for _ in refs), plgpu.Layout.WG_SPLAT(())),
-                       return_type=[plgpu.ShapeDtypeStruct((64,), jnp.float32, layout=ROW)] * sum(outputs))
+    @plgpu.inline_mgpu(arg_types=(tuple(plgpu.RefType() for _ in refs), scalar), return_type=returns)
     def body(_, refs, flag):
         flag = flag.registers.item()
-        first_row = next(iter(row_layout.thread_idxs((64,))))  # the thread's rows: this one and 8 past it
+        layout = strided.to_mgpu()
         f32 = ir.F32Type.get()
+        first = next(iter(layout.thread_idxs(shape)))  # the thread's first value's index in ``shape``
+        thread_word = mgpu_utils.dyn_dot(first, [arith.constant(ir.IndexType.get(), s)
+                                                 for s in mgpu_utils.get_contiguous_strides(shape)])
         ptrs, offsets = [], []  # a ref's pointer; its words as byte offsets from it, in its outputs' order
-        for ref in refs:
-            rows = ir.MemRefType(ref.type).shape[0]
+        for ref, array in zip(refs, kinds):
             row_bytes = ir.MemRefType(ref.type).get_strides_and_offset()[0][0] * 4
-            if rows >= 64:
-                ptrs.append(_word_ptr(ref, first_row))
-                offsets.append([(block * 64 + 8 * j) * row_bytes for block in range(rows // 64) for j in range(2)])
+            if array:
+                ptrs.append(_word_ptr(ref, (thread_word,)))
+                offsets.append([j * WARPGROUP * row_bytes for j in range(size // WARPGROUP)])
             else:
                 ptrs.append(mgpu_utils.memref_ptr(ref))
-                offsets.append([j * row_bytes for j in range(rows)])
+                offsets.append([j * row_bytes for j in range(ir.MemRefType(ref.type).shape[0])])
         loaded = [[mgpu_utils.inline_ptx(f"ld{_strong()}.global.b64 $0, [$1+{offset}];", p, result_types=_i64(),
                                          has_side_effects=True) for offset in at] for p, at in zip(ptrs, offsets)]
         out, start = [], 0
@@ -164,16 +198,14 @@ def load_rows(groups, flag):
             end = start + len(group)
             values = iter(_checked(ptrs[start:end], [(i, o) for i, at in enumerate(offsets[start:end]) for o in at],
                                    [w for at in loaded[start:end] for w in at], flag))
-            for ref in refs[start:end]:
-                rows = ir.MemRefType(ref.type).shape[0]
-                for _ in range(rows // 64 if rows >= 64 else rows):
-                    regs = [arith.bitcast(f32, next(values)) for _ in range(2 if rows >= 64 else 1)] * (
-                        1 if rows >= 64 else 2)
-                    registers = np.array([vector.broadcast(ir.VectorType.get((1,), f32), r) for r in regs],
-                                         dtype=object)
-                    out.append(mgpu_fa.FragmentedArray(
-                        _registers=registers.reshape(row_layout.registers_shape((64,))), _layout=row_layout,
-                        _is_signed=None))
+            for array, at in zip(kinds[start:end], offsets[start:end]):
+                bits = [arith.bitcast(f32, next(values)) for _ in at]
+                if array:
+                    registers = np.array([vector.broadcast(ir.VectorType.get((1,), f32), b) for b in bits],
+                                         dtype=object).reshape(layout.registers_shape(shape))
+                    out.append(mgpu_fa.FragmentedArray(_registers=registers, _layout=layout, _is_signed=None))
+                else:
+                    out += [mgpu_fa.FragmentedArray.splat(b, ()) for b in bits]
             start = end
         return out
 

@@ -359,7 +359,8 @@ def test_flagged_states_send_phase_3s_states_as_flagged_words(monkeypatch):
     """``decode_step_attention.FLAGGED_STATES``: the chunks' states reach phase 4 as words that carry the layer's
     flag (``flag_words``), so the whole layers' kernel loses phase 3's release and its wait (a relaxed arrival in
     their place); each chunk CTA stores its 8 out^T accumulators in pairs of words (4 stores a thread each) and m
-    and l a word a row (2 each), and phase 4 checks the new token's state, then a merge group's, a state at a time.
+    and l a word a row (2 each), and phase 4 checks the new token's state, then a merge group's, a state at a time
+    (its m, its l and a row a thread).
     A kernel of one layer keeps the barrier (its words could be an earlier call's); a diagnostic that cuts the
     states' stores is refused, whose readers would wait forever. On the GPU: ``run_h200.sh flagged tests``."""
     from benchmarks.code_lines import kernel_call, lowered_modules
@@ -376,13 +377,17 @@ def test_flagged_states_send_phase_3s_states_as_flagged_words(monkeypatch):
     assert count(module, r"st\.relaxed\.gpu\.global\.v2\.b64") == 8 * 4
     assert count(module, r"st\.relaxed\.gpu\.global\.b64") == 2 * 2
     assert count(module, "again:") == 1 + decode_step_attention.MERGE_GROUP
+    assert count(module, r"ld\.relaxed\.gpu\.global\.b64 \$0") == 3 * (1 + decode_step_attention.MERGE_GROUP)
     assert count(built, "again:") == count(built, r"st\.relaxed\.gpu") == 0
     assert decode_step_attention.flagged_states(2) and not decode_step_attention.flagged_states(1)
     monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("chunk_values",))
     with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT \['chunk_values'\] leaves phase 3's states unstored"):
         lowered_modules(fn, *args)
-    with pytest.raises(ValueError, match=r"refs \[\(100, 2\)\]; accepted: \[R, 2\] words, R a multiple of 64"):
-        flag_words.load_rows([[jax.ShapeDtypeStruct((rows, 2), jnp.int32) for rows in (64, 100)]], 1)
+    words = lambda *rows: [[jax.ShapeDtypeStruct((n, 2), jnp.int32) for n in rows]]
+    with pytest.raises(ValueError, match=r"refs \[\(2, 2\), \(200, 2\)\]; accepted: .* \(not \[\(200, 2\)\]\)"):
+        flag_words.load_words(words(2, 200), 1, (2, 64))
+    with pytest.raises(ValueError, match=r"shape \(3, 64\), .*; accepted: a shape of a multiple of 128 values"):
+        flag_words.load_words(words(2), 1, (3, 64))
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
