@@ -160,6 +160,10 @@ FLAGGED_STATES = False
 # The flagged states' m and l a head a 128-byte line (its m, then its l) instead of every head's m in one line and
 # every head's l in another: each line then polled by the 8 units of one head, not by all 128. Read at trace time.
 FLAGGED_ML_SPREAD = False
+# Phase 4 merges a unit's 128 latent rows one a thread ([2, 64] in the strided layout: a load and a multiply-add a
+# state a thread) instead of as two [64] vectors in the wgmma rows' layout (each row on 4 threads: 4 loads and 2
+# multiply-adds a state a thread); the flagged states always do. Read at trace time.
+MERGE_STRIDED = False
 PHASES = 5  # grid barriers a layer
 
 
@@ -600,7 +604,13 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
                                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
+            strided = plgpu.Layout.WG_STRIDED((STEP,), vec_size=1)
+            unit_rows = lambda s: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP, STEP), v_head], layout=strided,
+                                             optimized=False).reshape(2, HALF)
+
             def states(at):  # [(m, l, the rows) of each state in at]
+                if not words and MERGE_STRIDED:
+                    return [(m_at(s), r.ml[layer, s, 1, v_head], unit_rows(s)) for s in at]
                 if not words:
                     return [(m_at(s), r.ml[layer, s, 1, v_head], (rows(s, 0), rows(s, 1))) for s in at]
                 ml_words, o_words = words
@@ -625,7 +635,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             first = states([nch])[0]
             _, total, merged = first if cut("merge") else lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group,
                                                                          first)
-            if words:
+            if words or MERGE_STRIDED:
                 sm.mrow[...] = merged / total
             else:
                 for q in range(2):

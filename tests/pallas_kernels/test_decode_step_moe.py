@@ -390,6 +390,24 @@ def test_flagged_states_send_phase_3s_states_as_flagged_words(monkeypatch):
         flag_words.load_words(words(2), 1, (3, 64))
 
 
+def test_merge_strided_loads_a_states_rows_once_a_thread(monkeypatch):
+    """``decode_step_attention.MERGE_STRIDED``: phase 4 merges a unit's 128 latent rows one a thread, so each state
+    it merges (the new token's, then a merge group's) costs a thread one load of its rows instead of four (two
+    [64] vectors whose rows sit on 4 threads each), and a multiply-add fewer."""
+    from benchmarks.code_lines import kernel_call, lowered_modules
+    from pallas_kernels import decode_step_attention
+
+    fn, args = kernel_call("whole")
+    count = lambda module, op: len(re.findall(rf"= {op} ", module))
+    built = _built_whole()
+    monkeypatch.setattr(decode_step_attention, "MERGE_STRIDED", True)
+    module = lowered_modules(fn, *args)[0]
+    states = 1 + decode_step_attention.MERGE_GROUP
+    assert count(module, "llvm.load") == count(built, "llvm.load") - 4 * states
+    assert count(module, "vector.load") == count(built, "vector.load") + states
+    assert count(module, "arith.mulf") < count(built, "arith.mulf")
+
+
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference
