@@ -396,6 +396,33 @@ def test_code_size_reads_the_kernels_text_sections():
     assert text_bytes(bytes(elf)) == {"kernel_a": 768}
 
 
+def test_sass_lines_counts_instructions_by_the_line_info_before_them():
+    """benchmarks.sass_lines reads nvdisasm -g: each instruction counts for the last ``//## File`` line info above
+    it (the file's base name), none before any; against a base, the lines by the change's size first, then each
+    file's totals."""
+    import collections
+
+    from benchmarks.sass_lines import count_lines, rows
+
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        '        //## File "/w/pallas_kernels/decode_step_attention.py", line 577',
+        "        /*0010*/                   STG.E.64.STRONG.GPU desc[UR4][R2.64], R4 ;",
+        "        /*0020*/                   STG.E.64.STRONG.GPU desc[UR4][R2.64+0x400], R6 ;",
+        '        //## File "/w/pallas_kernels/flag_words.py", line 120',
+        "        /*0030*/                   LDG.E.64.STRONG.GPU R8, desc[UR4][R2.64] ;",
+        "  .L_x_12:",
+        "        /*0040*/                   BRA `(.L_x_12) ;"])
+    counts = count_lines(sass)
+    assert counts == {None: 1, ("decode_step_attention.py", 577): 2, ("flag_words.py", 120): 2}
+    base = collections.Counter({("decode_step_attention.py", 577): 1, ("decode_step_attention.py", 600): 4})
+    table = rows(counts, base, top=2)
+    assert [r["line"] for r in table[:2]] == ["decode_step_attention.py:600", "flag_words.py:120"]
+    assert table[0]["change"] == -4 and table[1]["change"] == 2 and table[1]["base"] == 0
+    totals = {r["line"]: r["change"] for r in table[2:]}
+    assert totals == {"(none) (all)": 1, "decode_step_attention.py (all)": -3, "flag_words.py (all)": 2}
+
+
 def test_megakernel_probe_settings_name_a_kernel_constant():
     """--setting NAME=VALUE names one of decode_step_moe's module constants and a Python literal; anything
     else stops the probe with the accepted form."""
