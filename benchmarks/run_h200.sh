@@ -320,7 +320,7 @@ case $part in
             # 1 round, ~4 minutes) or polls (routing fixed: as built, flagged, flagged without the polls (values
             # wrong), with m and l spread a head a line, and with a backoff too; 1 round, ~6 minutes) or probes
             # (the whole layers' PTX as built and flagged, then without polls, weak, merging 4 at a time; ~7 minutes)
-            # or ptx (the PTX and ptxas reports of four variants, ~4 minutes); check and ab: below
+            # or ptx (the PTX and ptxas reports of four variants, ~4 minutes); check, tests and ab: below
     a=pallas_kernels.decode_step_attention f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
     m=pallas_kernels.decode_step_mgpu
     on="from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = True"
@@ -377,9 +377,10 @@ sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_la
             2>&1 | tail -1
           cp /tmp/ptx_$v/anonymous_0.ptx /tmp/ptx_$v/anonymous_0.ptxas "$OUT/ptx_$v/"; ls "$OUT/ptx_$v"
         done ;;
-      check)  # session 65's leaner build, and MERGE_STRIDED (phase 4's rows one a thread, built path): the whole
-              # layers' PTX of built, flagged and strided (cache off; .ptx / .ptxas kept, for ptxas -v and the SASS
-              # here), then the step kernels' GPU tests with the flagged states, and with the strided merge (~8 min)
+      check)  # session 65's leaner build, and MERGE_STRIDED (phase 4's rows one a thread, built path): flag_words
+              # alone in one CTA (a wrong address hangs, briefly here), then the whole layers' PTX of built, flagged
+              # and strided (cache off; .ptx / .ptxas kept, for code_size and sass_lines here; ~5 minutes)
+        tests "flag_words_round_trip" 60 round_trip
         for v in built flagged strided; do
           set_v="decode_step_attention.FLAGGED_STATES = '$v' == 'flagged'"
           set_v="$set_v; decode_step_attention.MERGE_STRIDED = '$v' == 'strided'"
@@ -390,8 +391,8 @@ from pallas_kernels import decode_step_attention; $set_v
 sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_layer_chain_gpu and 200']))" \
             2>&1 | tail -1
           cp /tmp/ptx_$v/anonymous_0.ptx /tmp/ptx_$v/anonymous_0.ptxas "$OUT/ptx_$v/"
-        done
-        tests "flag_words_round_trip" 60 round_trip  # flag_words alone first: a wrong address hangs, briefly here
+        done ;;
+      tests)  # the step kernels' GPU tests with the flagged states, then with the strided merge (~5 minutes)
         tests "moe_layer_chain_repeated or moe_layer_chain_gpu or (attention_chain_gpu and (0-8-False or \
 63-8-False or 511-8-False or 511-32-False or 200-2-False or 200-8-True))" 250 check
         on="from pallas_kernels import decode_step_attention; decode_step_attention.MERGE_STRIDED = True"
@@ -402,7 +403,7 @@ sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_la
           --num-kv-blocks 2048 --rounds 2 --variant built --variant "strided merge: $a.MERGE_STRIDED=True" \
           --variant "flagged: $a.FLAGGED_STATES=True" --out "$OUT/step_ab_flagged_lean_b1.json" 2>&1 \
           | grep -E "^\||^round|Error" ;;
-      *) echo "flagged: '$2'; accepted: kernels, model, bound, polls, probes, ptx, check, ab" >&2; exit 2 ;;
+      *) echo "flagged: '$2'; accepted: kernels, model, bound, polls, probes, ptx, check, tests, ab" >&2; exit 2 ;;
     esac ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:
