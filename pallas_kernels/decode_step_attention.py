@@ -598,8 +598,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
             # loads issued together, so a group waits out L2's latency once); a group's entries past the context
             # read the new token's state in their place, weighted 0 (those states are never written)
-            # (with ``words``: each state's m, l and rows polled until they carry the layer's flag, the rows one a
-            # thread, [2, 64] in the strided layout, not 2 x [64] as the wgmma rows, 4 replicas a row)
+            # the unit's 128 rows one a thread ([2, 64], strided) with ``words`` or ``MERGE_STRIDED``, else two [64]
+            # vectors in the wgmma rows' layout (4 replicas a row); with ``words`` each state's m, l and rows polled
+            # until they carry the layer's flag
             m_at = lambda s: r.ml[layer, s, 0, v_head]
             rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
                                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
