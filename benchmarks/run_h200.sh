@@ -320,7 +320,7 @@ case $part in
             # 1 round, ~4 minutes) or polls (routing fixed: as built, flagged, flagged without the polls (values
             # wrong), with m and l spread a head a line, and with a backoff too; 1 round, ~6 minutes) or probes
             # (the whole layers' PTX as built and flagged, then without polls, weak, merging 4 at a time; ~7 minutes)
-            # or ptx (the PTX and ptxas reports of four variants, ~4 minutes); check, tests and ab: below
+            # or ptx, check, tests and ab: below
     a=pallas_kernels.decode_step_attention f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
     m=pallas_kernels.decode_step_mgpu
     on="from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = True"
@@ -329,9 +329,24 @@ case $part in
 sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', '$1']))" 2>&1 \
         | tee "$OUT/gpu_tests_flagged_$3.log" | tail -4
     }
+    # the whole layers' PTX and ptxas report under the settings $2 (Python statements, decode_step_attention
+    # imported), into $OUT/ptx_$1: compiled by one GPU test with JAX's compilation cache off (a cached executable
+    # dumps nothing), only the kernel's .ptx and .ptxas kept (a call returns a limited number of files); read
+    # here with benchmarks.code_size and benchmarks.sass_lines
+    dump_ptx() {
+      mkdir -p "/tmp/ptx_$1" "$OUT/ptx_$1"
+      JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/ptx_$1" \
+        timeout -s KILL 100 python -c "import sys, pytest
+from pallas_kernels import decode_step_attention; $2
+sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_layer_chain_gpu and 200']))" \
+        2>&1 | tail -1
+      cp "/tmp/ptx_$1/anonymous_0.ptx" "/tmp/ptx_$1/anonymous_0.ptxas" "$OUT/ptx_$1/"
+    }
+    flagged_on="decode_step_attention.FLAGGED_STATES = True"
+    kernel_tests="moe_layer_chain_repeated or moe_layer_chain_gpu or (attention_chain_gpu and (0-8-False or \
+63-8-False or 511-8-False or 511-32-False or 200-2-False or 200-8-True))"
     case ${2:-kernels} in
-      kernels) tests "moe_layer_chain_repeated or moe_layer_chain_gpu or (attention_chain_gpu and (0-8-False or \
-63-8-False or 511-8-False or 511-32-False or 200-2-False or 200-8-True))" 300 kernels \
+      kernels) tests "$kernel_tests" 300 kernels \
           && timeout -s KILL 290 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
             --num-kv-blocks 2048 --rounds 2 --variant built --variant "flagged: $a.FLAGGED_STATES=True" \
             --out "$OUT/step_ab_flagged_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
@@ -348,13 +363,8 @@ sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', 
           --variant "flagged, spread, backoff: $a.FLAGGED_STATES=True $a.FLAGGED_ML_SPREAD=True $w.BACKOFF_NS=200 $f" \
           --out "$OUT/step_ab_flagged_polls_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
       probes) w=pallas_kernels.flag_words  # round 46's second call: flagged without polls still 167 µs slower
-        for v in built flagged; do  # the whole layers' PTX (2 layers, one GPU test), for ptxas -v and SASS here
-          mkdir -p "$OUT/ptx_$v"
-          MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="$OUT/ptx_$v" timeout -s KILL 100 python -c "import sys, pytest
-from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = '$v' == 'flagged'
-sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_layer_chain_gpu and 200']))" \
-            2>&1 | tail -1
-        done
+        dump_ptx built ""
+        dump_ptx flagged "$flagged_on"
         timeout -s KILL 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
           --num-kv-blocks 2048 --rounds 1 --variant "fixed: $f" \
           --variant "flagged, no polls: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $f" \
@@ -362,39 +372,21 @@ sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_la
           --variant "flagged, no polls, merge 4: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $a.MERGE_GROUP=4 $f" \
           --variant "flagged, merge 4: $a.FLAGGED_STATES=True $a.MERGE_GROUP=4 $f" \
           --out "$OUT/step_ab_flagged_probes_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      ptx)  # the whole layers' PTX and ptxas report (registers, spills) as built, flagged, flagged merging 4 at a
-            # time, and flagged without polls: compiled with JAX's compilation cache off (a cached executable dumps
-            # nothing), only the .ptx and .ptxas files kept (~4 minutes); then, here: ptxas -v and the SASS
-        for v in built flagged merge4 nopoll; do
-          set_v="decode_step_attention.FLAGGED_STATES = '$v' != 'built'"
-          [ "$v" = merge4 ] && set_v="$set_v; decode_step_attention.MERGE_GROUP = 4"
-          [ "$v" = nopoll ] && set_v="$set_v; from pallas_kernels import flag_words; flag_words.PROBE_NO_POLL = True"
-          mkdir -p "/tmp/ptx_$v" "$OUT/ptx_$v"
-          JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/ptx_$v" \
-            timeout -s KILL 100 python -c "import sys, pytest
-from pallas_kernels import decode_step_attention; $set_v
-sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_layer_chain_gpu and 200']))" \
-            2>&1 | tail -1
-          cp /tmp/ptx_$v/anonymous_0.ptx /tmp/ptx_$v/anonymous_0.ptxas "$OUT/ptx_$v/"; ls "$OUT/ptx_$v"
-        done ;;
+      ptx)  # the whole layers' PTX (dump_ptx) as built, flagged, flagged merging 4 at a time, and flagged without
+            # polls (~4 minutes)
+        dump_ptx built ""
+        dump_ptx flagged "$flagged_on"
+        dump_ptx merge4 "$flagged_on; decode_step_attention.MERGE_GROUP = 4"
+        dump_ptx nopoll "$flagged_on; from pallas_kernels import flag_words; flag_words.PROBE_NO_POLL = True" ;;
       check)  # session 65's leaner build, and MERGE_STRIDED (phase 4's rows one a thread, built path): flag_words
-              # alone in one CTA (a wrong address hangs, briefly here), then the whole layers' PTX of built, flagged
-              # and strided (cache off; .ptx / .ptxas kept, for code_size and sass_lines here; ~5 minutes)
+              # alone in one CTA (a wrong address hangs, briefly here), then the whole layers' PTX (dump_ptx) of
+              # built, flagged and strided (~5 minutes)
         tests "flag_words_round_trip" 60 round_trip
-        for v in built flagged strided; do
-          set_v="decode_step_attention.FLAGGED_STATES = '$v' == 'flagged'"
-          set_v="$set_v; decode_step_attention.MERGE_STRIDED = '$v' == 'strided'"
-          mkdir -p "/tmp/ptx_$v" "$OUT/ptx_$v"
-          JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/ptx_$v" \
-            timeout -s KILL 100 python -c "import sys, pytest
-from pallas_kernels import decode_step_attention; $set_v
-sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_layer_chain_gpu and 200']))" \
-            2>&1 | tail -1
-          cp /tmp/ptx_$v/anonymous_0.ptx /tmp/ptx_$v/anonymous_0.ptxas "$OUT/ptx_$v/"
-        done ;;
+        dump_ptx built ""
+        dump_ptx flagged "$flagged_on"
+        dump_ptx strided "decode_step_attention.MERGE_STRIDED = True" ;;
       tests)  # the step kernels' GPU tests with the flagged states, then with the strided merge (~5 minutes)
-        tests "moe_layer_chain_repeated or moe_layer_chain_gpu or (attention_chain_gpu and (0-8-False or \
-63-8-False or 511-8-False or 511-32-False or 200-2-False or 200-8-True))" 250 check
+        tests "$kernel_tests" 250 check
         on="from pallas_kernels import decode_step_attention; decode_step_attention.MERGE_STRIDED = True"
         tests "moe_layer_chain_gpu or (attention_chain_gpu and (0-8-False or 511-8-False or 511-32-False or \
 200-2-False))" 150 strided ;;
