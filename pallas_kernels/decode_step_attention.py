@@ -37,9 +37,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import flag_words
 from pallas_kernels.common import cos_sin, reduced_cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
-                                             _build_tiles, _issue_box, _load_rows, _norm_tiles, _relaxed_signal,
-                                             _release, _round_rows, _strided, _unit_boxes, _unit_store, _unit_sums,
-                                             _zero_rows, norm_rows_out, num_sms, proxy_fence, token_tiles)
+                                             _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
+                                             _strided, _unit_boxes, _unit_store, _unit_sums, _zero_rows, norm_rows_out,
+                                             num_sms, proxy_fence, token_tiles)
 from pallas_kernels.mla_decode import mla_paged_reference
 
 
@@ -580,10 +580,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                     for j, acc in enumerate(accs):
                         r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
 
-        if words:  # counted (later barriers wait for the count), neither released nor waited for
-            _relaxed_signal(sem)
-        else:
-            _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3), "phase3")
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3), "phase3", flagged=words is not None)
         return count + p3_boxes
 
     def phase4(layer, count):
