@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|flagged|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|ptx|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -312,91 +312,19 @@ case $part in
     esac
     timeout -s KILL 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       "${v[@]}" --out "$OUT/step_ab_ll_${2:-bound}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-  flagged)  # round 46: phase 3's states as flagged words (decode_step_attention.FLAGGED_STATES: NCCL's LL protocol in
-            # place of phase 3's grid barrier). $2: kernels (the step kernels' GPU tests with it on, ~2.5 minutes,
-            # then, if they pass, the batch-1 compiled step as built and flagged, 2 rounds in turns, ~4.5 minutes),
-            # model (the engine's one-token steps and greedy program with it on, ~4 minutes) or bound (as built,
-            # flagged, and phase 3's barrier without its release or wait, values wrong, routing fixed in all three,
-            # 1 round, ~4 minutes) or polls (routing fixed: as built, flagged, flagged without the polls (values
-            # wrong), with m and l spread a head a line, and with a backoff too; 1 round, ~6 minutes) or probes
-            # (the whole layers' PTX as built and flagged, then without polls, weak, merging 4 at a time; ~7 minutes)
-            # or ptx, check, tests and ab: below
-    a=pallas_kernels.decode_step_attention f=pallas_kernels.decode_step_moe.PROBE_FIXED_ROUTING=True
-    m=pallas_kernels.decode_step_mgpu
-    on="from pallas_kernels import decode_step_attention; decode_step_attention.FLAGGED_STATES = True"
-    tests() {
-      timeout -s KILL "$2" python -c "import sys, pytest; $on
-sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', '$1']))" 2>&1 \
-        | tee "$OUT/gpu_tests_flagged_$3.log" | tail -4
-    }
-    # the whole layers' PTX and ptxas report under the settings $2 (Python statements, decode_step_attention
-    # imported), into $OUT/ptx_$1: compiled by one GPU test with JAX's compilation cache off (a cached executable
-    # dumps nothing), only the kernel's .ptx and .ptxas kept (a call returns a limited number of files); read
-    # here with benchmarks.code_size and benchmarks.sass_lines
-    dump_ptx() {
-      mkdir -p "/tmp/ptx_$1" "$OUT/ptx_$1"
-      JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/ptx_$1" \
-        timeout -s KILL 100 python -c "import sys, pytest
-from pallas_kernels import decode_step_attention; $2
+  ptx)  # the whole layers' PTX and ptxas report under settings $3 (Python statements, decode_step_attention and
+        # decode_step_moe imported; none: as built) into $OUT/ptx_$2: compiled by one GPU test with JAX's
+        # compilation cache off (a cached executable dumps nothing), only the kernel's .ptx and .ptxas kept (a call
+        # returns a limited number of files). Read here: `python -m benchmarks.code_size $OUT/ptx_$2` (size,
+        # registers, spills), `python -m benchmarks.sass_lines ptx_B/anonymous_0.ptx --base ptx_A/anonymous_0.ptx`
+        name=${2:-built}
+        mkdir -p "/tmp/ptx_$name" "$OUT/ptx_$name"
+        JAX_ENABLE_COMPILATION_CACHE=false MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO="/tmp/ptx_$name" \
+          timeout -s KILL 100 python -c "import sys, pytest
+from pallas_kernels import decode_step_attention, decode_step_moe; ${3:-}
 sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-k', 'moe_layer_chain_gpu and 200']))" \
-        2>&1 | tail -1
-      cp "/tmp/ptx_$1/anonymous_0.ptx" "/tmp/ptx_$1/anonymous_0.ptxas" "$OUT/ptx_$1/"
-    }
-    flagged_on="decode_step_attention.FLAGGED_STATES = True"
-    kernel_tests="moe_layer_chain_repeated or moe_layer_chain_gpu or (attention_chain_gpu and (0-8-False or \
-63-8-False or 511-8-False or 511-32-False or 200-2-False or 200-8-True))"
-    case ${2:-kernels} in
-      kernels) tests "$kernel_tests" 300 kernels \
-          && timeout -s KILL 290 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-            --num-kv-blocks 2048 --rounds 2 --variant built --variant "flagged: $a.FLAGGED_STATES=True" \
-            --out "$OUT/step_ab_flagged_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      model) tests "one_token_steps or engine_greedy" 330 model ;;
-      bound) timeout -s KILL 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds 1 --variant "fixed: $f" --variant "flagged: $a.FLAGGED_STATES=True $f" \
-          --variant "phase 3 bound: $m.PROBE_NO_WAIT=('phase3',) $m.PROBE_RELAXED_AT=('phase3',) $f" \
-          --out "$OUT/step_ab_flagged_bound_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      polls) w=pallas_kernels.flag_words  # round 46's first A/B: flagged 222 µs slower; where the polls cost
-        timeout -s KILL 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds 1 --variant "fixed: $f" --variant "flagged: $a.FLAGGED_STATES=True $f" \
-          --variant "flagged, no polls: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $f" \
-          --variant "flagged, m l spread: $a.FLAGGED_STATES=True $a.FLAGGED_ML_SPREAD=True $f" \
-          --variant "flagged, spread, backoff: $a.FLAGGED_STATES=True $a.FLAGGED_ML_SPREAD=True $w.BACKOFF_NS=200 $f" \
-          --out "$OUT/step_ab_flagged_polls_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      probes) w=pallas_kernels.flag_words  # round 46's second call: flagged without polls still 167 µs slower
-        dump_ptx built ""
-        dump_ptx flagged "$flagged_on"
-        timeout -s KILL 400 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds 1 --variant "fixed: $f" \
-          --variant "flagged, no polls: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $f" \
-          --variant "flagged, no polls, weak: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $w.PROBE_WEAK=True $f" \
-          --variant "flagged, no polls, merge 4: $a.FLAGGED_STATES=True $w.PROBE_NO_POLL=True $a.MERGE_GROUP=4 $f" \
-          --variant "flagged, merge 4: $a.FLAGGED_STATES=True $a.MERGE_GROUP=4 $f" \
-          --out "$OUT/step_ab_flagged_probes_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      ptx)  # the whole layers' PTX (dump_ptx) as built, flagged, flagged merging 4 at a time, and flagged without
-            # polls (~4 minutes)
-        dump_ptx built ""
-        dump_ptx flagged "$flagged_on"
-        dump_ptx merge4 "$flagged_on; decode_step_attention.MERGE_GROUP = 4"
-        dump_ptx nopoll "$flagged_on; from pallas_kernels import flag_words; flag_words.PROBE_NO_POLL = True" ;;
-      check)  # session 65's leaner build, and MERGE_STRIDED (phase 4's rows one a thread, built path): flag_words
-              # alone in one CTA (a wrong address hangs, briefly here), then the whole layers' PTX (dump_ptx) of
-              # built, flagged and strided (~5 minutes)
-        tests "flag_words_round_trip" 60 round_trip
-        dump_ptx built ""
-        dump_ptx flagged "$flagged_on"
-        dump_ptx strided "decode_step_attention.MERGE_STRIDED = True" ;;
-      tests)  # the step kernels' GPU tests with the flagged states, then with the strided merge (~5 minutes)
-        tests "$kernel_tests" 250 check
-        on="from pallas_kernels import decode_step_attention; decode_step_attention.MERGE_STRIDED = True"
-        tests "moe_layer_chain_gpu or (attention_chain_gpu and (0-8-False or 511-8-False or 511-32-False or \
-200-2-False))" 150 strided ;;
-      ab)  # the batch-1 compiled step as built, with the strided merge, and with the flagged states, 2 rounds (~7 min)
-        timeout -s KILL 480 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds 2 --variant built --variant "strided merge: $a.MERGE_STRIDED=True" \
-          --variant "flagged: $a.FLAGGED_STATES=True" --out "$OUT/step_ab_flagged_lean_b1.json" 2>&1 \
-          | grep -E "^\||^round|Error" ;;
-      *) echo "flagged: '$2'; accepted: kernels, model, bound, polls, probes, ptx, check, tests, ab" >&2; exit 2 ;;
-    esac ;;
+          2>&1 | tail -1
+        cp "/tmp/ptx_$name/anonymous_0.ptx" "/tmp/ptx_$name/anonymous_0.ptxas" "$OUT/ptx_$name/" ;;
   chunk-cuts)  # round 41: phase 3's work cut from a point on (decode_step_attention.PROBE_PHASE_CUT; values wrong,
                # every layer's picks replaced by experts 0-5 so that each variant reads the same bytes:
                # decode_step_moe.PROBE_FIXED_ROUTING): the states' stores, the value products and stores, everything

@@ -34,7 +34,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import flag_words
 from pallas_kernels.common import cos_sin, reduced_cos_sin, rms_norm, rotate_by, why_not_hopper
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _build_tiles, _issue_box, _load_rows, _norm_tiles, _release, _round_rows,
@@ -151,36 +150,7 @@ QUERY_TMA = True
 # contexts up to (its CTAs - 1) x 64 tokens (``attention_supports``). Timed with dispatch's kernel knobs (round
 # 35: their batch-1 step 1.7034 ms against 1.7342). Read at trace time.
 ROPE_IN_KERNEL = True
-# Phase 3's chunk states reach phase 4 as values that carry their own flags (``flag_words``, NCCL's LL protocol)
-# instead of through the grid barrier between the phases: each chunk's CTA stores its m, l and out^T with the
-# layer's flag, and each W_UV unit polls the words it merges until they carry it. The barrier keeps a relaxed
-# arrival (its count, which later barriers wait for, stays), without its release or its wait. Kernels of two
-# layers or more (``flagged_states``; flag_words says why). Read at trace time.
-FLAGGED_STATES = False
-# The flagged states' m and l a head a 128-byte line (its m, then its l) instead of every head's m in one line and
-# every head's l in another: each line then polled by the 8 units of one head, not by all 128. Read at trace time.
-FLAGGED_ML_SPREAD = False
-# Phase 4 merges a unit's 128 latent rows one a thread ([2, 64] in the strided layout: a load and a multiply-add a
-# state a thread) instead of as two [64] vectors in the wgmma rows' layout (each row on 4 threads: 4 loads and 2
-# multiply-adds a state a thread); the flagged states always do. Read at trace time.
-MERGE_STRIDED = False
 PHASES = 5  # grid barriers a layer
-
-
-def flagged_states(num_layers: int) -> bool:
-    """Whether a kernel of ``num_layers`` layers passes phase 3's states as flagged words (``FLAGGED_STATES``)."""
-    return FLAGGED_STATES and num_layers >= 2
-
-
-def state_words(num_layers: int, states: int, num_heads: int):
-    """The flagged states' words of a kernel (``flagged_states``), in its global scratch: (ml i32[S, 64, 2, 2]:
-    each state's m and l a head a row, or with ``FLAGGED_ML_SPREAD`` i32[S, 64, 16, 2], a head's in the first two
-    words of its own line; o i32[S, 512, H, 2]: its out^T), or None. A kernel body calls it before any other
-    ``pl.get_global`` (``flag_words.words``)."""
-    if not flagged_states(num_layers):
-        return None
-    return (flag_words.words((states, HALF, 16 if FLAGGED_ML_SPREAD else 2)),
-            flag_words.words((states, LATENT, num_heads)))
 
 
 def attention_supports(hidden: int, num_heads: int, dims: tuple, block_size: int, capacity: int, dtype,
@@ -295,8 +265,7 @@ def chunk_scores(key, q_smem, p_smem, m_ref, l_ref, valid, scale_log2e: float):
     ``key(j)`` the chunk's keys' 64-column slice j ([64 tokens, 64]: 8 of the latent, then the rope key), q_smem
     the query windows bf16[192, 64] (row 16 j + h: slice j of head h's query), ``valid()`` the chunk's tokens
     that count -> P^T into p_smem bf16[64, 64] (row h: head h's P over the tokens; rows past H unread), m (log2
-    units) and l of every head into m_ref and l_ref f32[64] (entries past H unread; with m_ref None, (m, l) come
-    back instead, [64] in the rows' layout, for ``FLAGGED_STATES``' stores); committed. S [64 rows, 64
+    units) and l of every head into m_ref and l_ref f32[64] (entries past H unread); committed. S [64 rows, 64
     tokens] takes 64-row query windows, rows past H other windows' (finite). (Session 58 built the scores with the
     tokens on wgmma's M side, S^T [64 tokens, H] in 1, 3 or 9 accumulators: no faster in the step, round 42;
     removed, code in git cd849d3.)"""
@@ -316,15 +285,10 @@ def chunk_scores(key, q_smem, p_smem, m_ref, l_ref, valid, scale_log2e: float):
     s = jnp.where(cols < num_valid, s * scale_log2e, -jnp.inf)
     m = s.max(axis=1)
     p = jnp.exp2(s - lax.broadcast_in_dim(m, s.shape, [0]))
-    l = p.sum(axis=1)
-    p_smem[...] = p.astype(p_smem.dtype)
-    if m_ref is None:
-        plgpu.commit_smem()
-        return m, l
     m_ref[...] = m
-    l_ref[...] = l
+    l_ref[...] = p.sum(axis=1)
+    p_smem[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
-    return None
 
 
 def chunk_values(key, p_smem, num_heads: int):
@@ -342,7 +306,7 @@ def chunk_values(key, p_smem, num_heads: int):
 
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
-                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0, words=None):
+                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0):
     """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
     semaphore and layer loop the caller owns -> (zero, loads, compute):
 
@@ -354,14 +318,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
       phase p ending at the grid barrier ``barrier_count(layer, p)`` -> the ring position after. The heads'
       outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj.
 
-    Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches).
-    ``words``: ``state_words``' (ml, o) when the kernel passes the states as flagged words (``FLAGGED_STATES``),
-    in place of refs.ml and refs.o."""
+    Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches)."""
     if unknown := sorted(set(PROBE_PHASE_CUT) - set(PHASE_CUTS)):
         raise ValueError(f"PROBE_PHASE_CUT names {', '.join(map(repr, unknown))}; accepted: {', '.join(PHASE_CUTS)}")
-    if words is not None and (unstored := sorted({"chunk", "chunk_values", "chunk_states"} & set(PROBE_PHASE_CUT))):
-        raise ValueError(f"PROBE_PHASE_CUT {unstored} leaves phase 3's states unstored, which FLAGGED_STATES' "
-                         "readers would wait for forever; accepted with it: phase1, phase2, wuk, rope, merge, phase4")
     cut = lambda name: name in PROBE_PHASE_CUT
     rope_work = not (cut("phase2") or cut("rope"))  # the rope and latent CTAs' work (unless a diagnostic cuts it)
     r, sm = refs, scratch
@@ -558,10 +517,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                 free_slots()
                 return
             with jax.named_scope("scores"):  # the products, the softmax, P into shared memory
-                ml = chunk_scores(lambda j: ring.at[lax.rem(count + j // 2, RING), j % 2], sm.q, sm.p,
-                                  *((None, None) if words else (r.ml.at[layer, c, 0], r.ml.at[layer, c, 1])),
-                                  lambda: jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK)),
-                                  scale_log2e)
+                chunk_scores(lambda j: ring.at[lax.rem(count + j // 2, RING), j % 2], sm.q, sm.p,
+                             r.ml.at[layer, c, 0], r.ml.at[layer, c, 1],
+                             lambda: jnp.where(c == nch, 1, jnp.minimum(CHUNK, position - c * CHUNK)), scale_log2e)
             if cut("chunk_values"):
                 free_slots()
                 return
@@ -571,16 +529,10 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             if cut("chunk_states"):
                 return
             with jax.named_scope("states_out"):  # out^T by the warpgroup's own stores
-                if words:  # m, l and out^T with the layer's flag
-                    ml_words, o_words = words
-                    flag_words.store([(ml[0], ml_words.at[c, :, 0]), (ml[1], ml_words.at[c, :, 1]),
-                                      *((acc, o_words.at[c, pl.ds(j * HALF, HALF)]) for j, acc in enumerate(accs))],
-                                     layer + 1)
-                else:
-                    for j, acc in enumerate(accs):
-                        r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
+                for j, acc in enumerate(accs):
+                    r.o.at[layer, c, pl.ds(j * HALF, HALF)][...] = acc
 
-        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3), "phase3", flagged=words is not None)
+        _arrive_and_wait(sem, num_ctas, barrier_count(layer, 3), "phase3")
         return count + p3_boxes
 
     def phase4(layer, count):
@@ -595,49 +547,26 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             # an online merge, the new token's state first, then the chunks' MERGE_GROUP at a time (each group's
             # loads issued together, so a group waits out L2's latency once); a group's entries past the context
             # read the new token's state in their place, weighted 0 (those states are never written)
-            # the unit's 128 rows one a thread ([2, 64], strided) with ``words`` or ``MERGE_STRIDED``, else two [64]
-            # vectors in the wgmma rows' layout (4 replicas a row); with ``words`` each state's m, l and rows polled
-            # until they carry the layer's flag
             m_at = lambda s: r.ml[layer, s, 0, v_head]
             rows = lambda s, q: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP + q * HALF, HALF), v_head],
                                            layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
 
-            strided = plgpu.Layout.WG_STRIDED((STEP,), vec_size=1)
-            unit_rows = lambda s: plgpu.load(r.o.at[layer, s, pl.ds(v_range * STEP, STEP), v_head], layout=strided,
-                                             optimized=False).reshape(2, HALF)
-
-            def states(at):  # [(m, l, the rows) of each state in at]
-                if not words and MERGE_STRIDED:
-                    return [(m_at(s), r.ml[layer, s, 1, v_head], unit_rows(s)) for s in at]
-                if not words:
-                    return [(m_at(s), r.ml[layer, s, 1, v_head], (rows(s, 0), rows(s, 1))) for s in at]
-                ml_words, o_words = words
-                got = flag_words.load_words([[ml_words.at[s, v_head, pl.ds(0, 2)],
-                                              o_words.at[s, pl.ds(v_range * STEP, STEP), v_head]] for s in at],
-                                            layer + 1, (2, HALF))
-                return list(zip(*[iter(got)] * 3))
-
             def group(g, carry):
                 top, total, merged = carry
                 at = [jnp.where(g * MERGE_GROUP + i < num_chunks, g * MERGE_GROUP + i, nch) for i in range(MERGE_GROUP)]
-                got = states(at)
-                m = [jnp.where(g * MERGE_GROUP + i < num_chunks, m_s, -jnp.inf) for i, (m_s, _, _) in enumerate(got)]
+                m = [jnp.where(g * MERGE_GROUP + i < num_chunks, m_at(s), -jnp.inf) for i, s in enumerate(at)]
                 new_top = functools.reduce(jnp.maximum, m, top)
                 weights = [jnp.exp2(m_s - new_top) for m_s in m]
                 keep = jnp.exp2(top - new_top)
-                total = total * keep + sum(w * l_s for (_, l_s, _), w in zip(got, weights))
-                merged = jax.tree.map(lambda acc, *each: acc * keep + sum(x * w for x, w in zip(each, weights)),
-                                      merged, *(rows_s for _, _, rows_s in got))
+                total = total * keep + sum(w * r.ml[layer, s, 1, v_head] for s, w in zip(at, weights))
+                merged = tuple(merged[q] * keep + sum(rows(s, q) * w for s, w in zip(at, weights)) for q in range(2))
                 return new_top, total, merged
 
-            first = states([nch])[0]
+            first = (m_at(nch), r.ml[layer, nch, 1, v_head], tuple(rows(nch, q) for q in range(2)))
             _, total, merged = first if cut("merge") else lax.fori_loop(0, pl.cdiv(num_chunks, MERGE_GROUP), group,
                                                                          first)
-            if words or MERGE_STRIDED:
-                sm.mrow[...] = merged / total
-            else:
-                for q in range(2):
-                    sm.mrow.at[q][...] = merged[q] / total
+            for q in range(2):
+                sm.mrow.at[q][...] = merged[q] / total
             plgpu.commit_smem()
             _build_tiles(sm.mrow, sm.flat)
             sums = _unit_sums(ring, full, free, sm.tiles4, count, 1, zeros8())
@@ -683,7 +612,6 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
     o_units = (hidden // HALF) * o_ranges
     o_tile, o_kq = lax.div(c, o_ranges), lax.rem(c, o_ranges)
     o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
-    words = state_words(num_layers, states, num_heads)  # the kernel's first global scratch
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     barrier_count = lambda layer, phase: 1 + PHASES * layer + phase  # the kernel's first barrier, then PHASES a layer
     (tiles_smem, row_smem), flat_smem, (q_smem, p_smem), (tiles4_smem, mrow_smem), rope_buffers = union
@@ -694,7 +622,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
                                lat_bar)
     zero, phase_loads, phase_compute = attention_phases(
         refs, scratch, ring, full, free, sem, num_layers=num_layers, num_heads=num_heads, states=states,
-        num_ctas=num_ctas, barrier_count=barrier_count, words=words, **constants)
+        num_ctas=num_ctas, barrier_count=barrier_count, **constants)
 
     def loads():
         """Warpgroup 1: every phase's boxes of every layer, in the computing warpgroup's order."""
@@ -767,7 +695,6 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
     block_size = c_kv.shape[2]
     states = pl.cdiv(block_table.shape[0] * block_size, CHUNK) + 1
     f32, bf16 = jnp.float32, jnp.bfloat16
-    stacked = (1, 1) if flagged_states(num_layers) else (num_layers, states)  # flagged: the words in their place
     if ROPE_IN_KERNEL:  # the frequencies, a constant of the program: whole rows (a broadcast would be a launch)
         cs = jnp.asarray(np.tile(np.asarray(spec.inv_freq, np.float32), (32, 1)))
     else:
@@ -781,8 +708,8 @@ def attention_operands(position, block_table, c_kv, k_pe, weights: AttentionWeig
                  jax.ShapeDtypeStruct((num_layers, 3 * HALF, HALF), bf16),  # the queries: chunk j of head h at 16 j + h
                  jax.ShapeDtypeStruct((9, CHUNK, HALF), bf16),  # the new token as a chunk
                  jax.ShapeDtypeStruct((num_layers, 9, HALF), bf16),  # its rows, for the cache
-                 jax.ShapeDtypeStruct(stacked + (2, HALF), f32),  # the states' m and l
-                 jax.ShapeDtypeStruct(stacked + (LATENT, num_heads), f32),  # their outputs, transposed
+                 jax.ShapeDtypeStruct((num_layers, states, 2, HALF), f32),  # the states' m and l
+                 jax.ShapeDtypeStruct((num_layers, states, LATENT, num_heads), f32),  # their outputs, transposed
                  jax.ShapeDtypeStruct((num_layers, num_heads * V_DIM // HALF, HALF), f32))  # W_UV's sums
     constants = dict(num_heads=num_heads, states=states, scale_log2e=spec.scale * math.log2(math.e), eps=spec.eps,
                      kv_eps=spec.kv_eps, block_size=block_size, cos_sin_scale=spec.cos_sin_scale,

@@ -222,22 +222,20 @@ def _relaxed_signal(_, sem):
     mgpu_utils.SemaphoreRef(mgpu_utils.memref_ptr(sem)).signal(1, relaxed=True, memory_scope="gpu")
 
 
-def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None, *, flagged: bool = False):
+def _arrive_and_wait(sem, num_ctas: int, count, name: str | None = None):
     """A grid barrier on the global semaphore ``sem``: this CTA's stores are out (``stores_done``), counted;
     then wait until all ``num_ctas`` have arrived ``count`` times in all, and fence the async proxy so that
-    TMA loads read what the others wrote. ``name``: the barrier's, for ``PROBE_NO_WAIT`` and ``PROBE_RELAXED_AT``.
-    ``flagged``: what crosses this boundary carries its own flags (``flag_words``), so the arrival is relaxed and
-    no one waits: only the count stays, which later barriers wait for."""
+    TMA loads read what the others wrote. ``name``: the barrier's, for ``PROBE_NO_WAIT`` and ``PROBE_RELAXED_AT``."""
     if unknown := [n for n in (name, *PROBE_NO_WAIT, *PROBE_RELAXED_AT) if n is not None and n not in BARRIER_NAMES]:
         raise ValueError(f"grid barrier name {', '.join(map(repr, unknown))} (the barrier's, in PROBE_NO_WAIT or "
                          f"in PROBE_RELAXED_AT); accepted: {', '.join(BARRIER_NAMES)}")
     with jax.named_scope("stores_out"):
         stores_done()
-        if flagged or name in PROBE_RELAXED_AT:
+        if name in PROBE_RELAXED_AT:
             _relaxed_signal(sem)
         else:
             plgpu.semaphore_signal(sem, 1, memory_scope="gpu")
-    if flagged or name in PROBE_NO_WAIT:
+    if name in PROBE_NO_WAIT:
         return
     with jax.named_scope("barrier"):
         plgpu.semaphore_wait(sem, num_ctas * count, decrement=False, memory_scope="gpu")

@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import rms_norm, why_not_hopper
 from pallas_kernels.decode_step_attention import (AttentionRefs, AttentionScratch, attention_layer_reference,
-                                                  attention_operands, attention_phases, state_words)
+                                                  attention_operands, attention_phases)
 from pallas_kernels.decode_step_mgpu import (HALF, RING, STEP, TOKEN_N, UNIT_K, _TILING, _arrive_and_wait,
                                              _input_tiles, _issue_box, _norm_tiles, _release, _round_rows, _unit_boxes,
                                              _unit_store, _zero_rows, norm_rows_out, num_sms, proxy_fence,
@@ -343,13 +343,11 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     o_boxes = jnp.where(c < o_units, UNIT_K // STEP, 0)
     # grid barriers a layer: (the attention phases' 4,) (o_proj's sums,) the experts' sums
     per_layer = 6 if front else 2 if attention else 1
-    # the flagged states' words first of the kernel's global scratch (decode_step_attention.state_words)
-    words = state_words(num_layers, front["states"], front["num_heads"]) if front else None
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each phase's sums
     if front:
         front_zero, front_loads, front_compute = attention_phases(
             front_refs, front_scratch, ring, full, free, sem, num_layers=num_layers, num_ctas=num_ctas,
-            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase, words=words, **front)
+            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase, **front)
     if router:  # the router CTAs' logits added (each once a layer)
         routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     # tile t's h published (once a layer), or its K ranges' sums (``splits`` times a layer)

@@ -703,20 +703,6 @@ def test_moe_layer_tail_chain_gpu(plan, monkeypatch):
     assert got.shape == (2048,) and _rel(got, want) < 2e-2
 
 
-def test_flag_words_round_trip_gpu():
-    """``flag_words`` alone, in one CTA (the addressing the flagged chunk states use): ``flag_words_round_trip``
-    against numpy. Wrong addressing reads the wrong values, or polls a word never written (the call then hangs
-    until its timeout)."""
-    from tests.pallas_kernels.kernel_utils import flag_words_round_trip
-
-    rng = np.random.default_rng(12)
-    x = jnp.asarray(rng.standard_normal((128, 16)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal(64), jnp.float32)
-    out = jax.jit(flag_words_round_trip())(x, v)
-    want = np.asarray(x)[:, 5].reshape(2, 64) + float(v[3]) * 100 + float(v[3]) * 2 * 10000
-    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-6, atol=1e-3)
-
-
 @pytest.mark.parametrize("position, merge_group, rope_in_kernel", [
     (0, 8, False), (63, 8, False), (200, 8, False), (511, 8, False), (511, 4, False), (200, 2, False), (200, 16, False),
     (511, 32, False), (0, 8, True), (200, 8, True), (511, 8, True)])

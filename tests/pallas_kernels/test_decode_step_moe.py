@@ -355,59 +355,6 @@ def test_probe_relaxed_at_sends_the_named_barriers_arrivals_relaxed(monkeypatch)
         lowered_modules(fn, *args)
 
 
-def test_flagged_states_send_phase_3s_states_as_flagged_words(monkeypatch):
-    """``decode_step_attention.FLAGGED_STATES``: the chunks' states reach phase 4 as words that carry the layer's
-    flag (``flag_words``), so the whole layers' kernel loses phase 3's release and its wait (a relaxed arrival in
-    their place); each chunk CTA stores its 8 out^T accumulators in pairs of words (4 stores a thread each) and m
-    and l a word a row (2 each), and phase 4 checks the new token's state, then a merge group's, a state at a time
-    (its m, its l and a row a thread).
-    A kernel of one layer keeps the barrier (its words could be an earlier call's); a diagnostic that cuts the
-    states' stores is refused, whose readers would wait forever. On the GPU: ``run_h200.sh flagged tests``."""
-    from benchmarks.code_lines import kernel_call, lowered_modules
-    from pallas_kernels import decode_step_attention, flag_words
-
-    fn, args = kernel_call("whole")
-    count = lambda module, pattern: len(re.findall(pattern, module))
-    built = _built_whole()
-    monkeypatch.setattr(decode_step_attention, "FLAGGED_STATES", True)
-    module = lowered_modules(fn, *args)[0]
-    assert count(module, r"red\.release\.gpu\.global\.add") == count(built, r"red\.release\.gpu\.global\.add") - 1
-    assert count(module, r"red\.relaxed\.gpu\.global\.add") == count(built, r"red\.relaxed\.gpu\.global\.add") + 1
-    assert count(module, r'"fence\.acquire\.gpu;"') == count(built, r'"fence\.acquire\.gpu;"') - 1
-    assert count(module, r"st\.relaxed\.gpu\.global\.v2\.b64") == 8 * 4
-    assert count(module, r"st\.relaxed\.gpu\.global\.b64") == 2 * 2
-    assert count(module, "again:") == 1 + decode_step_attention.MERGE_GROUP
-    assert count(module, r"ld\.relaxed\.gpu\.global\.b64 \$0") == 3 * (1 + decode_step_attention.MERGE_GROUP)
-    assert count(built, "again:") == count(built, r"st\.relaxed\.gpu") == 0
-    assert decode_step_attention.flagged_states(2) and not decode_step_attention.flagged_states(1)
-    monkeypatch.setattr(decode_step_attention, "PROBE_PHASE_CUT", ("chunk_values",))
-    with pytest.raises(ValueError, match=r"PROBE_PHASE_CUT \['chunk_values'\] leaves phase 3's states unstored"):
-        lowered_modules(fn, *args)
-    words = lambda *rows: [[jax.ShapeDtypeStruct((n, 2), jnp.int32) for n in rows]]
-    with pytest.raises(ValueError, match=r"refs \[\(2, 2\), \(200, 2\)\]; accepted: .* \(not \[\(200, 2\)\]\)"):
-        flag_words.load_words(words(2, 200), 1, (2, 64))
-    with pytest.raises(ValueError, match=r"shape \(3, 64\), .*; accepted: a shape of a multiple of 128 values"):
-        flag_words.load_words(words(2), 1, (3, 64))
-
-
-def test_merge_strided_loads_a_states_rows_once_a_thread(monkeypatch):
-    """``decode_step_attention.MERGE_STRIDED``: phase 4 merges a unit's 128 latent rows one a thread, so each state
-    it merges (the new token's, then a merge group's) costs a thread one load of its rows instead of four (two
-    [64] vectors whose rows sit on 4 threads each), and a multiply-add fewer."""
-    from benchmarks.code_lines import kernel_call, lowered_modules
-    from pallas_kernels import decode_step_attention
-
-    fn, args = kernel_call("whole")
-    count = lambda module, op: len(re.findall(rf"= {op} ", module))
-    built = _built_whole()
-    monkeypatch.setattr(decode_step_attention, "MERGE_STRIDED", True)
-    module = lowered_modules(fn, *args)[0]
-    states = 1 + decode_step_attention.MERGE_GROUP
-    assert count(module, "llvm.load") == count(built, "llvm.load") - 4 * states
-    assert count(module, "vector.load") == count(built, "vector.load") + states
-    assert count(module, "arith.mulf") < count(built, "arith.mulf")
-
-
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference
