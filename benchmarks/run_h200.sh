@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|ptx|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|code-pad|ptx|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -294,6 +294,27 @@ case $part in
     [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=$all")
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  code-pad)  # round 47: what the layer's instruction-cache footprint costs. The producer's last warp runs padding
+             # at each layer's end (decode_step_moe.PROBE_CODE_PAD, values right), as a loop (the same work in a
+             # sixteenth of the code) or straight-line (16 bytes an instruction); the batch-1 compiled step. $2:
+             # sizes (loop 2048, straight 1024 / 2048 / 4096: 16 / 32 / 64 KB; 1 round, ~4 minutes), small (loop
+             # 2048 and 512, straight 512; 2 rounds, ~5 minutes) or work (loop 2048 by the last one and three warps,
+             # loop 8192; 1 round, ~4 minutes)
+    d=pallas_kernels.decode_step_moe
+    loop="$d.PROBE_CODE_PAD_LOOPED=True"
+    case ${2:-sizes} in
+      sizes) v=(--rounds 1 --variant "loop 2048: $d.PROBE_CODE_PAD=2048 $loop"
+                --variant "straight 1024: $d.PROBE_CODE_PAD=1024" --variant "straight 2048: $d.PROBE_CODE_PAD=2048"
+                --variant "straight 4096: $d.PROBE_CODE_PAD=4096") ;;
+      small) v=(--rounds 2 --variant "loop 2048: $d.PROBE_CODE_PAD=2048 $loop"
+                --variant "loop 512: $d.PROBE_CODE_PAD=512 $loop" --variant "straight 512: $d.PROBE_CODE_PAD=512") ;;
+      work) v=(--rounds 1 --variant "loop 2048: $d.PROBE_CODE_PAD=2048 $loop"
+               --variant "loop 2048 warps 1-3: $d.PROBE_CODE_PAD=2048 $loop $d.PROBE_CODE_PAD_WARPS=3"
+               --variant "loop 8192: $d.PROBE_CODE_PAD=8192 $loop") ;;
+      *) echo "code-pad: '$2'; accepted: sizes, small, work" >&2; exit 2 ;;
+    esac
+    timeout -s KILL 450 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
+      --variant built "${v[@]}" --out "$OUT/step_ab_code_pad_${2:-sizes}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
   ll-bound)  # round 45: what flags inside the rows could save at phase 2's and phase 3's boundaries, bounded: their
              # arrivals relaxed (decode_step_mgpu.PROBE_RELAXED_AT) and their waits left out (PROBE_NO_WAIT), values
              # wrong, the routing fixed in every variant; the batch-1 compiled step. $2: bound (that and the fixed

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import rms_norm, why_not_hopper
@@ -150,6 +151,34 @@ PROBE_FIXED_ROUTING = False
 # The routing's sums as loops of scalar shared-memory loads instead of cross-warp reductions (326 ops fewer)
 # were slower: 1.7876 ms against 1.7294 (round 30, code at d5793ab).
 _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 experts)
+# A diagnostic (round 47, timing only; the values stay right): at each layer's end the producer's last warp (or
+# last PROBE_CODE_PAD_WARPS) runs this many instructions of padding (``_code_pad``: multiply-adds in 8 chains, 16
+# bytes of machine code each), straight-line, or with PROBE_CODE_PAD_LOOPED as 16 turns of a loop of a sixteenth
+# of them: the same work in a sixteenth of the code. The other warps do not wait out the padding's work, but the
+# producer's next box does: every TMA issue of a warpgroup starts with a warpgroup barrier (Mosaic GPU's automatic
+# ones). So straight against looped prices the padding's own instruction fetches plus what its footprint costs
+# the layer's other code (decode_profile.md round 47). Read at trace time.
+PROBE_CODE_PAD = 0
+PROBE_CODE_PAD_LOOPED = False
+PROBE_CODE_PAD_WARPS = 1  # the producer's last this many warps run the padding (warp 0 issues the boxes)
+
+
+def _code_pad(instructions: int, looped: bool):
+    """``PROBE_CODE_PAD``'s padding, run by the warpgroup's last ``PROBE_CODE_PAD_WARPS`` warps (one inline PTX
+    block): ``instructions`` multiply-adds by the clock in 8 chains, their sum stored only where %nsmid is 0 (never, but ptxas cannot know,
+    so it keeps them)."""
+    if instructions % (16 * 8):
+        raise ValueError(f"PROBE_CODE_PAD {instructions}; accepted: a multiple of 128")
+    count = instructions // 16 if looped else instructions
+    body = [f"mad.lo.u32 a{i % 8}, a{i % 8}, m, {i + 1};" for i in range(count)]
+    if looped:
+        body = ["mov.u32 t, 0;", "pad_loop:", '.pragma "nounroll";', *body, "add.u32 t, t, 1;", "setp.lt.u32 p, t, 16;",
+                "@p bra pad_loop;"]
+    lines = [".reg .pred p;", ".reg .b32 t, m, a<8>;", "mov.u32 t, %tid.x;", "and.b32 t, t, 127;",
+             f"setp.lt.u32 p, t, {32 * (4 - PROBE_CODE_PAD_WARPS)};", "@p bra pad_skip;", "mov.u32 m, %clock;",
+             *[f"add.u32 a{i}, m, {i};" for i in range(8)], *body, *[f"xor.b32 a0, a0, a{i};" for i in range(1, 8)],
+             "mov.u32 t, %nsmid;", "setp.eq.u32 p, t, 0;", "mov.u32 m, 0;", "@p st.shared.u32 [m], a0;", "pad_skip:"]
+    plgpu.inline_mgpu()(lambda _: mgpu_utils.inline_ptx("{\n" + "\n".join(lines) + "\n}", has_side_effects=True))()
 
 
 def split_parts(num_tiles: int, num_ctas: int) -> int:
@@ -439,6 +468,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
             if router:
                 await_routing(None, routed, layer, True)
+            if PROBE_CODE_PAD:
+                _code_pad(PROBE_CODE_PAD, PROBE_CODE_PAD_LOOPED)
             return count
 
         lax.fori_loop(0, num_layers, layer_loads, jnp.int32(0))

@@ -355,6 +355,28 @@ def test_probe_relaxed_at_sends_the_named_barriers_arrivals_relaxed(monkeypatch)
         lowered_modules(fn, *args)
 
 
+def test_probe_code_pad_adds_the_producers_padding_once_a_layer(monkeypatch):
+    """``PROBE_CODE_PAD`` (a benchmark's diagnostic): the producer's layer loop gains one inline PTX block of that
+    many multiply-adds, run by its last warps only, straight-line or, looped, a sixteenth of them in a loop that
+    ptxas is told not to unroll; a count the 8 chains and 16 turns cannot share is refused."""
+    from benchmarks.code_lines import kernel_call, lowered_modules
+
+    fn, args = kernel_call("whole")
+    mads = lambda module: len(re.findall(r"mad\.lo\.u32 a\d, a\d, m, \d+;", module))
+    assert mads(_built_whole()) == 0
+    monkeypatch.setattr(kernel, "PROBE_CODE_PAD", 256)
+    module = lowered_modules(fn, *args)[0]
+    assert mads(module) == 256 and module.count("pad_skip:") == 1 and "setp.lt.u32 p, t, 96;" in module
+    monkeypatch.setattr(kernel, "PROBE_CODE_PAD_LOOPED", True)
+    monkeypatch.setattr(kernel, "PROBE_CODE_PAD_WARPS", 3)
+    module = lowered_modules(fn, *args)[0]
+    assert mads(module) == 16 and 'pad_loop:\\0A.pragma \\22nounroll\\22;' in module
+    assert "setp.lt.u32 p, t, 32;" in module
+    monkeypatch.setattr(kernel, "PROBE_CODE_PAD", 100)
+    with pytest.raises(ValueError, match="PROBE_CODE_PAD 100; accepted: a multiple of 128"):
+        lowered_modules(fn, *args)
+
+
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference
