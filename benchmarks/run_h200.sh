@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|code-pad|ptx|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|ring10|code-pad|ptx|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -294,6 +294,29 @@ case $part in
     [ "$half" = moe ] && variants+=(--variant "no waits: $m.PROBE_NO_WAIT=$all")
     timeout 560 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --num-kv-blocks 2048 \
       --rounds 1 "${variants[@]}" --out "$OUT/step_ab_barriers_${half}_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+  ring10)  # round 47: decode_step_moe.COMPACT_SMEM (the whole layers in 13 KiB less shared memory) and a ring of 10
+           # boxes (RING = 10 in the three kernel modules). $2: tests (the whole layers at both positions, 40
+           # repeated calls, the attention chain, the model's one-token steps, the engine's greedy program, with
+           # both set; ~6 minutes) or ab (the batch-1 compiled step as built, compact at 9 slots, compact at 10;
+           # 2 rounds in turns, ~5 minutes)
+    m=pallas_kernels.decode_step_moe
+    ten="$m.COMPACT_SMEM=True $m.RING=10 pallas_kernels.decode_step_mgpu.RING=10"
+    ten="$ten pallas_kernels.decode_step_attention.RING=10"
+    case ${2:-tests} in
+      tests) timeout -s KILL 420 python -c "import sys, pytest
+from pallas_kernels import decode_step_attention, decode_step_mgpu, decode_step_moe
+decode_step_moe.COMPACT_SMEM = True
+for module in (decode_step_attention, decode_step_mgpu, decode_step_moe):
+    module.RING = 10
+sys.exit(pytest.main(['tests/gpu', '-q', '-p', 'no:cacheprovider', '-rf', '-k', 'moe_layer_chain_gpu or \
+moe_layer_chain_repeated or (attention_chain_gpu and (0-8-False or 200-8-True or 511-8-False)) or \
+one_token_steps_through_the_step_kernel or engine_greedy_steps_in_one_program']))" 2>&1 \
+          | tee "$OUT/gpu_tests_ring10.log" | tail -4 ;;
+      ab) timeout -s KILL 420 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
+          --num-kv-blocks 2048 --rounds 2 --variant built --variant "compact: $m.COMPACT_SMEM=True" \
+          --variant "compact, ring 10: $ten" --out "$OUT/step_ab_ring10_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
+      *) echo "ring10: '$2'; accepted: tests, ab" >&2; exit 2 ;;
+    esac ;;
   code-pad)  # round 47: what the layer's instruction-cache footprint costs. The producer's last warp runs padding
              # at each layer's end (decode_step_moe.PROBE_CODE_PAD, values right), as a loop (the same work in a
              # sixteenth of the code) or straight-line (16 bytes an instruction); the batch-1 compiled step. $2:

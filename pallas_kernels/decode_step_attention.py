@@ -306,7 +306,7 @@ def chunk_values(key, p_smem, num_heads: int):
 
 def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full, free, sem, *, num_layers: int,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
-                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0):
+                     block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0, next_norm=None):
     """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
     semaphore and layer loop the caller owns -> (zero, loads, compute):
 
@@ -318,7 +318,9 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
       phase p ending at the grid barrier ``barrier_count(layer, p)`` -> the ring position after. The heads'
       outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj.
 
-    Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches)."""
+    Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches).
+    ``next_norm(layer)``: what phase 1 fetches into ``scratch.g`` once its norm has read it (on ``scratch.g_bar``);
+    by default the next layer's norm weights. A kernel that shares g with another norm fetches that norm's."""
     if unknown := sorted(set(PROBE_PHASE_CUT) - set(PHASE_CUTS)):
         raise ValueError(f"PROBE_PHASE_CUT names {', '.join(map(repr, unknown))}; accepted: {', '.join(PHASE_CUTS)}")
     cut = lambda name: name in PROBE_PHASE_CUT
@@ -402,9 +404,10 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         with jax.named_scope("norm"):
             _norm_tiles(sm.xin, sm.g, sm.flat, eps)
 
-        @pl.when(layer + 1 < num_layers)
-        def _():
-            plgpu.copy_gmem_to_smem(r.g.at[layer + 1], sm.g, sm.g_bar.at[0])
+        if next_norm is not None:
+            next_norm(layer)
+        else:
+            pl.when(layer + 1 < num_layers)(lambda: plgpu.copy_gmem_to_smem(r.g.at[layer + 1], sm.g, sm.g_bar.at[0]))
 
         def column_tile(i, first, end):  # the CTA's boxes of one column tile, [first, end)
             @pl.when(end > first)

@@ -253,15 +253,16 @@ def _release(sem, c, num_ctas: int, barriers: int):
 
 
 def _zero_rows(zero_smem, out_ref, c, num_ctas: int):
-    """out_ref [L, R, 64] to zero, 8 rows (one TMA store from ``zero_smem`` [8, 64] of its dtype) at a time, the
+    """out_ref [L, R, 64] to zero, n rows (one TMA store from ``zero_smem`` [n, 64] of its dtype) at a time, the
     blocks dealt to the CTAs in turn (waited for by the next ``_arrive_and_wait``)."""
     zero_smem[...] = jnp.zeros(zero_smem.shape, zero_smem.dtype)
     plgpu.commit_smem()
-    num_layers, per_layer = out_ref.shape[0], out_ref.shape[1] // 8
+    n = zero_smem.shape[0]
+    num_layers, per_layer = out_ref.shape[0], out_ref.shape[1] // n
 
     def zero(j, _):
         b = c + j * num_ctas
-        plgpu.copy_smem_to_gmem(zero_smem, out_ref.at[lax.div(b, per_layer), pl.ds(lax.rem(b, per_layer) * 8, 8)])
+        plgpu.copy_smem_to_gmem(zero_smem, out_ref.at[lax.div(b, per_layer), pl.ds(lax.rem(b, per_layer) * n, n)])
         return ()
 
     lax.fori_loop(0, pl.cdiv(num_layers * per_layer - c, num_ctas), zero, ())

@@ -82,6 +82,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
     buffers in a union with the tiles where their lifetimes allow."""
     rows = hidden // HALF
     f32, bf16 = jnp.float32, jnp.bfloat16
+    compact = bool(COMPACT_SMEM and router and num_heads)
     tiles = [*token_tiles(rows, dtype)]  # the input's [8, 64] tiles, and the same bytes as flat rows
     front_scratch = []
     if num_heads:
@@ -91,18 +92,22 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
             (plgpu.SMEM((32, HALF), f32), plgpu.SMEM((32, HALF), bf16),  # phase 2: the rope rows, rotated
              plgpu.SMEM((2, 32, HALF // 2), f32),  # cos, sin
              plgpu.SMEM((8, HALF), f32), plgpu.SMEM((8, HALF), f32), plgpu.SMEM((8, HALF), bf16))]  # the latent
-        front_scratch = [
+        front_scratch = [] if compact else [
             plgpu.SMEM((rows, HALF), f32),  # the attention norm's weights
             plgpu.Barrier(num_barriers=1),  # landed
+        ]
+        front_scratch += [
             plgpu.SMEM((HALF,), bf16),  # a unit's absorbed query columns
-            plgpu.SMEM((8, HALF), bf16),  # bf16 zeros
+            *([] if compact else [plgpu.SMEM((8, HALF), bf16)]),  # bf16 zeros
             plgpu.Barrier(num_arrivals=num_heads + 2, num_barriers=1),  # the rope rows landed
             plgpu.Barrier(num_arrivals=2, num_barriers=1),  # the new latent and its norm's weights landed
         ]
     router_scratch = [
-        plgpu.SMEM((rows, HALF), jnp.float32),  # the norm's weights (the next layer's fetched during this one)
-        plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial logits
-        plgpu.SMEM((2 * HALF,), jnp.float32),  # the layer's logits
+        # the norm's weights (the next layer's fetched during this one; COMPACT_SMEM: the layer's attention
+        # norm's and its router norm's in turn)
+        plgpu.SMEM((rows, HALF), jnp.float32),
+        *([] if compact else [plgpu.SMEM((HALF,), jnp.float32),  # the CTA's partial logits
+                              plgpu.SMEM((2 * HALF,), jnp.float32)]),  # the layer's logits
         plgpu.SMEM((ROUTE_SLOTS,), jnp.int32),  # the chosen experts
         plgpu.SMEM((ROUTE_SLOTS,), jnp.float32),  # their weights
         plgpu.Barrier(num_barriers=1),  # the norm's weights landed
@@ -114,11 +119,15 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
         plgpu.SMEM((rows, HALF), jnp.float32),  # the layer's input rows (f32)
         plgpu.RefUnion(*tiles),
         plgpu.RefUnion(*token_tiles(1, dtype)),  # h as the first row of an [8, 64] tile
-        plgpu.SMEM((HALF,), jnp.float32),  # h as a row (published, or fetched)
+        # h as a row (published, or fetched); COMPACT_SMEM: then the partial logits, then the logits
+        plgpu.SMEM(((4 if compact else 1) * HALF,), jnp.float32),
         plgpu.SMEM((rows, HALF), jnp.float32),  # the CTA's partial output row
-        plgpu.SMEM((8, HALF), jnp.float32),  # zeros for the output rows
-        plgpu.SMEM((max(splits, 1), 2, HALF), jnp.float32),  # a split tile's partial gate and up sums, fetched
-        plgpu.SMEM((2, HALF), jnp.float32),  # this CTA's K range's gate and up sums, published by TMA
+        # zeros for the output rows (COMPACT_SMEM: 4 rows, the same bytes as the bf16 zeros)
+        plgpu.RefUnion(plgpu.SMEM((4, HALF), f32), plgpu.SMEM((8, HALF), bf16)) if compact
+        else plgpu.SMEM((8, HALF), jnp.float32),
+        # a split tile's partial gate and up sums, fetched (COMPACT_SMEM: then the published ones)
+        plgpu.SMEM((max(splits, 1) + compact, 2, HALF), jnp.float32),
+        *([] if compact else [plgpu.SMEM((2, HALF), jnp.float32)]),  # this CTA's K range's sums, published by TMA
         plgpu.Barrier(num_arrivals=2, num_barriers=RING),  # a box's two halves landed
         plgpu.Barrier(num_barriers=RING),  # a slot's products are done
         plgpu.Barrier(num_barriers=1),  # the input rows landed
@@ -151,6 +160,16 @@ PROBE_FIXED_ROUTING = False
 # The routing's sums as loops of scalar shared-memory loads instead of cross-warp reductions (326 ops fewer)
 # were slower: 1.7876 ms against 1.7294 (round 30, code at d5793ab).
 _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 experts)
+# The whole layers' kernel in less shared memory, room for a tenth ring slot (``RING = 10`` in decode_step_mgpu,
+# decode_step_attention and this module): its attention norm's weights and its router norm's share one buffer
+# (f32 [D / 64, 64], 8 KiB at V2-Lite), each fetched once the other's norm has read it (phase 1 fetches the
+# layer's router norm's, the routing the next layer's attention norm's); and small buffers, which Mosaic GPU
+# aligns to 1 KiB each, are packed (h's row, the partial logits and the logits in one; the split sums and the
+# published ones in one) or share zeros (f32 [4, 64] and bf16 [8, 64] in the same 1 KiB): 13 KiB in all. V2-Lite's
+# whole layers at RING = 10 then take 231 656 bytes of the 232 448 a block may have (as built: 228 576 at RING =
+# 9, 244 960 at 10; Mosaic GPU's count on lowering). Untimed (round 47 built it after the session's device
+# time). Read at trace time.
+COMPACT_SMEM = False
 # A diagnostic (round 47, timing only; the values stay right): at each layer's end the producer's last warp (or
 # last PROBE_CODE_PAD_WARPS) runs this many instructions of padding (``_code_pad``: multiply-adds in 8 chains, 16
 # bytes of machine code each), straight-line, or with PROBE_CODE_PAD_LOOPED as 16 turns of a loop of a sixteenth
@@ -165,8 +184,8 @@ PROBE_CODE_PAD_WARPS = 1  # the producer's last this many warps run the padding 
 
 def _code_pad(instructions: int, looped: bool):
     """``PROBE_CODE_PAD``'s padding, run by the warpgroup's last ``PROBE_CODE_PAD_WARPS`` warps (one inline PTX
-    block): ``instructions`` multiply-adds by the clock in 8 chains, their sum stored only where %nsmid is 0 (never, but ptxas cannot know,
-    so it keeps them)."""
+    block): ``instructions`` multiply-adds by the clock in 8 chains, their sum stored only where %nsmid is 0
+    (never, but ptxas cannot know, so it keeps them)."""
     if instructions % (16 * 8):
         raise ValueError(f"PROBE_CODE_PAD {instructions}; accepted: a multiple of 128")
     count = instructions // 16 if looped else instructions
@@ -326,6 +345,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # (no read or write of global memory before the wait, so no buffer XLA hands on between the two is touched).
     if pdl:
         plgpu.griddepcontrol_wait()
+    compact = bool(router and front) and COMPACT_SMEM  # _moe_scratch's compact shared memory
     if router:
         final = final_eps is not None
         num_in = 10 + ((1 + 11) if front else 2 if attention else 0) + final
@@ -334,16 +354,27 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         (out_ref, hs_ref, logits_ref, ids_out, weights_out, *attention_out) = refs[num_in:num_in + num_out]
         if final:
             gf_ref, normed_ref = attention_in.pop(), attention_out.pop()
-        (ring, xin_smem, tiles_union, h_union, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
-         xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
-         *front_smem) = refs[num_in + num_out:]
+        if compact:
+            (ring, xin_smem, tiles_union, h_union, small, row_smem, (zero_smem, zero16_smem), sums_smem, full, free,
+             xin_bar, hin_bar, g_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
+             *front_smem) = refs[num_in + num_out:]
+            hin_smem, part_smem, logits_smem = (small.at[pl.ds(at * HALF, n * HALF)]
+                                                for at, n in ((0, 1), (1, 1), (2, 2)))
+            split_rows = sums_smem.shape[0] - 1
+            sums_smem, pub_smem = sums_smem.at[pl.ds(0, split_rows)], sums_smem.at[split_rows]
+            front_smem[1:1] = [zero16_smem]
+        else:
+            (ring, xin_smem, tiles_union, h_union, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
+             xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
+             *front_smem) = refs[num_in + num_out:]
         tiles_smem, flat_smem, *front_buffers = tiles_union
         if front:
             wo_ref, front_in = attention_in[0], attention_in[1:]
             mid_ref, front_out = attention_out[0], attention_out[1:]
             front_refs = AttentionRefs(*front_in, *front_out)
             attn_ref = front_refs.vctx  # o_proj's input: the heads' outputs after W_UV
-            g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem
+            g_attn, g_attn_bar = (g_smem, g_bar) if compact else front_smem[:2]
+            qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem[-4:]
             (q_win, p_smem), rope_buffers = front_buffers
             front_scratch = AttentionScratch(
                 xin_smem, g_attn, g_attn_bar, tiles_smem, flat_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 2)],
@@ -376,7 +407,9 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     if front:
         front_zero, front_loads, front_compute = attention_phases(
             front_refs, front_scratch, ring, full, free, sem, num_layers=num_layers, num_ctas=num_ctas,
-            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase, **front)
+            barrier_count=lambda layer, phase: 1 + per_layer * layer + phase,
+            next_norm=(lambda layer: plgpu.copy_gmem_to_smem(g_ref.at[layer], g_smem, g_bar.at[0])) if compact
+            else None, **front)
     if router:  # the router CTAs' logits added (each once a layer)
         routed_sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))
     # tile t's h published (once a layer), or its K ranges' sums (``splits`` times a layer)
@@ -514,8 +547,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             plgpu.copy_smem_to_gmem(part_smem, logits_ref.at[layer, 0], reduction_op="add")
 
         @pl.when(layer + 1 < num_layers)
-        def _():  # the next layer's norm weights, while this one routes and runs its experts
-            plgpu.copy_gmem_to_smem(g_ref.at[layer + 1], g_smem, g_bar.at[0])
+        def _():  # the next layer's (attention) norm weights, while this one routes and runs its experts
+            plgpu.copy_gmem_to_smem((front_refs.g if compact else g_ref).at[layer + 1], g_smem, g_bar.at[0])
 
         @pl.when(c < routers)
         @jax.named_scope("stores_out")
@@ -580,7 +613,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
         _zero_rows(zero_smem, out_ref, c, num_ctas)  # every layer's output rows, then the first barrier
         if router:
             _zero_rows(zero_smem, logits_ref, c, num_ctas)
-            plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])  # the first layer's norm weights
+            if not compact:  # the first layer's norm weights (compact: front_zero fetches its attention norm's)
+                plgpu.copy_gmem_to_smem(g_ref.at[0], g_smem, g_bar.at[0])
         if attention:
             _zero_rows(zero_smem, mid_ref, c, num_ctas)
         if front:
