@@ -367,7 +367,8 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                                                 for at, n in ((0, 1), (1, 1), (2, 2)))
             split_rows = sums_smem.shape[0] - 1
             sums_smem, pub_smem = sums_smem.at[pl.ds(0, split_rows)], sums_smem.at[split_rows]
-            front_smem[1:1] = [zero16_smem]
+            qrow_smem, *front_bars = front_smem  # the attention phases' scratch as built lays it out: the shared
+            front_smem = [g_smem, g_bar, qrow_smem, zero16_smem, *front_bars]  # norm buffer and zeros in their places
         else:
             (ring, xin_smem, tiles_union, h_union, hin_smem, row_smem, zero_smem, sums_smem, pub_smem, full, free,
              xin_bar, hin_bar, g_smem, part_smem, logits_smem, rid_smem, rw_smem, g_bar, logits_bar, route_bar,
@@ -378,8 +379,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             mid_ref, front_out = attention_out[0], attention_out[1:]
             front_refs = AttentionRefs(*front_in, *front_out)
             attn_ref = front_refs.vctx  # o_proj's input: the heads' outputs after W_UV
-            g_attn, g_attn_bar = (g_smem, g_bar) if compact else front_smem[:2]
-            qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem[-4:]
+            g_attn, g_attn_bar, qrow_smem, zero16_smem, rope_bar, lat_bar = front_smem
             (q_win, p_smem), rope_buffers = front_buffers
             front_scratch = AttentionScratch(
                 xin_smem, g_attn, g_attn_bar, tiles_smem, flat_smem, row_smem, q_win, p_smem, row_smem.at[pl.ds(0, 2)],
