@@ -160,21 +160,18 @@ PROBE_FIXED_ROUTING = False
 # The routing's sums as loops of scalar shared-memory loads instead of cross-warp reductions (326 ops fewer)
 # were slower: 1.7876 ms against 1.7294 (round 30, code at d5793ab).
 _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 experts)
-# The whole layers' kernel in less shared memory, room for a tenth ring slot (``RING = 10`` in decode_step_mgpu,
-# decode_step_attention and this module): its attention norm's weights and its router norm's share one buffer
-# (f32 [D / 64, 64], 8 KiB at V2-Lite), each fetched once the other's norm has read it (phase 1 fetches the
+# The whole layers' kernel in less shared memory: its attention norm's weights and its router norm's share one
+# buffer (f32 [D / 64, 64], 8 KiB at V2-Lite), each fetched once the other's norm has read it (phase 1 fetches the
 # layer's router norm's, the routing the next layer's attention norm's); and small buffers, which Mosaic GPU
 # aligns to 1 KiB each, are packed (h's row, the partial logits and the logits in one; the split sums and the
-# published ones in one) or share zeros (f32 [4, 64] and bf16 [8, 64] in the same 1 KiB): 13 KiB in all. V2-Lite's
-# whole layers at RING = 10 then take 231 656 bytes of the 232 448 a block may have (as built: 228 576 at RING =
-# 9, 244 960 at 10; Mosaic GPU's count on lowering). Untimed (round 47 built it after the session's device
-# time). Read at trace time.
-COMPACT_SMEM = False
-# The producer of the whole layers' kernel reads the next layer's phase-1 boxes (q_proj's and kv_a's, ~7 a CTA at
-# V2-Lite) into L2 by TMA prefetches as it issues its PREFETCH_P1-th last box of a layer's MoE half (0: its last),
-# instead of only loading them as the ring's slots free up: round 47 found the next layer's first boxes on the
-# H200's critical path. None: off. Untimed (round 47). Read at trace time.
-PREFETCH_P1 = None
+# published ones in one) or share zeros (f32 [4, 64] and bf16 [8, 64] in the same 1 KiB): 13 KiB in all, room for
+# a tenth ring slot (``RING = 10`` in decode_step_mgpu, decode_step_attention and this module: 231 656 bytes of
+# the 232 448 a block may have at V2-Lite; 244 960 without). H100, batch-1 compiled step, two calls of 2 rounds
+# (decode_profile.md round 48): -5 µs a step at RING = 9 (2.0885 / 2.0884 ms against 2.0934 / 2.0936), and the
+# tenth slot on top +4 (2.0923 / 2.0916), so RING stays 9. False: the built layout (one buffer each). The
+# producer's TMA prefetch of the next layer's phase-1 boxes into L2 ahead of the ring was +26 µs a step issued at
+# a layer's last MoE box, +43 eight boxes before (round 48; code at 363f901, PREFETCH_P1). Read at trace time.
+COMPACT_SMEM = True
 # A diagnostic (round 47, timing only; the values stay right): at each layer's end the producer's last warp (or
 # last PROBE_CODE_PAD_WARPS) runs this many instructions of padding (``_code_pad``: multiply-adds in 8 chains, 16
 # bytes of machine code each), straight-line, or with PROBE_CODE_PAD_LOOPED as 16 turns of a loop of a sixteenth
@@ -410,7 +407,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     per_layer = 6 if front else 2 if attention else 1
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each phase's sums
     if front:
-        front_zero, front_loads, front_compute, front_prefetch = attention_phases(
+        front_zero, front_loads, front_compute = attention_phases(
             front_refs, front_scratch, ring, full, free, sem, num_layers=num_layers, num_ctas=num_ctas,
             barrier_count=lambda layer, phase: 1 + per_layer * layer + phase,
             next_norm=(lambda layer: plgpu.copy_gmem_to_smem(g_ref.at[layer], g_smem, g_bar.at[0])) if compact
@@ -464,10 +461,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             """The box at ring position n, its two [64, 64] halves ``halves(h)`` in global memory."""
             _issue_box(ring, full, free, n, lambda h: [(halves(h), True)])
 
-        if front and PREFETCH_P1 is not None:  # this CTA's boxes of a layer's MoE half (the same every layer)
-            moe_boxes = sum(jnp.where(kind >= 0, end - first, 0) for kind, _, first, end, _ in map(unit, range(units)))
-
-        def unit_loads(layer, u, carry, moe_end=None):
+        def unit_loads(layer, u, carry):
             count, routed = carry
             _, tile, first, end, _ = unit(u)
             if router:
@@ -488,9 +482,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                             for ref, index, kind_is in zip(refs, (gate_up, gate_up, down), kinds)]
 
                 _issue_box(ring, full, free, count, copies)
-                if moe_end is not None:  # PREFETCH_P1
-                    pl.when((count == moe_end - 1 - PREFETCH_P1) & (layer + 1 < num_layers))(
-                        lambda: front_prefetch(layer + 1))
                 return count + 1
 
             return lax.fori_loop(first, end, box, count), routed
@@ -509,9 +500,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                     for p in range(parts):
                         issue(count + p, lambda h, p=p: wr_ref.at[layer, p, pl.ds(c * STEP + h * HALF, HALF)])
                 count = count + router_boxes
-            moe_end = count + moe_boxes if front and PREFETCH_P1 is not None else None
-            count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry, moe_end),
-                                          (count, False))
+            count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
             if router:
                 await_routing(None, routed, layer, True)
             if PROBE_CODE_PAD:

@@ -378,40 +378,28 @@ def test_probe_code_pad_adds_the_producers_padding_once_a_layer(monkeypatch):
 
 
 def test_compact_smem_makes_room_for_a_tenth_ring_slot(monkeypatch):
-    """``COMPACT_SMEM``: the whole layers' kernel shares one buffer between its two norms' weights (so the first
-    layer fetches only its attention norm's before the first barrier: one TMA load fewer) and packs its small
-    buffers, so that V2-Lite's whole layers lower with a ring of 10 boxes in the 227 KiB a block may have, which
-    the kernel as built cannot; the attention chain alone fits such a ring as it is."""
+    """``COMPACT_SMEM`` (on as built): the whole layers' kernel shares one buffer between its two norms' weights
+    (so the first layer fetches only its attention norm's before the first barrier: one TMA load fewer than with
+    a buffer each) and packs its small buffers, so that V2-Lite's whole layers lower with a ring of 10 boxes in
+    the 227 KiB a block may have, which the separate buffers cannot; the attention chain alone fits such a ring
+    as it is."""
     from benchmarks.code_lines import kernel_call, lowered_modules
     from pallas_kernels import decode_step_attention, decode_step_mgpu
 
     fn, args = kernel_call("whole")
     loads = lambda module: module.count("nvvm.cp.async.bulk.tensor.shared.cluster.global")
     built = _built_whole()
-    monkeypatch.setattr(kernel, "COMPACT_SMEM", True)
-    assert loads(lowered_modules(fn, *args)[0]) == loads(built) - 1
+    monkeypatch.setattr(kernel, "COMPACT_SMEM", False)
+    assert loads(lowered_modules(fn, *args)[0]) == loads(built) + 1
     for module in (kernel, decode_step_mgpu, decode_step_attention):
         monkeypatch.setattr(module, "RING", 10)
-    assert loads(lowered_modules(fn, *args)[0]) == loads(built) - 1
+    too_big = r"exceeds available shared memory: smem_bytes=244960 > max_smem_bytes=232448"
+    with pytest.raises(ValueError, match=too_big):
+        lowered_modules(fn, *args)
+    monkeypatch.setattr(kernel, "COMPACT_SMEM", True)
+    assert loads(lowered_modules(fn, *args)[0]) == loads(built)
     attention, attention_args = kernel_call("attention")
     lowered_modules(attention, *attention_args)
-    monkeypatch.setattr(kernel, "COMPACT_SMEM", False)
-    with pytest.raises(ValueError, match=r"exceeds available shared memory: smem_bytes=244960 > max_smem_bytes=232448"):
-        lowered_modules(fn, *args)
-
-
-def test_prefetch_p1_reads_the_next_layers_phase_1_boxes_into_l2(monkeypatch):
-    """``PREFETCH_P1``: the whole layers' producer gains TMA prefetches of the next layer's phase-1 boxes (q_proj's
-    or kv_a's half, each of the two halves of a box: 4 in a loop over the CTA's boxes), and no load or copy."""
-    from benchmarks.code_lines import kernel_call, lowered_modules
-
-    fn, args = kernel_call("whole")
-    prefetches = lambda module: module.count("cp.async.bulk.prefetch.tensor")
-    loads = lambda module: module.count("nvvm.cp.async.bulk.tensor.shared.cluster.global")
-    built = _built_whole()
-    monkeypatch.setattr(kernel, "PREFETCH_P1", 4)
-    module = lowered_modules(fn, *args)[0]
-    assert prefetches(built) == 0 and prefetches(module) == 4 and loads(module) == loads(built)
 
 
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
