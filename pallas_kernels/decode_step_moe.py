@@ -166,11 +166,13 @@ _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 expe
 # aligns to 1 KiB each, are packed (h's row, the partial logits and the logits in one; the split sums and the
 # published ones in one) or share zeros (f32 [4, 64] and bf16 [8, 64] in the same 1 KiB): 13 KiB in all, room for
 # a tenth ring slot (``RING = 10`` in decode_step_mgpu, decode_step_attention and this module: 231 656 bytes of
-# the 232 448 a block may have at V2-Lite; 244 960 without). H100, batch-1 compiled step, two calls of 2 rounds
-# (decode_profile.md round 48): -5 µs a step at RING = 9 (2.0885 / 2.0884 ms against 2.0934 / 2.0936), and the
-# tenth slot on top +4 (2.0923 / 2.0916), so RING stays 9. False: the built layout (one buffer each). The
-# producer's TMA prefetch of the next layer's phase-1 boxes into L2 ahead of the ring was +26 µs a step issued at
-# a layer's last MoE box, +43 eight boxes before (round 48; code at 363f901, PREFETCH_P1). Read at trace time.
+# the 232 448 a block may have at V2-Lite; 244 960 without). H100, batch-1 compiled step, 2 rounds in turns
+# (decode_profile.md round 48): -5 µs a step at RING = 9 in two calls (2.0885 / 2.0884 ms against 2.0934 /
+# 2.0936); in a third, -2 in round 1 and +27 in round 0 (the fresh card's first timing, 2.1195: an outlier by
+# the other rounds' 2.088-2.095); the tenth slot on top +4 (2.0923 / 2.0916), so RING stays 9. False: a buffer
+# each (the layout before). The producer's TMA prefetch of the next layer's phase-1 boxes into L2 ahead of the
+# ring was +26 µs a step issued at a layer's last MoE box, +43 eight boxes before (round 48; code at 363f901,
+# PREFETCH_P1). Read at trace time.
 COMPACT_SMEM = True
 # A diagnostic (round 47, timing only; the values stay right): at each layer's end the producer's last warp (or
 # last PROBE_CODE_PAD_WARPS) runs this many instructions of padding (``_code_pad``: multiply-adds in 8 chains, 16
