@@ -8,6 +8,7 @@ optionally, the compiled step alone (device).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
@@ -78,11 +79,14 @@ def compiled_step_ms(engine, repeats: int = 20) -> float:
 
 def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_steps: int = 2,
             device_repeats: int = 0) -> dict:
-    """Steady-state decode of ``batch`` sequences of ``prompt_len``-token prompts: the median of
-    ``decode_steps`` engine steps (host included) after ``warmup_steps``, and with ``device_repeats``
-    the compiled step alone. ``context`` is the mean number of tokens a sequence attends to. With
-    multi-step chunks (``num_scheduler_steps`` k) an engine step decodes k tokens a sequence: ``step_ms``
-    (and its spread, and the host's CPU) is a k-th of an engine step's, a decode step's share."""
+    """Steady-state decode of ``batch`` sequences of ``prompt_len``-token prompts over ``decode_steps`` engine
+    steps (host included) after ``warmup_steps``, and with ``device_repeats`` the compiled step alone.
+    ``step_ms`` is the timed steps' elapsed time a step, so ``tok_per_s`` is tokens over elapsed time (what
+    vLLM's benchmarks call output throughput); ``step_median_ms``, ``step_p10_ms`` and ``step_p90_ms`` are
+    the spread of single steps, which with an async engine alternate short and long (a step's host time
+    overlaps the device's previous step). ``context`` is the mean number of tokens a sequence attends to. With
+    multi-step chunks (``num_scheduler_steps`` k) an engine step decodes k tokens a sequence: the steps (and
+    the host's CPU) are a k-th of an engine step's, a decode step's share."""
     if decode_steps < 1 or warmup_steps < 0 or device_repeats < 0:
         raise ValueError(f"decode_steps={decode_steps}, warmup_steps={warmup_steps}, device_repeats="
                          f"{device_repeats}: accepted decode_steps >= 1, the others >= 0")
@@ -111,10 +115,11 @@ def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_
         while engine.has_unfinished_requests():  # an async engine's last step is still in flight
             engine.step()
     k = engine.config.num_scheduler_steps  # decode steps an engine step (every one a full chunk here)
-    step = statistics.median(times) / k
+    step = math.fsum(times) / len(times) / k
     row = {"batch": batch, "prompt": prompt_len, "context": context / decode_steps / batch,
            "steps_timed": len(times), "step_ms": step * 1e3, "tok_per_s": batch / step, "num_scheduler_steps": k,
            # the steps' spread, and the host thread's CPU a step (what it spends between the device's waits)
+           "step_median_ms": statistics.median(times) / k * 1e3,
            "step_p10_ms": float(np.percentile(times, 10)) / k * 1e3,
            "step_p90_ms": float(np.percentile(times, 90)) / k * 1e3, "host_cpu_ms": statistics.median(cpu) / k * 1e3,
            "preemptions": scheduler.num_preemptions - preemptions}
@@ -146,7 +151,8 @@ def main(argv=None):
               kv_cache_memory=None if args.kv_cache_gib is None else int(args.kv_cache_gib * 2**30))
     setup = time.perf_counter() - start
     rows = [measure(llm, b, args.prompt, args.steps, device_repeats=args.device_repeats) for b in args.batches]
-    table = markdown_table(rows, ["batch", "prompt", "step_ms", "tok_per_s", "device_step_ms", "steps_timed"])
+    table = markdown_table(rows, ["batch", "prompt", "step_ms", "step_median_ms", "tok_per_s", "device_step_ms",
+                                  "steps_timed"])
     print(table)
     print(f"setup (weights + {llm.stats()['num_compiled_shapes']} compiles): {setup:.1f}s")
     print("wrote", write_result(args.out, {**environment(), "preset": args.preset,

@@ -12,8 +12,8 @@ from benchmarks.common import markdown_table
 from benchmarks.decode_probe import decode_len, measure
 from benchmarks.roofline import all_weight_bytes, batch_touching_fraction, decode_step_bytes, kv_bytes_per_token
 
-COLUMNS = ["batch", "prompt", "context", "step_ms", "step_p90_ms", "host_cpu_ms", "tok_per_s", "device_step_ms",
-           "device_tok_per_s",
+COLUMNS = ["batch", "prompt", "context", "step_ms", "step_median_ms", "step_p90_ms", "host_cpu_ms", "tok_per_s",
+           "device_step_ms", "device_tok_per_s",
            "roofline_tok_per_s", "roofline_fraction", "device_roofline_fraction", "gb_per_step", "experts_touched"]
 
 

@@ -115,7 +115,8 @@ def test_decode_curve(results):
         assert r["experts_touched"] == pytest.approx(
             expected_experts_touched(r["batch"], TINY.n_routed_experts, TINY.num_experts_per_tok))
         assert r["preemptions"] == 0
-        assert r["step_p10_ms"] <= r["step_ms"] <= r["step_p90_ms"] and r["host_cpu_ms"] > 0
+        assert r["step_p10_ms"] <= r["step_median_ms"] <= r["step_p90_ms"] and r["host_cpu_ms"] > 0
+        assert r["tok_per_s"] == pytest.approx(r["batch"] / r["step_ms"] * 1e3)  # tokens over elapsed time
     by_batch = {r["batch"]: r for r in payload["rows"] if r["prompt"] == 8}
     assert by_batch[1]["experts_touched"] == pytest.approx(TINY.num_experts_per_tok)
     assert by_batch[2]["roofline_tok_per_s"] > by_batch[1]["roofline_tok_per_s"]
