@@ -82,7 +82,7 @@ def _moe_scratch(hidden: int, dtype, router: bool = False, splits: int = 0, num_
     buffers in a union with the tiles where their lifetimes allow."""
     rows = hidden // HALF
     f32, bf16 = jnp.float32, jnp.bfloat16
-    compact = bool(COMPACT_SMEM and router and num_heads)
+    compact = _compact_smem(router, num_heads > 0)
     tiles = [*token_tiles(rows, dtype)]  # the input's [8, 64] tiles, and the same bytes as flat rows
     front_scratch = []
     if num_heads:
@@ -179,6 +179,12 @@ COMPACT_SMEM = True
 # H200 that pause was 40 µs slower, so the next layer's first boxes are likely on its critical path: untimed
 # there. Read at trace time.
 PREFETCH_P1 = None
+
+
+def _compact_smem(router: bool, front: bool) -> bool:
+    """Whether the kernel's shared memory is COMPACT_SMEM's layout: the whole layers' (a router and the attention
+    phases) only. ``_moe_scratch`` lays it out and ``_moe_body`` unpacks it by this one answer."""
+    return bool(COMPACT_SMEM and router and front)
 # A diagnostic (round 47, timing only; the values stay right): at each layer's end the producer's last warp (or
 # last PROBE_CODE_PAD_WARPS) runs this many instructions of padding (``_code_pad``: multiply-adds in 8 chains, 16
 # bytes of machine code each), straight-line, or with PROBE_CODE_PAD_LOOPED as 16 turns of a loop of a sixteenth
@@ -354,7 +360,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     # (no read or write of global memory before the wait, so no buffer XLA hands on between the two is touched).
     if pdl:
         plgpu.griddepcontrol_wait()
-    compact = bool(router and front) and COMPACT_SMEM  # _moe_scratch's compact shared memory
+    compact = _compact_smem(router is not None, bool(front))  # the layout _moe_scratch gave
     if router:
         final = final_eps is not None
         num_in = 10 + ((1 + 11) if front else 2 if attention else 0) + final

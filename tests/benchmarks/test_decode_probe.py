@@ -16,16 +16,11 @@ def test_measure_counts_tokens_over_elapsed_time(monkeypatch):
     decodes 1000 tokens a second, where the median step (kept as step_median_ms) would have said 1 ms and 2000."""
     llm = LLM("tiny", dtype="float32", kernel_backend="reference", max_num_seqs=2, max_num_batched_tokens=16,
               max_model_len=32, block_size=8, buckets=(2, 16))
-    lengths = iter([1e-3, 1e-3, 1e-3, 5e-3])
-    now = [0.0]
+    ticks = iter([0, 1, 1, 2, 2, 3, 3, 8])  # ms: each timed step's start, then its end
 
-    def perf_counter():  # called at each timed step's start, then at its end, which one of lengths later
-        if perf_counter.started:
-            now[0] += next(lengths)
-        perf_counter.started = not perf_counter.started
-        return now[0]
+    def perf_counter():
+        return next(ticks) * 1e-3
 
-    perf_counter.started = False
     monkeypatch.setattr(decode_probe, "time", SimpleNamespace(perf_counter=perf_counter, thread_time=time.thread_time))
     row = decode_probe.measure(llm, 2, 4, 4, warmup_steps=1)
     assert row["steps_timed"] == 4 and row["preemptions"] == 0
