@@ -8,7 +8,6 @@ optionally, the compiled step alone (device).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 
@@ -81,8 +80,9 @@ def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_
             device_repeats: int = 0) -> dict:
     """Steady-state decode of ``batch`` sequences of ``prompt_len``-token prompts over ``decode_steps`` engine
     steps (host included) after ``warmup_steps``, and with ``device_repeats`` the compiled step alone.
-    ``step_ms`` is the timed steps' elapsed time a step, so ``tok_per_s`` is tokens over elapsed time (what
-    vLLM's benchmarks call output throughput); ``step_median_ms``, ``step_p10_ms`` and ``step_p90_ms`` are
+    ``step_ms`` is the elapsed time from the first timed step's start to the last one's end, a step (the
+    probe's checks between steps included), so ``tok_per_s`` is tokens over elapsed time (what vLLM's
+    benchmarks call output throughput); ``step_median_ms``, ``step_p10_ms`` and ``step_p90_ms`` are
     the spread of single steps, which with an async engine alternate short and long (a step's host time
     overlaps the device's previous step). ``context`` is the mean number of tokens a sequence attends to. With
     multi-step chunks (``num_scheduler_steps`` k) an engine step decodes k tokens a sequence: the steps (and
@@ -97,7 +97,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_
     try:
         for _ in range(warmup_steps):
             engine.step()
-        times, cpu, context = [], [], 0
+        times, cpu, context, first = [], [], 0, None
         for _ in range(decode_steps):
             if not all_decoding(scheduler, batch):
                 raise RuntimeError(f"batch={batch}, prompt={prompt_len}: a sequence stopped decoding while timed "
@@ -105,8 +105,10 @@ def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_
                                    f"{engine.num_blocks} blocks is too small for this point")
             context += sum(seq.num_tokens for seq in scheduler.running)
             start, start_cpu = time.perf_counter(), time.thread_time()
+            first = start if first is None else first
             engine.step()
-            times.append(time.perf_counter() - start)
+            end = time.perf_counter()
+            times.append(end - start)
             cpu.append(time.thread_time() - start_cpu)
         device_ms = compiled_step_ms(engine, device_repeats) if device_repeats else None
     finally:
@@ -115,7 +117,7 @@ def measure(llm: LLM, batch: int, prompt_len: int, decode_steps: int, *, warmup_
         while engine.has_unfinished_requests():  # an async engine's last step is still in flight
             engine.step()
     k = engine.config.num_scheduler_steps  # decode steps an engine step (every one a full chunk here)
-    step = math.fsum(times) / len(times) / k
+    step = (end - first) / len(times) / k
     row = {"batch": batch, "prompt": prompt_len, "context": context / decode_steps / batch,
            "steps_timed": len(times), "step_ms": step * 1e3, "tok_per_s": batch / step, "num_scheduler_steps": k,
            # the steps' spread, and the host thread's CPU a step (what it spends between the device's waits)
