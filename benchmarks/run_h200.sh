@@ -300,8 +300,8 @@ case $part in
            # engine's greedy program, at RING = 10; ~6 minutes), ab (the batch-1 compiled step as built, with a
            # buffer each (COMPACT_SMEM=False), at RING = 10; 2 rounds in turns, ~5 minutes) or p1 (the next layer's
            # phase-1 boxes read into L2 ahead: decode_step_moe.PREFETCH_P1 0 and 8; values unchanged; 2 rounds, ~5
-           # minutes; +26 / +43 µs on an H100 in round 48, untimed on the H200) or all (as built, at RING = 10 and
-           # with PREFETCH_P1 0 and 8 in one A/B: the H200's first call; 2 rounds, ~8 minutes)
+           # minutes; +26 / +43 µs on an H100 in round 48, untimed on the H200) or all (as built, with PREFETCH_P1 0 and 8
+           # and at RING = 10 in one A/B, the lines printed as each turn ends: the H200's first call; 2 rounds, ~8 minutes)
     m=pallas_kernels.decode_step_moe
     ten="$m.RING=10 pallas_kernels.decode_step_mgpu.RING=10 pallas_kernels.decode_step_attention.RING=10"
     case ${2:-tests} in
@@ -321,8 +321,8 @@ one_token_steps_through_the_step_kernel or engine_greedy_steps_in_one_program'])
           --variant "8 boxes before: $m.PREFETCH_P1=8" --out "$OUT/step_ab_prefetch_p1_b1.json" 2>&1 \
           | grep -E "^\||^round|Error" ;;
       all) timeout -s KILL 520 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds 2 --variant built --variant "ring 10: $ten" \
-          --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" --variant "8 boxes before: $m.PREFETCH_P1=8" \
+          --num-kv-blocks 2048 --rounds 2 --variant built --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" \
+          --variant "8 boxes before: $m.PREFETCH_P1=8" --variant "ring 10: $ten" \
           --out "$OUT/step_ab_ring10_p1_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
       *) echo "ring10: '$2'; accepted: tests, ab, p1, all" >&2; exit 2 ;;
     esac ;;
