@@ -185,6 +185,8 @@ def _compact_smem(router: bool, front: bool) -> bool:
     """Whether the kernel's shared memory is COMPACT_SMEM's layout: the whole layers' (a router and the attention
     phases) only. ``_moe_scratch`` lays it out and ``_moe_body`` unpacks it by this one answer."""
     return bool(COMPACT_SMEM and router and front)
+
+
 # A diagnostic (round 47, timing only; the values stay right): at each layer's end the producer's last warp (or
 # last PROBE_CODE_PAD_WARPS) runs this many instructions of padding (``_code_pad``: multiply-adds in 8 chains, 16
 # bytes of machine code each), straight-line, or with PROBE_CODE_PAD_LOOPED as 16 turns of a loop of a sixteenth
