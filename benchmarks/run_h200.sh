@@ -301,7 +301,8 @@ case $part in
            # buffer each (COMPACT_SMEM=False), at RING = 10; 2 rounds in turns, ~5 minutes) or p1 (the next layer's
            # phase-1 boxes read into L2 ahead: decode_step_moe.PREFETCH_P1 0 and 8; values unchanged; 2 rounds, ~5
            # minutes; +26 / +43 µs on an H100 in round 48, untimed on the H200) or all (as built, with PREFETCH_P1 0 and 8
-           # and at RING = 10 in one A/B, the lines printed as each turn ends: the H200's first call; 2 rounds, ~8 minutes)
+           # and at RING = 10 in one A/B, the lines printed as each turn ends; 2 rounds, ~8 minutes) or first (one round
+           # of p1's A/B, then the engine's batch 1 and 2 by elapsed time, knobs-curve built: one call, ~8 minutes)
     m=pallas_kernels.decode_step_moe
     ten="$m.RING=10 pallas_kernels.decode_step_mgpu.RING=10 pallas_kernels.decode_step_attention.RING=10"
     case ${2:-tests} in
@@ -324,7 +325,12 @@ one_token_steps_through_the_step_kernel or engine_greedy_steps_in_one_program'])
           --num-kv-blocks 2048 --rounds 2 --variant built --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" \
           --variant "8 boxes before: $m.PREFETCH_P1=8" --variant "ring 10: $ten" \
           --out "$OUT/step_ab_ring10_p1_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "ring10: '$2'; accepted: tests, ab, p1, all" >&2; exit 2 ;;
+      first) timeout -s KILL 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
+          --num-kv-blocks 2048 --rounds 1 --variant built --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" \
+          --variant "8 boxes before: $m.PREFETCH_P1=8" --out "$OUT/step_ab_prefetch_p1_b1.json" 2>&1 \
+          | grep -E "^\||^round|Error"
+        bash "$0" knobs-curve built ;;
+      *) echo "ring10: '$2'; accepted: tests, ab, p1, all, first" >&2; exit 2 ;;
     esac ;;
   code-pad)  # round 47: what the layer's instruction-cache footprint costs. The producer's last warp runs padding
              # at each layer's end (decode_step_moe.PROBE_CODE_PAD, values right), as a loop (the same work in a
