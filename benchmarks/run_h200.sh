@@ -317,19 +317,15 @@ one_token_steps_through_the_step_kernel or engine_greedy_steps_in_one_program'])
       ab) timeout -s KILL 420 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
           --num-kv-blocks 2048 --rounds 2 --variant built --variant "a buffer each: $m.COMPACT_SMEM=False" \
           --variant "ring 10: $ten" --out "$OUT/step_ab_ring10_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      p1) timeout -s KILL 420 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds 2 --variant built --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" \
-          --variant "8 boxes before: $m.PREFETCH_P1=8" --out "$OUT/step_ab_prefetch_p1_b1.json" 2>&1 \
-          | grep -E "^\||^round|Error" ;;
+      p1|first) timeout -s KILL 420 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
+          --num-kv-blocks 2048 --rounds "$([ "$2" = first ] && echo 1 || echo 2)" --variant built \
+          --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" --variant "8 boxes before: $m.PREFETCH_P1=8" \
+          --out "$OUT/step_ab_prefetch_p1_b1.json" 2>&1 | grep -E "^\||^round|Error"
+        if [ "$2" = first ]; then bash "$0" knobs-curve built; fi ;;
       all) timeout -s KILL 520 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
           --num-kv-blocks 2048 --rounds 2 --variant built --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" \
           --variant "8 boxes before: $m.PREFETCH_P1=8" --variant "ring 10: $ten" \
           --out "$OUT/step_ab_ring10_p1_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      first) timeout -s KILL 330 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds 1 --variant built --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" \
-          --variant "8 boxes before: $m.PREFETCH_P1=8" --out "$OUT/step_ab_prefetch_p1_b1.json" 2>&1 \
-          | grep -E "^\||^round|Error"
-        bash "$0" knobs-curve built ;;
       *) echo "ring10: '$2'; accepted: tests, ab, p1, all, first" >&2; exit 2 ;;
     esac ;;
   code-pad)  # round 47: what the layer's instruction-cache footprint costs. The producer's last warp runs padding
