@@ -298,11 +298,8 @@ case $part in
            # since round 48) and a ring of 10 boxes (RING = 10 in the three kernel modules). $2: tests (the whole
            # layers at both positions, 40 repeated calls, the attention chain, the model's one-token steps, the
            # engine's greedy program, at RING = 10; ~6 minutes), ab (the batch-1 compiled step as built, with a
-           # buffer each (COMPACT_SMEM=False), at RING = 10; 2 rounds in turns, ~5 minutes) or p1 (the next layer's
-           # phase-1 boxes read into L2 ahead: decode_step_moe.PREFETCH_P1 0 and 8; values unchanged; 2 rounds, ~5
-           # minutes; +26 / +43 µs on an H100 in round 48, untimed on the H200) or all (as built, with PREFETCH_P1 0 and 8
-           # and at RING = 10 in one A/B, the lines printed as each turn ends; 2 rounds, ~8 minutes) or first (one round
-           # of p1's A/B, then the engine's batch 1 and 2 by elapsed time, knobs-curve built: one call, ~8 minutes)
+           # buffer each (COMPACT_SMEM=False), at RING = 10; 2 rounds in turns, ~5 minutes). Phase 1's L2 prefetch
+           # (PREFETCH_P1, rounds 48 and 51) was removed after losing on both cards.
     m=pallas_kernels.decode_step_moe
     ten="$m.RING=10 pallas_kernels.decode_step_mgpu.RING=10 pallas_kernels.decode_step_attention.RING=10"
     case ${2:-tests} in
@@ -317,16 +314,7 @@ one_token_steps_through_the_step_kernel or engine_greedy_steps_in_one_program'])
       ab) timeout -s KILL 420 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
           --num-kv-blocks 2048 --rounds 2 --variant built --variant "a buffer each: $m.COMPACT_SMEM=False" \
           --variant "ring 10: $ten" --out "$OUT/step_ab_ring10_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      p1|first) timeout -s KILL 420 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds "$([ "$2" = first ] && echo 1 || echo 2)" --variant built \
-          --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" --variant "8 boxes before: $m.PREFETCH_P1=8" \
-          --out "$OUT/step_ab_prefetch_p1_b1.json" 2>&1 | grep -E "^\||^round|Error"
-        if [ "$2" = first ]; then bash "$0" knobs-curve built; fi ;;
-      all) timeout -s KILL 520 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 \
-          --num-kv-blocks 2048 --rounds 2 --variant built --variant "p1 prefetched at the last box: $m.PREFETCH_P1=0" \
-          --variant "8 boxes before: $m.PREFETCH_P1=8" --variant "ring 10: $ten" \
-          --out "$OUT/step_ab_ring10_p1_b1.json" 2>&1 | grep -E "^\||^round|Error" ;;
-      *) echo "ring10: '$2'; accepted: tests, ab, p1, all, first" >&2; exit 2 ;;
+      *) echo "ring10: '$2'; accepted: tests, ab" >&2; exit 2 ;;
     esac ;;
   code-pad)  # round 47: what the layer's instruction-cache footprint costs. The producer's last warp runs padding
              # at each layer's end (decode_step_moe.PROBE_CODE_PAD, values right), as a loop (the same work in a

@@ -308,7 +308,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
                      num_heads: int, states: int, num_ctas: int, scale_log2e: float, eps: float, kv_eps: float,
                      block_size: int, barrier_count, cos_sin_scale: float, cache_layer: int = 0, next_norm=None):
     """Phases 1-4 of the attention half (``attention_chain``) inside a persistent kernel whose ring, grid
-    semaphore and layer loop the caller owns -> (zero, loads, compute, prefetch):
+    semaphore and layer loop the caller owns -> (zero, loads, compute):
 
     - ``zero()`` (computing warpgroup, before the kernel's first barrier): the phases' outputs that start at
       zero, and layer 0's norm weights fetched.
@@ -317,7 +317,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
     - ``compute(layer, count)`` (computing warpgroup, the layer's input rows in ``scratch.xin``): the phases,
       phase p ending at the grid barrier ``barrier_count(layer, p)`` -> the ring position after. The heads'
       outputs after W_UV are then in ``refs.vctx[layer]``, for o_proj.
-    - ``prefetch(layer)`` (producer): the CTA's phase-1 boxes of the layer read into L2, ahead of their loads.
 
     Layer l reads the context from cache layer ``cache_layer`` + l (a stack that is not first in the caches).
     ``next_norm(layer)``: what phase 1 fetches into ``scratch.g`` once its norm has read it (on ``scratch.g_bar``);
@@ -363,15 +362,6 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
         return [(r.wq.at[layer, pl.ds(k * STEP + h * HALF, HALF), pl.ds(tile * HALF, HALF)], tile < q_tiles),
                 (r.wkv.at[layer, pl.ds(k * STEP + h * HALF, HALF), pl.ds((tile - q_tiles) * HALF, HALF)],
                  tile >= q_tiles)]
-
-    def prefetch(layer):
-        """The CTA's phase-1 boxes of ``layer`` read into L2 by TMA prefetches (the producer; no slot taken)."""
-        def box(n, _):
-            for h in range(2):
-                for view, when in p1_halves(layer, n, h):
-                    pl.when(when)(lambda view=view: plgpu.async_prefetch(view))
-
-        lax.fori_loop(n0, n1, box, None)
 
     def loads(layer, count):
         def p1(n, count):  # q_proj's and kv_a's (column tile, K step) boxes
@@ -595,7 +585,7 @@ def attention_phases(refs: AttentionRefs, scratch: AttentionScratch, ring, full,
             count = phase(layer, count)
         return count
 
-    return zero, loads, compute, prefetch
+    return zero, loads, compute
 
 
 def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_ctas: int, out_eps: float | None = None,
@@ -635,7 +625,7 @@ def _attention_body(*refs, num_layers: int, num_heads: int, states: int, num_cta
     scratch = AttentionScratch(xin_smem, g_smem, g_bar, tiles_smem, flat_smem, row_smem, q_smem, p_smem, mrow_smem,
                                tiles4_smem, *rope_buffers, part_smem, qrow_smem, zero_smem, zero16_smem, rope_bar,
                                lat_bar)
-    zero, phase_loads, phase_compute, _ = attention_phases(
+    zero, phase_loads, phase_compute = attention_phases(
         refs, scratch, ring, full, free, sem, num_layers=num_layers, num_heads=num_heads, states=states,
         num_ctas=num_ctas, barrier_count=barrier_count, **constants)
 

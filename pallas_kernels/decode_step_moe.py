@@ -170,15 +170,10 @@ _ID_BITS = 6  # an expert id in a packed sum (the in-kernel router takes 64 expe
 # (decode_profile.md round 48): -5 µs a step at RING = 9 in two calls (2.0885 / 2.0884 ms against 2.0934 /
 # 2.0936); in a third, -2 in round 1 and +27 in round 0 (the fresh card's first timing, 2.1195: an outlier by
 # the other rounds' 2.088-2.095); the tenth slot on top +4 (2.0923 / 2.0916), so RING stays 9. False: a buffer
-# each (the layout before). Read at trace time.
+# each (the layout before). The producer's TMA prefetch of the next layer's phase-1 boxes into L2 ahead of the
+# ring was +26 / +43 µs a step on an H100 issued at a layer's last / 8th-last MoE box (round 48) and +37 / +69 on
+# the H200 (round 51); removed (code at 4b2bbe7, PREFETCH_P1). Read at trace time.
 COMPACT_SMEM = True
-# The producer of the whole layers' kernel reads the next layer's phase-1 boxes (q_proj's and kv_a's, ~7 a CTA at
-# V2-Lite) into L2 by TMA prefetches as it issues its PREFETCH_P1-th last box of a layer's MoE half (0: its last),
-# instead of only loading them as the ring's slots free up. None: off. On an H100, +26 µs a step at 0 and +43 at 8
-# (round 48, 2 rounds), where a pause of the producer at the layer's end was 28-51 µs faster (round 47); on the
-# H200 that pause was 40 µs slower, so the next layer's first boxes are likely on its critical path: untimed
-# there. Read at trace time.
-PREFETCH_P1 = None
 
 
 def _compact_smem(router: bool, front: bool) -> bool:
@@ -422,7 +417,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
     per_layer = 6 if front else 2 if attention else 1
     sem = pl.get_global(plgpu.SemaphoreType.REGULAR(()))  # the grid barrier after each phase's sums
     if front:
-        front_zero, front_loads, front_compute, front_prefetch = attention_phases(
+        front_zero, front_loads, front_compute = attention_phases(
             front_refs, front_scratch, ring, full, free, sem, num_layers=num_layers, num_ctas=num_ctas,
             barrier_count=lambda layer, phase: 1 + per_layer * layer + phase,
             next_norm=(lambda layer: plgpu.copy_gmem_to_smem(g_ref.at[layer], g_smem, g_bar.at[0])) if compact
@@ -476,10 +471,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
             """The box at ring position n, its two [64, 64] halves ``halves(h)`` in global memory."""
             _issue_box(ring, full, free, n, lambda h: [(halves(h), True)])
 
-        if front and PREFETCH_P1 is not None:  # this CTA's boxes of a layer's MoE half (the same every layer)
-            moe_boxes = sum(jnp.where(kind >= 0, end - first, 0) for kind, _, first, end, _ in map(unit, range(units)))
-
-        def unit_loads(layer, u, carry, moe_end=None):
+        def unit_loads(layer, u, carry):
             count, routed = carry
             _, tile, first, end, _ = unit(u)
             if router:
@@ -500,9 +492,6 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                             for ref, index, kind_is in zip(refs, (gate_up, gate_up, down), kinds)]
 
                 _issue_box(ring, full, free, count, copies)
-                if moe_end is not None:  # PREFETCH_P1
-                    pl.when((count == moe_end - 1 - PREFETCH_P1) & (layer + 1 < num_layers))(
-                        lambda: front_prefetch(layer + 1))
                 return count + 1
 
             return lax.fori_loop(first, end, box, count), routed
@@ -521,9 +510,7 @@ def _moe_body(*refs, num_layers: int, top_k: int, num_experts: int, routed_tiles
                     for p in range(parts):
                         issue(count + p, lambda h, p=p: wr_ref.at[layer, p, pl.ds(c * STEP + h * HALF, HALF)])
                 count = count + router_boxes
-            moe_end = count + moe_boxes if front and PREFETCH_P1 is not None else None
-            count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry, moe_end),
-                                          (count, False))
+            count, routed = lax.fori_loop(0, num_units, lambda u, carry: unit_loads(layer, u, carry), (count, False))
             if router:
                 await_routing(None, routed, layer, True)
             if PROBE_CODE_PAD:

@@ -402,20 +402,6 @@ def test_compact_smem_makes_room_for_a_tenth_ring_slot(monkeypatch):
     lowered_modules(attention, *attention_args)
 
 
-def test_prefetch_p1_reads_the_next_layers_phase_1_boxes_into_l2(monkeypatch):
-    """``PREFETCH_P1``: the whole layers' producer gains TMA prefetches of the next layer's phase-1 boxes (q_proj's
-    or kv_a's half, each of the two halves of a box: 4 in a loop over the CTA's boxes), and no load or copy."""
-    from benchmarks.code_lines import kernel_call, lowered_modules
-
-    fn, args = kernel_call("whole")
-    prefetches = lambda module: module.count("cp.async.bulk.prefetch.tensor")
-    loads = lambda module: module.count("nvvm.cp.async.bulk.tensor.shared.cluster.global")
-    built = _built_whole()
-    monkeypatch.setattr(kernel, "PREFETCH_P1", 4)
-    module = lowered_modules(fn, *args)[0]
-    assert prefetches(built) == 0 and prefetches(module) == 4 and loads(module) == loads(built)
-
-
 def test_moe_layer_chain_reference_is_the_attention_then_the_moe_half():
     """The whole layers' reference: each layer's attention half, then its MoE half (tiny shapes, CPU)."""
     from pallas_kernels.decode_step_attention import AttentionSpec, AttentionWeights, attention_half_reference
