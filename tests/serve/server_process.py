@@ -37,7 +37,7 @@ class ServerProcess:
         environ = os.environ | {
             "JAX_PLATFORMS": "cpu",
             "JAX_COMPILATION_CACHE_DIR": str(REPO / ".jax_cache"),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
         } | (env or {})
         cmd = [sys.executable, "-m", "dsjax.serve", "--config", str(SERVE_CONFIG), "--port", str(self.port),
                "--log-level", "warning", *flags]
