@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on one H200, in the order of a device session (each part fits a 10-minute call;
 # run them as separate calls: `bash benchmarks/run_h200.sh PART`, PART one of
-# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|ring10|code-pad|ptx|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
+# tests|tests-model|decode-round|decode-ab|decode-knobs|decode-absorb|decode-folds|decode-residual|decode-round16|decode-round19|moe-mgpu|megakernel|gemv-chain|step-phases|step-block|step-attention|step-chains|step-layer|step-engine|step-verify|step-code|step-curve|step-without|step-round29|step-merge|host-launch|step-graphs|round33-tests|round33-ab|step-context|merge-context|sampler-ab|graphs-ab|barriers|ll-bound|ring10|code-pad|ptx|chunk-cuts|phase-cuts|phase2-parts|step-knobs-tests|step-knobs-ab|round35-ab|round35-graphs|round36|knobs-curve|xla-flags|host-swing|engine-trace|multi-step-tests|multi-step-curve|step-kernel-trace|step-profile|step-router|step-traces|pdl|persistent|attention-decode|attention-prefill|moe|moe-focus|moe-waves|gemv|decode|train|e2e|kvquant|kvquant-kernels|kvquant-sweep|mla8|mla8-fence|mla8-many|wgmma|l2-staging|l2-chain|l2-experts|tma-stream|parallel|host).
 # Results go to $OUT when set (the device tool's folder), else to benchmarks/results/.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -586,6 +586,16 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
       timeout 170 python -m benchmarks.host_overhead --device --async-scheduling --preset deepseek-v2-lite \
         --dtype bfloat16 --block-size 64 --batches 1 --prompt 128 --steps 300 --profile 0 \
         --out "$OUT/host_swing_b1_run${i}_h200" 2>&1 | grep -E "^\||Error"
+    done ;;
+  engine-trace)  # round 51's open question: why the engine's batch-1 steps alternate on the H200. Two processes of
+                 # benchmarks/engine_trace.py: the engine's steps by elapsed time, then traced (the device's cycles
+                 # matched to the host's dispatches), then the compiled step back to back, traced (~4 minutes)
+    for i in 1 2; do
+      timeout 280 python -m benchmarks.engine_trace --batch 1 --prompt 128 --steps 48 --out /tmp/engine_trace_$i 2>&1 \
+        | grep -v -i warn | tee "$OUT/engine_trace_b1_run$i.txt" | tail -30
+      cp /tmp/engine_trace_$i/engine_trace.json "$OUT/engine_trace_b1_run${i}_h200.json"
+      cp "$(ls -t /tmp/engine_trace_$i/engine/plugins/profile/*/*perfetto_trace.json.gz | head -1)" \
+        "$OUT/engine_trace_b1_run${i}_perfetto.json.gz"
     done ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
