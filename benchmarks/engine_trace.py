@@ -238,9 +238,9 @@ def report(payload: dict) -> str:
     if engine.get("dispatches"):
         lines.append("engine host spans, median us: " + ", ".join(
             f"{name} {s['median']:.0f}" for name, s in engine["host_us"].items() if s))
-        lines.append(f"queued (device start - dispatch end) us: median {engine['queued_us']['median']:.0f}, "
-                     f"p10 {engine['queued_us']['p10']:.0f}; device idle before a step: median "
-                     f"{engine['device_idle_before_us']['median']:.1f}, p90 {engine['device_idle_before_us']['p90']:.1f}")
+        queued, idle = engine["queued_us"], engine["device_idle_before_us"]
+        lines.append(f"queued (device start - dispatch end) us: median {queued['median']:.0f}, p10 {queued['p10']:.0f}; "
+                     f"device idle before a step: median {idle['median']:.1f}, p90 {idle['p90']:.1f}")
         lines.append("the first cycles (cycle / marker / idle / largest gap us, before which op):")
         for c in engine["cycles"][:16]:
             lines.append(f"  {c['cycle_us']:8.1f} {c['marker_us']:8.1f} {c['idle_us']:7.1f} {c['largest_gap_us']:7.1f}"
@@ -253,7 +253,8 @@ def main(argv=None):
     parser.add_argument("--preset", help="default: decode-curve's (deepseek-v2-lite on a GPU, tiny on CPU)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=48, help="decode steps timed, then traced, then launched in a loop")
+    parser.add_argument("--steps", type=int, default=48,
+                        help="decode steps timed, then traced, then launched in a loop")
     parser.add_argument("--out", default="/tmp/engine_trace", help="folder for the traces and engine_trace.json")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.steps < 3:
