@@ -181,6 +181,8 @@ def main(argv=None):
     parser.add_argument("--trace-dir", default="/tmp/dsjax_trace")
     parser.add_argument("--num-kv-blocks", type=int, default=4096)
     parser.add_argument("--prompt", type=int, default=4, help="prompt tokens a sequence (the step's context)")
+    parser.add_argument("--max-model-len", type=int, help="the engine's (default: 230 tokens past the prompt, at least "
+                        "256); it sets the block tables' width")
     parser.add_argument("--top", type=int, default=25, help="device ops to list")
     parser.add_argument("--variant", action="append", default=[], type=parse_variant,
                         help="'NAME[: module.ATTR[.FIELD]=LITERAL ...]': A/B these knob settings instead of profiling")
@@ -228,7 +230,7 @@ def _decoding_engine(args):
     b, prompt = args.batch, args.prompt
     chunk = max(b, 16, prompt)  # a prompt prefills in one step
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
-              max_num_batched_tokens=chunk, max_model_len=max(256, prompt + 230), block_size=64,
+              max_num_batched_tokens=chunk, max_model_len=args.max_model_len or max(256, prompt + 230), block_size=64,
               buckets=(b, chunk) if b < chunk else (b,), num_kv_blocks=args.num_kv_blocks,
               enable_prefix_caching=False, progress=False)
     engine = llm.engine
