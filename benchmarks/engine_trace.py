@@ -28,7 +28,7 @@ import numpy as np
 from benchmarks import e2e
 from benchmarks.common import environment, markdown_table
 from benchmarks.decode_probe import measure, start_decode_batch
-from benchmarks.step_profile import _device_events, _trace_events, latest_trace
+from benchmarks.step_profile import _device_events, _trace_events, apply_settings, latest_trace, parse_settings
 
 HOST_SPANS = ("step", "schedule", "dispatch", "fetch", "complete")
 _IDLE_US = 2.0  # a gap shorter than this between device ops is the launch latency of back-to-back ops
@@ -222,6 +222,7 @@ def run(args) -> dict:
     table = markdown_table(rows, ["what", "cycles", "cycle_us_median", "cycle_us_p10", "cycle_us_p90",
                                   "marker_us_median", "idle_us_median", "idle_us_p90"])
     payload = {**environment(), "preset": settings.preset, "batch": args.batch, "prompt": args.prompt,
+               "settings": {k: repr(v) for k, v in args.set.items()},
                "engine": info,
                "untraced": untraced, "traced_steps": traced_row, "engine_trace": engine_summary,
                "loop_trace": loop_summary, "table": table}
@@ -256,9 +257,13 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=48,
                         help="decode steps timed, then traced, then launched in a loop")
     parser.add_argument("--out", default="/tmp/engine_trace", help="folder for the traces and engine_trace.json")
+    parser.add_argument("--set", type=parse_settings, default={},
+                        help="'module.ATTR[.FIELD]=LITERAL ...': knob settings for the whole run (before the engine "
+                             "is built), e.g. dsjax.engine.runner.COPY_AT_DISPATCH=True")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.steps < 3:
         parser.error(f"--batch {args.batch} --steps {args.steps}: accepted a batch >= 1 and at least 3 steps")
+    apply_settings(args.set)
     payload = run(args)
     print(report(payload))
     path = Path(args.out) / "engine_trace.json"

@@ -587,22 +587,21 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
         --dtype bfloat16 --block-size 64 --batches 1 --prompt 128 --steps 300 --profile 0 \
         --out "$OUT/host_swing_b1_run${i}_h200" 2>&1 | grep -E "^\||Error"
     done ;;
-  engine-trace)  # round 51's open question: why the engine's batch-1 steps alternate on the H200. Two processes of
-                 # benchmarks/engine_trace.py: the engine's steps by elapsed time, then traced (the device's cycles
-                 # matched to the host's dispatches), then the compiled step back to back, traced; then the
-                 # compiled step of step_profile's engine with block tables as wide as the benchmark's
-                 # (max_model_len 4160) and as its own (358), one process each (~6 minutes)
-    for i in 1 2; do
-      timeout 200 python -m benchmarks.engine_trace --batch 1 --prompt 128 --steps 48 --out /tmp/engine_trace_$i 2>&1 \
-        | grep -v -i warn | tee "$OUT/engine_trace_b1_run$i.txt" | tail -30
+  engine-trace)  # round 51's open question: why the engine's batch-1 steps alternate on the H200. Three processes
+                 # of benchmarks/engine_trace.py (as built, runner.COPY_AT_DISPATCH on, as built again): the
+                 # engine's steps by elapsed time, then traced (the device's cycles matched to the host's
+                 # dispatches), then the compiled step back to back, traced; then step_profile's own engine (block
+                 # tables 358 tokens wide, the benchmark's 4160) traced at the same context (~7 minutes)
+    for run in "1:" "2:dsjax.engine.runner.COPY_AT_DISPATCH=True" "3:"; do
+      i=${run%%:*} knobs=${run#*:}
+      timeout 150 python -m benchmarks.engine_trace --batch 1 --prompt 128 --steps 48 --out /tmp/engine_trace_$i \
+        ${knobs:+--set "$knobs"} 2>&1 | grep -v -i warn | tee "$OUT/engine_trace_b1_run$i.txt" | tail -30
       cp /tmp/engine_trace_$i/engine_trace.json "$OUT/engine_trace_b1_run${i}_h200.json"
     done
     cp "$(ls -t /tmp/engine_trace_1/engine/plugins/profile/*/*perfetto_trace.json.gz | head -1)" \
       "$OUT/engine_trace_b1_run1_perfetto.json.gz"
-    for m in 4160 358; do
-      timeout 100 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --prompt 128 --num-kv-blocks \
-        2048 --max-model-len $m --rounds 2 --variant built 2>&1 | grep -E "^\||Error" | tee -a "$OUT/step_table_width.txt"
-    done ;;
+    timeout 110 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --prompt 128 --num-kv-blocks \
+      2048 --top 6 2>&1 | grep -v -i warn | tee "$OUT/step_profile_b1_p128.txt" | head -12 ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
   *) echo "usage: $0 PART, PART one of: $(sed -n 4p "$0" | tr -d '#.) ')" >&2

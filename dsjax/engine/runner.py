@@ -75,6 +75,12 @@ GREEDY_IN_FORWARD = True
 # whose kernels the host otherwise launches one by one, every step; as a CUDA graph (the loop a conditional node)
 # one launch would queue them all. Read when compiling; not yet timed on the H200.
 CHUNK_GRAPHS = False
+# Whether dispatch() queues the step's device-to-host copy of its samples right behind the step (each array's
+# copy_to_host_async), instead of leaving it to fetch(). With async scheduling the next step is queued before the
+# previous one's samples are read; if the runtime orders that copy behind the work queued before it, a late
+# copy waits out the whole next step and the host queues the step after it late (the device idle between them).
+# Read at each dispatch; untimed on the H200 (benchmarks/engine_trace.py, run_h200.sh engine-trace), so off.
+COPY_AT_DISPATCH = False
 @dataclasses.dataclass
 class StepHandle:
     """A dispatched step: its bucket, where each scheduled sequence's sample lands, the device result."""
@@ -326,7 +332,11 @@ class ModelRunner:
                 raise ValueError(f"a chunk of {out.num_steps} steps: multi-step decoding runs without a mesh")
             row_steps = np.zeros(self.layout.num_rows(t), np.int32)
             row_steps[row_of] = [item.num_steps for item in out.scheduled]
-        return StepHandle(t, row_of, self.launch(t, inputs, row_steps), out.num_batched_tokens)
+        result = self.launch(t, inputs, row_steps)
+        if COPY_AT_DISPATCH:
+            for array in jax.tree.leaves(result):
+                array.copy_to_host_async()
+        return StepHandle(t, row_of, result, out.num_batched_tokens)
 
     def launch(self, t: int, inputs: StepInputs, row_steps: np.ndarray | None = None) -> SampleResult:
         """Queues the forward of bucket t and its sampler on host inputs (from prepare); updates the

@@ -78,6 +78,39 @@ def test_async_outputs_equal_sync(engines):
         llm.engine.scheduler.check_invariants()
 
 
+def test_async_outputs_with_the_copy_queued_at_dispatch(engines, monkeypatch):
+    """runner.COPY_AT_DISPATCH: each step's samples start their copy to the host as the step is queued (every
+    array of the result: log-probabilities too; fetch's device_get starts them otherwise); the outputs stay the
+    sync engine's."""
+    from jax._src.array import ArrayImpl
+
+    from dsjax.engine import runner
+
+    started, in_dispatch = [], []
+    copy, dispatch = ArrayImpl.copy_to_host_async, runner.ModelRunner.dispatch
+
+    def counting_copy(array):
+        started.append(array.shape)
+        return copy(array)
+
+    def counting_dispatch(self, *args, **kwargs):
+        before = len(started)
+        handle = dispatch(self, *args, **kwargs)
+        in_dispatch.append(len(started) - before)
+        return handle
+
+    monkeypatch.setattr(ArrayImpl, "copy_to_host_async", counting_copy)
+    monkeypatch.setattr(runner.ModelRunner, "dispatch", counting_dispatch)
+    sync, overlapped = engines
+    outputs_equal_sync(sync, overlapped)
+    assert in_dispatch and not any(in_dispatch)  # off: fetch alone copies
+    in_dispatch.clear()
+    monkeypatch.setattr(runner, "COPY_AT_DISPATCH", True)
+    outputs_equal_sync(sync, overlapped)
+    # the sync engine's dispatches too: two arrays a step at least (token ids and log-probabilities)
+    assert in_dispatch and min(in_dispatch) >= 2
+
+
 def test_async_step_reports_one_call_later(engines):
     engine = engines[1].engine
     steps = engine.num_steps
