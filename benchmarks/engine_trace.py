@@ -240,8 +240,9 @@ def report(payload: dict) -> str:
         lines.append("engine host spans, median us: " + ", ".join(
             f"{name} {s['median']:.0f}" for name, s in engine["host_us"].items() if s))
         queued, idle = engine["queued_us"], engine["device_idle_before_us"]
-        lines.append(f"queued (device start - dispatch end) us: median {queued['median']:.0f}, p10 {queued['p10']:.0f}; "
-                     f"device idle before a step: median {idle['median']:.1f}, p90 {idle['p90']:.1f}")
+        lines.append(f"queued (device start - dispatch end) us: median {queued['median']:.0f}, "
+                     f"p10 {queued['p10']:.0f}; device idle before a step: median {idle['median']:.1f}, "
+                     f"p90 {idle['p90']:.1f}")
         lines.append("the first cycles (cycle / marker / idle / largest gap us, before which op):")
         for c in engine["cycles"][:16]:
             lines.append(f"  {c['cycle_us']:8.1f} {c['marker_us']:8.1f} {c['idle_us']:7.1f} {c['largest_gap_us']:7.1f}"
