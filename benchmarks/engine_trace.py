@@ -136,6 +136,29 @@ def match_dispatches(ops: list[dict], dispatches: list[tuple[float, float]]) -> 
     return rows
 
 
+def host_copies(ops: list[dict], name: str = "MemcpyD2H") -> list[dict]:
+    """Each device-to-host copy (ops named ``name``) after the marker op that ended last before it began (the
+    step whose samples it reads, at batch 1): how long after that step's end it began, and whether another
+    marker (the next step) began in between, the copy waiting behind it."""
+    ops = sorted(ops, key=lambda e: float(e["ts"]))
+    totals: dict[str, float] = {}
+    for e in ops:
+        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e["dur"])
+    markers = [e for e in ops if e["name"] == max(totals, key=totals.get)] if ops else []
+    rows = []
+    for e in ops:
+        if name not in e["name"]:
+            continue
+        ts = float(e["ts"])
+        before = [m for m in markers if float(m["ts"]) + float(m["dur"]) <= ts]
+        if not before:
+            continue
+        end = float(before[-1]["ts"]) + float(before[-1]["dur"])
+        behind = any(end <= float(m["ts"]) < ts for m in markers)
+        rows.append({"after_step_us": ts - end, "behind_next_step": behind})
+    return rows
+
+
 def spread(values: list[float]) -> dict:
     if not values:
         return {}
@@ -155,6 +178,10 @@ def summarize(trace_file: str | None, *, engine: bool) -> dict:
     out = {"trace": trace_file, "cycles": cycles}
     for key in ("cycle_us", "marker_us", "idle_us"):
         out[key] = spread([c[key] for c in cycles])
+    copies = host_copies(ops)
+    out["d2h_copies"] = len(copies)
+    out["d2h_after_step_us"] = spread([c["after_step_us"] for c in copies])
+    out["d2h_behind_next_step"] = sum(c["behind_next_step"] for c in copies)
     if engine:
         spans = host_spans(events, processes)
         out["host_us"] = {name: spread([b - a for a, b in v]) for name, v in spans.items()}
@@ -243,6 +270,10 @@ def report(payload: dict) -> str:
         lines.append(f"queued (device start - dispatch end) us: median {queued['median']:.0f}, "
                      f"p10 {queued['p10']:.0f}; device idle before a step: median {idle['median']:.1f}, "
                      f"p90 {idle['p90']:.1f}")
+        if engine["d2h_copies"]:
+            lines.append(f"{engine['d2h_copies']} copies to the host: median {engine['d2h_after_step_us']['median']:.1f}"
+                         f" us after their step's end (p90 {engine['d2h_after_step_us']['p90']:.1f}), "
+                         f"{engine['d2h_behind_next_step']} behind the next step's start")
         lines.append("the first cycles (cycle / marker / idle / largest gap us, before which op):")
         for c in engine["cycles"][:16]:
             lines.append(f"  {c['cycle_us']:8.1f} {c['marker_us']:8.1f} {c['idle_us']:7.1f} {c['largest_gap_us']:7.1f}"

@@ -38,6 +38,14 @@ def test_each_dispatch_is_matched_to_the_next_marker_it_queued():
     assert [r["dispatch_us"] for r in rows] == [96, 23]
 
 
+def test_host_copies_say_whether_they_waited_behind_the_next_step():
+    # step 0 ends at 100: its copy starts at 103; step 1 (161-261) ends at 261: its copy starts after step 2 began
+    ops = OPS + [op("MemcpyD2H", 103, 1), op("MemcpyD2H", 280, 1)]
+    rows = engine_trace.host_copies(ops)
+    assert [r["after_step_us"] for r in rows] == [3, 19]
+    assert [r["behind_next_step"] for r in rows] == [False, True]
+
+
 def test_the_engine_trace_runs_on_the_tiny_preset(tmp_path):
     payload = engine_trace.main(["--steps", "4", "--out", str(tmp_path)])
     assert payload["untraced"]["steps_timed"] == 4 and payload["traced_steps"]["steps"] == 4
