@@ -271,8 +271,9 @@ def report(payload: dict) -> str:
                      f"p10 {queued['p10']:.0f}; device idle before a step: median {idle['median']:.1f}, "
                      f"p90 {idle['p90']:.1f}")
         if engine["d2h_copies"]:
-            lines.append(f"{engine['d2h_copies']} copies to the host: median {engine['d2h_after_step_us']['median']:.1f}"
-                         f" us after their step's end (p90 {engine['d2h_after_step_us']['p90']:.1f}), "
+            after = engine["d2h_after_step_us"]
+            lines.append(f"{engine['d2h_copies']} copies to the host: median {after['median']:.1f} us after their "
+                         f"step's end (p90 {after['p90']:.1f}), "
                          f"{engine['d2h_behind_next_step']} behind the next step's start")
         lines.append("the first cycles (cycle / marker / idle / largest gap us, before which op):")
         for c in engine["cycles"][:16]:
