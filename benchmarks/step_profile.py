@@ -226,11 +226,13 @@ def main(argv=None):
 
 def _decoding_engine(args):
     """An engine of ``args.batch`` sequences in steady decode, each after a prompt of ``args.prompt`` tokens (one
-    prefill step each) -> (the LLM, 10 engine.step() host times)."""
+    prefill step each) -> (the LLM, 10 engine.step() host times). ``args.max_model_len`` (absent or None: 230
+    tokens past the prompt, at least 256) sets the block tables' width."""
     b, prompt = args.batch, args.prompt
     chunk = max(b, 16, prompt)  # a prompt prefills in one step
+    max_model_len = getattr(args, "max_model_len", None) or max(256, prompt + 230)
     llm = LLM(args.preset, dtype="bfloat16", kernel_backend=args.kernel_backend, max_num_seqs=b,
-              max_num_batched_tokens=chunk, max_model_len=args.max_model_len or max(256, prompt + 230), block_size=64,
+              max_num_batched_tokens=chunk, max_model_len=max_model_len, block_size=64,
               buckets=(b, chunk) if b < chunk else (b,), num_kv_blocks=args.num_kv_blocks,
               enable_prefix_caching=False, progress=False)
     engine = llm.engine
