@@ -591,8 +591,11 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
                  # of benchmarks/engine_trace.py (as built, runner.COPY_AT_DISPATCH on, as built again): the
                  # engine's steps by elapsed time, then traced (the device's cycles matched to the host's
                  # dispatches), then the compiled step back to back, traced; then step_profile's own engine (block
-                 # tables 358 tokens wide, the benchmark's 4160) traced at the same context (~7 minutes)
-    for run in "1:" "2:dsjax.engine.runner.COPY_AT_DISPATCH=True" "3:"; do
+                 # tables 358 tokens wide, the benchmark's 4160) traced at the same context (~7 minutes;
+                 # `engine-trace short`: the first two processes alone, ~4 minutes)
+    runs=("1:" "2:dsjax.engine.runner.COPY_AT_DISPATCH=True")
+    [ "${2:-all}" = short ] || runs+=("3:")
+    for run in "${runs[@]}"; do
       i=${run%%:*} knobs=${run#*:}
       timeout 150 python -m benchmarks.engine_trace --batch 1 --prompt 128 --steps 48 --out /tmp/engine_trace_$i \
         ${knobs:+--set "$knobs"} 2>&1 | grep -v -i warn | tee "$OUT/engine_trace_b1_run$i.txt" | tail -30
@@ -600,8 +603,10 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
     done
     cp "$(ls -t /tmp/engine_trace_1/engine/plugins/profile/*/*perfetto_trace.json.gz | head -1)" \
       "$OUT/engine_trace_b1_run1_perfetto.json.gz"
-    timeout 110 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --prompt 128 --num-kv-blocks \
-      2048 --top 6 2>&1 | grep -v -i warn | tee "$OUT/step_profile_b1_p128.txt" | head -12 ;;
+    if [ "${2:-all}" != short ]; then
+      timeout 110 python -m benchmarks.step_profile --preset deepseek-v2-lite --batch 1 --prompt 128 --num-kv-blocks \
+        2048 --top 6 2>&1 | grep -v -i warn | tee "$OUT/step_profile_b1_p128.txt" | head -12
+    fi ;;
   host)       # the engine's Python work per decode step on this machine's CPU, the device stood in for (a minute)
     timeout 300 python -m benchmarks.host_overhead --out "$OUT/host_overhead_h200" | grep -v WARNING | tail -16 ;;
   *) echo "usage: $0 PART, PART one of: $(sed -n 4p "$0" | tr -d '#.) ')" >&2
