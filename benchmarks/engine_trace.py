@@ -29,6 +29,7 @@ from benchmarks import e2e
 from benchmarks.common import environment, markdown_table
 from benchmarks.decode_probe import measure, start_decode_batch
 from benchmarks.step_profile import _device_events, _trace_events, apply_settings, latest_trace, parse_settings
+from dsjax.engine import runner as runner_module
 
 HOST_SPANS = ("step", "schedule", "dispatch", "fetch", "complete")
 _IDLE_US = 2.0  # a gap shorter than this between device ops is the launch latency of back-to-back ops
@@ -218,6 +219,17 @@ def run(args) -> dict:
     llm, info = e2e.build_llm(settings)
     engine = llm.engine
     untraced = measure(llm, args.batch, args.prompt, args.steps, warmup_steps=settings.warmup_steps)
+    copy_ab = []
+    for turn in range(args.copy_ab):  # runner.COPY_AT_DISPATCH is read at each dispatch: off and on in turns
+        for value in (False, True):
+            built, runner_module.COPY_AT_DISPATCH = runner_module.COPY_AT_DISPATCH, value
+            try:
+                row = measure(llm, args.batch, args.prompt, args.steps, warmup_steps=settings.warmup_steps)
+            finally:
+                runner_module.COPY_AT_DISPATCH = built
+            copy_ab.append({"turn": turn, "copy_at_dispatch": value, **row})
+            print(f"turn {turn} COPY_AT_DISPATCH={value}: {row['step_ms']:.3f} ms a step elapsed, median "
+                  f"{row['step_median_ms']:.3f}", flush=True)
     ids = start_decode_batch(engine, args.batch, args.prompt, "trace")
     try:
         for _ in range(settings.warmup_steps):
@@ -251,7 +263,7 @@ def run(args) -> dict:
     payload = {**environment(), "preset": settings.preset, "batch": args.batch, "prompt": args.prompt,
                "settings": {k: repr(v) for k, v in args.set.items()},
                "engine": info,
-               "untraced": untraced, "traced_steps": traced_row, "engine_trace": engine_summary,
+               "untraced": untraced, "copy_ab": copy_ab, "traced_steps": traced_row, "engine_trace": engine_summary,
                "loop_trace": loop_summary, "table": table}
     return payload
 
@@ -290,6 +302,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=48,
                         help="decode steps timed, then traced, then launched in a loop")
     parser.add_argument("--out", default="/tmp/engine_trace", help="folder for the traces and engine_trace.json")
+    parser.add_argument("--copy-ab", type=int, default=0, metavar="TURNS",
+                        help="also time the untraced steps with runner.COPY_AT_DISPATCH off and on, in turns")
     parser.add_argument("--set", type=parse_settings, default={},
                         help="'module.ATTR[.FIELD]=LITERAL ...': knob settings for the whole run (before the engine "
                              "is built), e.g. dsjax.engine.runner.COPY_AT_DISPATCH=True")

@@ -592,7 +592,15 @@ from dsjax.bench.__main__ import main; main(sys.argv[1:])" decode-curve --batche
                  # engine's steps by elapsed time, then traced (the device's cycles matched to the host's
                  # dispatches), then the compiled step back to back, traced; then step_profile's own engine (block
                  # tables 358 tokens wide, the benchmark's 4160) traced at the same context (~7 minutes;
-                 # `engine-trace short`: the first two processes alone, ~4 minutes)
+                 # `engine-trace short`: the first two processes alone, ~4 minutes; `engine-trace one`: one)
+    if [ "${2:-all}" = one ]; then  # one process: the copy's A/B in turns inside it, then the traces (~3 minutes)
+      timeout 250 python -m benchmarks.engine_trace --batch 1 --prompt 128 --steps 48 --copy-ab 2 \
+        --out /tmp/engine_trace_1 2>&1 | grep -v -i warn | tee "$OUT/engine_trace_b1_one.txt" | tail -40
+      cp /tmp/engine_trace_1/engine_trace.json "$OUT/engine_trace_b1_one_h200.json"
+      cp "$(ls -t /tmp/engine_trace_1/engine/plugins/profile/*/*perfetto_trace.json.gz | head -1)" \
+        "$OUT/engine_trace_b1_one_perfetto.json.gz"
+      exit
+    fi
     runs=("1:" "2:dsjax.engine.runner.COPY_AT_DISPATCH=True")
     [ "${2:-all}" = short ] || runs+=("3:")
     for run in "${runs[@]}"; do

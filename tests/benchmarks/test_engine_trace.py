@@ -47,8 +47,9 @@ def test_host_copies_say_whether_they_waited_behind_the_next_step():
 
 
 def test_the_engine_trace_runs_on_the_tiny_preset(tmp_path):
-    payload = engine_trace.main(["--steps", "4", "--out", str(tmp_path)])
+    payload = engine_trace.main(["--steps", "4", "--copy-ab", "1", "--out", str(tmp_path)])
     assert payload["untraced"]["steps_timed"] == 4 and payload["traced_steps"]["steps"] == 4
+    assert [r["copy_at_dispatch"] for r in payload["copy_ab"]] == [False, True]
     host = payload["engine_trace"]["host_us"]
     # every annotated span was recorded, once a traced step each (the step, and what it calls)
     assert set(host) == set(engine_trace.HOST_SPANS) and all(host[name] for name in engine_trace.HOST_SPANS)
