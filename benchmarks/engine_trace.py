@@ -66,17 +66,20 @@ def annotated(engine):
             delattr(owner, attr)  # the class's method again
 
 
+def marker_name(ops: list[dict]) -> str | None:
+    """The name of the op with the most time in ``ops`` (the step kernel at batch 1: a step's marker), or None."""
+    totals: dict[str, float] = {}
+    for e in ops:
+        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e["dur"])
+    return max(totals, key=totals.get, default=None)
+
+
 def device_cycles(ops: list[dict]) -> list[dict]:
     """The device's cycles in one GPU's ops ('X' events: name, ts, dur in µs), one start of the op with the most
     time to the next: each with its start (µs after the first), length, that op's duration, the µs no op ran
     (gaps of at least _IDLE_US), the largest gap, and the op that ended it."""
     ops = sorted(ops, key=lambda e: float(e["ts"]))
-    if not ops:
-        return []
-    totals: dict[str, float] = {}
-    for e in ops:
-        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e["dur"])
-    marker = max(totals, key=totals.get)
+    marker = marker_name(ops)
     starts = [i for i, e in enumerate(ops) if e["name"] == marker]
     origin = float(ops[starts[0]]["ts"]) if starts else 0.0
     cycles = []
@@ -111,13 +114,7 @@ def match_dispatches(ops: list[dict], dispatches: list[tuple[float, float]]) -> 
     the dispatch's end: negative, the device started it while the host was still in the call) and how long the
     device had been idle before it."""
     ops = sorted(ops, key=lambda e: float(e["ts"]))
-    cycles = device_cycles(ops)
-    if not cycles:
-        return []
-    totals: dict[str, float] = {}
-    for e in ops:
-        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e["dur"])
-    marker = max(totals, key=totals.get)
+    marker = marker_name(ops)
     starts, end, idle_before = [], None, []
     for e in ops:
         ts = float(e["ts"])
@@ -142,10 +139,8 @@ def host_copies(ops: list[dict], name: str = "MemcpyD2H") -> list[dict]:
     step whose samples it reads, at batch 1): how long after that step's end it began, and whether another
     marker (the next step) began in between, the copy waiting behind it."""
     ops = sorted(ops, key=lambda e: float(e["ts"]))
-    totals: dict[str, float] = {}
-    for e in ops:
-        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e["dur"])
-    markers = [e for e in ops if e["name"] == max(totals, key=totals.get)] if ops else []
+    marker = marker_name(ops)
+    markers = [e for e in ops if e["name"] == marker]
     rows = []
     for e in ops:
         if name not in e["name"]:
