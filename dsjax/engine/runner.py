@@ -81,6 +81,8 @@ CHUNK_GRAPHS = False
 # copy waits out the whole next step and the host queues the step after it late (the device idle between them).
 # Read at each dispatch; untimed on the H200 (benchmarks/engine_trace.py, run_h200.sh engine-trace), so off.
 COPY_AT_DISPATCH = False
+
+
 @dataclasses.dataclass
 class StepHandle:
     """A dispatched step: its bucket, where each scheduled sequence's sample lands, the device result."""
