@@ -1,7 +1,7 @@
 """Where the engine's decode steps wait: the engine of ``python -m dsjax.bench decode-curve`` (async scheduling,
-the same buckets and pool) decodes a batch, first untimed-by-the-profiler (tokens over elapsed time, as the
-benchmark counts them), then under a ``jax.profiler`` trace, and its next step is launched back to back and
-traced too, all in one process. Each trace is read as the device's cycles, one start of the step's largest op
+the same buckets and pool) decodes a batch, first untraced (tokens over elapsed time, as the benchmark counts
+them), then under a ``jax.profiler`` trace, and its next step is launched back to back and traced too, all in
+one process. Each trace is read as the device's cycles, one start of the step's largest op
 (the step kernel at batch 1) to the next: the cycle, that op's own time, the device's idle time in the cycle and
 its largest gap. In the engine's trace each cycle is matched to the host call that queued it, so a gap can be
 told apart: the host late (the step queued after the device ran dry) or the device waiting on something else.
