@@ -59,13 +59,20 @@ def all_decoding(scheduler, batch: int) -> bool:
         all(seq.is_decoding for seq in scheduler.running)
 
 
+def next_step(engine) -> tuple[int, object]:
+    """The engine's next step scheduled and packed, never committed -> (its bucket, its StepInputs), for timing the
+    compiled step alone: call it only right before aborting the running requests."""
+    out = engine.scheduler.schedule()
+    t, inputs, _ = engine.runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+    return t, inputs
+
+
 def compiled_step_ms(engine, repeats: int = 20) -> float:
     """The compiled step alone on the inputs of the next step (as benchmarks/step_profile.py times
     it): no scheduling, packing or device-to-host copy. The step is scheduled but never committed,
     so call it only right before aborting the running requests."""
     runner = engine.runner
-    out = engine.scheduler.schedule()
-    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+    t, inputs = next_step(engine)
     for _ in range(3):
         result = runner.launch(t, inputs)
     jax.block_until_ready(result)

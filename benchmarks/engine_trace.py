@@ -27,8 +27,9 @@ import numpy as np
 
 from benchmarks import e2e
 from benchmarks.common import environment, markdown_table
-from benchmarks.decode_probe import measure, start_decode_batch
-from benchmarks.step_profile import _device_events, _trace_events, apply_settings, latest_trace, parse_settings
+from benchmarks.decode_probe import measure, next_step, start_decode_batch
+from benchmarks.step_profile import (_device_events, _trace_events, apply_settings, latest_trace, marker_name,
+                                     parse_settings)
 from dsjax.engine import runner as runner_module
 
 HOST_SPANS = ("step", "schedule", "dispatch", "fetch", "complete")
@@ -64,14 +65,6 @@ def annotated(engine):
     finally:
         for owner, attr in targets.values():
             delattr(owner, attr)  # the class's method again
-
-
-def marker_name(ops: list[dict]) -> str | None:
-    """The name of the op with the most time in ``ops`` (the step kernel at batch 1: a step's marker), or None."""
-    totals: dict[str, float] = {}
-    for e in ops:
-        totals[e["name"]] = totals.get(e["name"], 0.0) + float(e["dur"])
-    return max(totals, key=totals.get, default=None)
 
 
 def device_cycles(ops: list[dict]) -> list[dict]:
@@ -196,8 +189,7 @@ def traced(trace_dir: str, run) -> str | None:
 def compiled_loop(engine, launches: int):
     """The engine's next step, prepared once and launched back to back ``launches`` times (the step is never
     committed: abort the batch after)."""
-    out = engine.scheduler.schedule()
-    t, inputs, _ = engine.runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+    t, inputs = next_step(engine)
     jax.block_until_ready(engine.runner.launch(t, inputs))
 
     def run():

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 
 from benchmarks.common import environment, markdown_table, write_result
-from benchmarks.decode_probe import decode_len, start_decode_batch
+from benchmarks.decode_probe import decode_len, next_step, start_decode_batch
 from benchmarks.step_profile import apply_settings, parse_settings
 from dsjax import LLM
 from dsjax.engine.sampler import SampleResult
@@ -77,8 +77,7 @@ def launch_alone_ms(engine, launches: int) -> float:
     the next): what a launch costs the host when nothing holds it back."""
     runner = engine.runner
     launch = getattr(runner.launch, "__wrapped__", runner.launch)
-    out = engine.scheduler.schedule()
-    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+    t, inputs = next_step(engine)
     spent = []
     for _ in range(launches + 10):
         start = time.perf_counter()

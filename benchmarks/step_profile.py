@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from benchmarks.common import barrier_phases, environment, summarize_trace
+from benchmarks.decode_probe import next_step
 from dsjax import LLM, SamplingParams
 from dsjax.engine.runner import sampling_features
 from dsjax.model import dispatch
@@ -98,18 +99,21 @@ def _trace_events(trace_file: str) -> tuple[list[dict], dict]:
                     if e.get("ph") == "M" and e.get("name") == "process_name"}
 
 
+def marker_name(ops: list[dict]) -> str | None:
+    """The name of the op with the most time in ``ops`` (the step kernel at batch 1: a step's marker), or None."""
+    totals: dict[str, float] = defaultdict(float)
+    for e in ops:
+        totals[e["name"]] += float(e["dur"])
+    return max(totals, key=totals.get, default=None)
+
+
 def device_timeline(trace_file: str) -> list[dict]:
     """One step on the device, op by op: the ops between the second and third starts of the op with the most
     time (the step kernel at batch 1, a step's marker), each with its start (µs after the first), the gap since
     the previous op ended (negative: they overlap, e.g. on another stream) and its duration. Empty when the
     trace holds fewer than three steps."""
     ops = sorted(_device_events(trace_file), key=lambda e: float(e["ts"]))
-    if not ops:
-        return []
-    totals = defaultdict(float)
-    for e in ops:
-        totals[e["name"]] += float(e["dur"])
-    marker = max(totals, key=totals.get)
+    marker = marker_name(ops)
     starts = [i for i, e in enumerate(ops) if e["name"] == marker]
     if len(starts) < 3:
         return []
@@ -341,8 +345,7 @@ def ab_compiled_steps(engine, variants, *, rounds: int, repeats: int) -> list[di
     knobs = {target: _knob(target) for _, settings in variants for target in settings}
     original = {(module, attr): getattr(module, attr) for module, attr, _ in knobs.values()}
     runner = engine.runner
-    out = engine.scheduler.schedule()
-    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+    t, inputs = next_step(engine)
     _, logprobs, greedy = sampling_features(inputs.sampling)
 
     def restore(settings):

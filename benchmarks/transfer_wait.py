@@ -121,13 +121,13 @@ def chained(busy, x, reps: int, busy_us: float) -> list[dict]:
 def engine_step(args) -> list[dict]:
     """The engine's next batch-1 step launched back to back, its inputs from host (runner.launch) and placed
     once on the device: each launch call's host ms and the loop's ms a step."""
+    from benchmarks.decode_probe import next_step
     from benchmarks.step_profile import _decoding_engine  # builds a model: only with --engine
 
     llm, _ = _decoding_engine(args)
     engine = llm.engine
     runner = engine.runner
-    out = engine.scheduler.schedule()
-    t, inputs, _ = runner.prepare(out, [engine._row(item.seq) for item in out.scheduled], engine._pending_rows)
+    t, inputs = next_step(engine)
     compiled = runner._compiled[t]
     sampler = runner._sampler(t, False, False, True)
     placed_forward = placed_sampling = jax.device_put(runner.layout.pack(inputs))  # no mesh: the packed vector
